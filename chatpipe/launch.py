@@ -1,0 +1,127 @@
+"""Launch a stage through torchx: a ``dist.ddp`` AppDef built from the `launch` params.
+
+    python -m chatpipe.launch pretrain                    # what dvc.yaml runs
+    python -m chatpipe.launch pretrain -- --max_steps=20  # overrides go to the stage
+    python -m chatpipe.launch pretrain --dryrun           # print the scheduler request only
+    python -m chatpipe.launch pretrain --scheduler slurm --dryrun
+
+Every scheduler (``local_cwd``, ``slurm``, ``kubernetes``) runs the same
+``torchrun -m stages.<stage>`` command; only the topology and scheduler options differ.
+The worker log is streamed to this process's stdout and the exit code says whether the app
+succeeded, so DVC and Prefect see a crashed or killed worker as a failed stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from chatpipe.settings import LaunchSettings, ParamsError, load_section, validate_all
+
+# Stages whose work is inherently one process (data prep, tokenizer training, the report).
+SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report"})
+STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report")
+
+
+def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment handed to workers: chatpipe/MLflow settings, and this Python's bin dir first on PATH."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_"))}
+    env["PATH"] = str(Path(sys.executable).parent)
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", ""))
+    return {k: v for k, v in {**env, **(extra or {})}.items() if v != ""}
+
+
+def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: dict[str, str] | None = None):
+    """The torchx AppDef that runs ``stages.<stage>`` with torchrun on the configured topology."""
+    from torchx.components.dist import ddp
+
+    if stage not in STAGES:
+        raise ParamsError(f"unknown stage {stage!r}; allowed: {', '.join(STAGES)}")
+    single = stage in SINGLE_WORKER_STAGES
+    nnodes, nproc = (1, 1) if single else (launch.nnodes, launch.nproc_per_node)
+    return ddp(
+        *stage_args,
+        m=f"stages.{stage}",
+        name=f"chatpipe/{stage}",
+        image=launch.image,
+        cpu=launch.cpus_per_node,
+        gpu=0 if single else launch.gpus_per_node,
+        memMB=launch.mem_mb,
+        j=f"{nnodes}x{nproc}",
+        env=stage_env(env),
+        max_retries=launch.max_retries,
+        rdzv_port=launch.rdzv_port,
+        rdzv_backend=launch.rdzv_backend,
+    )
+
+
+def scheduler_cfg(launch: LaunchSettings) -> dict[str, object]:
+    """Scheduler run options from params (only the keys that scheduler understands)."""
+    if launch.scheduler == "local_cwd":
+        return {"log_dir": str(Path(launch.log_dir).resolve())}
+    if launch.scheduler == "slurm":
+        return {k: v for k, v in {"partition": launch.partition, "job_dir": None}.items() if v}
+    return {k: v for k, v in {"namespace": launch.namespace, "queue": launch.queue}.items() if v}
+
+
+def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool = False,
+              launch: LaunchSettings | None = None, env: dict[str, str] | None = None) -> int:
+    """Launch ``stage`` and stream its log; returns 0 on success, 1 on failure (dryrun: prints the request)."""
+    from torchx.runner import get_runner
+    from torchx.specs import AppState
+
+    launch = launch or load_section(LaunchSettings)
+    app = build_app(stage, launch, list(stage_args or []), env)
+    cfg = scheduler_cfg(launch)
+    runner = get_runner()
+    try:
+        if dryrun:
+            print(runner.dryrun(app, launch.scheduler, cfg=cfg))
+            return 0
+        handle = runner.run(app, launch.scheduler, cfg=cfg)
+        print(f"[launch] {stage}: {handle}", flush=True)
+        try:
+            for line in runner.log_lines(handle, app.roles[0].name, k=0, should_tail=True):
+                print(line, end="" if line.endswith("\n") else "\n", flush=True)
+        except Exception as e:  # remote schedulers may not serve logs; status still tells the outcome
+            print(f"[launch] log streaming unavailable: {e}", flush=True)
+        status = runner.wait(handle, wait_interval=0.5)
+        ok = status is not None and status.state == AppState.SUCCEEDED
+        print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'}", flush=True)
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        if not dryrun and "handle" in locals():
+            runner.cancel(handle)
+        raise
+    finally:
+        runner.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: validate all params, then launch one stage."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stage_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, stage_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description="Launch a chatpipe stage through torchx.")
+    p.add_argument("stage", choices=STAGES)
+    p.add_argument("--dryrun", action="store_true", help="print the scheduler request, run nothing")
+    p.add_argument("--scheduler", choices=["local_cwd", "slurm", "kubernetes"])
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--nproc_per_node", type=int)
+    args = p.parse_args(argv)
+    try:
+        validate_all()  # a bad value anywhere stops here, before any stage writes anything
+        overrides = {k: v for k, v in vars(args).items() if k in ("scheduler", "nnodes", "nproc_per_node") and v}
+        launch = load_section(LaunchSettings, overrides)
+    except ParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_stage(args.stage, stage_args, dryrun=args.dryrun, launch=launch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

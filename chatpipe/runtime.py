@@ -1,0 +1,99 @@
+"""Process runtime for stages: distributed init, device and precision, logging, cleanup.
+
+A stage runs the same under ``python -m stages.x`` (one process) and under torchrun/torchx
+(``RANK``/``WORLD_SIZE`` set): :func:`init` reads the environment torchrun provides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    """Who this process is and where it computes."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        """bf16 autocast on GPU; a no-op context in fp32."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+
+def setup_logging(rank: int = 0) -> None:
+    """Plain timestamped logs; non-zero ranks only log warnings."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout, force=True,
+    )
+
+
+def init(device: str = "auto", dtype: str = "auto") -> Runtime:
+    """Initialise the process group if launched by torchrun and pick device and dtype."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda requested but CUDA is not available on this machine")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        # TF32 matmuls are safe for training at these scales and much faster on Ampere+.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        dev = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+    chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if chosen is None:  # auto: bf16 on GPU, fp32 on CPU
+        chosen = torch.bfloat16 if use_cuda else torch.float32
+    setup_logging(rank)
+    return Runtime(rank, local_rank, world_size, dev, chosen)
+
+
+def shutdown() -> None:
+    """Tear down the process group (call from ``finally``)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj):
+    """Rank 0's Python object on every rank."""
+    if dist.is_available() and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj

@@ -1,0 +1,300 @@
+"""Typed settings: one pydantic-settings model per section of params.yaml.
+
+Resolution order, lowest to highest priority:
+
+1. the section in ``params.yaml`` (path from ``CHATPIPE_PARAMS``, default ``./params.yaml``),
+2. the active profile's overlay ``profiles.<profile>.<section>`` (profile from
+   ``CHATPIPE_PROFILE`` or the file's top-level ``profile`` key),
+3. environment variables ``CHATPIPE_<SECTION>__<KEY>`` (e.g. ``CHATPIPE_PRETRAIN__DEPTH=12``),
+4. command-line overrides ``--key=value`` / ``key=value`` given to a stage.
+
+Unknown keys, wrong types and out-of-range values raise :class:`ParamsError` naming the
+file, the key, the bad value and what is allowed, before any work starts.
+
+    from chatpipe.settings import load_section, PretrainSettings
+    cfg = load_section(PretrainSettings, cli=["--depth=6"])
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ParamsError(ValueError):
+    """A params.yaml / env / CLI value that is not allowed; the message names key and value."""
+
+
+def params_path() -> Path:
+    """The params file in use: ``$CHATPIPE_PARAMS`` or ``./params.yaml``."""
+    return Path(os.environ.get("CHATPIPE_PARAMS", "params.yaml"))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ParamsError(f"{path}: params file not found (set CHATPIPE_PARAMS or run from the repo root)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ParamsError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def _deep_merge(base: dict, overlay: dict) -> dict:
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def resolve_params(path: Path | None = None, profile: str | None = None) -> dict[str, Any]:
+    """Return params.yaml with the active profile's overlay applied (no env/CLI)."""
+    path = path or params_path()
+    raw = _read_yaml(path)
+    profiles = raw.pop("profiles", {}) or {}
+    chosen = profile or os.environ.get("CHATPIPE_PROFILE") or raw.get("profile", "tiny")
+    allowed = ["tiny", *profiles.keys()]
+    if chosen not in allowed:
+        raise ParamsError(f"{path}: profile = {chosen!r} is not defined; allowed: {', '.join(allowed)}")
+    raw["profile"] = chosen
+    return _deep_merge(raw, profiles.get(chosen, {}) or {})
+
+
+def active_profile() -> str:
+    """Name of the profile in force (``CHATPIPE_PROFILE`` or params.yaml's ``profile``)."""
+    return resolve_params()["profile"]
+
+
+def write_profile(name: str, path: Path | None = None) -> None:
+    """Set the top-level ``profile:`` of params.yaml (atomically), so DVC sees the change."""
+    import re
+
+    path = path or params_path()
+    resolve_params(path, name)  # raises if the profile is not defined
+    text = path.read_text()
+    new, n = re.subn(r"(?m)^profile:.*$", f"profile: {name}", text, count=1)
+    if n == 0:
+        new = f"profile: {name}\n" + text
+    if new != text:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(new)
+        os.replace(tmp, path)
+
+
+class _ParamsFileSource(PydanticBaseSettingsSource):
+    """Feeds one section of the resolved params.yaml into a settings model."""
+
+    def __call__(self) -> dict[str, Any]:
+        section = self.settings_cls.section
+        values = resolve_params().get(section, {}) or {}
+        if not isinstance(values, dict):
+            raise ParamsError(f"{params_path()}: section {section!r} must be a mapping, got {values!r}")
+        return values
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - required by the ABC
+        return None, field_name, False
+
+
+class StageSettings(BaseSettings):
+    """Base for a params.yaml section: forbids unknown keys, reads env and the params file."""
+
+    section: ClassVar[str] = ""
+    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", validate_default=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        # CLI overrides arrive as init kwargs; they beat env, which beats the file.
+        return init_settings, env_settings, _ParamsFileSource(settings_cls)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.section:
+            cls.model_config = {**cls.model_config, "env_prefix": f"CHATPIPE_{cls.section.upper()}__"}
+
+
+# --------------------------------------------------------------------------- sections
+
+class DataSettings(StageSettings):
+    """Where pretraining text comes from (`data` stage)."""
+
+    section: ClassVar[str] = "data"
+    source: Literal["synthetic", "hf", "local"] = "synthetic"
+    seed: int = Field(42, ge=0)
+    num_docs: int = Field(4000, ge=10, description="synthetic: documents to generate")
+    val_docs: int = Field(200, ge=1, description="documents held out for validation")
+    docs_per_shard: int = Field(2000, ge=1)
+    hf_repo: str = "karpathy/fineweb-edu-100b-shuffle"
+    hf_num_shards: int = Field(2, ge=2, description="hf: shards to download; the last one is val")
+    hf_text_column: str = "text"
+    local_dir: str = ""
+    cache_dir: str = "data/cache"
+    chat_examples: int = Field(2000, ge=0, description="synthetic chat conversations per split")
+
+
+class TokenizerSettings(StageSettings):
+    """Byte-level BPE training (`tokenizer` stage)."""
+
+    section: ClassVar[str] = "tokenizer"
+    vocab_size: int = Field(2048, ge=256 + 9, le=1 << 20)
+    max_chars: int = Field(2_000_000, ge=1000, description="train on the first N chars of the train split")
+    eval_chars: int = Field(200_000, ge=100, description="held-out chars for the compression report")
+
+
+class TrainSettings(StageSettings):
+    """Settings shared by every training stage: batch, optimizer, schedule, checkpoints."""
+
+    seed: int = Field(1337, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    compile: bool = False
+    device_batch_size: int = Field(16, ge=1)
+    total_batch_size: int = Field(4096, ge=1, description="tokens per optimizer step, all ranks")
+    max_steps: int = Field(200, ge=-1, description="-1: derive from target_param_data_ratio")
+    matrix_lr: float = Field(0.02, gt=0)
+    embedding_lr: float = Field(0.2, gt=0)
+    unembedding_lr: float = Field(0.004, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    warmdown_ratio: float = Field(0.65, ge=0, le=1)
+    final_lr_frac: float = Field(0.05, ge=0, le=1)
+    schedule: Literal["warmdown", "cosine"] = "warmdown"
+    momentum_warmup_steps: int = Field(300, ge=0)
+    grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
+    eval_every: int = Field(50, ge=0, description="val bpb every N steps (0: only at the end)")
+    eval_tokens: int = Field(32768, ge=1)
+    checkpoint_every: int = Field(50, ge=0, description="0: only at the end")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+
+
+class PretrainSettings(TrainSettings):
+    """Base-model pretraining (`pretrain` stage); `depth` derives the model shape."""
+
+    section: ClassVar[str] = "pretrain"
+    depth: int = Field(4, ge=1, le=128)
+    head_dim: int = Field(64, ge=8)
+    n_kv_head: int = Field(0, ge=0, description="0: same as n_head (no GQA)")
+    window_pattern: str = Field("L", pattern=r"^[SL]+$")
+    sequence_len: int = Field(256, ge=8)
+    target_param_data_ratio: float = Field(20.0, gt=0)
+    sample_every: int = Field(100, ge=0)
+    embedding_lr: float = Field(0.2, gt=0)
+
+
+class LaunchSettings(StageSettings):
+    """How torchx starts stage workers: scheduler and topology."""
+
+    section: ClassVar[str] = "launch"
+    scheduler: Literal["local_cwd", "slurm", "kubernetes"] = "local_cwd"
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_node: int = Field(2, ge=1)
+    mem_mb: int = Field(8192, ge=256)
+    image: str = "chatpipe:latest"
+    partition: str = ""
+    queue: str = ""
+    namespace: str = "default"
+    rdzv_backend: str = "c10d"
+    rdzv_port: int = Field(29500, ge=1, le=65535)
+    max_retries: int = Field(0, ge=0)
+    log_dir: str = "logs"
+
+
+class TrackingSettings(StageSettings):
+    """MLflow: where runs go and under which experiment."""
+
+    section: ClassVar[str] = "tracking"
+    uri: str = "sqlite:///mlruns/mlflow.db"
+    artifact_root: str = "mlruns/artifacts"
+    experiment: str = "chatpipe"
+    enabled: bool = True
+
+
+SECTIONS: dict[str, type[StageSettings]] = {
+    cls.section: cls
+    for cls in (DataSettings, TokenizerSettings, PretrainSettings, LaunchSettings, TrackingSettings)
+}
+TOP_LEVEL_KEYS = {"profile", "profiles", *SECTIONS}
+
+
+# --------------------------------------------------------------------------- loading
+
+def parse_cli(args: list[str]) -> dict[str, str]:
+    """Turn ``--key=value``, ``--key value`` or ``key=value`` arguments into a dict."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.lstrip("-").partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ParamsError(f"command line: {arg!r} has no value; use --key=value")
+            value, i = args[i + 1], i + 1
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def _format_error(cls: type[StageSettings], err: ValidationError) -> str:
+    lines = []
+    allowed = ", ".join(cls.model_fields)
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        value = e.get("input")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{cls.section}.{key} = {value!r}: unknown key; allowed keys: {allowed}")
+        else:
+            lines.append(f"{cls.section}.{key} = {value!r}: {e['msg']}")
+    return f"{params_path()}: invalid settings\n  " + "\n  ".join(lines)
+
+
+def _check_env(cls: type[StageSettings]) -> None:
+    prefix = f"CHATPIPE_{cls.section.upper()}__"
+    for name in os.environ:
+        key = name[len(prefix):].lower() if name.startswith(prefix) else None
+        if key and key.split("__")[0] not in cls.model_fields:
+            raise ParamsError(
+                f"environment {name}: unknown key {cls.section}.{key}; allowed keys: {', '.join(cls.model_fields)}")
+
+
+def load_section(cls: type[StageSettings], cli: list[str] | dict[str, Any] | None = None) -> StageSettings:
+    """Build one section's settings from params.yaml, profile, env and CLI overrides."""
+    overrides = parse_cli(cli) if isinstance(cli, list) else dict(cli or {})
+    _check_env(cls)
+    try:
+        return cls(**overrides)
+    except ValidationError as err:
+        raise ParamsError(_format_error(cls, err)) from None
+
+
+def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
+    """Validate every section of params.yaml (used before any stage does work)."""
+    path = path or params_path()
+    raw = _read_yaml(path)
+    unknown = set(raw) - TOP_LEVEL_KEYS
+    if unknown:
+        raise ParamsError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(TOP_LEVEL_KEYS)}")
+    for name, overlay in (raw.get("profiles") or {}).items():
+        bad = set(overlay or {}) - set(SECTIONS)
+        if bad:
+            raise ParamsError(f"{path}: profiles.{name} has unknown section(s) {sorted(bad)}; allowed: {sorted(SECTIONS)}")
+    return {name: load_section(cls) for name, cls in SECTIONS.items()}
+
+
+def snapshot(settings: BaseModel) -> dict[str, Any]:
+    """Plain-JSON dict of resolved settings, for checkpoints and MLflow params."""
+    return settings.model_dump(mode="json")

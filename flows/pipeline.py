@@ -1,0 +1,107 @@
+"""The chatpipe pipeline as a Prefect flow: one task per stage, each running its DVC stage.
+
+    python -m flows.pipeline                               # all stages, profile from params.yaml
+    python -m flows.pipeline --profile tiny --stages tokenizer pretrain
+    python -m flows.pipeline --resume-from pretrain        # skip earlier tasks entirely
+
+Each task runs ``dvc repro --single-item <stage>``: DVC skips the stage when its code, params
+and inputs are unchanged, and otherwise runs its command, which launches the stage's torchrun
+workers through torchx. A failed task is retried; the retry resumes the stage from its newest
+checkpoint. The flow owns the MLflow parent run; every stage run nests under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+
+from chatpipe import tracking
+from chatpipe.settings import TrackingSettings, active_profile, load_section, validate_all, write_profile
+
+STAGES = ["data", "tokenizer", "pretrain"]
+
+
+def _bin(name: str) -> str:
+    """A console script of the Python running the flow (so the venv's dvc is used)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+@task(name="stage", retries=2, retry_delay_seconds=[1, 5], task_run_name="{stage}")
+def run_stage(stage: str, parent_run_id: str | None) -> str:
+    """Bring one DVC stage up to date; raises when its workers fail (Prefect then retries)."""
+    logger = get_run_logger()
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if parent_run_id:
+        env[tracking.PARENT_ENV] = parent_run_id
+    proc = subprocess.Popen([_bin("dvc"), "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    skipped = False
+    for line in proc.stdout:
+        line = line.rstrip()
+        skipped |= "didn't change, skipping" in line
+        logger.info(line)
+    if proc.wait() != 0:
+        raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
+    return "skipped" if skipped else "ran"
+
+
+@flow(name="chatpipe", log_prints=True)
+def pipeline(profile: str | None = None, stages: list[str] | None = None, resume_from: str | None = None) -> dict:
+    """Run the stages in order under one MLflow parent run; returns {stage: "ran" | "skipped"}."""
+    logger = get_run_logger()
+    if profile:
+        write_profile(profile)
+    validate_all()  # bad params stop the flow before any stage writes anything
+    selected = [s for s in STAGES if not stages or s in stages]
+    unknown = set(stages or []) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(STAGES)}")
+    if resume_from:
+        if resume_from not in STAGES:
+            raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(STAGES)}")
+        selected = [s for s in selected if STAGES.index(s) >= STAGES.index(resume_from)]
+
+    track = load_section(TrackingSettings)
+    parent_id = None
+    if track.enabled:
+        import mlflow
+
+        experiment_id = tracking.configure(track)
+        tags = {**tracking.base_tags("pipeline", active_profile()), "stages": ",".join(selected)}
+        parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name="pipeline", tags=tags).info.run_id
+    results: dict[str, str] = {}
+    status = "FAILED"
+    try:
+        for stage in selected:
+            results[stage] = run_stage(stage, parent_id)
+            logger.info("stage %s: %s", stage, results[stage])
+        status = "FINISHED"
+    finally:
+        if parent_id:
+            import mlflow
+
+            client = mlflow.MlflowClient()
+            client.set_tag(parent_id, "dvc_lock", tracking.dvc_lock_hash())
+            client.log_dict(parent_id, results, "stages.json")
+            client.set_terminated(parent_id, status=status)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Run the chatpipe pipeline (Prefect flow over DVC stages).")
+    p.add_argument("--profile", help="params profile (tiny, speedrun, ...); default: params.yaml's")
+    p.add_argument("--stages", nargs="+", choices=STAGES, help="run only these stages")
+    p.add_argument("--resume-from", choices=STAGES, help="start at this stage")
+    args = p.parse_args(argv)
+    print(pipeline(profile=args.profile, stages=args.stages, resume_from=args.resume_from))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Data stage: write the pretraining text shards to ``artifacts/data``.
+
+    python -m stages.data                  # or through torchx: python -m chatpipe.launch data
+    python -m stages.data --source=local --local_dir=/data/fineweb
+
+``data.source`` picks the origin: ``synthetic`` (the offline tiny world), ``hf`` (parquet shards
+from the Hugging Face hub, cached in ``data.cache_dir``) or ``local`` (a directory laid out like
+the hub files). Output: ``train_*.parquet`` + ``val_*.parquet`` with a ``text`` column and
+``manifest.json``, written atomically.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from chatpipe import runtime, tracking
+from chatpipe.checkpoint import ARTIFACTS, write_json_atomic
+from chatpipe.settings import DataSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.sources import prepare_text
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- settings
+    cfg = load_section(DataSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    runtime.setup_logging()
+    out_dir = ARTIFACTS / "data"
+    t0 = time.time()
+
+    # --- data
+    with tracking.stage_run("data", load_section(TrackingSettings), {"data": snapshot(cfg)},
+                            profile=active_profile()) as run:
+        manifest = prepare_text(
+            out_dir, source=cfg.source, seed=cfg.seed, num_docs=cfg.num_docs, val_docs=cfg.val_docs,
+            docs_per_shard=cfg.docs_per_shard, hf_repo=cfg.hf_repo, hf_num_shards=cfg.hf_num_shards,
+            hf_text_column=cfg.hf_text_column, local_dir=Path(cfg.local_dir) if cfg.local_dir else None,
+            cache_dir=Path(cfg.cache_dir))
+        write_json_atomic(out_dir / "manifest.json", manifest)
+        if run is not None:
+            import mlflow
+            mlflow.log_metrics(tracking.numeric_leaves(manifest))
+            mlflow.log_metric("seconds", time.time() - t0)
+    print(f"data: {manifest}")
+
+
+if __name__ == "__main__":
+    main()

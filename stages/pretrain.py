@@ -1,0 +1,182 @@
+"""Pretrain stage: train the base GPT on the tokenized pretraining text.
+
+    python -m stages.pretrain                                   # one process
+    torchrun --nproc_per_node=2 -m stages.pretrain              # DDP (gloo on CPU, nccl on GPU)
+    python -m chatpipe.launch pretrain -- --max_steps=50        # through torchx, as DVC does
+
+Reads ``artifacts/data`` and ``artifacts/tokenizer``; writes in-progress checkpoints to
+``checkpoints/pretrain/`` (kept across failed runs, so a re-run resumes) and the final model to
+``artifacts/base/``. Logs loss, lr, tokens/s, val bpb (and MFU on GPU) to MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from chatpipe import runtime, tracking
+from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, save_checkpoint,
+                                 save_model_dir, sha256_file)
+from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.engine import Engine
+from chatpipe.model import GPT, config_from_depth
+from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.tokenizer import Tokenizer
+from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, train_step
+
+log = logging.getLogger("pretrain")
+SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- settings
+    cfg = load_section(PretrainSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    rt = runtime.init(cfg.device, cfg.dtype)
+    try:
+        train(cfg, rt)
+    finally:
+        runtime.shutdown()
+
+
+def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
+    work = WORK / "pretrain"
+    tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
+
+    # --- data: tokenize the text shards once (ranks split the shards), then pack rows
+    tok = Tokenizer.load(tok_dir)
+    token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
+    inputs = {"tokenizer": sha256_file(tok_dir / "tokenizer.json"),
+              "data": json.loads((data_dir / "manifest.json").read_text())}
+    tokenize_shards(data_dir, tok, work / "tokens", fingerprint=fingerprint(inputs), rank=rt.rank,
+                    world_size=rt.world_size)
+    train_docs, val_docs = TokenDocs(work / "tokens", "train"), TokenDocs(work / "tokens", "val")
+
+    # --- model
+    torch.manual_seed(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    model_config = config_from_depth(cfg.depth, tok.vocab_size, cfg.sequence_len, head_dim=cfg.head_dim,
+                                     n_kv_head=cfg.n_kv_head or None, window_pattern=cfg.window_pattern)
+    with torch.device(rt.device):
+        model = GPT(model_config)
+    model.init_weights()
+    num_params, flops_per_token = model.num_params(), model.flops_per_token()
+
+    # --- batch math and schedule length
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else int(cfg.target_param_data_ratio * num_params
+                                                              // cfg.total_batch_size)
+    log.info("model %s | %.2fM params | %.3g FLOPs/token | %d steps x %d tokens (grad accum %d, world %d)",
+             model_config, num_params / 1e6, flops_per_token, total_steps, cfg.total_batch_size, grad_accum,
+             rt.world_size)
+
+    # --- optimizer
+    optimizers = build_optimizers(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
+                                  unembedding_lr=cfg.unembedding_lr, weight_decay=cfg.weight_decay)
+
+    # --- resume from the newest valid checkpoint made with the same settings and inputs
+    math_settings = {k: v for k, v in snapshot(cfg).items() if k not in OBSERVABILITY_KEYS}
+    run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
+    start_step, start_row = 0, 0
+    ckpt = latest_checkpoint(work, run_fp)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
+        start_step, start_row = meta["step"], meta["loader"]["row"]
+        log.info("resuming from %s (step %d)", ckpt, start_step)
+
+    train_loader = RowLoader(train_docs, batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len,
+                             rank=rt.rank, world_size=rt.world_size, device=rt.device, start_row=start_row)
+    ddp_model = DDP(model) if rt.world_size > 1 else model
+    step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
+
+    def val_bpb() -> float:
+        loader = RowLoader(val_docs, batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len,
+                           rank=rt.rank, world_size=rt.world_size, device=rt.device)
+        return evaluate_bpb(model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
+
+    def checkpoint_meta(step: int) -> dict:
+        return {"stage": "pretrain", "fingerprint": run_fp, "world_size": rt.world_size,
+                "model_config": model_config.to_dict(), "settings": snapshot(cfg), "inputs": inputs,
+                "loader": train_loader.state(), "total_steps": total_steps}
+
+    # --- loop
+    params = {"pretrain": snapshot(cfg), "model_config": model_config.to_dict(), "num_params": num_params,
+              "grad_accum": grad_accum, "world_size": rt.world_size, "total_steps": total_steps}
+    with tracking.stage_run("pretrain", load_section(TrackingSettings), params, profile=active_profile(),
+                            enabled=rt.is_main) as run:
+        metrics = tracking.MetricBuffer(run)
+        peak = peak_flops(rt.device) * rt.world_size
+        step, bpb, t_train, tokens_seen = start_step, float("nan"), 0.0, 0
+        while True:
+            last = step == total_steps
+            if last or (cfg.eval_every and step % cfg.eval_every == 0):
+                bpb = val_bpb()
+                metrics.log({"val/bpb": bpb}, step)
+                log.info("step %d | val bpb %.4f", step, bpb)
+            if rt.is_main and cfg.sample_every and (last or step % cfg.sample_every == 0) and step > 0:
+                log_samples(model, tok, rt, run, step)
+            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                save_checkpoint(work, step, model=model, optimizers=optimizers, meta=checkpoint_meta(step),
+                                rank=rt.rank, keep=cfg.keep_checkpoints)
+            if last:
+                break
+
+            lr_mult = lr_multiplier(step, total_steps, warmup_steps=cfg.warmup_steps,
+                                    warmdown_ratio=cfg.warmdown_ratio, final_lr_frac=cfg.final_lr_frac,
+                                    schedule=cfg.schedule)
+            apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
+            t0 = time.perf_counter()
+            loss = train_step(step_model, train_loader.next_batch, optimizers, grad_accum=grad_accum, rt=rt,
+                              grad_clip=cfg.grad_clip)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            step += 1
+            t_train += dt
+            tokens_seen += cfg.total_batch_size
+            tok_per_s = cfg.total_batch_size / dt
+            row = {"train/loss": loss, "lr_mult": lr_mult, "tokens_per_s": tok_per_s}
+            if peak:
+                row["mfu"] = flops_per_token * tok_per_s / peak
+            metrics.log(row, step)
+            if step % cfg.log_every == 0 or step == total_steps:
+                log.info("step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s", step, total_steps, loss, lr_mult,
+                         tok_per_s, f" | mfu {row['mfu']:.1%}" if peak else "")
+
+        # --- save the final model for the next stage
+        summary = {"val_bpb": bpb, "train_seconds": t_train, "tokens": tokens_seen,
+                   "tokens_per_s": tokens_seen / max(t_train, 1e-9)}
+        metrics.log({"final/val_bpb": bpb}, step)
+        metrics.flush()
+        if rt.is_main:
+            save_model_dir(ARTIFACTS / "base", model, {**checkpoint_meta(step), "step": step, "summary": summary,
+                                                       "source_stage": "pretrain"})
+            if run is not None:
+                import mlflow
+                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            log.info("saved artifacts/base (val bpb %.4f)", bpb)
+    runtime.barrier()
+
+
+def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run, step: int) -> None:
+    """Greedy continuations of a few prompts, logged and saved to MLflow as text."""
+    engine = Engine(model, tok)
+    lines = []
+    for prompt in SAMPLE_PROMPTS:
+        ids = tok.encode(prompt, prepend=tok.bos_id)
+        seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
+        lines.append(tok.decode(seqs[0][1:]))
+    log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
+    if run is not None:
+        import mlflow
+        mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
+
+
+if __name__ == "__main__":
+    main()

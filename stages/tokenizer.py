@@ -1,0 +1,76 @@
+"""Tokenizer stage: train byte-level BPE on the pretraining text, save it, report compression.
+
+    python -m stages.tokenizer             # or: python -m chatpipe.launch tokenizer
+    python -m stages.tokenizer --vocab_size=4096
+
+Reads ``artifacts/data`` (train split, first ``max_chars`` characters), writes
+``artifacts/tokenizer/`` (tokenizer files, ``token_bytes.pt`` for bits-per-byte, and
+``report.json`` with bytes/token on held-out val text), atomically.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from chatpipe import runtime, tracking
+from chatpipe.checkpoint import ARTIFACTS, replace_dir, write_json_atomic
+from chatpipe.settings import TokenizerSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.sources import iter_documents
+from chatpipe.tokenizer import Tokenizer, compression_report
+
+
+def take_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:
+    """Documents until ``max_chars`` characters have been yielded (the last one cropped)."""
+    left = max_chars
+    for doc in docs:
+        if left <= 0:
+            return
+        yield doc[:left]
+        left -= len(doc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- settings
+    cfg = load_section(TokenizerSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    runtime.setup_logging()
+    data_dir, out_dir = ARTIFACTS / "data", ARTIFACTS / "tokenizer"
+
+    with tracking.stage_run("tokenizer", load_section(TrackingSettings), {"tokenizer": snapshot(cfg)},
+                            profile=active_profile()) as run:
+        # --- train
+        t0 = time.time()
+        texts = list(take_chars(iter_documents(data_dir, "train"), cfg.max_chars))
+        n_chars = sum(len(t) for t in texts)
+        tok = Tokenizer.train(texts, cfg.vocab_size)
+        train_s = time.time() - t0
+
+        # --- eval: compression on held-out text
+        val_text = "".join(take_chars(iter_documents(data_dir, "val"), cfg.eval_chars))
+        report = compression_report(tok, val_text)
+        report.update(train_chars=n_chars, train_seconds=round(train_s, 3),
+                      chars_per_second=round(n_chars / max(train_s, 1e-9)), vocab_size=tok.vocab_size)
+
+        # --- save atomically: build in a temp dir, then swap it in
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save(tmp)
+        torch.save(tok.token_bytes(), tmp / "token_bytes.pt")
+        write_json_atomic(tmp / "report.json", report)
+        replace_dir(tmp, out_dir)
+
+        if run is not None:
+            import mlflow
+            mlflow.log_metrics(tracking.numeric_leaves(report))
+            mlflow.log_artifact(str(out_dir / "report.json"))
+    print(f"tokenizer: vocab {tok.vocab_size}, trained on {n_chars:,} chars in {train_s:.1f}s; {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Settings: file < profile < env < CLI; bad keys and values fail naming key, value, allowed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from chatpipe.settings import (SECTIONS, LaunchSettings, ParamsError, PretrainSettings, load_section, parse_cli,
+                               resolve_params, validate_all, write_profile)
+
+
+def test_defaults_come_from_params_yaml(params_file):
+    cfg = load_section(PretrainSettings)
+    raw = yaml.safe_load(params_file.read_text())
+    assert cfg.depth == raw["pretrain"]["depth"]
+    assert cfg.sequence_len == raw["pretrain"]["sequence_len"]
+
+
+def test_priority_cli_over_env_over_profile_over_file(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PROFILE", "speedrun")
+    assert load_section(PretrainSettings).depth == 20            # profile overlay beats the file
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH", "12")
+    assert load_section(PretrainSettings).depth == 12            # env beats the profile
+    assert load_section(PretrainSettings, ["--depth=6"]).depth == 6  # CLI beats env
+    assert load_section(PretrainSettings, ["depth=5"]).depth == 5
+
+
+def test_every_shipped_profile_validates(params_file, monkeypatch):
+    profiles = yaml.safe_load(params_file.read_text())["profiles"]
+    for name in ["tiny", *profiles]:
+        monkeypatch.setenv("CHATPIPE_PROFILE", name)
+        assert set(validate_all()) == set(SECTIONS)
+
+
+def test_out_of_range_value_names_key_value_and_rule(params_file):
+    params_file.write_text(params_file.read_text().replace("  depth: 4\n", "  depth: -3\n"))
+    with pytest.raises(ParamsError) as e:
+        validate_all()
+    msg = str(e.value)
+    assert "pretrain.depth" in msg and "-3" in msg and "greater than or equal to 1" in msg
+
+
+def test_unknown_key_lists_allowed_keys(params_file):
+    params_file.write_text(params_file.read_text().replace("  depth: 4\n", "  depth: 4\n  deptj: 4\n"))
+    with pytest.raises(ParamsError, match=r"pretrain\.deptj.*unknown key; allowed keys: .*depth"):
+        validate_all()
+
+
+def test_wrong_type_and_bad_choice(params_file):
+    with pytest.raises(ParamsError, match=r"pretrain\.max_steps = 'lots'"):
+        load_section(PretrainSettings, ["--max_steps=lots"])
+    with pytest.raises(ParamsError, match=r"launch\.scheduler = 'lsf'.*'local_cwd', 'slurm' or 'kubernetes'"):
+        load_section(LaunchSettings, ["--scheduler=lsf"])
+
+
+def test_unknown_env_key_and_section_and_profile(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPHT", "3")
+    with pytest.raises(ParamsError, match="CHATPIPE_PRETRAIN__DEPHT"):
+        load_section(PretrainSettings)
+    monkeypatch.delenv("CHATPIPE_PRETRAIN__DEPHT")
+    params_file.write_text(params_file.read_text() + "\npretrian: {}\n")
+    with pytest.raises(ParamsError, match="pretrian"):
+        validate_all()
+    with pytest.raises(ParamsError, match="profile = 'huge' is not defined; allowed: tiny, speedrun"):
+        resolve_params(params_file, "huge")
+
+
+def test_broken_yaml_names_file_and_line(params_file):
+    params_file.write_text("data:\n  source: [synthetic\n")
+    with pytest.raises(ParamsError, match=rf"{params_file.name}:\d+: not valid YAML"):
+        validate_all()
+
+
+def test_write_profile_is_checked_and_atomic(params_file):
+    write_profile("speedrun")
+    assert resolve_params()["profile"] == "speedrun"
+    with pytest.raises(ParamsError):
+        write_profile("nope")
+    assert yaml.safe_load(params_file.read_text())["profile"] == "speedrun"
+
+
+def test_parse_cli_forms():
+    assert parse_cli(["--a=1", "--b-c", "2", "d=3"]) == {"a": "1", "b_c": "2", "d": "3"}
+    with pytest.raises(ParamsError, match="no value"):
+        parse_cli(["--dangling"])
