@@ -1,0 +1,93 @@
+"""Tests for chatpipe.optim: optimizer grouping and lrs, schedules at hand-checked steps, momentum ramp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatpipe.model import GPT, GPTConfig
+from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+
+
+def model_with_width(n_embd: int) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=1, n_kv_head=1, n_embd=n_embd))
+    model.init_weights()
+    return model
+
+
+def test_build_optimizers_groups_and_scaled_lrs():
+    model = model_with_width(192)  # (192/768)^-0.5 = 2
+    adamw, muon = build_optimizers(model, matrix_lr=0.03, embedding_lr=0.2, unembedding_lr=0.004,
+                                   weight_decay=0.1)
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    lm_group, emb_group = adamw.param_groups
+    assert lm_group["params"] == [model.lm_head.weight] and emb_group["params"] == [model.wte.weight]
+    assert lm_group["lr"] == pytest.approx(0.008) and emb_group["lr"] == pytest.approx(0.4)
+    assert adamw.defaults["weight_decay"] == 0.0 and adamw.defaults["betas"] == (0.8, 0.95)
+    g = muon.param_groups[0]
+    assert (g["lr"], g["momentum"], g["nesterov"], g["weight_decay"]) == (0.03, 0.95, True, 0.1)
+    every = [p for opt in (adamw, muon) for grp in opt.param_groups for p in grp["params"]]
+    assert len(every) == len({id(p) for p in every}) == len(list(model.parameters()))
+    assert all(grp["initial_lr"] == grp["lr"] for opt in (adamw, muon) for grp in opt.param_groups)
+
+
+def test_steps_change_every_param():
+    model = model_with_width(64)
+    with torch.no_grad():  # zero-init projections get no gradient signal otherwise in one step
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    before = [p.detach().clone() for p in model.parameters()]
+    opts = build_optimizers(model)
+    x = torch.randint(0, 32, (2, 8))
+    model(x, x).backward()
+    for opt in opts:
+        opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_warmdown_schedule_hand_checked():
+    kw = dict(warmup_steps=10, warmdown_ratio=0.2, final_lr_frac=0.05)
+    f = lambda s: lr_multiplier(s, 100, **kw)  # noqa: E731
+    assert f(0) == pytest.approx(0.1)
+    assert f(4) == pytest.approx(0.5)
+    assert f(9) == pytest.approx(1.0)
+    assert f(50) == 1.0 and f(79) == 1.0
+    assert f(89) == pytest.approx(0.05 + 0.95 * 0.5)  # 10 of 20 warmdown steps left
+    assert f(99) == pytest.approx(0.05)
+    assert f(500) == pytest.approx(0.05)  # past the end: clamped
+
+
+def test_warmdown_short_run_still_ends_low():
+    vals = [lr_multiplier(s, 5, warmup_steps=10, warmdown_ratio=0.5, final_lr_frac=0.0) for s in range(5)]
+    assert vals[-1] == 0.0 and max(vals) <= 1.0
+
+
+def test_cosine_schedule_hand_checked():
+    kw = dict(warmup_steps=10, warmdown_ratio=0.0, final_lr_frac=0.1, schedule="cosine")
+    assert lr_multiplier(4, 111, **kw) == pytest.approx(0.5)
+    assert lr_multiplier(10, 111, **kw) == pytest.approx(1.0)
+    assert lr_multiplier(60, 111, **kw) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
+    assert lr_multiplier(110, 111, **kw) == pytest.approx(0.1)
+
+
+def test_unknown_schedule_names_allowed_values():
+    with pytest.raises(ValueError, match="warmdown, cosine"):
+        lr_multiplier(0, 10, warmup_steps=0, warmdown_ratio=0.2, final_lr_frac=0.0, schedule="linear")
+
+
+def test_muon_momentum_ramp():
+    assert muon_momentum(0) == pytest.approx(0.85)
+    assert muon_momentum(150) == pytest.approx(0.90)
+    assert muon_momentum(300) == pytest.approx(0.95) and muon_momentum(10_000) == pytest.approx(0.95)
+    assert muon_momentum(5, warmup_steps=0) == 0.95
+
+
+def test_apply_schedules_sets_lr_and_muon_momentum_only():
+    adamw, muon = build_optimizers(model_with_width(64))
+    apply_schedules([adamw, muon], 0.5, 0.9)
+    assert all(g["lr"] == pytest.approx(0.5 * g["initial_lr"]) for o in (adamw, muon) for g in o.param_groups)
+    assert muon.param_groups[0]["momentum"] == 0.9 and "momentum" not in adamw.param_groups[0]
+    apply_schedules([adamw, muon], 1.0, None)
+    assert muon.param_groups[0]["momentum"] == 0.9
+    assert adamw.param_groups[1]["lr"] == adamw.param_groups[1]["initial_lr"]
