@@ -1,0 +1,171 @@
+"""Text sources: synthetic, local (parquet / jsonl / txt) and hf (no network), plus error messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from chatpipe import synthetic
+from chatpipe.sources import iter_documents, prepare_text
+
+SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "text" / "tinyshakespeare.txt"
+
+
+def prepare(out_dir: Path, **kw) -> dict:
+    args = dict(source="synthetic", seed=1, num_docs=120, val_docs=20, docs_per_shard=50,
+                hf_repo="karpathy/fineweb-edu-100b-shuffle", hf_num_shards=2, hf_text_column="text",
+                local_dir=None, cache_dir=out_dir.parent / "cache")
+    return prepare_text(out_dir, **(args | kw))
+
+
+@pytest.fixture(scope="module")
+def paragraphs() -> list[str]:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"real text fixture absent: {SHAKESPEARE} (see ../shared/data/README.md)")
+    return [p for p in SHAKESPEARE.read_text().split("\n\n") if p.strip()][:600]
+
+
+def write_parquet(path: Path, docs: list[str], column: str = "text", extra: bool = False) -> None:
+    cols = {column: docs} | ({"id": list(range(len(docs)))} if extra else {})
+    pq.write_table(pa.table(cols), path, row_group_size=64)
+
+
+def test_synthetic_prepare_and_read_back(tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    manifest = prepare(out)
+    docs = synthetic.pretrain_documents(1, 120)
+    assert manifest["source"] == "synthetic"
+    assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"],
+                                  "val": ["val_00000.parquet"]}
+    assert manifest["num_docs"] == {"train": 100, "val": 20}
+    assert manifest["num_chars"]["val"] == sum(map(len, docs[100:]))
+    assert list(iter_documents(out, "train")) == docs[:100]
+    assert list(iter_documents(out, "val")) == docs[100:]
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert pq.read_schema(out / "train_00000.parquet").names == ["text"]
+    # Re-running replaces the directory whole and leaves no temp dirs behind.
+    prepare(out, seed=2)
+    assert list(iter_documents(out, "val")) == synthetic.pretrain_documents(2, 120)[100:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_local_parquet(tmp_path: Path, paragraphs: list[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    write_parquet(src / "shard_00000.parquet", paragraphs[:300])
+    write_parquet(src / "shard_00001.parquet", paragraphs[300:500], extra=True)
+    write_parquet(src / "shard_00002.parquet", paragraphs[500:])   # last file: val
+    manifest = prepare(tmp_path / "data", source="local", local_dir=src, docs_per_shard=128)
+    assert manifest["num_docs"] == {"train": 500, "val": 100}
+    assert len(manifest["shards"]["train"]) == 4
+    assert list(iter_documents(tmp_path / "data", "train")) == paragraphs[:500]
+    assert list(iter_documents(tmp_path / "data", "val")) == paragraphs[500:]
+
+
+def test_local_jsonl_with_val_in_name(tmp_path: Path, paragraphs: list[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, docs in [("a_val.jsonl", paragraphs[:50]), ("b.jsonl", paragraphs[50:400]),
+                       ("c.jsonl", paragraphs[400:])]:
+        (src / name).write_text("".join(json.dumps({"text": d, "meta": 1}) + "\n" for d in docs))
+    prepare(tmp_path / "data", source="local", local_dir=src)
+    assert list(iter_documents(tmp_path / "data", "val")) == paragraphs[:50]
+    assert list(iter_documents(tmp_path / "data", "train")) == paragraphs[50:]
+
+
+def test_local_single_txt(tmp_path: Path) -> None:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"real text fixture absent: {SHAKESPEARE}")
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(SHAKESPEARE, src / "shakespeare.txt")
+    manifest = prepare(tmp_path / "data", source="local", local_dir=src, val_docs=10, docs_per_shard=200)
+    docs = list(iter_documents(tmp_path / "data", "train")) + list(iter_documents(tmp_path / "data", "val"))
+    assert manifest["num_docs"]["val"] == 10 and len(docs) == sum(manifest["num_docs"].values())
+    assert max(map(len, docs)) <= 2000 and min(map(len, docs)) > 100
+    assert docs[0].startswith("First Citizen:\nBefore we proceed")
+    # Packing only drops blank lines: every non-blank line survives, in order.
+    lines = [ln for ln in SHAKESPEARE.read_text().splitlines() if ln.strip()]
+    assert [ln for d in docs for ln in d.splitlines() if ln.strip()] == lines
+
+
+def test_txt_without_blank_lines_is_cut_at_line_boundaries(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [f"line {i} " + "x" * (i % 70) for i in range(400)]
+    (src / "a.txt").write_text("\n".join(lines[:300]))
+    (src / "b.txt").write_text("\n".join(lines[300:]))
+    prepare(tmp_path / "data", source="local", local_dir=src)
+    train = list(iter_documents(tmp_path / "data", "train"))
+    assert len(train) > 5 and all(1500 < len(d) <= 2000 for d in train[:-1])
+    assert "\n".join(train).split("\n") == lines[:300]
+
+
+def test_hf_from_prefilled_cache(tmp_path: Path, paragraphs: list[str], monkeypatch) -> None:
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("tried to download")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
+    cache = tmp_path / "cache" / "karpathy__fineweb-edu-100b-shuffle"
+    cache.mkdir(parents=True)
+    write_parquet(cache / "shard_00000.parquet", paragraphs[:200])
+    write_parquet(cache / "shard_00001.parquet", paragraphs[200:300])
+    write_parquet(cache / "shard_00002.parquet", paragraphs[300:400])
+    manifest = prepare(tmp_path / "data", source="hf", hf_num_shards=3)
+    assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"],
+                                  "val": ["val_00000.parquet"]}
+    assert manifest["num_chars"]["val"] == sum(map(len, paragraphs[300:400]))
+    assert list(iter_documents(tmp_path / "data", "train")) == paragraphs[:300]
+    assert (cache / "shard_00000.parquet").is_file()   # the cache outlives the data dir
+
+
+def test_hf_downloads_missing_shards_once(tmp_path: Path, monkeypatch) -> None:
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id: str, filename: str, *, repo_type: str, local_dir: Path) -> str:
+        calls.append(filename)
+        assert repo_type == "dataset" and repo_id == "me/corpus"
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        write_parquet(Path(local_dir) / filename, [f"{filename} doc {i}" for i in range(5)], column="body", extra=True)
+        return str(Path(local_dir) / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    for _ in range(2):
+        prepare(tmp_path / "data", source="hf", hf_repo="me/corpus", hf_text_column="body")
+    assert calls == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert pq.read_schema(tmp_path / "data" / "val_00000.parquet").names == ["text"]   # column renamed
+    assert list(iter_documents(tmp_path / "data", "val"))[0] == "shard_00001.parquet doc 0"
+
+
+def test_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="allowed: synthetic, hf, local"):
+        prepare(tmp_path / "data", source="s3")
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        prepare(tmp_path / "data", source="local", local_dir=missing)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+    (src / "b.jsonl").write_text('{"text": "ok"}\n')
+    with pytest.raises(ValueError, match=r"a\.jsonl:2: not valid JSON"):
+        prepare(tmp_path / "data", source="local", local_dir=src)
+    (src / "a.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"a\.jsonl:2: .*'text'"):
+        prepare(tmp_path / "data", source="local", local_dir=src)
+    (src / "a.jsonl").unlink()
+    (src / "c.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"c\.parquet: not a readable parquet"):
+        prepare(tmp_path / "data", source="local", local_dir=src)
+    assert not (tmp_path / "data").exists()   # failures leave nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]   # and no temp dirs
+    with pytest.raises(FileNotFoundError, match="val_"):
+        list(iter_documents(tmp_path, "val"))
