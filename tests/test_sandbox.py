@@ -1,0 +1,232 @@
+"""Red-team tests for chatpipe/sandbox.py: each attack must end contained with a clear status.
+
+Run: python -m pytest tests/test_sandbox.py -q
+The prelude-bypass tests (raw libc via a re-imported ctypes) check the kernel-level layers and
+only run where the sandbox drops to an unprivileged user (root with a python nobody can run).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from chatpipe.sandbox import SandboxResult, _interpreter, check_humaneval, run_program
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="sandbox limits are Linux-only")
+
+# Re-import ctypes after the prelude blocked it: code like this sidesteps every Python-level
+# guard, so only the process, rlimits, namespace and user boundaries are left to stop it.
+LIBC = (
+    "import sys, os\n"
+    "for m in ('ctypes', '_ctypes'): sys.modules.pop(m, None)\n"
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+)
+privileges_dropped = pytest.mark.skipif(
+    _interpreter()[1] is None, reason="sandbox runs without an unprivileged user here"
+)
+
+
+def _sandbox_pids() -> list[int]:
+    """Live processes started by the sandbox (their HOME is a chatpipe-sandbox dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"HOME=" in (env := (entry / "environ").read_bytes()) and b"chatpipe-sandbox-" in env:
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return pids
+
+
+def _assert_contained(r: SandboxResult, *statuses: str) -> None:
+    assert not r.passed, r
+    assert r.status in statuses, r
+
+
+def test_correct_humaneval_solution_passes_and_wrong_one_fails() -> None:
+    prompt = 'def add(a: int, b: int) -> int:\n    """Sum of a and b."""\n'
+    test = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+    good = check_humaneval(prompt, "    return a + b\n", test, "add")
+    assert good.passed and good.status == "passed", good
+    wrong = check_humaneval(prompt, "    return a - b\n", test, "add")
+    assert (wrong.passed, wrong.status) == (False, "failed")
+    assert "AssertionError" in wrong.stderr
+    crash = check_humaneval(prompt, "    return undefined_name\n", test, "add")
+    assert (crash.passed, crash.status) == (False, "error")
+
+
+def test_output_is_captured() -> None:
+    r = run_program("import sys\nprint('hello')\nprint('oops', file=sys.stderr)")
+    assert (r.status, r.stdout, r.stderr) == ("passed", "hello\n", "oops\n")
+
+
+def test_exit_before_tests_is_not_a_pass() -> None:
+    # A completion that exits 0 early would otherwise skip check() and "pass".
+    r = run_program("import sys\nsys.exit(0)\nassert False")
+    assert (r.passed, r.status) == (False, "failed")
+    r = run_program("import os\nos._exit(0)")
+    assert not r.passed
+
+
+def test_infinite_loop_times_out() -> None:
+    t0 = time.monotonic()
+    r = run_program("while True:\n    pass", timeout_s=1.0)
+    assert (r.passed, r.status) == (False, "timeout")
+    assert time.monotonic() - t0 < 6.0
+
+
+def test_cpu_limit_counts_as_timeout() -> None:
+    r = run_program("while True:\n    pass", timeout_s=10.0, cpu_s=1)
+    assert r.status == "timeout" and r.seconds < 5.0, r
+
+
+def test_huge_allocation_hits_memory_limit() -> None:
+    r = run_program("b = bytearray(10 * 1024**3)", memory_mb=256)
+    assert (r.passed, r.status) == (False, "memory"), r
+
+
+def test_fork_bomb_is_contained_and_machine_is_fine() -> None:
+    r = run_program("import os\nwhile True:\n    os.fork()", timeout_s=2.0)
+    _assert_contained(r, "error", "failed", "timeout", "killed")
+    assert _sandbox_pids() == []
+    assert run_program("print('alive')").stdout == "alive\n"
+
+
+@privileges_dropped
+def test_raw_libc_fork_bomb_is_contained_by_the_kernel() -> None:
+    r = run_program(LIBC + "while True:\n    libc.fork()", timeout_s=2.0)
+    _assert_contained(r, "timeout", "killed", "error")
+    deadline = time.monotonic() + 5.0
+    while _sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_pids() == []
+    assert run_program("print('alive')").stdout == "alive\n"
+
+
+def test_write_outside_temp_dir_fails(tmp_path: Path) -> None:
+    target = tmp_path / "pwned.txt"
+    attempts = [
+        f"open({str(target)!r}, 'w').write('x')",
+        f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')",
+        f"import os\nos.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))",
+        f"import _io\n_io.FileIO({str(target)!r}, 'w')",
+    ]
+    for code in attempts:
+        r = run_program(code)
+        _assert_contained(r, "error")
+        assert "PermissionError" in r.stderr
+        assert not target.exists()
+
+
+def test_writes_inside_temp_dir_work_and_are_removed() -> None:
+    r = run_program("import os\nopen('a.txt', 'w').write('hi')\nprint(os.getcwd())")
+    assert r.status == "passed", r
+    assert not Path(r.stdout.strip()).exists()
+
+
+def test_project_tree_is_not_readable() -> None:
+    here = Path(__file__).resolve()
+    r = run_program(f"print(open({str(here)!r}).read())")
+    _assert_contained(r, "error")
+    assert r.stdout == ""
+
+
+@privileges_dropped
+def test_raw_libc_write_fails(tmp_path: Path) -> None:
+    target = tmp_path / "pwned.txt"
+    r = run_program(LIBC + f"assert libc.open({str(target).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644) >= 0")
+    _assert_contained(r, "failed")
+    assert not target.exists()
+
+
+def _listener() -> tuple[socket.socket, list[bool]]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    hits: list[bool] = []
+
+    def accept() -> None:
+        try:
+            server.accept()
+            hits.append(True)
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, hits
+
+
+def test_socket_to_localhost_fails() -> None:
+    server, hits = _listener()
+    port = server.getsockname()[1]
+    try:
+        for code in (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+                     f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))"):
+            r = run_program(code)
+            _assert_contained(r, "error")
+        time.sleep(0.6)
+        assert hits == []
+    finally:
+        server.close()
+
+
+@privileges_dropped
+def test_raw_socket_bypassing_prelude_fails() -> None:
+    server, hits = _listener()
+    port = server.getsockname()[1]
+    code = ("import sys\nsys.modules.pop('_socket')\nimport _socket\n"
+            f"s = _socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))")
+    try:
+        r = run_program(code)
+        _assert_contained(r, "error")
+        time.sleep(0.6)
+        assert hits == []
+    finally:
+        server.close()
+
+
+def test_killing_the_parent_fails_and_parent_survives() -> None:
+    r = run_program("import os\nos.kill(os.getppid(), 9)")
+    _assert_contained(r, "error")
+    assert "PermissionError" in r.stderr
+    r = run_program("import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)")
+    _assert_contained(r, "error")
+    assert os.getpid() > 0  # still here
+
+
+@privileges_dropped
+def test_raw_libc_kill_of_parent_fails() -> None:
+    r = run_program(LIBC + "assert libc.kill(os.getppid(), 9) == 0")
+    _assert_contained(r, "failed")
+
+
+def test_child_limits_and_environment() -> None:
+    code = (
+        "import os, resource, sys\n"
+        "assert resource.getrlimit(resource.RLIMIT_AS)[0] == 300 * 1024**2\n"
+        "assert 0 < resource.getrlimit(resource.RLIMIT_NPROC)[0] <= 64\n"
+        "assert resource.getrlimit(resource.RLIMIT_CORE) == (0, 0)\n"
+        "assert 0 < resource.getrlimit(resource.RLIMIT_FSIZE)[0] <= 64 * 1024**2\n"
+        "assert os.environ['HOME'] == os.getcwd() and 'chatpipe-sandbox-' in os.getcwd()\n"
+        "assert 'PYTHONPATH' not in os.environ\n"
+        "assert os.getpgid(0) == os.getpid()  # leader of its own group\n"
+        "assert not any('site-packages' in p for p in sys.path)\n"
+    )
+    r = run_program(code, memory_mb=300)
+    assert r.status == "passed", r.stderr
+
+
+def test_huge_output_is_truncated() -> None:
+    r = run_program("import sys\nfor _ in range(200):\n    sys.stdout.write('x' * 10000)")
+    assert r.status == "passed"
+    assert len(r.stdout) < 25_000 and r.stdout.endswith("[... output truncated]")
