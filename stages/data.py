@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from chatpipe import runtime, tracking
-from chatpipe.checkpoint import ARTIFACTS, write_json_atomic
+from chatpipe.checkpoint import ARTIFACTS
 from chatpipe.settings import DataSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
 from chatpipe.sources import prepare_text
 
@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> None:
             docs_per_shard=cfg.docs_per_shard, hf_repo=cfg.hf_repo, hf_num_shards=cfg.hf_num_shards,
             hf_text_column=cfg.hf_text_column, local_dir=Path(cfg.local_dir) if cfg.local_dir else None,
             cache_dir=Path(cfg.cache_dir))
-        write_json_atomic(out_dir / "manifest.json", manifest)
         if run is not None:
             import mlflow
             mlflow.log_metrics(tracking.numeric_leaves(manifest))

@@ -1,0 +1,74 @@
+"""A throwaway copy of the repo as a real git + DVC project, with small params, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# Small enough for seconds per stage on 2 CPU cores, big enough that learning shows.
+SMALL_PARAMS = {
+    "data": {"num_docs": 600, "val_docs": 60, "docs_per_shard": 300, "chat_examples": 200},
+    "tokenizer": {"vocab_size": 512, "max_chars": 300_000, "eval_chars": 20_000},
+    "pretrain": {"depth": 2, "sequence_len": 64, "device_batch_size": 8, "total_batch_size": 1024,
+                 "max_steps": 24, "eval_every": 8, "eval_tokens": 2048, "checkpoint_every": 8,
+                 "sample_every": 0, "log_every": 4},
+}
+
+
+def _merge(base: dict, overlay: dict) -> dict:
+    out = dict(base)
+    for k, v in overlay.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def make_project(dest: Path, params: dict | None = None) -> Path:
+    """Copy the repo's files (tracked + untracked-not-ignored) to ``dest``, git init + commit there."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    set_params(dest, _merge(SMALL_PARAMS, params or {}))
+    git = ["git", "-c", "user.email=t@chatpipe.local", "-c", "user.name=test"]
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
+    subprocess.run([*git, "commit", "-qm", "test project"], cwd=dest, check=True)
+    return dest
+
+
+def set_params(project: Path, overlay: dict) -> None:
+    """Merge ``overlay`` into the project's params.yaml."""
+    path = project / "params.yaml"
+    path.write_text(yaml.safe_dump(_merge(yaml.safe_load(path.read_text()), overlay), sort_keys=False))
+
+
+def project_env(project: Path, **extra: str) -> dict[str, str]:
+    """Environment for commands run inside ``project`` (its own params, MLflow store, no stray overrides)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPIPE_")}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(project), OMP_NUM_THREADS="1",
+               PREFECT_LOGGING_LEVEL="WARNING", **extra)
+    return env
+
+
+def run(project: Path, *cmd: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """Run a command in the project; on failure the assertion shows its output."""
+    proc = subprocess.run(list(cmd), cwd=project, env=project_env(project, **env), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the venv's dvc in the project."""
+    return run(project, str(BIN / "dvc"), *args, check=check)
