@@ -91,3 +91,35 @@ def test_apply_schedules_sets_lr_and_muon_momentum_only():
     apply_schedules([adamw, muon], 1.0, None)
     assert muon.param_groups[0]["momentum"] == 0.9
     assert adamw.param_groups[1]["lr"] == adamw.param_groups[1]["initial_lr"]
+
+
+def test_fp32_newton_schulz_matches_torch_iteration():
+    import torch.optim._muon as torch_muon
+
+    from chatpipe.optim import newton_schulz_fp32
+
+    torch.manual_seed(0)
+    for shape in [(64, 32), (32, 64)]:
+        g = torch.randn(shape)
+        ours = newton_schulz_fp32(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        ref = torch_muon._zeropower_via_newtonschulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7).float()
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        # bf16 reference: agree to bf16 precision; singular values pushed towards ~1
+        assert (ours - ref).abs().max() < 0.05
+        s = torch.linalg.svdvals(ours)
+        assert s.min() > 0.3 and s.max() < 1.5
+
+
+def test_cpu_muon_step_restores_torch_function():
+    import torch.optim._muon as torch_muon
+
+    from chatpipe.optim import Muon
+
+    before = torch_muon._zeropower_via_newtonschulz
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    opt = Muon([w], lr=0.02)
+    w0 = w.detach().clone()
+    w.grad = torch.randn(16, 8)
+    opt.step()
+    assert torch_muon._zeropower_via_newtonschulz is before
+    assert not torch.equal(w0, w.detach())
