@@ -123,6 +123,11 @@ class StageSettings(BaseSettings):
         super().__init_subclass__(**kwargs)
         if cls.section:
             cls.model_config = {**cls.model_config, "env_prefix": f"CHATPIPE_{cls.section.upper()}__"}
+            SECTIONS[cls.section] = cls  # every section model defined below is validated by validate_all
+
+
+# section name -> settings model, filled as the classes below are defined
+SECTIONS: dict[str, type[StageSettings]] = {}
 
 
 # --------------------------------------------------------------------------- sections
@@ -224,11 +229,6 @@ class TrackingSettings(StageSettings):
     enabled: bool = True
 
 
-SECTIONS: dict[str, type[StageSettings]] = {
-    cls.section: cls
-    for cls in (DataSettings, TokenizerSettings, PretrainSettings, LaunchSettings, TrackingSettings)
-}
-TOP_LEVEL_KEYS = {"profile", "profiles", *SECTIONS}
 
 
 # --------------------------------------------------------------------------- loading
@@ -285,9 +285,10 @@ def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
     """Validate every section of params.yaml (used before any stage does work)."""
     path = path or params_path()
     raw = _read_yaml(path)
-    unknown = set(raw) - TOP_LEVEL_KEYS
+    top_level_keys = {"profile", "profiles", *SECTIONS}
+    unknown = set(raw) - top_level_keys
     if unknown:
-        raise ParamsError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(TOP_LEVEL_KEYS)}")
+        raise ParamsError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(top_level_keys)}")
     for name, overlay in (raw.get("profiles") or {}).items():
         bad = set(overlay or {}) - set(SECTIONS)
         if bad:

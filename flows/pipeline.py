@@ -23,7 +23,16 @@ from prefect import flow, get_run_logger, task
 from chatpipe import tracking
 from chatpipe.settings import TrackingSettings, active_profile, load_section, validate_all, write_profile
 
-STAGES = ["data", "tokenizer", "pretrain"]
+
+
+def dvc_stages(path: Path = Path("dvc.yaml")) -> list[str]:
+    """Stage names in dvc.yaml order, which is the pipeline order."""
+    import yaml
+
+    return list((yaml.safe_load(path.read_text()) or {}).get("stages", {}))
+
+
+STAGES = dvc_stages(Path(__file__).resolve().parents[1] / "dvc.yaml")
 
 
 def _bin(name: str) -> str:
