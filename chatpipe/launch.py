@@ -25,11 +25,15 @@ SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report"})
 STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report")
 
 
-def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment handed to workers: chatpipe/MLflow settings, and this Python's bin dir first on PATH."""
+def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment handed to workers: chatpipe/MLflow/HF settings; locally also this Python's bin dir as PATH.
+
+    Remote schedulers keep the node's own PATH (the image or cluster module provides torchrun).
+    """
     env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_"))}
-    env["PATH"] = str(Path(sys.executable).parent)
-    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", ""))
+    if scheduler == "local_cwd":
+        env["PATH"] = str(Path(sys.executable).parent)
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
     return {k: v for k, v in {**env, **(extra or {})}.items() if v != ""}
 
 
@@ -50,7 +54,7 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         gpu=0 if single else launch.gpus_per_node,
         memMB=launch.mem_mb,
         j=f"{nnodes}x{nproc}",
-        env=stage_env(env),
+        env=stage_env(launch.scheduler, env),
         max_retries=launch.max_retries,
         rdzv_port=launch.rdzv_port,
         rdzv_backend=launch.rdzv_backend,

@@ -21,7 +21,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from chatpipe import tracking
-from chatpipe.settings import TrackingSettings, active_profile, load_section, validate_all, write_profile
+from chatpipe.settings import ParamsError, TrackingSettings, active_profile, load_section, validate_all, write_profile
 
 
 
@@ -109,6 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stages", nargs="+", choices=STAGES, help="run only these stages")
     p.add_argument("--resume-from", choices=STAGES, help="start at this stage")
     args = p.parse_args(argv)
+    if args.profile:
+        os.environ["CHATPIPE_PROFILE"] = args.profile
+    try:  # fail fast, before the Prefect server starts or any stage writes anything
+        validate_all()
+    except ParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(pipeline(profile=args.profile, stages=args.stages, resume_from=args.resume_from))
 
 
