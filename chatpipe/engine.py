@@ -11,6 +11,8 @@ Usage::
     for tokens, masks in engine.generate(prompt_ids, num_samples=4, max_tokens=128, temperature=0.8):
         ...  # one column: next token of each row, 1 = sampled / 0 = forced or padding
     seqs, masks = engine.generate_batch(prompt_ids, num_samples=4, max_tokens=128)
+    for kind, text in engine.stream(prompt_ids, max_tokens=128):   # one sample, as text deltas
+        ...  # kind: "text" | "python" (a tool call) | "python_output" (its result)
 """
 
 from __future__ import annotations
@@ -147,3 +149,40 @@ class Engine:
             if all(done):
                 break
         return seqs, masks
+
+    def stream(self, prompt_ids: list[int], stats: dict[str, Any] | None = None,
+               **kw: Any) -> Iterator[tuple[str, str]]:
+        """One sample as ``(kind, text)`` deltas while it is generated, for chat front ends.
+
+        ``kind`` is the assistant message part the text belongs to: ``"text"``, ``"python"`` (a
+        calculator call) or ``"python_output"`` (its result); the special tokens that delimit parts
+        are not shown. Text is held back while it ends inside a multi-byte UTF-8 character.
+        Keyword arguments are those of :meth:`generate` (``num_samples`` is 1). A ``stats`` dict,
+        when given, receives ``tokens`` (generated so far) and, at the end, ``finish_reason``
+        (``"stop"``: the model ended its turn; ``"length"``: ``max_tokens`` ran out).
+        """
+        stats = {} if stats is None else stats
+        stats.update(tokens=0, finish_reason="length")
+        kinds = {self.python_start: "python", self.output_start: "python_output",
+                 self.python_end: "text", self.output_end: "text"}
+        stops = self.stop_ids(kw.get("stop_tokens"))
+        kind, part, shown = "text", [], ""
+        for tokens, masks in self.generate(prompt_ids, num_samples=1, **kw):
+            tok = tokens[0]
+            stats["tokens"] += 1
+            if masks[0] == 1 and tok in stops:
+                stats["finish_reason"] = "stop"
+                break
+            if tok in kinds:
+                if shown != (rest := self.tokenizer.decode(part)):
+                    yield kind, rest[len(shown):]
+                kind, part, shown = kinds[tok], [], ""
+                continue
+            part.append(tok)
+            text = self.tokenizer.decode(part)
+            # a token can end mid-character: wait for the rest rather than show U+FFFD
+            if not text.endswith("\ufffd") and len(text) > len(shown):
+                yield kind, text[len(shown):]
+                shown = text
+        if shown != (rest := self.tokenizer.decode(part)):
+            yield kind, rest[len(shown):]

@@ -1,0 +1,37 @@
+"""The ``chatpipe`` console script: one subcommand per module, each with its own ``main(argv)``.
+
+Run::
+
+    chatpipe chat [--model sft] [-p PROMPT] ...     # chatpipe/chat.py
+    chatpipe serve [--port 8000] ...                # chatpipe/serve.py
+    chatpipe <command> --help                       # that command's flags
+
+A new subcommand is one line in ``COMMANDS``; its module is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+COMMANDS = {
+    "chat": ("chatpipe.chat", "talk to a trained model in the terminal"),
+    "serve": ("chatpipe.serve", "web UI and JSON API for a trained model"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``chatpipe <command> [args]`` to the command module's ``main``."""
+    parser = argparse.ArgumentParser(prog="chatpipe", description="chatpipe command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)  # the command parses (and documents) its own flags
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
