@@ -1,0 +1,156 @@
+"""RL math against hand-computed values (chatpipe/rl.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chatpipe import rl
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
+
+
+def test_group_advantages_mean_and_std():
+    scores = T([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    assert close(rl.group_advantages(scores), [[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]])
+    # population std of the first group is 0.5; an all-equal group stays 0 (no division blow-up)
+    assert close(rl.group_advantages(scores, normalize_std=True), [[1, -1, -1, 1], [0, 0, 0, 0]], tol=1e-4)
+
+
+def test_gae_by_hand():
+    rewards, values, mask = T([[0.0, 0.0, 1.0]]), T([[0.5, 0.5, 0.5]]), T([[1.0, 1.0, 1.0]])
+    # gamma 1, lam 0.5: A2 = 1 - .5 = .5; A1 = (0 + .5 - .5) + .5*.5 = .25; A0 = 0 + .5*.25 = .125
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert close(adv, [[0.125, 0.25, 0.5]]) and close(ret, [[0.625, 0.75, 1.0]])
+    # gamma .9, lam 1: A2 = .5; d1 = .45 - .5 = -.05, A1 = -.05 + .9*.5 = .4; A0 = -.05 + .9*.4 = .31
+    adv, _ = rl.gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    assert close(adv, [[0.31, 0.4, 0.5]])
+
+
+def test_gae_skips_forced_and_padding_tokens():
+    # the middle token is a forced tool output: its reward and value must not enter the recursion
+    rewards, values = T([[0.0, 7.0, 1.0], [0.0, 1.0, 5.0]]), T([[0.5, 99.0, 0.5], [0.5, 0.5, 42.0]])
+    mask = T([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert close(adv, [[0.25, 0.0, 0.5], [0.25, 0.5, 0.0]])
+    assert close(ret, [[0.75, 0.0, 1.0], [0.75, 1.0, 0.0]])
+
+
+def test_kl_penalty_lands_on_actions_and_score_on_last_action():
+    # column 0 is prompt, column 3 padding; actions are columns 1 and 2
+    scores = T([2.0])
+    logp, ref_logp = T([[-1.0, -0.5, -1.0, 0.0]]), T([[-1.5, -1.0, -2.0, 0.0]])
+    mask = T([[0.0, 1.0, 1.0, 0.0]])
+    rewards, kl = rl.kl_penalized_rewards(scores, logp, ref_logp, mask, beta=0.5)
+    assert close(kl, [[0.0, 0.5, 1.0, 0.0]])
+    assert close(rewards, [[0.0, -0.25, 1.5, 0.0]])
+
+
+def test_kl_estimators():
+    logp, ref = T([0.0]), T([math.log(0.5)])  # diff = log 2
+    d = math.log(2)
+    assert close(rl.kl_estimate(logp, ref, "k1"), [d])
+    assert close(rl.kl_estimate(logp, ref, "k2"), [0.5 * d * d])
+    assert close(rl.kl_estimate(logp, ref, "k3"), [0.5 - 1 + d])
+    with pytest.raises(ValueError, match="allowed"):
+        rl.kl_estimate(logp, ref, "k9")
+
+
+def test_clipped_surrogate_by_hand():
+    ratios = T([[1.5, 0.5, 1.0, 0.5]])
+    old = T([[-1.0, -1.0, -1.0, -1.0]])
+    logp = old + ratios.log()
+    adv = T([[1.0, 1.0, -1.0, -1.0]])
+    # per token max(-A r, -A clip(r)): -1.2 (clipped), -0.5, 1.0, 0.8 (clipped)
+    loss, stats = rl.clipped_surrogate(logp, old, adv, torch.ones(1, 4), clip_eps=0.2)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.0 + 0.8) / 4, abs=1e-5)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    assert stats["ratio_max"] == pytest.approx(1.5, abs=1e-5)
+    # masked tokens do not count, and num_tokens sets the denominator
+    loss, _ = rl.clipped_surrogate(logp, old, adv, T([[1.0, 1.0, 0.0, 0.0]]), clip_eps=0.2, num_tokens=4)
+    assert loss.item() == pytest.approx((-1.2 - 0.5) / 4, abs=1e-5)
+
+
+def test_clipped_surrogate_gradient_zero_when_clipped():
+    old = T([[0.0, 0.0]])
+    logp = T([[math.log(1.5), math.log(1.1)]], requires_grad=True)
+    loss, _ = rl.clipped_surrogate(logp, old, T([[1.0, 1.0]]), torch.ones(1, 2), clip_eps=0.2)
+    loss.backward()
+    assert logp.grad[0, 0] == 0  # ratio 1.5 > 1.2 with A > 0: clipped, no push further
+    assert logp.grad[0, 1] == pytest.approx(-1.1 / 2, abs=1e-5)  # d(-r/2)/dlogp = -r/2
+
+
+def test_clipped_value_loss_by_hand():
+    values, old, returns = T([[1.0, 0.0]]), T([[0.5, 0.5]]), T([[1.0, 1.0]])
+    # token 0: (1-1)^2 = 0 vs clipped (0.7-1)^2 = .09 -> .09; token 1: 1 vs (0.3-1)^2 = .49 -> 1
+    loss, clip_frac = rl.clipped_value_loss(values, old, returns, torch.ones(1, 2), clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.09 + 1.0) / 2, abs=1e-6)
+    assert clip_frac == pytest.approx(0.5)
+
+
+def test_policy_gradient_loss_normalised_by_valid_tokens():
+    logp = T([[-1.0, -2.0], [-0.5, -3.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    # -(( -1 - 2) * 1 + (-0.5) * -2) / 3 = 2/3
+    assert rl.policy_gradient_loss(logp, T([1.0, -2.0]), mask).item() == pytest.approx(2 / 3)
+
+
+def test_adaptive_kl_controller():
+    ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
+    assert ctl.update(9.0, 256) == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000))   # error clipped at +0.2
+    ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
+    assert ctl.update(6.6, 256) == pytest.approx(0.1 * (1 + 0.1 * 256 / 10000))
+    ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
+    assert ctl.update(3.0, 256) == pytest.approx(0.1 * (1 - 0.2 * 256 / 10000))   # clipped at -0.2
+    fixed = rl.KLController(0.1)
+    assert fixed.update(100.0, 256) == 0.1
+
+
+def test_whiten_batch_and_group():
+    x, mask = T([[1.0, 2.0, 3.0, 99.0]]), T([[1.0, 1.0, 1.0, 0.0]])
+    s = math.sqrt(1.5)  # 1 / sqrt(var 2/3)
+    assert close(rl.whiten(x, mask), [[-s, 0.0, s, 0.0]], tol=1e-4)
+    x2 = T([[1.0, 3.0], [10.0, 30.0]])
+    out = rl.whiten(x2, torch.ones(2, 2), groups=T([0, 1]))
+    assert close(out, [[-1.0, 1.0], [-1.0, 1.0]], tol=1e-4)   # each group to mean 0, std 1
+    assert close(rl.whiten(x, mask, shift_mean=False), [[-s + 2, 2.0, s + 2, 0.0]], tol=1e-4)
+
+
+def test_reward_shaping():
+    assert close(rl.shape_scores(T([1.0, -30.0]), scale=2.0, bias=0.5, clip=2.0), [2.0, -2.0])
+    assert close(rl.shape_scores(T([-30.0]), clip=20.0), [-20.0])
+    assert close(rl.shape_scores(T([-30.0])), [-30.0])
+    scores, ended, lengths = T([1.0, 1.0, 1.0]), T([True, False, True]), T([5, 5, 1])
+    assert close(rl.length_penalties(scores, ended, lengths, no_eos="keep", min_length=3), [1, 1, -1])
+    assert close(rl.length_penalties(scores, ended, lengths, no_eos="zero", min_length=3), [1, 0, -1])
+    assert close(rl.length_penalties(scores, ended, lengths, no_eos="penalty", penalty=-3.0), [1, -3, 1])
+    with pytest.raises(ValueError, match="allowed"):
+        rl.length_penalties(scores, ended, lengths, no_eos="drop")
+
+
+def test_ratio_cap_ignores_masked_tokens():
+    old = T([[0.0, 0.0]])
+    logp = T([[math.log(6.0), 0.0]])
+    assert rl.ratio_exceeds_cap(logp, old, T([[1.0, 1.0]]), cap=5.0)
+    assert not rl.ratio_exceeds_cap(logp, old, T([[0.0, 1.0]]), cap=5.0)
+    assert not rl.ratio_exceeds_cap(logp, old, T([[1.0, 1.0]]), cap=0.0)   # 0 = off
+
+
+def test_ema_update_and_pass_at_k():
+    ref, pol = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(ref.weight)
+    torch.nn.init.ones_(pol.weight)
+    rl.ema_update(ref, pol, 0.0)
+    assert ref.weight.item() == 0.0
+    rl.ema_update(ref, pol, 0.1)
+    assert ref.weight.item() == pytest.approx(0.1)
+    # pass@2 of 4 samples: 1 correct -> 1 - C(3,2)/C(4,2) = .5; 2 correct -> 1 - 1/6
+    assert rl.mean_pass_at_k([[True, False, False, False], [True, True, False, False]], 2) == pytest.approx(
+        (0.5 + 5 / 6) / 2)
+    assert rl.mean_pass_at_k([[True, False]], 1) == pytest.approx(0.5)
