@@ -1,0 +1,244 @@
+"""The report card: report.md with system info, provenance, params, timings, the summary table and plots.
+
+    from chatpipe.report import summary_table, render_report, plot_curves, stage_runs
+    table = summary_table(json.loads(Path("artifacts/eval/results.json").read_text()))
+    runs = stage_runs(MlflowClient(), experiment_id, parent_run_id)    # {stage: Run}
+    plot_curves(client, runs, "loss", Path("artifacts/report/loss.png"))
+
+Numbers come from ``artifacts/eval/results.json`` (written by the eval stage, each stage's numbers
+tagged with the git commit and dvc.lock hashes they came from) and from MLflow (wall times, curves).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Summary table: row label -> (where in a stage's eval results, key)
+ROWS: list[tuple[str, str, str]] = [
+    ("CORE", "core", "core"),
+    ("ARC-E", "chatcore", "ARC-Easy"),
+    ("ARC-C", "chatcore", "ARC-Challenge"),
+    ("MMLU", "chatcore", "MMLU"),
+    ("GSM8K", "chatcore", "GSM8K"),
+    ("HumanEval", "chatcore", "HumanEval"),
+    ("SpellingBee", "chatcore", "SpellingBee"),
+    ("ChatCORE", "chatcore", "chatcore"),
+]
+COLUMNS = ["base", "mid", "sft", "rl"]
+# dvc.yaml stages whose MLflow runs report on (in pipeline order)
+PIPELINE_STAGES = ["data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval"]
+# which curves go in which plot: metric-name fragment per plot
+CURVES = {"loss": "loss", "bpb": "bpb", "reward": "reward"}
+
+
+def system_info() -> dict[str, Any]:
+    """CPU, GPU, memory and library versions of this machine."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        mem_gb = float("nan")
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": cpu, "cpu_count": os.cpu_count(), "memory_gb": round(mem_gb, 1),
+            "gpus": ", ".join(gpus) or "none"}
+
+
+def dvc_lock_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
+    """Per-stage hash of its dvc.lock entry (deps, params, outs), plus ``dvc.lock`` for the whole file."""
+    from chatpipe.tracking import dvc_lock_hash, dvc_stage_hash
+
+    if not path.exists():
+        return {"dvc.lock": "none"}
+    stages = (yaml.safe_load(path.read_text()) or {}).get("stages", {}) or {}
+    return {"dvc.lock": dvc_lock_hash(path), **{s: dvc_stage_hash(s, path) for s in stages}}
+
+
+def _cell(stage_results: dict | None, where: str, key: str) -> float | None:
+    if not stage_results:
+        return None
+    block = stage_results.get(where) or {}
+    if key in ("core", "chatcore"):
+        return block.get(key)
+    task = (block.get("tasks") or {}).get(key)
+    return None if task is None else task.get("accuracy")
+
+
+def summary_values(results: dict) -> dict[str, dict[str, float | None]]:
+    """``{row: {column: value or None}}`` from the eval results document."""
+    stages = results.get("stages", {})
+    return {row: {col: _cell(stages.get(col), where, key) for col in COLUMNS} for row, where, key in ROWS}
+
+
+def summary_table(results: dict) -> str:
+    """The markdown summary table: rows CORE .. ChatCORE, columns BASE MID SFT RL (blank = not run)."""
+    values = summary_values(results)
+    lines = ["| metric | " + " | ".join(c.upper() for c in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    for row, _, _ in ROWS:
+        cells = ["" if values[row][c] is None else f"{values[row][c]:.4f}" for c in COLUMNS]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def provenance_lines(results: dict) -> list[str]:
+    """One line per evaluated stage: the commit, dvc.lock hash and model hash its numbers came from."""
+    out = []
+    for col in COLUMNS:
+        r = results.get("stages", {}).get(col)
+        if r:
+            out.append(f"- {col.upper()}: git `{r.get('git_commit')}`, dvc.lock `{r.get('dvc_lock')}`, "
+                       f"model stage lock entry `{r.get('dvc_stage_hash')}`, "
+                       f"model.pt sha256 `{(r.get('model_sha256') or '')[:12]}`")
+    return out
+
+
+def stage_runs(client: Any, experiment_id: str, parent_run_id: str | None) -> dict[str, Any]:
+    """The MLflow run of each pipeline stage: nested under the parent when there, else the newest one.
+
+    A stage DVC skipped in this pipeline run has no nested run; its newest earlier run stands in.
+    """
+    runs: dict[str, Any] = {}
+    if parent_run_id:
+        for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                      order_by=["attributes.start_time DESC"], max_results=500):
+            runs.setdefault(run.data.tags.get("stage", run.info.run_name), run)
+    for stage in PIPELINE_STAGES:
+        if stage not in runs:
+            found = client.search_runs([experiment_id], f"tags.stage = '{stage}'",
+                                       order_by=["attributes.start_time DESC"], max_results=1)
+            if found:
+                runs[stage] = found[0]
+    return {s: runs[s] for s in PIPELINE_STAGES if s in runs}
+
+
+def wall_seconds(run: Any, now_ms: int | None = None) -> float:
+    """Wall time of a run (to now if it has not ended)."""
+    end = run.info.end_time or now_ms or int(time.time() * 1000)
+    return max(0.0, (end - run.info.start_time) / 1000.0)
+
+
+def timing_table(runs: dict[str, Any], cost_per_hour: float) -> tuple[str, float, float]:
+    """Markdown table of wall time and estimated cost per stage; returns (table, total s, total cost)."""
+    lines = ["| stage | wall time | est. cost (USD) | run id |", "|---|---|---|---|"]
+    total = 0.0
+    for stage, run in runs.items():
+        s = wall_seconds(run)
+        total += s
+        lines.append(f"| {stage} | {format_seconds(s)} | {s / 3600 * cost_per_hour:.2f} | `{run.info.run_id[:8]}` |")
+    total_cost = total / 3600 * cost_per_hour
+    lines.append(f"| **total** | **{format_seconds(total)}** | **{total_cost:.2f}** | |")
+    return "\n".join(lines), total, total_cost
+
+
+def format_seconds(s: float) -> str:
+    """``1h 02m 03s`` / ``2m 03s`` / ``4.2s``."""
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {sec:02d}s" if h else f"{m}m {sec:02d}s"
+
+
+def curve_series(client: Any, runs: dict[str, Any], fragment: str) -> list[tuple[str, list[int], list[float]]]:
+    """(label, steps, values) for every metric whose name contains ``fragment`` and has >= 2 points."""
+    series = []
+    for stage, run in runs.items():
+        for key in sorted(run.data.metrics):
+            if fragment not in key:
+                continue
+            history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+            if len(history) >= 2:
+                series.append((f"{stage}: {key}", [m.step for m in history], [m.value for m in history]))
+    return series
+
+
+def plot_curves(client: Any, runs: dict[str, Any], name: str, path: Path) -> bool:
+    """Draw the ``name`` curves (see :data:`CURVES`) of all stages into a PNG; False if there are none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = curve_series(client, runs, CURVES[name])
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for label, steps, values in series:
+        ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel(name)
+    ax.set_title(f"{name} curves")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+def render_report(*, results: dict, system: dict, locks: dict[str, str], params: dict[str, Any],
+                  timings: str, plots: list[str], title: str = "chatpipe report") -> str:
+    """The whole report.md as a string."""
+    parts = [f"# {title}", ""]
+    parts += [f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; profile `{results.get('profile', '?')}`; "
+              f"git commit `{results.get('git_commit', '?')}`.", ""]
+    parts += ["## Summary", "", summary_table(results), "",
+              "CORE: mean centered accuracy of the in-context tasks; ARC/MMLU/GSM8K/HumanEval/SpellingBee: "
+              "accuracy (pass@k for generative tasks); ChatCORE: mean centered accuracy. Blank: not evaluated.", ""]
+    prov = provenance_lines(results)
+    if prov:
+        parts += ["Where each column's numbers came from:", "", *prov, ""]
+    skipped = _skipped(results)
+    if skipped:
+        parts += ["Not evaluated:", "", *skipped, ""]
+    parts += ["## System", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in system.items()], ""]
+    parts += ["## Provenance (dvc.lock)", "", "| stage | hash |", "|---|---|",
+              *[f"| {k} | `{v}` |" for k, v in locks.items()], ""]
+    parts += ["## Wall time and cost", "", timings, ""]
+    parts += ["## Per-stage results", ""]
+    for col in COLUMNS:
+        r = results.get("stages", {}).get(col)
+        if not r:
+            continue
+        parts += [f"### {col.upper()}", "", f"- val bpb: {r['bpb']:.4f}"]
+        for label, t in ((r.get("core") or {}).get("tasks") or {}).items():
+            parts.append(f"- CORE {label}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
+                         f"({t['num_examples']} items)")
+        for name, t in ((r.get("chatcore") or {}).get("tasks") or {}).items():
+            parts.append(f"- {name}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
+                         f"({t['num_examples']} items)")
+        parts.append("")
+    if plots:
+        parts += ["## Curves", "", *[f"![{Path(p).stem}]({p})" for p in plots], ""]
+    parts += ["## Params", ""]
+    for section, values in params.items():
+        parts += [f"### {section}", "", "```yaml", yaml.safe_dump(values, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
+def _skipped(results: dict) -> list[str]:
+    out = []
+    for col in COLUMNS:
+        r = results.get("stages", {}).get(col) or {}
+        for kind in ("core", "chatcore"):
+            for name, why in ((r.get(kind) or {}).get("skipped") or {}).items():
+                out.append(f"- {col.upper()} {name}: {why}")
+    return out

@@ -1,0 +1,211 @@
+"""Eval stage: bits per byte, CORE and ChatCORE of every model stage that exists.
+
+    python -m stages.eval                                       # one process
+    torchrun --nproc_per_node=2 -m stages.eval                  # items split across ranks
+    python -m chatpipe.launch eval -- --max_per_task=20         # through torchx, as DVC does
+    CHATPIPE_EVAL__CORE_BUNDLE_DIR=../shared/data/core python -m stages.eval --stages='["base"]'
+
+For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.stages``):
+- bpb on the pretraining val text (``eval.bpb_tokens`` tokens),
+- CORE (``eval.core_stages``): the tasks of ``eval.core_config`` found in ``eval.core_bundle_dir``
+  and, with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/core_tinyworld.py),
+- ChatCORE (``eval.chatcore_stages``): ``eval.chatcore_tasks`` from chatpipe.tasks.
+
+Writes ``artifacts/eval/results.json`` (every number with the git commit and the dvc.lock hash
+of the model stage it came from) and logs the same numbers as MLflow metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from chatpipe import runtime, tracking
+from chatpipe.chatcore import evaluate_chatcore
+from chatpipe.checkpoint import ARTIFACTS, WORK, fingerprint, load_model, replace_dir, sha256_file, write_json_atomic
+from chatpipe.core import DEFAULT_CONFIG, evaluate_core, load_core_config
+from chatpipe.core_tinyworld import write_tinyworld_bundle
+from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.settings import EvalSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.tokenizer import Tokenizer
+from chatpipe.trainloop import evaluate_bpb, fixed_batches
+
+log = logging.getLogger("eval")
+# model dir under artifacts/ -> the dvc.yaml stage that writes it (for provenance)
+PRODUCER = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
+OUT = ARTIFACTS / "eval"
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- settings
+    cfg = load_section(EvalSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    rt = runtime.init(cfg.device, cfg.dtype)
+    try:
+        evaluate(cfg, rt)
+    finally:
+        runtime.shutdown()
+
+
+def val_docs(tok: Tokenizer, work: Path, rt: runtime.Runtime) -> TokenDocs:
+    """The pretraining val split, tokenized once into ``work`` (train shards are left alone)."""
+    data_dir, text_dir = ARTIFACTS / "data", work / "val_text"
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    if rt.is_main:  # a dir of links to the val shards only, so tokenize_shards skips the train text
+        text_dir.mkdir(parents=True, exist_ok=True)
+        for old in text_dir.glob("*.parquet"):
+            old.unlink()
+        for shard in sorted(data_dir.glob("val_*.parquet")):
+            (text_dir / shard.name).symlink_to(shard.resolve())
+    runtime.barrier()
+    fp = fingerprint({"tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"), "data": manifest})
+    tokenize_shards(text_dir, tok, work / "tokens", fingerprint=fp, rank=rt.rank, world_size=rt.world_size)
+    return TokenDocs(work / "tokens", "val")
+
+
+def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tuple[list, Path]]:
+    """(task configs, bundle dir) pairs to run: the configured bundle and the tiny-world tasks."""
+    suites = []
+    if cfg.core_bundle_dir:
+        config = load_core_config(Path(cfg.core_config) if cfg.core_config else DEFAULT_CONFIG)
+        if cfg.core_tasks:
+            known = {t.label for t in config}
+            unknown = [x for x in cfg.core_tasks if x not in known]
+            if unknown:
+                raise ValueError(f"eval.core_tasks = {unknown}: not in the CORE config; allowed: {sorted(known)}")
+            config = [t for t in config if t.label in cfg.core_tasks]
+        bundle = Path(cfg.core_bundle_dir)
+        if not bundle.is_dir():
+            raise FileNotFoundError(f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory")
+        suites.append((config, bundle))
+    if cfg.core_tinyworld:
+        if rt.is_main:
+            write_tinyworld_bundle(work / "tinyworld", seed=cfg.seed, n=cfg.tinyworld_examples)
+        runtime.barrier()
+        suites.append((load_core_config(work / "tinyworld" / "core_tasks.yaml"), work / "tinyworld"))
+    return suites
+
+
+def chat_tasks(cfg: EvalSettings) -> tuple[dict, dict[str, str]]:
+    """The ChatCORE tasks to run, and {name: reason} for those whose data is not available here."""
+    from chatpipe.tasks import build_task  # only chat stages need the task package
+
+    tasks, skipped = {}, {}
+    for name, spec in cfg.chatcore_tasks.items():
+        kw = {k: v for k, v in spec.items() if k != "task"}
+        kw.setdefault("split", cfg.chatcore_split)
+        try:
+            tasks[name] = build_task(spec["task"], **kw)
+        except (FileNotFoundError, ImportError, OSError) as e:
+            skipped[name] = f"{spec['task']}: {e}"
+            log.warning("ChatCORE task %s skipped: %s", name, e)
+    return tasks, skipped
+
+
+def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
+    work = WORK / "eval"
+    tok = Tokenizer.load(ARTIFACTS / "tokenizer")
+    token_bytes = torch.load(ARTIFACTS / "tokenizer" / "token_bytes.pt").to(rt.device)
+    present = [s for s in cfg.stages if (ARTIFACTS / s / "meta.json").exists()]
+    if not present:
+        raise FileNotFoundError(f"none of {[str(ARTIFACTS / s) for s in cfg.stages]} holds a model; "
+                                "run pretrain first")
+    log.info("evaluating %s", ", ".join(present))
+
+    # --- inputs shared by every model
+    docs = val_docs(tok, work, rt)
+    suites = core_suites(cfg, work, rt) if set(present) & set(cfg.core_stages) else []
+    tasks, chat_skipped = chat_tasks(cfg) if set(present) & set(cfg.chatcore_stages) else ({}, {})
+    max_per_task = cfg.max_per_task or None
+    commit, lock = tracking.git_commit(), tracking.dvc_lock_hash()
+
+    results: dict[str, dict] = {}
+    with tracking.stage_run("eval", load_section(TrackingSettings), {"eval": snapshot(cfg), "stages": present},
+                            profile=active_profile(), enabled=rt.is_main) as run:
+        for stage in present:
+            model, meta = load_model(ARTIFACTS / stage, rt.device)
+            seq_len = model.config.sequence_len
+            r: dict = {"model_sha256": meta.get("files", {}).get("model.pt"), "git_commit": commit,
+                       "dvc_lock": lock, "dvc_stage_hash": tracking.dvc_stage_hash(PRODUCER[stage])}
+
+            # --- bits per byte on val text
+            steps = max(1, cfg.bpb_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
+            loader = RowLoader(docs, batch_size=cfg.device_batch_size, seq_len=seq_len, rank=rt.rank,
+                               world_size=rt.world_size, device=rt.device)
+            r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), token_bytes, rt)
+            log.info("%s | val bpb %.4f", stage, r["bpb"])
+
+            # --- CORE
+            if stage in cfg.core_stages and suites:
+                core_tasks, skipped = {}, {}
+                for config, bundle in suites:
+                    with rt.autocast():
+                        out = evaluate_core(model, tok, config, bundle, device=rt.device, max_seq_len=seq_len,
+                                            max_per_task=max_per_task, rank=rt.rank, world_size=rt.world_size)
+                    core_tasks.update(out["tasks"])
+                    skipped.update(out["skipped"])
+                core = sum(t["centered"] for t in core_tasks.values()) / len(core_tasks) if core_tasks else None
+                r["core"] = {"core": core, "tasks": core_tasks, "skipped": skipped}
+                for label, t in core_tasks.items():
+                    log.info("%s | CORE %-28s acc %.3f centered %+.3f (%d items, %.1fs)", stage, label,
+                             t["accuracy"], t["centered"], t["num_examples"], t["seconds"])
+                log.info("%s | CORE %s over %d tasks (%d skipped)", stage, core, len(core_tasks), len(skipped))
+
+            # --- ChatCORE
+            if stage in cfg.chatcore_stages and tasks:
+                with rt.autocast():
+                    out = evaluate_chatcore(
+                        model, tok, tasks, device=rt.device, max_per_task=max_per_task,
+                        max_generative=cfg.generative_max_per_task or None, rank=rt.rank,
+                        world_size=rt.world_size, num_samples=cfg.num_samples, k=cfg.pass_k,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None,
+                        seed=cfg.seed)
+                r["chatcore"] = {**out, "skipped": chat_skipped}
+                for name, t in out["tasks"].items():
+                    log.info("%s | %-13s acc %.3f centered %+.3f (%d items, %.1fs)", stage, name, t["accuracy"],
+                             t["centered"], t["num_examples"], t["seconds"])
+                log.info("%s | ChatCORE %.4f", stage, out["chatcore"])
+            results[stage] = r
+            if run is not None:
+                import mlflow
+                mlflow.log_metrics(stage_metrics(stage, r))
+            del model
+
+        # --- write results (DVC out) and attach them to the MLflow run
+        if rt.is_main:
+            doc = {"git_commit": commit, "dvc_lock": lock, "profile": active_profile(), "settings": snapshot(cfg),
+                   "stages": results}
+            tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
+            tmp.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(tmp / "results.json", doc)
+            replace_dir(tmp, OUT)
+            if run is not None:
+                import mlflow
+                mlflow.log_artifact(str(OUT / "results.json"))
+            log.info("wrote %s", OUT / "results.json")
+    runtime.barrier()
+
+
+def stage_metrics(stage: str, r: dict) -> dict[str, float]:
+    """Flat MLflow metrics of one model's results, e.g. ``base/bpb``, ``base/CORE``, ``sft/GSM8K``."""
+    m = {f"{stage}/bpb": r["bpb"]}
+    core = r.get("core") or {}
+    if core.get("core") is not None:
+        m[f"{stage}/CORE"] = core["core"]
+    for label, t in core.get("tasks", {}).items():
+        m[f"{stage}/core/{label}"] = t["centered"]
+    chat = r.get("chatcore") or {}
+    if chat.get("chatcore") is not None:
+        m[f"{stage}/ChatCORE"] = chat["chatcore"]
+    for name, t in chat.get("tasks", {}).items():
+        m[f"{stage}/{name}"] = t["accuracy"]
+    return m
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Report stage: report.md + plots from the eval results and MLflow, and the final model registered.
+
+    python -m stages.report
+    python -m chatpipe.launch report          # as DVC does (one worker)
+
+Reads ``artifacts/eval/results.json``, ``dvc.lock``, params.yaml and the MLflow runs of every stage
+(nested under the flow's parent run ``CHATPIPE_PARENT_RUN_ID`` when there is one, else the newest
+run of each stage). Writes ``artifacts/report/`` (report.md, report.json, loss/bpb/reward PNGs),
+logs it as artifacts of the parent run (or of its own run without a parent), and registers the
+last model stage that exists (rl > sft > mid > base) in the MLflow model registry with its metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from chatpipe import runtime, tracking
+from chatpipe.checkpoint import ARTIFACTS, replace_dir, write_json_atomic
+from chatpipe.report import (COLUMNS, CURVES, dvc_lock_hashes, plot_curves, render_report, stage_runs, summary_values,
+                             system_info, timing_table)
+from chatpipe.settings import (ReportSettings, TrackingSettings, active_profile, load_section, resolve_params, snapshot,
+                               validate_all)
+
+log = logging.getLogger("report")
+OUT = ARTIFACTS / "report"
+PARAM_SECTIONS = ["data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_section(ReportSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    runtime.setup_logging()
+    report(cfg)
+
+
+def report(cfg: ReportSettings) -> None:
+    results_path = ARTIFACTS / "eval" / "results.json"
+    if not results_path.exists():
+        raise FileNotFoundError(f"{results_path} not found: run the eval stage first")
+    results = json.loads(results_path.read_text())
+    track = load_section(TrackingSettings)
+    parent_id = os.environ.get(tracking.PARENT_ENV) or None
+    tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    with tracking.stage_run("report", track, {"report": snapshot(cfg)}, profile=active_profile()) as run:
+        # --- curves and wall times from MLflow
+        plots, timings = [], "(MLflow tracking disabled: no timings)"
+        if run is not None:
+            import mlflow
+
+            client = mlflow.MlflowClient()
+            runs = stage_runs(client, run.info.experiment_id, parent_id)
+            plots = [f"{name}.png" for name in CURVES if plot_curves(client, runs, name, tmp / f"{name}.png")]
+            timings, total_s, total_cost = timing_table(runs, cfg.cost_per_hour)
+            mlflow.log_metrics({"pipeline/wall_seconds": total_s, "pipeline/est_cost_usd": total_cost})
+
+        # --- report.md
+        resolved = resolve_params()
+        params = {s: resolved[s] for s in PARAM_SECTIONS if s in resolved}
+        locks = dvc_lock_hashes()
+        text = render_report(results=results, system=system_info(), locks=locks, params=params, timings=timings,
+                             plots=plots)
+        (tmp / "report.md").write_text(text)
+        write_json_atomic(tmp / "report.json", {"summary": summary_values(results), "dvc_lock": locks,
+                                                "git_commit": results.get("git_commit"), "plots": plots})
+        replace_dir(tmp, OUT)
+        log.info("wrote %s (%d plots)", OUT / "report.md", len(plots))
+
+        # --- MLflow: report on the parent run, final model in the registry
+        if run is not None:
+            import mlflow
+
+            client = mlflow.MlflowClient()
+            client.log_artifacts(parent_id or run.info.run_id, str(OUT), "report")
+            values = summary_values(results)
+            mlflow.log_metrics({f"summary/{row}/{col}": v for row, cols in values.items()
+                                for col, v in cols.items() if v is not None})
+            if cfg.register_model:
+                register_final_model(client, run, cfg.model_name, results, values)
+
+
+def register_final_model(client, run, name: str, results: dict, values: dict) -> None:
+    """Log the last model stage's files on ``run`` and register them as a new version of ``name``."""
+    final = next((s for s in reversed(COLUMNS) if (ARTIFACTS / s / "model.pt").exists()), None)
+    if final is None:
+        log.warning("no model dir to register")
+        return
+    client.log_artifacts(run.info.run_id, str(ARTIFACTS / final), "model")
+    if not client.search_registered_models(f"name = '{name}'"):
+        client.create_registered_model(name, description="chatpipe chat model (final stage of the pipeline)")
+    r = results.get("stages", {}).get(final, {})
+    tags = {"stage": final, "git_commit": str(r.get("git_commit")), "dvc_lock": str(r.get("dvc_lock")),
+            "model_sha256": str(r.get("model_sha256")), "bpb": f"{r.get('bpb', float('nan')):.4f}",
+            **{row: f"{cols[final]:.4f}" for row, cols in values.items() if cols.get(final) is not None}}
+    version = client.create_model_version(name, f"{run.info.artifact_uri}/model", run_id=run.info.run_id, tags=tags)
+    log.info("registered %s version %s from artifacts/%s", name, version.version, final)
+
+
+if __name__ == "__main__":
+    main()
