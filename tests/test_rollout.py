@@ -1,0 +1,149 @@
+"""Rollouts: disjoint prompts per rank, masks for prompt / tool output / padding, log-probs, the critic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatpipe.engine import Engine
+from chatpipe.model import GPT, GPTConfig
+from chatpipe.rewards import exact_answer
+from chatpipe.rollout import Problem, collect_rollouts, load_problems, rank_indices, token_logprobs
+from chatpipe.tokenizer import Tokenizer
+from chatpipe.value import ValueModel, token_values
+
+TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})  # bytes only + the chat specials
+
+
+def test_rank_indices_disjoint_across_ranks_and_steps():
+    n, per_rank, world = 50, 4, 3
+    steps_per_epoch = n // (per_rank * world)   # 4
+    seen_in_epoch: set[int] = set()
+    for step in range(steps_per_epoch):
+        picks = [rank_indices(n, step, per_rank, r, world, seed=7) for r in range(world)]
+        flat = [i for p in picks for i in p]
+        assert all(len(p) == per_rank for p in picks)
+        assert len(set(flat)) == len(flat), f"step {step}: ranks overlap"
+        assert not seen_in_epoch & set(flat), "a problem came back within one epoch"
+        seen_in_epoch |= set(flat)
+    # a new epoch reshuffles; the same call is deterministic
+    assert rank_indices(n, steps_per_epoch, per_rank, 0, world, 7) != rank_indices(n, 0, per_rank, 0, world, 7)
+    assert rank_indices(n, 5, per_rank, 1, world, 7) == rank_indices(n, 5, per_rank, 1, world, 7)
+    with pytest.raises(ValueError, match="prompts per step"):
+        rank_indices(10, 0, 4, 0, 3, 0)
+
+
+class ScriptedModel(torch.nn.Module):
+    """Emits a fixed continuation after the prompt, whatever the prompt says (logit 50 on the script)."""
+
+    def __init__(self, script: list[int], prompt_len: int, vocab: int) -> None:
+        super().__init__()
+        self.config = GPTConfig(sequence_len=256, vocab_size=vocab, n_layer=1, n_head=1, n_kv_head=1, n_embd=8)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.script, self.prompt_len, self.vocab = script, prompt_len, vocab
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        b, t = idx.shape
+        t0 = kv_cache.pos if kv_cache is not None else 0
+        logits = torch.zeros(b, t, self.vocab)
+        for j in range(t):
+            k = t0 + j + 1 - self.prompt_len   # index into the script of the token predicted here
+            if 0 <= k < len(self.script):
+                logits[:, j, self.script[k]] = 50.0
+        if kv_cache is not None:
+            kv_cache.advance(t)
+        return logits
+
+
+def conv(question: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": f"#### {answer}"}]}
+
+
+def test_collect_rollouts_masks_scores_and_padding():
+    sp = TOK.special_ids
+    enc = TOK.encode
+    # the model calls the calculator with 2+3; the engine forces <|output_start|>5<|output_end|>
+    script = [sp["<|python_start|>"], *enc("2+3"), sp["<|python_end|>"], sp["<|output_start|>"], *enc("5"),
+              sp["<|output_end|>"], *enc("#### 5"), sp["<|assistant_end|>"]]
+    long_q, short_q = "what is 2+3?", "2+3"
+    problems = [Problem(conv(long_q, "5"), lambda text: exact_answer(text, "5")),
+                Problem(conv(short_q, "6"), lambda text: exact_answer(text, "6"))]
+    prompt_len = len(TOK.render_for_completion(problems[0].conversation))
+    short_len = len(TOK.render_for_completion(problems[1].conversation))
+    model = ScriptedModel(script, prompt_len, TOK.vocab_size)
+    batch = collect_rollouts(Engine(model, TOK), problems[:1], group_size=2, max_new_tokens=40, seed=0)
+    n_forced = 3
+    assert batch.scores.tolist() == [1.0, 1.0]
+    assert batch.ended.tolist() == [True, True]
+    assert batch.lengths.tolist() == [len(script) - n_forced] * 2
+    assert batch.groups.tolist() == [0, 0]
+    assert batch.completions[0].endswith("#### 5")
+    # targets are the next tokens; the mask is 1 exactly on the sampled ones
+    row_mask, row_targets = batch.mask[0], batch.targets[0]
+    assert row_mask[:prompt_len - 1].sum() == 0          # prompt
+    assert row_mask.sum() == len(script) - n_forced
+    forced = row_targets[row_mask == 0][prompt_len - 1:].tolist()
+    assert forced == [sp["<|output_start|>"], *enc("5"), sp["<|output_end|>"]]
+
+    # two prompts of different length: the shorter rows are padded, padding is masked out
+    model_b = ScriptedModel(script, short_len, TOK.vocab_size)
+    both = collect_rollouts(Engine(model_b, TOK), problems[1:] + problems[1:], group_size=1, max_new_tokens=40,
+                            seed=0)
+    assert both.scores.tolist() == [0.0, 0.0]     # answered 5, gold is 6
+    assert both.groups.tolist() == [0, 1]
+
+    # cut at max_new_tokens: not ended
+    cut = collect_rollouts(Engine(model, TOK), problems[:1], group_size=1, max_new_tokens=4, seed=0)
+    assert cut.ended.tolist() == [False] and cut.scores.tolist() == [0.0]
+
+
+def test_collect_rollouts_pads_rows_of_unequal_length():
+    problems = [Problem(conv("a much longer question here", "1"), lambda t: 0.0), Problem(conv("q", "1"), lambda t: 0.0)]
+    lens = [len(TOK.render_for_completion(p.conversation)) for p in problems]
+    model = ScriptedModel([], 0, TOK.vocab_size)   # flat logits: random tokens
+    batch = collect_rollouts(Engine(model, TOK), problems, group_size=1, max_new_tokens=3, seed=0)
+    assert batch.inputs.shape[1] >= max(lens) - 1
+    assert batch.mask[1, lens[1] + 3:].sum() == 0   # past the short row's end is padding
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=TOK.vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_token_logprobs_match_log_softmax_and_chunking():
+    model = tiny_gpt()
+    x = torch.randint(0, 256, (5, 12))
+    y = torch.randint(0, 256, (5, 12))
+    want = torch.log_softmax(model(x), dim=-1).gather(-1, y[..., None]).squeeze(-1)
+    assert torch.allclose(token_logprobs(model, x, y), want, atol=1e-5)
+    assert torch.allclose(token_logprobs(model, x, y, micro_batch=2), want, atol=1e-5)
+
+
+def test_value_model_is_an_independent_copy_with_zero_head():
+    policy = tiny_gpt()
+    critic = ValueModel.from_policy(policy)
+    x = torch.randint(0, 256, (3, 10))
+    assert token_values(critic, x, micro_batch=2).shape == (3, 10)
+    assert torch.all(critic(x) == 0)    # zero head: every first value is 0
+    trainable = [p for p in critic.parameters() if p.requires_grad]
+    grouped = [p for ps in critic.param_groups().values() for p in ps]
+    assert len(grouped) == len(trainable) and {id(p) for p in grouped} == {id(p) for p in trainable}
+    assert not critic.trunk.lm_head.weight.requires_grad
+    with torch.no_grad():
+        critic.trunk.wte.weight.add_(1.0)
+    assert not torch.equal(critic.trunk.wte.weight, policy.wte.weight)
+
+
+def test_load_problems_tinyworld_held_out():
+    train = load_problems("tinyworld_arith", "train", 20, seed=0)
+    val = load_problems("tinyworld_arith", "val", 10, seed=0)
+    questions = {p.conversation["messages"][0]["content"] for p in train}
+    assert not questions & {p.conversation["messages"][0]["content"] for p in val}
+    gold = val[0].conversation["messages"][-1]["content"][-1]["text"]
+    assert val[0].score(gold) == 1.0 and val[0].score("#### -1") == 0.0
