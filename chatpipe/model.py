@@ -280,14 +280,9 @@ class GPT(nn.Module):
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.cos, self.sin = cos, sin
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                loss_reduction: str = "mean") -> torch.Tensor:
-        """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).
-
-        ``loss_reduction="none"`` returns per-token losses [B, T] (0.0 where ignored). With a
-        ``kv_cache``, positions continue from ``kv_cache.pos`` and the new keys/values are appended.
-        """
-        b, t = idx.shape
+    def hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too)."""
+        t = idx.size(1)
         t0 = kv_cache.pos if kv_cache is not None else 0
         if t0 + t > self.cos.size(2):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
@@ -298,7 +293,17 @@ class GPT(nn.Module):
             x = block(x, cos, sin, masks[window], kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)
-        logits = self.lm_head(norm(x)).float()
+        return norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                loss_reduction: str = "mean") -> torch.Tensor:
+        """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).
+
+        ``loss_reduction="none"`` returns per-token losses [B, T] (0.0 where ignored). With a
+        ``kv_cache``, positions continue from ``kv_cache.pos`` and the new keys/values are appended.
+        """
+        b, t = idx.shape
+        logits = self.lm_head(self.hidden(idx, kv_cache)).float()
         logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         if targets is None:
             return logits
