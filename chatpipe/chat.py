@@ -61,7 +61,7 @@ def prompt_for(tokenizer: Any, model: Any, messages: list[dict[str, Any]], max_t
 
 def _bracket(prev: str, new: str) -> str:
     """What to print between parts so a tool call reads ``[calc: 12+7 = 19]``."""
-    close = "] " if prev != "text" and not (prev == "python" and new == "python_output") else ""
+    close = "]" if prev != "text" and not (prev == "python" and new == "python_output") else ""
     return close + {"python": "[calc: ", "python_output": " = " if prev == "python" else "[calc = "}.get(new, "")
 
 

@@ -166,7 +166,7 @@ class Engine:
         kinds = {self.python_start: "python", self.output_start: "python_output",
                  self.python_end: "text", self.output_end: "text"}
         stops = self.stop_ids(kw.get("stop_tokens"))
-        kind, part, shown = "text", [], ""
+        kind, pending = "text", []  # tokens not shown yet: they end inside a UTF-8 character
         for tokens, masks in self.generate(prompt_ids, num_samples=1, **kw):
             tok = tokens[0]
             stats["tokens"] += 1
@@ -174,15 +174,14 @@ class Engine:
                 stats["finish_reason"] = "stop"
                 break
             if tok in kinds:
-                if shown != (rest := self.tokenizer.decode(part)):
-                    yield kind, rest[len(shown):]
-                kind, part, shown = kinds[tok], [], ""
+                if pending:
+                    yield kind, self.tokenizer.decode(pending)
+                kind, pending = kinds[tok], []
                 continue
-            part.append(tok)
-            text = self.tokenizer.decode(part)
-            # a token can end mid-character: wait for the rest rather than show U+FFFD
-            if not text.endswith("\ufffd") and len(text) > len(shown):
-                yield kind, text[len(shown):]
-                shown = text
-        if shown != (rest := self.tokenizer.decode(part)):
-            yield kind, rest[len(shown):]
+            pending.append(tok)
+            text = self.tokenizer.decode(pending)
+            if not text.endswith("\ufffd"):
+                yield kind, text
+                pending = []
+        if pending:
+            yield kind, self.tokenizer.decode(pending)

@@ -1,0 +1,45 @@
+"""A tiny chat model for the CLI / server / browser tests, built in seconds with no download.
+
+``make_artifacts(root)`` writes ``root/tokenizer`` (BPE trained on tiny-world text) and
+``root/sft`` (a randomly initialised 2-layer GPT saved with save_model_dir), laid out like the
+pipeline's ``artifacts/``. The model never emits special tokens, so every reply runs to
+``max_tokens``: lengths are predictable and greedy (temperature 0) replies are deterministic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from chatpipe.checkpoint import save_model_dir
+from chatpipe.model import GPT, GPTConfig
+from chatpipe.settings import ServeSettings
+from chatpipe.synthetic import pretrain_documents
+from chatpipe.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+
+def make_artifacts(root: Path, seed: int = 0, sequence_len: int = 256) -> Path:
+    """Write tokenizer + a random ``sft`` model under ``root``; returns ``root``."""
+    tok = Tokenizer.train(pretrain_documents(seed, 200), vocab_size=512)
+    tok.save(root / "tokenizer")
+    config = GPTConfig(sequence_len=sequence_len, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=2,
+                       n_embd=64)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():  # non-trivial blocks and clear logit margins (zero-init would be an identity)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        # logit 0, never the max: special tokens (so no reply ends early) and tokens that are not
+        # printable ASCII (so replies read as words in the screenshot)
+        unreadable = [i for i in range(tok.vocab_size)
+                      if not all(32 <= c < 127 for c in tok.id_to_token_bytes(i)) or i >= tok.bos_id]
+        model.lm_head.weight[[tok.encode_special(s) for s in SPECIAL_TOKENS] + unreadable] = 0.0
+    save_model_dir(root / "sft", model, {"model_config": config.to_dict(), "stage": "sft", "step": 7})
+    return root
+
+
+def serve_settings(**kw) -> ServeSettings:
+    """ServeSettings from code defaults + ``kw`` (no params.yaml, no env), for tests."""
+    return ServeSettings.model_construct(**kw)
