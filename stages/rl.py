@@ -1,0 +1,322 @@
+"""RL stage: GRPO-lite or PPO on verifiable rewards (SPEC §8), starting from the SFT model.
+
+    python -m stages.rl                                   # one process, params.yaml `rl` section
+    python -m stages.rl --algorithm=ppo --max_steps=20
+    torchrun --nproc_per_node=2 -m stages.rl              # each rank samples its own prompts
+    python -m chatpipe.launch rl                          # through torchx, as DVC does
+
+Per step every rank samples ``prompts_per_step / world_size`` problems x ``group_size`` responses
+with the engine (calculator tool use on) and scores them with the verifier. GRPO-lite takes one
+policy-gradient step with advantage = score - group mean. PPO adds a frozen reference policy (KL
+penalty folded into the token rewards), a critic (GAE) and clipped updates over epochs x
+minibatches. Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
+reference, optimizers, KL coefficient, step, RNG) in ``checkpoints/rl/``; the final policy goes to
+``artifacts/rl/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from chatpipe import rl, runtime, tracking
+from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, load_model,
+                                 save_checkpoint, save_model_dir, sha256_file)
+from chatpipe.engine import Engine
+from chatpipe.optim import apply_schedules, build_optimizers
+from chatpipe.rollout import Rollouts, collect_rollouts, evaluate_problems, load_problems, rank_indices, token_logprobs
+from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.tokenizer import Tokenizer
+from chatpipe.trainloop import OBSERVABILITY_KEYS
+from chatpipe.value import ValueModel, token_values
+
+log = logging.getLogger("rl")
+RL_OBSERVABILITY_KEYS = OBSERVABILITY_KEYS | {"eval_problems", "eval_samples", "eval_temperature"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- settings
+    cfg = load_section(RLSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    rt = runtime.init(cfg.device, cfg.dtype)
+    try:
+        train(cfg, rt)
+    finally:
+        runtime.shutdown()
+
+
+def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
+    work = WORK / "rl"
+    init_dir = Path(cfg.init_dir)
+    if cfg.prompts_per_step % rt.world_size:
+        raise ValueError(f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the "
+                         f"{rt.world_size} ranks")
+    per_rank = cfg.prompts_per_step // rt.world_size
+    use_critic = cfg.algorithm == "ppo" and not cfg.disable_value
+
+    # --- models: policy from the init stage, a frozen reference copy, a critic for PPO
+    tok = Tokenizer.load(ARTIFACTS / "tokenizer")
+    policy, init_meta = load_model(init_dir, rt.device)
+    policy.train()
+    ref = copy.deepcopy(policy).requires_grad_(False).eval()
+    critic = ValueModel.from_policy(policy) if use_critic else None
+    state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
+
+    # --- optimizers: a fraction of the init model's LRs, decayed linearly to 0
+    init_lrs = {k: init_meta.get("settings", {}).get(k, getattr(cfg, k))
+                for k in ("matrix_lr", "embedding_lr", "unembedding_lr")}
+    policy_opts = build_optimizers(policy, **{k: v * cfg.lr_frac for k, v in init_lrs.items()},
+                                   weight_decay=cfg.weight_decay)
+    critic_opts = build_optimizers(critic, **{k: v * cfg.value_lr_frac for k, v in init_lrs.items()},
+                                   weight_decay=cfg.weight_decay) if critic else []
+    kl_ctl = rl.KLController(cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target,
+                             horizon=cfg.kl_horizon)
+
+    # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
+    train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward)
+    eval_problems = load_problems(cfg.task, "val", cfg.eval_problems, cfg.seed, cfg.reward)[rt.rank::rt.world_size]
+
+    # --- resume from the newest checkpoint made with the same settings and init model
+    inputs = {"init": sha256_file(init_dir / "model.pt"), "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json")}
+    math_settings = {k: v for k, v in snapshot(cfg).items() if k not in RL_OBSERVABILITY_KEYS}
+    run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
+    start_step, prompt_log = 0, []
+    ckpt = latest_checkpoint(work, run_fp)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank,
+                               world_size=rt.world_size)
+        start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
+        log.info("resuming from %s (step %d)", ckpt, start_step)
+
+    train_policy = DDP(policy) if rt.world_size > 1 else policy
+    train_critic = (DDP(critic) if rt.world_size > 1 else critic) if critic else None
+    engine = Engine(policy, tok)
+
+    def pass_at_k() -> dict[str, float]:
+        policy.eval()
+        correct = evaluate_problems(engine, eval_problems, num_samples=cfg.eval_samples,
+                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
+                                    top_k=cfg.top_k or None, seed=cfg.seed + 10_000 * rt.rank)
+        policy.train()
+        ks = sorted({1, cfg.eval_samples})
+        sums = torch.tensor([len(correct)] + [rl.mean_pass_at_k(correct, k) * len(correct) if correct else 0.0
+                                              for k in ks], dtype=torch.float64, device=rt.device)
+        runtime.all_reduce_sum(sums)
+        return {f"eval/pass@{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
+
+    def checkpoint_meta() -> dict:
+        return {"stage": "rl", "fingerprint": run_fp, "world_size": rt.world_size, "kl_coef": kl_ctl.value,
+                "model_config": policy.config.to_dict(), "settings": snapshot(cfg), "inputs": inputs,
+                "init_dir": str(init_dir), "total_steps": cfg.max_steps,
+                "prompt_indices": prompt_log}
+
+    # --- loop
+    params = {"rl": snapshot(cfg), "model_config": policy.config.to_dict(), "world_size": rt.world_size,
+              "init_lrs": init_lrs}
+    with tracking.stage_run("rl", load_section(TrackingSettings), params, profile=active_profile(),
+                            enabled=rt.is_main) as run:
+        metrics = tracking.MetricBuffer(run)
+        step, evals, first_eval = start_step, {}, None
+        t_gen_total = t_train_total = 0.0
+        gen_tokens_total = 0
+        while True:
+            last = step == cfg.max_steps
+            if last or step == start_step or (cfg.eval_every and step % cfg.eval_every == 0):
+                evals = pass_at_k()
+                first_eval = first_eval or evals
+                metrics.log(evals, step)
+                log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in evals.items()))
+            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                save_checkpoint(work, step, model=state, optimizers=policy_opts + critic_opts,
+                                meta=checkpoint_meta(), rank=rt.rank, keep=cfg.keep_checkpoints)
+            if last:
+                break
+
+            lr_mult = 1.0 - step / cfg.max_steps
+            apply_schedules(policy_opts + critic_opts, lr_mult, None)
+
+            # rollouts: this rank's prompts x group_size samples, seeded by (seed, step, rank)
+            t0 = time.perf_counter()
+            idx = rank_indices(len(train_problems), step, per_rank, rt.rank, rt.world_size, cfg.seed)
+            prompt_log.append(gather(idx, rt))  # rank 0 keeps who sampled what (tests check no overlap)
+            policy.eval()
+            batch = collect_rollouts(engine, [train_problems[i] for i in idx], group_size=cfg.group_size,
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     top_k=cfg.top_k or None, device=rt.device,
+                                     seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank)
+            policy.train()
+            t_gen = time.perf_counter() - t0
+
+            # update
+            t1 = time.perf_counter()
+            scores = rl.shape_scores(rl.length_penalties(batch.scores, batch.ended, batch.lengths, no_eos=cfg.no_eos,
+                                                         penalty=cfg.length_penalty,
+                                                         min_length=cfg.min_response_length),
+                                     scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip)
+            if cfg.algorithm == "grpo":
+                stats = grpo_update(cfg, rt, train_policy, policy_opts, batch, scores, per_rank)
+            else:
+                stats = ppo_update(cfg, rt, train_policy, ref, train_critic, policy_opts, critic_opts, batch,
+                                   scores, per_rank, kl_ctl, step)
+                rl.ema_update(ref, policy, cfg.ref_ema)
+            t_train = time.perf_counter() - t1
+            step += 1
+
+            # metrics, summed over ranks
+            sums = torch.tensor([batch.scores.sum().item(), float(len(batch.scores)), float(batch.lengths.sum()),
+                                 batch.ended.float().sum().item(), float(batch.num_tokens), stats.pop("kl_sum", 0.0)],
+                                dtype=torch.float64, device=rt.device)
+            runtime.all_reduce_sum(sums)
+            n = sums[1].item()
+            gen_tokens_total += int(sums[4].item())
+            t_gen_total, t_train_total = t_gen_total + t_gen, t_train_total + t_train
+            row = {"reward/mean": sums[0].item() / n, "response/length": sums[2].item() / n,
+                   "response/eos_frac": sums[3].item() / n, "kl/mean": sums[5].item() / n,
+                   "rollout/tokens_per_s": sums[4].item() / max(t_gen, 1e-9),  # ranks sample in parallel
+                   "time/gen_share": t_gen / (t_gen + t_train), "lr_mult": lr_mult, "kl/coef": kl_ctl.value,
+                   **stats}
+            metrics.log(row, step)
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                log.info("step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs", step,
+                         cfg.max_steps, row["reward/mean"], row["response/length"], row["kl/mean"],
+                         " ".join(f"{k} {v:.3g}" for k, v in stats.items()), 100 * row["time/gen_share"],
+                         t_gen + t_train)
+
+        # --- save the final policy for eval and chat
+        summary = {"steps": step, "gen_seconds": t_gen_total, "train_seconds": t_train_total,
+                   "rollout_tokens_per_s": gen_tokens_total / max(t_gen_total, 1e-9),
+                   **{f"first_{k}": v for k, v in (first_eval or {}).items()},
+                   **{f"final_{k}": v for k, v in evals.items()}}
+        metrics.flush()
+        if rt.is_main:
+            save_model_dir(ARTIFACTS / "rl", policy, {**checkpoint_meta(), "step": step, "summary": summary,
+                                                      "source_stage": "rl"})
+            if run is not None:
+                import mlflow
+                mlflow.log_metrics({f"summary/{k.replace('@', '_at_')}": float(v) for k, v in summary.items()})
+            log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+    runtime.barrier()
+
+
+def gather(obj, rt: runtime.Runtime) -> list:
+    """Every rank's ``obj``, in rank order (on every rank)."""
+    if rt.world_size == 1:
+        return [obj]
+    out = [None] * rt.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def micro_batches(n_rows: int, size: int) -> list[slice]:
+    """Row slices of at most ``size`` rows."""
+    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+
+
+def grpo_update(cfg: RLSettings, rt: runtime.Runtime, model, optimizers: list, batch: Rollouts,
+                scores: torch.Tensor, per_rank: int) -> dict[str, float]:
+    """One policy-gradient step: advantage = score - group mean, loss normalised by the batch's action tokens."""
+    adv = rl.group_advantages(scores.view(per_rank, cfg.group_size), cfg.normalize_std).flatten()
+    num_tokens = batch.mask.sum().item()
+    chunks = micro_batches(len(scores), cfg.device_batch_size)
+    total = 0.0
+    for i, rows in enumerate(chunks):
+        sync = i == len(chunks) - 1 or not hasattr(model, "no_sync")
+        with (contextlib.nullcontext() if sync else model.no_sync()), rt.autocast():
+            logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
+        loss.backward()
+        total += loss.item()
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item()}
+
+
+def ppo_update(cfg: RLSettings, rt: runtime.Runtime, model, ref, critic, policy_opts: list, critic_opts: list,
+               batch: Rollouts, scores: torch.Tensor, per_rank: int, kl_ctl: rl.KLController,
+               step: int) -> dict[str, float]:
+    """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches."""
+    mb = cfg.device_batch_size
+    with torch.no_grad(), rt.autocast():
+        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb)
+        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb)
+        old_values = token_values(critic, batch.inputs, mb) if critic is not None else None
+    rewards, kl = rl.kl_penalized_rewards(scores, old_logp, ref_logp, batch.mask, kl_ctl.value, cfg.kl_estimator)
+    if critic is not None:
+        adv, returns = rl.gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam)
+    else:  # disable_value: the sequence's total reward minus its group's mean, on every token
+        seq_adv = rl.group_advantages(rewards.sum(1).view(per_rank, cfg.group_size), cfg.normalize_std).flatten()
+        adv, returns = seq_adv[:, None] * batch.mask, None
+    if cfg.whiten != "none":
+        adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
+
+    n = len(scores)
+    rows_per_mb = max(1, n // cfg.num_minibatches)
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+    stats = {"loss/policy": 0.0, "loss/value": 0.0, "ppo/clip_frac": 0.0, "ppo/approx_kl": 0.0, "ppo/updates": 0.0}
+    stopped = False
+    for _ in range(cfg.ppo_epochs):
+        perm = torch.randperm(n, generator=g).to(batch.inputs.device)
+        for start in range(0, rows_per_mb * cfg.num_minibatches, rows_per_mb):
+            rows_mb = perm[start:start + rows_per_mb]
+            num_tokens = batch.mask[rows_mb].sum().item()
+            chunks = micro_batches(len(rows_mb), mb)
+            exceeded = torch.zeros(1, device=rt.device)
+            for i, sl in enumerate(chunks):
+                rows = rows_mb[sl]
+                mask = batch.mask[rows]
+                sync = i == len(chunks) - 1
+                ctxs = [model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()]
+                if critic is not None:
+                    ctxs.append(critic.no_sync() if not sync and hasattr(critic, "no_sync") else contextlib.nullcontext())
+                with contextlib.ExitStack() as stack, rt.autocast():
+                    for c in ctxs:
+                        stack.enter_context(c)
+                    logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+                    loss, s = rl.clipped_surrogate(logp, old_logp[rows], adv[rows], mask, cfg.clip_eps, num_tokens)
+                    stats["loss/policy"] += loss.item()
+                    if critic is not None:
+                        values = critic(batch.inputs[rows])
+                        v_loss, _ = rl.clipped_value_loss(values, old_values[rows], returns[rows], mask,
+                                                          cfg.value_clip, num_tokens)
+                        stats["loss/value"] += v_loss.item()
+                        loss = loss + cfg.value_coef * v_loss
+                loss.backward()
+                stats["ppo/clip_frac"] += s["clip_frac"] / len(chunks)
+                stats["ppo/approx_kl"] += s["approx_kl"] / len(chunks)
+                if rl.ratio_exceeds_cap(logp.detach(), old_logp[rows], mask, cfg.max_ratio):
+                    exceeded += 1
+            # every rank must agree to step or stop, or DDP's next all-reduce would hang
+            if runtime.all_reduce_sum(exceeded).item() > 0:
+                stopped = True
+                for m in (model, critic):
+                    if m is not None:
+                        m.zero_grad(set_to_none=True)
+                break
+            for opt in policy_opts + critic_opts:
+                opt.step()
+            for m in (model, critic):
+                if m is not None:
+                    m.zero_grad(set_to_none=True)
+            stats["ppo/updates"] += 1
+        if stopped:
+            break
+    updates = max(stats["ppo/updates"], 1.0)
+    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl"):
+        stats[k] /= updates
+    stats["ppo/early_stop"] = float(stopped)
+    seq_kl = kl.sum(1)
+    kl_ctl.update(seq_kl.mean().item(), n * rt.world_size)
+    stats["kl_sum"] = seq_kl.sum().item()
+    return stats
+
+
+if __name__ == "__main__":
+    main()
