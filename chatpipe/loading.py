@@ -81,11 +81,17 @@ def stage_dir(name: str, artifacts: Path = ARTIFACTS) -> Path:
 
 
 def download_registered(uri: str, tracking_uri: str | None = None) -> Path:
-    """Download a registered model version (``models:/name/version``) and return its model dir."""
+    """Download a registered model version (``models:/name/version``) and return its model dir.
+
+    ``tracking_uri`` defaults to the ``tracking`` section of params.yaml.
+    """
     import mlflow
 
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
+    if tracking_uri is None:  # the project's store (params.yaml `tracking.uri`), not MLflow's ./mlruns default
+        from chatpipe.settings import TrackingSettings, load_section
+
+        tracking_uri = load_section(TrackingSettings).uri
+    mlflow.set_tracking_uri(tracking_uri)
     dst = Path(tempfile.mkdtemp(prefix="chatpipe-model-"))
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))

@@ -139,3 +139,21 @@ def test_max_tokens_and_custom_stop_tokens():
     assert len(cols) == 5 and all(c == ([97, 97], [1, 1]) for c in cols)
     seqs, masks = engine.generate_batch([S["<|bos|>"]], max_tokens=5, temperature=0.0, stop_tokens=[97])
     assert seqs == [[S["<|bos|>"], 97]] and masks == [[0, 1]]
+
+
+def test_stream_yields_text_deltas_by_part_and_holds_split_characters():
+    b = TOK.encode
+    e_acute = b("é")  # two byte tokens: the first alone decodes to U+FFFD and must be held back
+    script = {S["<|assistant_start|>"]: b("a")[0], b("a")[0]: e_acute[0], e_acute[0]: e_acute[1],
+              e_acute[1]: S["<|python_start|>"], S["<|python_start|>"]: b("2")[0], b("2")[0]: b("+")[0],
+              b("+")[0]: b("3")[0], b("3")[0]: S["<|python_end|>"], S["<|output_end|>"]: b("!")[0],
+              b("!")[0]: S["<|assistant_end|>"]}
+    engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
+    stats: dict = {}
+    pieces = list(engine.stream([S["<|assistant_start|>"]], stats=stats, max_tokens=30, temperature=0.0))
+    assert pieces == [("text", "a"), ("text", "é"), ("python", "2"), ("python", "+"), ("python", "3"),
+                      ("python_output", "5"), ("text", "!")]
+    assert stats == {"tokens": 13, "finish_reason": "stop"}
+    gen = engine.stream([S["<|bos|>"]], stats=stats, max_tokens=4, temperature=0.0)
+    assert next(gen) == ("text", "?")  # lazily: the first delta arrives before the rest is generated
+    assert list(gen) == [("text", "?")] * 3 and stats == {"tokens": 4, "finish_reason": "length"}

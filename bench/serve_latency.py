@@ -1,0 +1,128 @@
+"""Benchmark: chat server latency and throughput with 1 and 8 concurrent streaming clients.
+
+Starts ``python -m chatpipe.serve`` on a free 127.0.0.1 port in a subprocess (so the clients do
+not share its interpreter), sends one warm-up request, then for each concurrency level every
+client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and seeds).
+Prints time-to-first-token (median and worst) and tokens/s summed over clients; the last line
+is ``tokens/s at 8 clients: <x>``.
+
+Run::
+
+    python bench/serve_latency.py [--model latest] [--num-engines 2] [--max-tokens 128] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+PROMPTS = ["Who lives in Stonebridge?", "What does a cow say?", "Tell me a story.", "What is 12 + 30?",
+           "Where does the river Amber flow?", "What is Clara's favourite food?", "Spell the word honey.",
+           "Who is Pip?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "chatpipe.serve", "--model", args.model, "--port", str(port),
+           "--num-engines", str(args.num_engines), "--max-queue", "64", "--device", args.device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    sys.exit("server did not come up in 180 s")
+
+
+def one_reply(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int]:
+    """(seconds to the first streamed delta, tokens generated) for one streamed reply."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "seed": seed,
+            "temperature": 0.8, "top_k": 50}
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and "kind" in event:
+                ttft = time.perf_counter() - t0
+            if event.get("done"):
+                tokens = event["tokens"]
+            if "error" in event:
+                raise RuntimeError(event["error"])
+    return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+
+
+def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float]:
+    """Every client streams ``rounds`` replies back to back; returns (TTFTs, summed tokens/s)."""
+    ttfts: list[float] = []
+    total = [0]
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for r in range(rounds):
+            ttft, tokens = one_reply(url, PROMPTS[(c + r) % len(PROMPTS)], seed=c * 100 + r, max_tokens=max_tokens)
+            with lock:
+                ttfts.append(ttft)
+                total[0] += tokens
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ttfts, total[0] / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="latest", help="as for `chatpipe serve --model`")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-engines", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
+    args = p.parse_args()
+    proc, url = start_server(args)
+    try:
+        info = httpx.get(f"{url}/health").json()
+        print(f"model {info['description']}, {args.num_engines} engines, {args.max_tokens} tokens per reply, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+        one_reply(url, "warm up", 0, 8)
+        results = {}
+        for clients in (1, 8):
+            ttfts, tps = run_level(url, clients, args.rounds, args.max_tokens)
+            results[clients] = tps
+            print(f"{clients} client(s): time to first token median {statistics.median(ttfts) * 1000:.0f} ms, "
+                  f"worst {max(ttfts) * 1000:.0f} ms; {tps:.1f} tokens/s in total")
+        print(f"tokens/s at 8 clients: {results[8]:.1f}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()

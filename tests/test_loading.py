@@ -1,0 +1,81 @@
+"""Tests for chatpipe.loading: stage names, `latest`, paths, the MLflow model registry."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from chatpipe.loading import load_chat_model, pick_device, resolve
+from tests.chatmodel import make_artifacts
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    return make_artifacts(tmp_path_factory.mktemp("artifacts"))
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_stage_names_latest_and_paths(artifacts, tmp_path):
+    arts = tmp_path / "artifacts"
+    shutil.copytree(artifacts, arts)
+    shutil.copytree(arts / "sft", arts / "base")
+    assert resolve("latest", arts) == arts / "sft"  # sft is further down the pipeline than base
+    assert resolve("pretrain", arts) == arts / "base"
+    shutil.copytree(arts / "sft", arts / "rl")
+    assert resolve("latest", arts) == arts / "rl"
+    loaded = load_chat_model(str(arts / "sft"), artifacts=arts)
+    assert loaded.name == str(arts / "sft") and loaded.stage == "sft" and loaded.device == pick_device()
+    named = load_chat_model("latest", artifacts=arts)
+    assert named.name == "rl" and same_weights(named.model, loaded.model)
+    assert "rl (stage sft, step 7" in named.describe()
+
+
+def test_missing_stage_and_unknown_name_are_clear_errors(artifacts, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"mid/meta.json not found: run the `mid` stage first"):
+        resolve("midtrain", artifacts)
+    with pytest.raises(FileNotFoundError, match="not a stage"):
+        resolve("gpt-5", artifacts)
+    with pytest.raises(FileNotFoundError, match="no trained model"):
+        resolve("latest", tmp_path)
+
+
+def test_tokenizer_from_another_run_is_refused(artifacts, tmp_path):
+    from chatpipe.synthetic import pretrain_documents
+    from chatpipe.tokenizer import Tokenizer
+
+    Tokenizer.train(pretrain_documents(1, 200), vocab_size=1024).save(tmp_path / "tok")
+    with pytest.raises(ValueError, match="tokenizer has 1024 ids but the model .* only 512"):
+        load_chat_model("sft", artifacts=artifacts, tokenizer_dir=tmp_path / "tok")
+
+
+@pytest.mark.slow  # MLflow creating its sqlite store takes ~10-20 s here
+def test_registered_model_version_loads(artifacts, tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    previous = mlflow.get_tracking_uri()
+    try:
+        check_registry(mlflow, artifacts, tmp_path)
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+def check_registry(mlflow, artifacts, tmp_path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.create_experiment("t", artifact_location=(tmp_path / "store").as_uri())
+    client = mlflow.MlflowClient()
+    with mlflow.start_run(experiment_id=exp) as run:  # as stages/report.py registers the final model
+        client.log_artifacts(run.info.run_id, str(artifacts / "sft"), "model")
+    client.create_registered_model("chatpipe-test")
+    version = client.create_model_version("chatpipe-test", f"{run.info.artifact_uri}/model",
+                                          run_id=run.info.run_id).version
+    loaded = load_chat_model(f"models:/chatpipe-test/{version}", artifacts=artifacts, tracking_uri=uri)
+    local = load_chat_model("sft", artifacts=artifacts)
+    assert loaded.name == f"models:/chatpipe-test/{version}" and loaded.stage == "sft"
+    assert same_weights(loaded.model, local.model)
+    with pytest.raises(FileNotFoundError, match="models:/chatpipe-test/99: cannot download"):
+        load_chat_model("models:/chatpipe-test/99", artifacts=artifacts, tracking_uri=uri)
