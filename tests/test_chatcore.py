@@ -1,0 +1,202 @@
+"""ChatCORE scoring with scripted models and fake tasks: results that cannot pass by accident."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import chatpipe.chatcore as chatcore_mod
+from chatpipe.chatcore import choose_letters, evaluate_chatcore, evaluate_task, letter_token_ids
+from chatpipe.metrics import pass_at_k
+from chatpipe.tokenizer import SPECIAL_TOKENS
+
+LETTERS = ["A", "B", "C", "D"]
+
+
+class ByteTokenizer:
+    """Bytes are ids 0..255, special tokens follow; renders chats like the project tokenizer."""
+
+    def __init__(self) -> None:
+        self.special = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.bos_id = self.special["<|bos|>"]
+        self.vocab_size = 256 + len(SPECIAL_TOKENS)
+
+    def encode(self, text: str, prepend: int | None = None) -> list[int]:
+        return ([] if prepend is None else [prepend]) + list(text.encode())
+
+    def encode_special(self, name: str) -> int:
+        return self.special[name]
+
+    def decode(self, ids: list[int]) -> str:
+        names = {v: k for k, v in self.special.items()}
+        return "".join(names[i] if i in names else chr(i) for i in ids)
+
+    def render_for_completion(self, conv: dict) -> list[int]:
+        sp = self.special
+        return [self.bos_id, sp["<|user_start|>"], *self.encode(conv["messages"][0]["content"]),
+                sp["<|user_end|>"], sp["<|assistant_start|>"]]
+
+
+class FakeMC:
+    """Categorical task; the user message ends with the gold letter so a copy model can 'know' it."""
+
+    eval_type = "categorical"
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.gold = [rng.choice(LETTERS) for _ in range(n)]
+        self.seen: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.gold)
+
+    def __getitem__(self, i: int) -> dict:
+        self.seen.append(i)
+        return {"messages": [{"role": "user", "content": f"question {i}? hint {self.gold[i]}"},
+                             {"role": "assistant", "content": self.gold[i]}], "letters": LETTERS}
+
+    def evaluate(self, conv: dict, completion: str) -> bool:
+        return completion == conv["messages"][-1]["content"]
+
+
+class CopyModel(torch.nn.Module):
+    """Next-token logits = one-hot of the token two places back (the hint letter before <|user_end|>)."""
+
+    def __init__(self, vocab: int, distractor: int | None = None) -> None:
+        super().__init__()
+        self.vocab, self.distractor = vocab, distractor
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        logits = torch.zeros(b, t, self.vocab)
+        logits[:, 2:].scatter_(2, idx[:, :-2].unsqueeze(-1), 10.0)
+        if self.distractor is not None:  # a non-letter token that beats every letter
+            logits[:, :, self.distractor] = 100.0
+        return logits
+
+
+class ConstantModel(CopyModel):
+    """Always prefers the letter A."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*idx.shape, self.vocab)
+        logits[:, :, ord("A")] = 1.0
+        return logits
+
+
+class ScriptedGen:
+    """Generative task: item i has n scripted completions "0".."n-1", of which the first c_i are right."""
+
+    eval_type = "generative"
+
+    def __init__(self, correct: list[int]) -> None:
+        self.correct = correct
+
+    def __len__(self) -> int:
+        return len(self.correct)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "-"}], "i": i}
+
+    def evaluate(self, conv: dict, completion: str) -> bool:
+        return int(completion) < self.correct[conv["i"]]
+
+
+@pytest.fixture
+def scripted_samples(monkeypatch):
+    def fake(engine, tokenizer, conv, *, num_samples, **kw):
+        return [str(j) for j in range(num_samples)]
+    monkeypatch.setattr(chatcore_mod, "generate_completions", fake)
+
+
+TOK = ByteTokenizer()
+
+
+def test_gold_preferring_model_scores_one_and_constant_model_the_letter_rate() -> None:
+    task = FakeMC(200)
+    r = evaluate_task(CopyModel(TOK.vocab_size), TOK, task, device="cpu", batch_size=7)
+    assert (r["accuracy"], r["num_examples"]) == (1.0, 200)
+    r = evaluate_task(ConstantModel(TOK.vocab_size), TOK, task, device="cpu")
+    assert r["accuracy"] == task.gold.count("A") / 200
+    assert 0.15 < r["accuracy"] < 0.35  # near the 0.25 random baseline
+
+
+def test_only_answer_letters_are_compared() -> None:
+    task = FakeMC(20)
+    convs = [task[i] for i in range(20)]
+    picked = choose_letters(CopyModel(TOK.vocab_size, distractor=ord("Z")), TOK, convs, "cpu")
+    assert picked == task.gold
+
+
+def test_letter_must_be_one_token() -> None:
+    assert letter_token_ids(TOK, ["A", "B"]) == [65, 66]
+    with pytest.raises(ValueError, match="'AB' encodes to 2 tokens"):
+        letter_token_ids(TOK, ["AB"])
+
+
+def test_generative_score_is_unbiased_pass_at_k(scripted_samples) -> None:
+    task = ScriptedGen([0, 1, 2, 4])
+    r = evaluate_task(CopyModel(1), TOK, task, device="cpu", num_samples=4, k=2)
+    # hand values: pass@2 of n=4 with c = 0, 1, 2, 4 is 0, 1/2, 5/6, 1
+    assert r["accuracy"] == pytest.approx((0 + 0.5 + 5 / 6 + 1) / 4)
+    assert [pass_at_k(4, c, 2) for c in (0, 1, 2, 4)] == pytest.approx([0, 0.5, 5 / 6, 1])
+    r1 = evaluate_task(CopyModel(1), TOK, task, device="cpu", num_samples=4, k=1)
+    assert r1["accuracy"] == pytest.approx((0 + 1 + 2 + 4) / 16)
+
+
+def test_bad_k_and_eval_type_are_rejected() -> None:
+    with pytest.raises(ValueError, match="1 <= k <= num_samples"):
+        evaluate_task(CopyModel(1), TOK, ScriptedGen([1]), device="cpu", num_samples=2, k=3)
+    bad = ScriptedGen([1])
+    bad.eval_type = "ranking"
+    with pytest.raises(ValueError, match="allowed: 'categorical', 'generative'"):
+        evaluate_task(CopyModel(1), TOK, bad, device="cpu")
+
+
+def test_items_are_split_across_ranks_and_capped() -> None:
+    seen = []
+    for rank in (0, 1):
+        task = FakeMC(100)
+        r = evaluate_task(CopyModel(TOK.vocab_size), TOK, task, device="cpu", max_examples=10, rank=rank,
+                          world_size=2)
+        assert r["num_examples"] == 5  # no process group: each rank reports its own share
+        seen.append(set(task.seen))
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 10
+    assert max(seen[0] | seen[1]) >= 90  # spread over the file, not its first 10 rows
+
+
+def test_chatcore_is_mean_centered_accuracy(scripted_samples) -> None:
+    tasks = {"MMLU": FakeMC(40), "GSM8K": ScriptedGen([1, 1, 1, 1])}
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
+    assert out["tasks"]["MMLU"]["centered"] == 1.0
+    assert out["tasks"]["GSM8K"]["accuracy"] == pytest.approx(0.5)
+    assert out["chatcore"] == pytest.approx((1.0 + 0.5) / 2)
+    tasks = {"ARC-Easy": FakeMC(40)}
+    out = evaluate_chatcore(ConstantModel(TOK.vocab_size), TOK, tasks, device="cpu")
+    acc = tasks["ARC-Easy"].gold.count("A") / 40
+    assert out["chatcore"] == pytest.approx((acc - 0.25) / 0.75)
+    with pytest.raises(ValueError, match="unknown ChatCORE task"):
+        evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"TriviaQA": FakeMC(2)}, device="cpu")
+
+
+def test_generative_path_runs_the_real_engine() -> None:
+    """A random tiny GPT through Engine: completions reach evaluate without the stop token."""
+    from chatpipe.model import GPT, config_from_depth
+
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(1, TOK.vocab_size, 32, head_dim=16))
+    model.init_weights()
+    got = []
+
+    class Recorder(ScriptedGen):
+        def evaluate(self, conv, completion):
+            got.append(completion)
+            return False
+
+    r = evaluate_task(model, TOK, Recorder([0, 0, 0]), device="cpu", num_samples=2, max_new_tokens=5,
+                      temperature=1.0)
+    assert r["accuracy"] == 0.0 and len(got) == 6
+    assert all("<|assistant_end|>" not in c and "<|bos|>" not in c for c in got)

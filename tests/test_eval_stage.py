@@ -1,0 +1,85 @@
+"""End to end: data -> tokenizer -> pretrain -> eval -> report through `dvc repro`, in a throwaway project."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.project import dvc, make_project, run
+
+pytestmark = pytest.mark.slow
+
+EVAL_PARAMS = {
+    "eval": {"max_per_task": 6, "generative_max_per_task": 2, "max_new_tokens": 12, "bpb_tokens": 1024,
+             "device_batch_size": 4, "tinyworld_examples": 20, "chatcore_stages": ["base"],
+             "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"},
+                                "ARC-Easy": {"task": "arc_easy", "source": "local", "path": "no/such/dir"}}},
+    "report": {"cost_per_hour": 3.6},
+}
+
+
+def _base_only_pipeline(project: Path) -> None:
+    """Keep the stages up to pretrain plus eval and report, with eval depending on the base model only.
+
+    The chat stages are tested elsewhere; here eval must work with whichever model dirs exist.
+    """
+    path = project / "dvc.yaml"
+    spec = yaml.safe_load(path.read_text())
+    keep = ("data", "tokenizer", "pretrain", "eval", "report")
+    spec["stages"] = {k: v for k, v in spec["stages"].items() if k in keep}
+    deps = spec["stages"]["eval"]["deps"]
+    spec["stages"]["eval"]["deps"] = [d for d in deps if d not in ("artifacts/mid", "artifacts/sft", "artifacts/rl")]
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
+    project = make_project(tmp_path / "p", EVAL_PARAMS)
+    _base_only_pipeline(project)
+    # the flow's job, done by hand: a parent MLflow run whose id the stages nest under
+    made = run(project, "python", "-c", (
+        "from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section; import mlflow;"
+        "e = tracking.configure(load_section(TrackingSettings));"
+        "print(mlflow.MlflowClient().create_run(e, run_name='pipeline').info.run_id)"))
+    parent = made.stdout.strip().splitlines()[-1]
+    run(project, "dvc", "repro", "report", CHATPIPE_PARENT_RUN_ID=parent)
+
+    results = json.loads((project / "artifacts/eval/results.json").read_text())
+    base = results["stages"]["base"]
+    assert list(results["stages"]) == ["base"]
+    assert 0 < base["bpb"] < 8
+    core = base["core"]
+    assert set(core["tasks"]) == {"tinyworld_facts_mc", "tinyworld_rivers_schema", "tinyworld_facts_lm",
+                                  "tinyworld_arith_lm", "tinyworld_spell_lm"}
+    assert core["core"] == pytest.approx(sum(t["centered"] for t in core["tasks"].values()) / 5)
+    chat = base["chatcore"]
+    # params merge into the default task map; the ARC files are not in the throwaway project
+    assert set(chat["tasks"]) == {"MMLU", "GSM8K", "HumanEval", "SpellingBee"}
+    assert set(chat["skipped"]) == {"ARC-Easy", "ARC-Challenge"}
+    assert chat["tasks"]["GSM8K"]["num_examples"] == 2 and chat["tasks"]["MMLU"]["num_examples"] == 6
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert base["dvc_stage_hash"] != "none" and "eval" in lock["stages"]
+
+    md = (project / "artifacts/report/report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| CORE |"))
+    assert f"{core['core']:.4f}" in row
+    assert "| MMLU |" in md and "ARC-Easy" in md  # skipped task is listed with its reason
+    plots = sorted(p.name for p in (project / "artifacts/report").glob("*.png"))
+    assert {"loss.png", "bpb.png"} <= set(plots)
+    for stage in ("pretrain", "eval"):
+        assert f"| {stage} |" in md
+
+    check = run(project, "python", "-c", (
+        "import mlflow, sys; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
+        "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
+        f"print(sorted(a.path for a in c.list_artifacts('{parent}', 'report')));"
+        "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['CORE'])"))
+    listed, registered = check.stdout.strip().splitlines()[-2:]
+    assert "report/report.md" in listed and "report/loss.png" in listed
+    assert registered == f"base {core['core']:.4f}"
+
+    # nothing changed: a second repro skips both stages
+    again = dvc(project, "repro", "report")
+    assert "didn't change, skipping" in again.stdout and "Running stage 'eval'" not in again.stdout

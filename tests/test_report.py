@@ -1,0 +1,95 @@
+"""report.md pieces: the summary table, provenance, timings, MLflow run lookup and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from chatpipe.report import (format_seconds, plot_curves, provenance_lines, render_report, stage_runs, summary_table,
+                             summary_values, timing_table)
+
+RESULTS = {
+    "git_commit": "abc123", "profile": "tiny",
+    "stages": {
+        "base": {"bpb": 1.25, "git_commit": "abc123", "dvc_lock": "lock1", "dvc_stage_hash": "pre1",
+                 "model_sha256": "f" * 64,
+                 "core": {"core": 0.4321, "tasks": {"copa": {"accuracy": 0.7, "centered": 0.4, "num_examples": 50}},
+                          "skipped": {"hellaswag": "data file not found: x/hellaswag.jsonl"}}},
+        "sft": {"bpb": 1.5, "git_commit": "abc123", "dvc_lock": "lock1", "dvc_stage_hash": "sft1",
+                "model_sha256": "e" * 64,
+                "chatcore": {"chatcore": 0.1, "skipped": {},
+                             "tasks": {"ARC-Easy": {"accuracy": 0.4, "centered": 0.2, "num_examples": 50},
+                                       "GSM8K": {"accuracy": 0.05, "centered": 0.05, "num_examples": 8}}}},
+    },
+}
+
+
+def test_summary_table_has_every_row_and_column_and_blanks_for_missing() -> None:
+    table = summary_table(RESULTS).splitlines()
+    assert table[0] == "| metric | BASE | MID | SFT | RL |"
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
+    assert list(rows) == ["CORE", "ARC-E", "ARC-C", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE"]
+    assert rows["CORE"] == ["0.4321", "", "", ""]
+    assert rows["ARC-E"] == ["", "", "0.4000", ""]
+    assert rows["GSM8K"] == ["", "", "0.0500", ""]
+    assert rows["ChatCORE"] == ["", "", "0.1000", ""]
+    assert rows["MMLU"] == ["", "", "", ""]
+    assert summary_values(RESULTS)["CORE"]["sft"] is None
+
+
+def test_every_column_names_its_commit_and_lock_hash() -> None:
+    lines = provenance_lines(RESULTS)
+    assert len(lines) == 2
+    assert "BASE" in lines[0] and "abc123" in lines[0] and "lock1" in lines[0] and "pre1" in lines[0]
+    assert "SFT" in lines[1] and "sft1" in lines[1] and "eeeeeeeeeeee" in lines[1]
+
+
+def _run(run_id: str, start: int, end: int | None, metrics: dict | None = None, tags: dict | None = None):
+    return SimpleNamespace(info=SimpleNamespace(run_id=run_id, start_time=start, end_time=end, run_name="x"),
+                           data=SimpleNamespace(metrics=metrics or {}, tags=tags or {}))
+
+
+def test_timing_table_and_cost() -> None:
+    runs = {"pretrain": _run("aaaaaaaa1", 0, 3_600_000), "eval": _run("bbbbbbbb2", 0, 90_000)}
+    table, total, cost = timing_table(runs, cost_per_hour=24.0)
+    assert total == pytest.approx(3690.0) and cost == pytest.approx(24.6)
+    assert "| pretrain | 1h 00m 00s | 24.00 | `aaaaaaaa` |" in table
+    assert "| eval | 1m 30s | 0.60 |" in table
+    assert format_seconds(4.24) == "4.2s"
+
+
+def test_render_report_sections() -> None:
+    md = render_report(results=RESULTS, system={"cpu": "test cpu", "torch": "2.13"}, locks={"dvc.lock": "lock1"},
+                       params={"eval": {"max_per_task": 50}}, timings="(timings)", plots=["loss.png"])
+    for needle in ("## Summary", "| CORE | 0.4321 |", "## System", "test cpu", "## Provenance", "`lock1`",
+                   "(timings)", "![loss](loss.png)", "max_per_task: 50", "hellaswag: data file not found",
+                   "val bpb: 1.2500", "GSM8K: accuracy 0.0500"):
+        assert needle in md, needle
+
+
+def test_stage_runs_and_plots_from_a_real_mlflow_store(tmp_path: Path, monkeypatch) -> None:
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = mlflow.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    client = mlflow.MlflowClient()
+    parent = client.create_run(exp, run_name="pipeline").info.run_id
+    old = client.create_run(exp, run_name="pretrain", tags={"stage": "pretrain"}).info.run_id  # an earlier run
+    for step, loss in enumerate([4.0, 3.0, 2.5]):
+        client.log_metric(old, "train/loss", loss, step=step)
+    client.set_terminated(old)
+    nested = client.create_run(exp, run_name="eval", tags={"stage": "eval", "mlflow.parentRunId": parent})
+    client.log_metric(nested.info.run_id, "base/bpb", 1.0)  # one point: not a curve
+    client.set_terminated(nested.info.run_id)
+
+    runs = stage_runs(client, exp, parent)
+    assert list(runs) == ["pretrain", "eval"]  # pipeline order; pretrain falls back to its newest run
+    assert runs["eval"].info.run_id == nested.info.run_id and runs["pretrain"].info.run_id == old
+
+    assert plot_curves(client, runs, "loss", tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plot_curves(client, runs, "bpb", tmp_path / "bpb.png")  # single points only
+    assert not (tmp_path / "bpb.png").exists()
