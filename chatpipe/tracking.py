@@ -109,6 +109,24 @@ def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, ena
         yield run
 
 
+def tag_stage_runs(parent_run_id: str, stage: str, tags: dict[str, str]) -> int:
+    """Set ``tags`` on the runs of ``stage`` nested under ``parent_run_id``; returns how many.
+
+    The flow calls this after DVC has written the stage's entry to dvc.lock, so each stage run
+    records the exact lock hash of the inputs, params and outputs that produced its numbers.
+    """
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.stage = '{stage}'")
+    for r in runs:
+        for key, value in tags.items():
+            client.set_tag(r.info.run_id, key, value)
+    return len(runs)
+
+
 class MetricBuffer:
     """Collects step metrics and writes them with one ``log_batch`` call every few seconds."""
 

@@ -18,7 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+# A loaded laptop can take longer than Prefect's default 20 s to start the temporary API server.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+from prefect import flow, get_run_logger, task  # noqa: E402
 
 from chatpipe import tracking
 from chatpipe.settings import ParamsError, TrackingSettings, active_profile, load_section, validate_all, write_profile
@@ -58,24 +61,26 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         logger.info(line)
     if proc.wait() != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
+    if parent_run_id and not skipped:
+        tracking.tag_stage_runs(parent_run_id, stage, {"dvc_stage_hash": tracking.dvc_stage_hash(stage),
+                                                       "dvc_lock": tracking.dvc_lock_hash()})
     return "skipped" if skipped else "ran"
 
 
 @flow(name="chatpipe", log_prints=True)
 def pipeline(profile: str | None = None, stages: list[str] | None = None, resume_from: str | None = None) -> dict:
     """Run the stages in order under one MLflow parent run; returns {stage: "ran" | "skipped"}."""
+    unknown = set(stages or []) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(STAGES)}")
+    if resume_from and resume_from not in STAGES:
+        raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(STAGES)}")
+    selected = [s for s in STAGES if (not stages or s in stages)
+                and (not resume_from or STAGES.index(s) >= STAGES.index(resume_from))]
     logger = get_run_logger()
     if profile:
         write_profile(profile)
     validate_all()  # bad params stop the flow before any stage writes anything
-    selected = [s for s in STAGES if not stages or s in stages]
-    unknown = set(stages or []) - set(STAGES)
-    if unknown:
-        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(STAGES)}")
-    if resume_from:
-        if resume_from not in STAGES:
-            raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(STAGES)}")
-        selected = [s for s in selected if STAGES.index(s) >= STAGES.index(resume_from)]
 
     track = load_section(TrackingSettings)
     parent_id = None

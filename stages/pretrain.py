@@ -26,6 +26,7 @@ from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.engine import Engine
 from chatpipe.model import GPT, config_from_depth
 from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+from chatpipe.plan import check_memory_fits, estimate_memory_bytes
 from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, train_step
@@ -66,6 +67,9 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         model = GPT(model_config)
     model.init_weights()
     num_params, flops_per_token = model.num_params(), model.flops_per_token()
+    check_memory_fits(estimate_memory_bytes(num_params, model.num_embedding_params(), model_config.n_layer,
+                                            model_config.n_embd, tok.vocab_size, cfg.device_batch_size,
+                                            cfg.sequence_len), rt.device, cfg.device_batch_size)
 
     # --- batch math and schedule length
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
@@ -77,7 +81,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- optimizer
     optimizers = build_optimizers(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                                  unembedding_lr=cfg.unembedding_lr, weight_decay=cfg.weight_decay)
+                                  unembedding_lr=cfg.unembedding_lr, weight_decay=cfg.weight_decay,
+                                  fused=rt.device.type == "cuda")
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     math_settings = {k: v for k, v in snapshot(cfg).items() if k not in OBSERVABILITY_KEYS}
@@ -93,12 +98,13 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
                              rank=rt.rank, world_size=rt.world_size, device=rt.device, start_row=start_row)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    eval_model = torch.compile(model) if cfg.compile else model
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
 
     def val_bpb() -> float:
         loader = RowLoader(val_docs, batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len,
                            rank=rt.rank, world_size=rt.world_size, device=rt.device)
-        return evaluate_bpb(model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
+        return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
 
     def checkpoint_meta(step: int) -> dict:
         return {"stage": "pretrain", "fingerprint": run_fp, "world_size": rt.world_size,

@@ -1,0 +1,60 @@
+"""`chatpipe plan`: budget numbers checked against hand computation for nanochat d20."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatpipe.plan import check_memory_fits, estimate_memory_bytes, format_plan, main, make_plan
+
+# d20 by hand: n_embd = 20 * 64 = 1280, 10 heads of 128, vocab 65,536, seq 2048
+WTE = LM_HEAD = 65_536 * 1280
+PER_LAYER = 4 * 1280 * 1280 + 2 * 1280 * 4 * 1280  # q, k, v, o + MLP up/down (4x)
+D20_PARAMS = WTE + LM_HEAD + 20 * PER_LAYER
+D20_FLOPS = 6 * (D20_PARAMS - WTE) + 12 * 10 * 128 * 2048 * 20  # matmuls + causal attention per layer
+
+
+def test_speedrun_plan_matches_hand_computation(params_file):
+    plan = make_plan("speedrun", gpu="H100", mfu=0.5, usd_per_gpu_hour=2.0)
+    assert D20_PARAMS == 560_988_160 and plan.num_params == D20_PARAMS  # SPEC: d20 ~ 561M
+    assert plan.flops_per_token == D20_FLOPS
+    assert plan.steps == 20 * D20_PARAMS // 524_288 == 21_400
+    assert plan.tokens == 21_400 * 524_288
+    assert plan.world_size == 8 and plan.grad_accum == 524_288 // (32 * 2048 * 8) == 1
+    hours = D20_FLOPS * plan.tokens / (989e12 * 8 * 0.5) / 3600
+    assert plan.hours == pytest.approx(hours) and plan.usd == pytest.approx(hours * 8 * 2.0)
+    assert 30 < plan.memory_gib < 80  # fits an 80 GB H100 at device batch 32
+
+
+def test_one_gpu_variant_keeps_the_math_by_accumulating(params_file):
+    one, eight = make_plan("speedrun_1gpu"), make_plan("speedrun")
+    assert one.world_size == 1 and one.grad_accum == 8
+    assert (one.num_params, one.steps, one.tokens) == (eight.num_params, eight.steps, eight.tokens)
+    assert one.hours == pytest.approx(8 * eight.hours)
+
+
+def test_d26_profile_extends_speedrun(params_file):
+    plan = make_plan("d26")
+    assert plan.depth == 26 and plan.n_embd == 26 * 64 and plan.vocab_size == 65_536
+    assert plan.grad_accum == 2  # device batch 16 on 8 GPUs
+
+
+def test_memory_check_names_the_setting(monkeypatch):
+    estimate = estimate_memory_bytes(D20_PARAMS, WTE, 20, 1280, 65_536, 64, 2048)
+    check_memory_fits(estimate, torch.device("cpu"), 64)  # no limit known on CPU
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 << 30}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100")
+    with pytest.raises(RuntimeError, match="device_batch_size = 64 needs"):
+        check_memory_fits(estimate, torch.device("cuda", 0), 64)
+
+
+def test_cli_prints_plan(params_file, capsys):
+    main(["--profile", "speedrun"])
+    out = capsys.readouterr().out
+    assert "560,988,160" in out and "21,400" in out and "grad accumulation 1" in out
+    assert format_plan(make_plan("tiny")).startswith("profile tiny")
+
+
+def test_unknown_gpu_is_rejected(params_file):
+    with pytest.raises(ValueError, match="allowed: H100"):
+        make_plan("speedrun", gpu="TPU")
