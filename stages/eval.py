@@ -17,6 +17,7 @@ of the model stage it came from) and logs the same numbers as MLflow metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -78,7 +79,8 @@ def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tupl
             unknown = [x for x in cfg.core_tasks if x not in known]
             if unknown:
                 raise ValueError(f"eval.core_tasks = {unknown}: not in the CORE config; allowed: {sorted(known)}")
-            config = [t for t in config if t.label in cfg.core_tasks]
+            # tasks asked for by name must be there: a missing file fails instead of being skipped
+            config = [dataclasses.replace(t, required=True) for t in config if t.label in cfg.core_tasks]
         bundle = Path(cfg.core_bundle_dir)
         if not bundle.is_dir():
             raise FileNotFoundError(f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory")

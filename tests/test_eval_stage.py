@@ -10,9 +10,8 @@ import yaml
 
 from tests.project import dvc, make_project, run
 
-pytestmark = pytest.mark.slow
-
 EVAL_PARAMS = {
+    "pretrain": {"max_steps": 8, "eval_every": 4, "checkpoint_every": 4},  # still 3 bpb points for the plot
     "eval": {"max_per_task": 6, "generative_max_per_task": 2, "max_new_tokens": 12, "bpb_tokens": 1024,
              "device_batch_size": 4, "tinyworld_examples": 20, "chatcore_stages": ["base"],
              "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"},
@@ -35,6 +34,7 @@ def _base_only_pipeline(project: Path) -> None:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
 
 
+@pytest.mark.slow
 def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     project = make_project(tmp_path / "p", EVAL_PARAMS)
     _base_only_pipeline(project)
@@ -83,3 +83,25 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     # nothing changed: a second repro skips both stages
     again = dvc(project, "repro", "report")
     assert "didn't change, skipping" in again.stdout and "Running stage 'eval'" not in again.stdout
+
+
+def test_core_tasks_named_in_params_must_exist(tmp_path: Path, params_file: Path) -> None:
+    """A task asked for by label whose file is missing fails naming the task and the path (not skipped)."""
+    from chatpipe.core import evaluate_core
+    from chatpipe.runtime import Runtime
+    from chatpipe.settings import EvalSettings, load_section
+    from stages.eval import core_suites
+
+    import torch
+
+    (tmp_path / "bundle").mkdir()
+    cfg = load_section(EvalSettings, {"core_bundle_dir": str(tmp_path / "bundle"), "core_tasks": ["copa"],
+                                      "core_tinyworld": False})
+    rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    [(config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
+    assert [t.label for t in config] == ["copa"] and config[0].required
+    with pytest.raises(FileNotFoundError, match=r"'copa' is required but .*bundle/copa.jsonl is missing"):
+        evaluate_core(None, None, config, bundle, device="cpu", max_seq_len=64, scorer=lambda *a: 0)
+    with pytest.raises(ValueError, match=r"eval.core_tasks = \['nope'\]: not in the CORE config"):
+        core_suites(load_section(EvalSettings, {"core_bundle_dir": str(bundle), "core_tasks": ["nope"]}),
+                    tmp_path / "work", rt)
