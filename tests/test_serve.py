@@ -25,6 +25,13 @@ def loaded(tmp_path_factory):
 def server(loaded):
     cfg = serve_settings(num_engines=4, max_queue=16, max_message_chars=200, max_turns=5,
                          max_tokens=16, max_tokens_limit=2200, temperature=0.0)
+    forward = loaded.model.forward
+
+    def paced_forward(*args, **kw):  # >= 5 ms a token, like a real model: replies overlap in time
+        time.sleep(0.005)
+        return forward(*args, **kw)
+
+    loaded.model.forward = paced_forward
     app = create_app(loaded, cfg)
     srv, url = run_in_thread(app)
     yield app, url
