@@ -29,6 +29,7 @@ import torch
 from chatpipe.engine import Engine
 from chatpipe.metrics import CHATCORE_BASELINES, centered, chatcore, pass_at_k
 
+
 class Task(Protocol):
     """The slice of ``chatpipe.tasks.base.Task`` this module uses."""
 
@@ -51,11 +52,21 @@ def letter_token_ids(tokenizer: Any, letters: list[str]) -> list[int]:
     return ids
 
 
+def _fit(prompt: list[int], model: torch.nn.Module, room: int = 0) -> list[int]:
+    """Keep the last tokens of ``prompt`` that fit the model's positions, leaving ``room`` to generate.
+
+    The question and answer format sit at the end of a prompt, so dropping from the left loses least.
+    """
+    table = getattr(model, "cos", None)  # GPT's rotary table bounds the positions it can take
+    limit = table.size(2) - room if isinstance(table, torch.Tensor) else None
+    return prompt if limit is None or len(prompt) <= limit else prompt[-limit:]
+
+
 @torch.no_grad()
 def choose_letters(model: torch.nn.Module, tokenizer: Any, conversations: list[dict],
                    device: torch.device | str) -> list[str]:
     """For each conversation, the answer letter with the highest next-token logit after the prompt."""
-    prompts = [tokenizer.render_for_completion(conv) for conv in conversations]
+    prompts = [_fit(tokenizer.render_for_completion(conv), model) for conv in conversations]
     width = max(len(p) for p in prompts)
     idx = torch.full((len(prompts), width), tokenizer.bos_id, dtype=torch.long)
     for i, p in enumerate(prompts):  # right padding: a causal model never looks past position len-1
@@ -72,7 +83,7 @@ def choose_letters(model: torch.nn.Module, tokenizer: Any, conversations: list[d
 def generate_completions(engine: Engine, tokenizer: Any, conversation: dict, *, num_samples: int,
                          max_new_tokens: int, temperature: float, top_k: int | None, seed: int) -> list[str]:
     """``num_samples`` assistant completions (text after the prompt, stop token removed)."""
-    prompt = tokenizer.render_for_completion(conversation)
+    prompt = _fit(tokenizer.render_for_completion(conversation), engine.model, room=max_new_tokens)
     seqs, _ = engine.generate_batch(prompt, num_samples=num_samples, max_tokens=max_new_tokens,
                                     temperature=temperature, top_k=top_k, seed=seed)
     stops = engine.stop_ids()
@@ -147,7 +158,8 @@ def evaluate_chatcore(model: torch.nn.Module, tokenizer: Any, tasks: dict[str, T
     """Evaluate every task (ChatCORE display name -> Task); ChatCORE = mean centered accuracy.
 
     ``max_generative`` caps generative tasks separately (sampling costs far more than one
-    forward pass); None means ``max_per_task``. Returns ``{"tasks": {name: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``.
+    forward pass); None means ``max_per_task``.
+    Returns ``{"tasks": {name: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``.
     Extra keyword arguments go to :func:`evaluate_task` (rank, world_size, num_samples, k, ...).
     """
     unknown = [name for name in tasks if name not in CHATCORE_BASELINES]

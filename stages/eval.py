@@ -3,7 +3,7 @@
     python -m stages.eval                                       # one process
     torchrun --nproc_per_node=2 -m stages.eval                  # items split across ranks
     python -m chatpipe.launch eval -- --max_per_task=20         # through torchx, as DVC does
-    CHATPIPE_EVAL__CORE_BUNDLE_DIR=../shared/data/core python -m stages.eval --stages='["base"]'
+    CHATPIPE_EVAL__CORE_BUNDLE_DIR=../shared/data/core CHATPIPE_EVAL__STAGES='["base"]' python -m stages.eval
 
 For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.stages``):
 - bpb on the pretraining val text (``eval.bpb_tokens`` tokens),

@@ -200,3 +200,12 @@ def test_generative_path_runs_the_real_engine() -> None:
                       temperature=1.0)
     assert r["accuracy"] == 0.0 and len(got) == 6
     assert all("<|assistant_end|>" not in c and "<|bos|>" not in c for c in got)
+
+
+def test_long_prompts_keep_their_end() -> None:
+    """A prompt longer than the model's positions is cut from the left, so the answer hint survives."""
+    model = CopyModel(TOK.vocab_size)
+    model.cos = torch.zeros(1, 1, 16, 2)  # pretend the rotary table covers 16 positions
+    conv = {"messages": [{"role": "user", "content": "x" * 100 + " hint C"}], "letters": LETTERS}
+    assert choose_letters(model, TOK, [conv], "cpu") == ["C"]
+    assert len(chatcore_mod._fit(list(range(100)), model, room=6)) == 10

@@ -72,7 +72,7 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
         assert f"| {stage} |" in md
 
     check = run(project, "python", "-c", (
-        "import mlflow, sys; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
+        "import mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
         "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
         f"print(sorted(a.path for a in c.list_artifacts('{parent}', 'report')));"
         "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['CORE'])"))
