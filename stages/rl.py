@@ -87,12 +87,13 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     inputs = {"init": sha256_file(init_dir / "model.pt"), "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json")}
     math_settings = {k: v for k, v in snapshot(cfg).items() if k not in RL_OBSERVABILITY_KEYS}
     run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
-    start_step, prompt_log = 0, []
+    start_step, prompt_log, first_eval = 0, [], None
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:
         meta = load_checkpoint(ckpt, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank,
                                world_size=rt.world_size)
         start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
+        first_eval = meta["first_eval"]
         log.info("resuming from %s (step %d)", ckpt, start_step)
 
     train_policy = DDP(policy) if rt.world_size > 1 else policy
@@ -109,13 +110,13 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         sums = torch.tensor([len(correct)] + [rl.mean_pass_at_k(correct, k) * len(correct) if correct else 0.0
                                               for k in ks], dtype=torch.float64, device=rt.device)
         runtime.all_reduce_sum(sums)
-        return {f"eval/pass@{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
+        return {f"eval/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
 
     def checkpoint_meta() -> dict:
         return {"stage": "rl", "fingerprint": run_fp, "world_size": rt.world_size, "kl_coef": kl_ctl.value,
                 "model_config": policy.config.to_dict(), "settings": snapshot(cfg), "inputs": inputs,
                 "init_dir": str(init_dir), "total_steps": cfg.max_steps,
-                "prompt_indices": prompt_log}
+                "prompt_indices": prompt_log, "first_eval": first_eval}
 
     # --- loop
     params = {"rl": snapshot(cfg), "model_config": policy.config.to_dict(), "world_size": rt.world_size,
@@ -123,7 +124,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     with tracking.stage_run("rl", load_section(TrackingSettings), params, profile=active_profile(),
                             enabled=rt.is_main) as run:
         metrics = tracking.MetricBuffer(run)
-        step, evals, first_eval = start_step, {}, None
+        step, evals = start_step, {}
         t_gen_total = t_train_total = 0.0
         gen_tokens_total = 0
         while True:
@@ -200,7 +201,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                                                       "source_stage": "rl"})
             if run is not None:
                 import mlflow
-                mlflow.log_metrics({f"summary/{k.replace('@', '_at_')}": float(v) for k, v in summary.items()})
+                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
             log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     runtime.barrier()
 

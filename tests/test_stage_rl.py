@@ -52,7 +52,7 @@ def test_two_workers_through_dvc_sample_disjoint_prompts(tmp_path):
     for step, per_rank in enumerate(meta["prompt_indices"]):
         assert len(per_rank) == 2 and all(len(r) == 1 for r in per_rank)
         assert not set(per_rank[0]) & set(per_rank[1]), f"step {step}: ranks sampled the same prompt"
-    assert "eval/pass@1" in " ".join(meta["summary"])
+    assert "eval/pass_at_1" in " ".join(meta["summary"])
     # DVC recorded the stage; a second repro is a no-op
     assert "rl" in (project / "dvc.lock").read_text()
     assert "didn't change" in dvc(project, "repro", "--single-item", "rl").stdout
