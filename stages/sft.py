@@ -54,11 +54,11 @@ def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:
     work, tok_dir = WORK / STAGE, ARTIFACTS / "tokenizer"
 
     # --- data: build, render and pack the mixtures first, so a malformed row stops us before training
-    tok = Tokenizer.load(tok_dir)
-    token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
     identity = {"model_name": cfg.model_name, "model_maker": cfg.model_maker}
     train_mix = build_mixture(cfg.mixture, "train", seed=cfg.seed, **identity)
     val_mix = build_mixture(cfg.mixture, "val", seed=cfg.seed, cap=cfg.val_limit, **identity)
+    tok = Tokenizer.load(tok_dir)
+    token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
     capacity = cfg.max_seq_len + 1   # inputs and targets are the row shifted by one
     train_data, val_data = render_all(train_mix, tok, capacity), render_all(val_mix, tok, capacity)
     train_rows, val_rows = pack_rows(train_data.lengths, capacity), pack_rows(val_data.lengths, capacity)

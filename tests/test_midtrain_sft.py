@@ -1,0 +1,70 @@
+"""End to end: `dvc repro sft` runs data -> ... -> sft; a kill -9 during sft resumes; a re-run is a no-op."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.project import BIN, dvc, make_project, project_env, run
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_repro_sft_kill_resume_noop(tmp_path):
+    project = make_project(tmp_path)
+    sft_ckpts = project / "checkpoints" / "sft"
+
+    # 1. the whole chain in the background; kill -9 everything once sft has written a checkpoint
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen([str(BIN / "dvc"), "repro", "sft"], cwd=project, env=project_env(project),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    started = _wait_for(lambda: any(sft_ckpts.glob("step_*")), proc, timeout=600)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = (tmp_path / "first.log").read_text()
+    assert started, f"sft never checkpointed:\n{first[-3000:]}"
+    assert (project / "artifacts" / "mid" / "meta.json").exists()
+    assert not (project / "artifacts" / "sft" / "meta.json").exists()
+
+    # 2. re-run: resumes from the checkpoint, finishes, runs the chat checks
+    out = dvc(project, "repro", "sft").stdout
+    assert "resuming from checkpoints/sft/step_" in out, out[-3000:]
+    meta = json.loads((project / "artifacts" / "sft" / "meta.json").read_text())
+    assert meta["step"] == 24 and meta["source_stage"] == "sft"
+    summary = meta["summary"]
+    assert {"end_token_rate", "arith_accuracy", "arith_accuracy_base", "fill_ratio"} <= set(summary)
+    assert 0.0 <= summary["end_token_rate"] <= 1.0
+
+    # 3. nothing changed: a second repro runs no stage
+    again = dvc(project, "repro", "sft").stdout
+    assert "Running stage" not in again, again
+
+
+def test_bad_conversation_row_stops_midtrain_before_training(tmp_path):
+    """A malformed custom-JSON row names file and line, and the stage fails before any training step."""
+    project = make_project(tmp_path)
+    bad = project / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "yo"}]}) + "\n"
+                   + json.dumps({"messages": [{"content": "no role"}]}) + "\n")
+    # the stage module directly: artifacts/base is not needed to reach the data check
+    mixture = json.dumps([{"task": "customjson", "path": str(bad)}])
+    proc = run(project, "python", "-m", "stages.midtrain", check=False, CHATPIPE_MIDTRAIN__MIXTURE=mixture)
+    assert proc.returncode != 0
+    assert "bad.jsonl:2: malformed conversation row" in proc.stdout + proc.stderr
+    assert not (project / "checkpoints" / "midtrain").exists()
