@@ -41,7 +41,8 @@ def main() -> None:
     args = p.parse_args()
 
     device = torch.device(args.device)
-    tok = Tokenizer.load(args.tokenizer) if args.tokenizer else Tokenizer.from_ranks({bytes([i]): i for i in range(256)})
+    byte_tokenizer = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})
+    tok = Tokenizer.load(args.tokenizer) if args.tokenizer else byte_tokenizer
     if args.model:
         model, _ = load_model(args.model, device)
     else:

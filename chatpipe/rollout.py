@@ -112,7 +112,8 @@ class Rollouts:
                         self.ended[rows], self.lengths[rows], self.groups[rows], picked)
 
 
-def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(seqs: list[list[int]], masks: list[list[int]],
+              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad sequences; return (inputs, targets, action mask) shifted by one for next-token targets."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

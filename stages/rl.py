@@ -38,7 +38,7 @@ from chatpipe.trainloop import OBSERVABILITY_KEYS
 from chatpipe.value import ValueModel, token_values
 
 log = logging.getLogger("rl")
-RL_OBSERVABILITY_KEYS = OBSERVABILITY_KEYS | {"eval_problems", "eval_samples", "eval_temperature"}
+RL_OBSERVABILITY_KEYS = OBSERVABILITY_KEYS | {"eval_problems", "eval_samples", "eval_temperature", "eval_split"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,10 +81,12 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
     train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward)
-    eval_problems = load_problems(cfg.task, "val", cfg.eval_problems, cfg.seed, cfg.reward)[rt.rank::rt.world_size]
+    eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed,
+                                  cfg.reward)[rt.rank::rt.world_size]
 
     # --- resume from the newest checkpoint made with the same settings and init model
-    inputs = {"init": sha256_file(init_dir / "model.pt"), "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json")}
+    inputs = {"init": sha256_file(init_dir / "model.pt"),
+              "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json")}
     math_settings = {k: v for k, v in snapshot(cfg).items() if k not in RL_OBSERVABILITY_KEYS}
     run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
     start_step, prompt_log, first_eval = 0, [], None
@@ -276,7 +278,8 @@ def ppo_update(cfg: RLSettings, rt: runtime.Runtime, model, ref, critic, policy_
                 sync = i == len(chunks) - 1
                 ctxs = [model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()]
                 if critic is not None:
-                    ctxs.append(critic.no_sync() if not sync and hasattr(critic, "no_sync") else contextlib.nullcontext())
+                    ctxs.append(critic.no_sync() if not sync and hasattr(critic, "no_sync")
+                                else contextlib.nullcontext())
                 with contextlib.ExitStack() as stack, rt.autocast():
                     for c in ctxs:
                         stack.enter_context(c)

@@ -98,7 +98,8 @@ def test_collect_rollouts_masks_scores_and_padding():
 
 
 def test_collect_rollouts_pads_rows_of_unequal_length():
-    problems = [Problem(conv("a much longer question here", "1"), lambda t: 0.0), Problem(conv("q", "1"), lambda t: 0.0)]
+    problems = [Problem(conv("a much longer question here", "1"), lambda t: 0.0),
+                Problem(conv("q", "1"), lambda t: 0.0)]
     lens = [len(TOK.render_for_completion(p.conversation)) for p in problems]
     model = ScriptedModel([], 0, TOK.vocab_size)   # flat logits: random tokens
     batch = collect_rollouts(Engine(model, TOK), problems, group_size=1, max_new_tokens=3, seed=0)
