@@ -1,0 +1,66 @@
+"""Chat-stage evaluation helpers: masked val loss, reply extraction, end-token rate, task accuracy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatpipe import chateval
+from chatpipe.engine import Engine
+from chatpipe.model import GPT, GPTConfig
+from chatpipe.runtime import Runtime
+from chatpipe.tasks import build_task
+from chatpipe.tokenizer import Tokenizer
+
+TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})   # bytes only: ids 0..255, specials after
+RT = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+END = TOK.encode_special("<|assistant_end|>")
+
+
+def test_evaluate_loss_averages_only_trained_targets():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=TOK.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32,
+                          window_pattern="L"))
+    model.init_weights()
+    x = torch.randint(0, 256, (2, 16))
+    y = torch.randint(0, 256, (2, 16))
+    y[:, :10] = -1
+    per_token = model(x, y, loss_reduction="none")
+    want = per_token[:, 10:].mean().item()
+    assert chateval.evaluate_loss(model, [(x, y)], RT) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Engine.generate_batch returns a reply chosen by the test instead of sampling a model."""
+    replies: dict[str, list[int]] = {}
+
+    def fake(self, prompt_ids, num_samples=1, **kw):
+        text = TOK.decode(prompt_ids)
+        new = next(v for k, v in replies.items() if k in text)
+        return [list(prompt_ids) + new], [[0] * len(prompt_ids) + [1] * len(new)]
+
+    monkeypatch.setattr(Engine, "generate_batch", fake)
+    return replies
+
+
+def test_complete_and_end_token_rate(scripted):
+    convs = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]}
+             for q in ("stops", "rambles")]
+    scripted["stops"] = TOK.encode("fine") + [END]
+    scripted["rambles"] = TOK.encode("and on and on")
+    engine = Engine(None, TOK)
+    assert chateval.complete(engine, convs[0], max_tokens=8) == ("fine", True)
+    assert chateval.complete(engine, convs[1], max_tokens=8) == ("and on and on", False)
+    assert chateval.end_token_rate(None, TOK, convs) == 0.5
+
+
+def test_task_accuracy_uses_the_tasks_grader(scripted):
+    task = build_task("tinyworld_arith", "test", limit=2)
+    q0, q1 = (task[i]["messages"][0]["content"] for i in range(2))
+    a0 = task[0]["messages"][1]["content"][-1]["text"]            # "... #### n"
+    scripted[q0] = TOK.encode(a0) + [END]
+    scripted[q1] = TOK.encode("#### -1") + [END]
+    samples: list = []
+    assert chateval.task_accuracy(None, TOK, task, samples=samples) == 0.5
+    assert [ok for _, _, ok in samples] == [True, False]
