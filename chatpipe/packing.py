@@ -29,7 +29,7 @@ import torch
 class Rendered:
     """Every conversation of a task as flat arrays: tokens, masks and start offsets."""
 
-    ids: np.ndarray        # int64 [total tokens]
+    ids: np.ndarray        # int32 [total tokens]
     mask: np.ndarray       # uint8 [total tokens]
     offsets: np.ndarray    # int64 [n + 1]
 
@@ -46,19 +46,22 @@ def render_all(task: Sequence[dict[str, Any]], tokenizer, max_tokens: int) -> Re
 
     A malformed conversation raises ``ValueError`` naming its index and task.
     """
-    ids: list[int] = []
-    mask: list[int] = []
-    offsets = [0]
+    # numpy pieces, not Python int lists: a speedrun mixture holds hundreds of millions of tokens
+    ids: list[np.ndarray] = []
+    mask: list[np.ndarray] = []
+    lengths = np.zeros(len(task), dtype=np.int64)
     for i in range(len(task)):
         try:
             conv_ids, conv_mask = tokenizer.render_conversation(task[i], max_tokens=max_tokens)
         except ValueError as e:
             raise ValueError(f"{getattr(task, 'name', 'task')} example {i}: {e}") from None
-        ids += conv_ids
-        mask += conv_mask
-        offsets.append(len(ids))
-    return Rendered(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8),
-                    np.asarray(offsets, dtype=np.int64))
+        ids.append(np.asarray(conv_ids, dtype=np.int32))
+        mask.append(np.asarray(conv_mask, dtype=np.uint8))
+        lengths[i] = len(conv_ids)
+    offsets = np.zeros(len(task) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Rendered(np.concatenate(ids) if ids else np.zeros(0, np.int32),
+                    np.concatenate(mask) if mask else np.zeros(0, np.uint8), offsets)
 
 
 def pack_rows(lengths: Sequence[int], capacity: int, window: int = 128) -> list[list[tuple[int, int]]]:
@@ -67,6 +70,7 @@ def pack_rows(lengths: Sequence[int], capacity: int, window: int = 128) -> list[
     Conversations enter a window in order; each row takes the longest one that still fits until
     none does. Every conversation appears exactly once (cropped only if longer than ``capacity``).
     """
+    lengths = [int(n) for n in lengths]   # plain ints: the scan below is hot
     rows: list[list[tuple[int, int]]] = []
     pending: list[int] = []
     nxt = 0
