@@ -37,12 +37,14 @@ def gold_text(conversation: dict[str, Any]) -> str:
     return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
 
-def load_problems(task: str, split: str, n: int, seed: int = 0, reward: str = "exact") -> list[Problem]:
+def load_problems(task: str, split: str, n: int, seed: int = 0, reward: str = "exact",
+                  source: str = "") -> list[Problem]:
     """``n`` problems of ``task`` ("tinyworld_arith", "gsm8k", ...) from ``split``.
 
     Uses :func:`chatpipe.tasks.build_task` when that package exists (its ``reward`` wins unless a
-    reward name other than "exact" is asked for); the tiny-world arithmetic falls back to the
-    synthetic generator directly.
+    reward name other than "exact" is asked for; ``source`` picks hf | local | synthetic where the
+    task has sources, "" its default). Without that package the tiny-world arithmetic comes from
+    the synthetic generator directly (``seed`` only matters there).
     """
     reward_fn = get_reward(reward)
     try:
@@ -50,7 +52,7 @@ def load_problems(task: str, split: str, n: int, seed: int = 0, reward: str = "e
     except ImportError:
         build_task = None
     if build_task is not None:
-        t = build_task(task, split)
+        t = build_task(task, split, limit=n, source=source or None)
         convs = [t[i] for i in range(min(n, len(t)))]
         if reward == "exact" and hasattr(t, "reward"):
             return [Problem(c, lambda text, c=c: float(t.reward(c, text))) for c in convs]

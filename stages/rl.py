@@ -80,9 +80,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                              horizon=cfg.kl_horizon)
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
-    train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward)
+    train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward,
+                                   cfg.task_source)
     eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed,
-                                  cfg.reward)[rt.rank::rt.world_size]
+                                  cfg.reward, cfg.task_source)[rt.rank::rt.world_size]
 
     # --- resume from the newest checkpoint made with the same settings and init model
     inputs = {"init": sha256_file(init_dir / "model.pt"),
