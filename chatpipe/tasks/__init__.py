@@ -57,8 +57,6 @@ def build_task(name: str, split: str, **kw: Any) -> Task:
     return _BUILDERS[name](split=split, **kw)
 
 
-__all__ = ["TASK_NAMES", "Task", "TaskMixture", "TaskSequence", "build_mixture", "build_task"]
-
 
 def build_mixture(spec, split: str, *, seed: int = 0, cap: int | None = None, **task_kw: Any) -> TaskMixture:
     """A :class:`TaskMixture` from params entries (objects or dicts with task, limit, epochs, source, path, words).
@@ -77,3 +75,6 @@ def build_mixture(spec, split: str, *, seed: int = 0, cap: int | None = None, **
         task = build_task(item["task"], split, limit=limit, **kw, **extra)
         parts.append((task, 1 if cap is not None else item.get("epochs", 1)))
     return TaskMixture(parts, seed=seed)
+
+
+__all__ = ["TASK_NAMES", "Task", "TaskMixture", "TaskSequence", "build_mixture", "build_task"]
