@@ -1,4 +1,4 @@
-"""Evaluation helpers for the chat stages: val loss on packed rows, sampled answers, task accuracy.
+"""Evaluation helpers for the chat stages: val loss/bpb on packed rows, sampled answers, task accuracy.
 
     rate = end_token_rate(model, tok, prompts, max_tokens=64, temperature=0.7)
     acc = task_accuracy(model, tok, build_task("tinyworld_arith", "test"), n=100)
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,21 +20,26 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], rt: Runtime) -> float:
-    """Mean cross-entropy (nats) over every trained target token (targets -1 ignored), all ranks."""
-    total = torch.zeros((), dtype=torch.float64, device=rt.device)
-    count = torch.zeros((), dtype=torch.float64, device=rt.device)
+def evaluate_loss_bpb(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                      token_bytes: torch.Tensor, rt: Runtime) -> tuple[float, float]:
+    """Mean loss (nats) over trained targets (-1 ignored) and bits per byte, in one pass, all ranks.
+
+    Bits per byte counts only targets with a byte length (special tokens such as
+    ``<|assistant_end|>`` have none), as :func:`chatpipe.trainloop.evaluate_bpb` does.
+    """
+    sums = torch.zeros(4, dtype=torch.float64, device=rt.device)   # loss, targets, loss on bytes, bytes
     was_training = model.training
     model.eval()
     for x, y in batches:
         with rt.autocast():
             loss = model(x, y, loss_reduction="none").float()
-        total += loss.sum().double()
-        count += (y >= 0).sum().double()
+        valid = y >= 0
+        nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+        sums += torch.stack([loss.sum(), valid.sum(), (loss * (nbytes > 0)).sum(), nbytes.sum()]).double()
     model.train(was_training)
-    all_reduce_sum(total)
-    all_reduce_sum(count)
-    return (total / count.clamp(min=1)).item()
+    all_reduce_sum(sums)
+    loss_sum, targets, byte_nats, nbytes = sums.tolist()
+    return loss_sum / max(targets, 1.0), byte_nats / (math.log(2) * max(nbytes, 1.0))
 
 
 def complete(engine: Engine, conversation: dict[str, Any], *, max_tokens: int, temperature: float = 0.0,

@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
-from chatpipe.chateval import end_token_rate, evaluate_loss, task_accuracy
+from chatpipe.chateval import end_token_rate, evaluate_loss_bpb, task_accuracy
 from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, load_model,
                                  save_checkpoint, save_model_dir, sha256_file)
 from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
@@ -31,7 +31,7 @@ from chatpipe.packing import ConversationLoader, fill_ratio, pack_rows, render_a
 from chatpipe.settings import SFTSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
 from chatpipe.tasks import build_mixture, build_task
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, train_step
+from chatpipe.trainloop import OBSERVABILITY_KEYS, fixed_batches, grad_accum_steps, train_step
 
 log = logging.getLogger("sft")
 STAGE, INIT_DIR, OUT_DIR = "sft", ARTIFACTS / "mid", ARTIFACTS / "sft"
@@ -105,7 +105,7 @@ def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:
 
     def val_metrics() -> tuple[float, float]:
         batches = list(fixed_batches(ConversationLoader(val_data, val_rows, **loader_kw).next_batch, eval_steps))
-        return evaluate_loss(model, batches, rt), evaluate_bpb(model, batches, token_bytes, rt)
+        return evaluate_loss_bpb(model, batches, token_bytes, rt)
 
     def checkpoint_meta() -> dict:
         return {"stage": STAGE, "fingerprint": run_fp, "world_size": rt.world_size,

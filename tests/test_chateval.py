@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from chatpipe import chateval
+from chatpipe import chateval, trainloop
 from chatpipe.engine import Engine
 from chatpipe.model import GPT, GPTConfig
 from chatpipe.runtime import Runtime
@@ -17,7 +19,7 @@ RT = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
 END = TOK.encode_special("<|assistant_end|>")
 
 
-def test_evaluate_loss_averages_only_trained_targets():
+def test_val_loss_and_bpb_count_only_trained_targets():
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=16, vocab_size=TOK.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32,
                           window_pattern="L"))
@@ -25,9 +27,14 @@ def test_evaluate_loss_averages_only_trained_targets():
     x = torch.randint(0, 256, (2, 16))
     y = torch.randint(0, 256, (2, 16))
     y[:, :10] = -1
+    y[0, 15] = END   # a special token: a target for the loss, no bytes for bpb
     per_token = model(x, y, loss_reduction="none")
-    want = per_token[:, 10:].mean().item()
-    assert chateval.evaluate_loss(model, [(x, y)], RT) == pytest.approx(want, rel=1e-5)
+    loss, bpb = chateval.evaluate_loss_bpb(model, [(x, y)], TOK.token_bytes(), RT)
+    assert loss == pytest.approx(per_token[:, 10:].mean().item(), rel=1e-5)
+    byte_targets = per_token[:, 10:].flatten().tolist()
+    del byte_targets[5]   # row 0, position 15
+    assert bpb == pytest.approx(sum(byte_targets) / (math.log(2) * len(byte_targets)), rel=1e-5)
+    assert bpb == pytest.approx(trainloop.evaluate_bpb(model, [(x, y)], TOK.token_bytes(), RT), rel=1e-5)
 
 
 @pytest.fixture
