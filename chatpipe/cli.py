@@ -4,6 +4,7 @@ Run::
 
     chatpipe chat [--model sft] [-p PROMPT] ...     # chatpipe/chat.py
     chatpipe serve [--port 8000] ...                # chatpipe/serve.py
+    chatpipe plan --profile speedrun                # chatpipe/plan.py
     chatpipe <command> --help                       # that command's flags
 
 A new subcommand is one line in ``COMMANDS``; its module is imported only when it runs.
@@ -19,6 +20,7 @@ import sys
 COMMANDS = {
     "chat": ("chatpipe.chat", "talk to a trained model in the terminal"),
     "serve": ("chatpipe.serve", "web UI and JSON API for a trained model"),
+    "plan": ("chatpipe.plan", "parameters, tokens, steps, time, cost and memory of a profile"),
 }
 
 

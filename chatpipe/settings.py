@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -69,7 +69,21 @@ def resolve_params(path: Path | None = None, profile: str | None = None) -> dict
     if chosen not in allowed:
         raise ParamsError(f"{path}: profile = {chosen!r} is not defined; allowed: {', '.join(allowed)}")
     raw["profile"] = chosen
-    return _deep_merge(raw, profiles.get(chosen, {}) or {})
+    return _deep_merge(raw, profile_overlay(profiles, chosen, path))
+
+
+def profile_overlay(profiles: dict[str, Any], name: str, path: Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The overlay of profile ``name``, with ``extends: <parent>`` profiles merged in beneath it."""
+    if name in seen:
+        raise ParamsError(f"{path}: profiles.{name}.extends forms a cycle: {' -> '.join((*seen, name))}")
+    overlay = dict(profiles.get(name) or {})
+    parent = overlay.pop("extends", None)
+    if parent is None:
+        return overlay
+    if parent not in profiles:
+        raise ParamsError(f"{path}: profiles.{name}.extends = {parent!r} is not defined; "
+                          f"allowed: {', '.join(profiles)}")
+    return _deep_merge(profile_overlay(profiles, parent, path, (*seen, name)), overlay)
 
 
 def active_profile() -> str:
@@ -199,6 +213,54 @@ class PretrainSettings(TrainSettings):
     embedding_lr: float = Field(0.2, gt=0)
 
 
+TaskName = Literal["tinyworld_chat", "tinyworld_arith", "tinyworld_gsm", "tinyworld_mc", "smoltalk", "mmlu",
+                   "arc_easy", "arc_challenge", "gsm8k", "identity", "simplespelling", "spellingbee",
+                   "customjson", "humaneval"]   # = chatpipe.tasks.TASK_NAMES (a test keeps them equal)
+
+
+class MixItem(BaseModel):
+    """One task of a chat-stage mixture: ``{task: gsm8k, limit: 8000, epochs: 2, source: local, path: ...}``."""
+
+    model_config = {"extra": "forbid"}
+    task: TaskName
+    limit: int | None = Field(None, ge=0, description="examples taken from the task (None: all / its default)")
+    epochs: int = Field(1, ge=1, description="times every example appears in one pass of the mixture")
+    source: Literal["synthetic", "local", "hf"] | None = None
+    path: str = ""
+    words: Literal["english", "tinyworld"] | None = Field(None, description="spelling tasks: word list")
+
+
+class ChatTrainSettings(TrainSettings):
+    """Shared by midtrain and sft: the task mixture, packing length, identity, chat LR schedule."""
+
+    mixture: list[MixItem] = Field(default_factory=lambda: [MixItem(task="tinyworld_chat")])
+    val_limit: int = Field(100, ge=1, description="val examples per task (its val split) for val loss/bpb")
+    max_seq_len: int = Field(256, ge=8, description="packed row length")
+    max_steps: int = Field(-1, ge=-1, description="-1: one pass over the mixture")
+    model_name: str = "chatpipe"
+    model_maker: str = "the chatpipe authors"
+    warmdown_ratio: float = Field(0.2, ge=0, le=1)   # flat, then linear decay over the last 20%
+    final_lr_frac: float = Field(0.0, ge=0, le=1)
+    init_lr_frac: float = Field(1.0, gt=0, le=1, description="scales every lr relative to the values above")
+
+
+class MidtrainSettings(ChatTrainSettings):
+    """Midtraining (`midtrain` stage): chat format, tool use, multiple choice; starts from artifacts/base."""
+
+    section: ClassVar[str] = "midtrain"
+
+
+class SFTSettings(ChatTrainSettings):
+    """Supervised fine-tuning (`sft` stage); starts from artifacts/mid, ends with a held-out chat eval."""
+
+    section: ClassVar[str] = "sft"
+    eval_prompts: int = Field(100, ge=0, description="held-out tiny-world prompts sampled for the end-token rate")
+    eval_arith: int = Field(100, ge=0, description="held-out tiny-world arithmetic problems (exact match)")
+    eval_max_tokens: int = Field(64, ge=1)
+    eval_temperature: float = Field(0.7, ge=0, description="sampling temperature for the end-token rate")
+    eval_baseline: bool = Field(True, description="also score artifacts/base on the arithmetic, for comparison")
+
+
 class LaunchSettings(StageSettings):
     """How torchx starts stage workers: scheduler and topology."""
 
@@ -211,7 +273,7 @@ class LaunchSettings(StageSettings):
     mem_mb: int = Field(8192, ge=256)
     image: str = "chatpipe:latest"
     partition: str = ""
-    queue: str = ""
+    queue: str = "default"
     namespace: str = "default"
     rdzv_backend: str = "c10d"
     rdzv_port: int = Field(29500, ge=1, le=65535)
@@ -229,6 +291,131 @@ class TrackingSettings(StageSettings):
     enabled: bool = True
 
 
+
+
+class ChatSettings(StageSettings):
+    """The chat CLI (`chatpipe chat`): which model, how to sample."""
+
+    section: ClassVar[str] = "chat"
+    model: str = Field("latest", description="stage (base|mid|sft|rl|latest), models:/<name>/<version> or a dir")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    temperature: float = Field(0.6, ge=0, le=5)
+    top_k: int = Field(50, ge=0, description="0: no top-k filtering")
+    max_tokens: int = Field(256, ge=1, le=8192, description="new tokens per reply")
+    seed: int = Field(42, ge=0)
+
+
+class ServeSettings(ChatSettings):
+    """The web UI and JSON API (`chatpipe serve`): sampling defaults plus the server's limits."""
+
+    section: ClassVar[str] = "serve"
+    host: str = Field("127.0.0.1", description="0.0.0.0 exposes the server to the network")
+    port: int = Field(8000, ge=0, le=65535)
+    num_engines: int = Field(2, ge=1, le=64, description="replies generated at once; more requests queue")
+    max_queue: int = Field(32, ge=0, description="requests waiting for an engine before 503s")
+    max_message_chars: int = Field(4000, ge=1)
+    max_turns: int = Field(32, ge=1, description="messages in one conversation")
+    max_tokens_limit: int = Field(1024, ge=1, description="the most max_tokens a request may ask for")
+
+class EvalSettings(StageSettings):
+    """Evaluate every model stage that exists: bpb, CORE, ChatCORE (`eval` stage)."""
+
+    section: ClassVar[str] = "eval"
+    stages: list[Literal["base", "mid", "sft", "rl"]] = ["base", "mid", "sft", "rl"]
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    max_per_task: int = Field(50, ge=0, description="items per CORE/ChatCORE task (0: all)")
+    generative_max_per_task: int = Field(0, ge=0, description="generative ChatCORE tasks (0: max_per_task)")
+    bpb_tokens: int = Field(32768, ge=1, description="val tokens for bits per byte")
+    device_batch_size: int = Field(16, ge=1)
+    core_stages: list[Literal["base", "mid", "sft", "rl"]] = ["base"]
+    core_config: str = Field("", description="CORE task YAML ('' = chatpipe/core_tasks.yaml)")
+    core_bundle_dir: str = Field("", description="dir with the CORE jsonl files ('' = no real tasks)")
+    core_tasks: list[str] = Field([], description="labels to run from core_config ([] = all found)")
+    core_tinyworld: bool = Field(True, description="also run the synthetic tiny-world CORE tasks")
+    tinyworld_examples: int = Field(200, ge=10)
+    chatcore_stages: list[Literal["base", "mid", "sft", "rl"]] = ["mid", "sft", "rl"]
+    # ChatCORE name -> build_task spec: {task: <chatpipe.tasks name>, <its keyword args>...}
+    chatcore_tasks: dict[Literal["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"],
+                         dict[str, Any]] = {
+        "ARC-Easy": {"task": "arc_easy", "source": "hf"}, "ARC-Challenge": {"task": "arc_challenge", "source": "hf"},
+        "MMLU": {"task": "mmlu", "source": "hf"}, "GSM8K": {"task": "gsm8k", "source": "hf"},
+        "HumanEval": {"task": "humaneval"}, "SpellingBee": {"task": "spellingbee"}}
+    chatcore_split: Literal["train", "val", "test"] = "test"
+    num_samples: int = Field(1, ge=1, description="generative tasks: samples per problem")
+    pass_k: int = Field(1, ge=1, description="pass@k over num_samples")
+    temperature: float = Field(0.0, ge=0)
+    top_k: int = Field(50, ge=0)
+    max_new_tokens: int = Field(256, ge=1)
+    seed: int = Field(0, ge=0)
+
+    @field_validator("chatcore_tasks")
+    @classmethod
+    def _each_spec_names_a_task(cls, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name, spec in specs.items():
+            if not isinstance(spec.get("task"), str):
+                raise ValueError(f"chatcore_tasks.{name} needs a 'task' key naming a chatpipe.tasks task, got {spec!r}")
+        return specs
+
+
+class ReportSettings(StageSettings):
+    """report.md, plots and the MLflow model registry (`report` stage)."""
+
+    section: ClassVar[str] = "report"
+    cost_per_hour: float = Field(0.0, ge=0, description="USD per hour of the machine(s) that ran the stages")
+    register_model: bool = True
+    model_name: str = Field("chatpipe", min_length=1)
+
+
+class RLSettings(TrainSettings):
+    """RL on verifiable rewards (`rl` stage, SPEC §8): GRPO-lite or PPO, chosen by `algorithm`."""
+
+    section: ClassVar[str] = "rl"
+    init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
+    reward: str = Field("exact", description="reward function name in chatpipe.rewards")
+    task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
+    num_train_problems: int = Field(512, ge=1)
+    max_steps: int = Field(30, ge=1)
+    prompts_per_step: int = Field(16, ge=1, description="prompts per step over all ranks")
+    group_size: int = Field(16, ge=1, description="samples per prompt")
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(50, ge=0, description="0: no top-k filtering")
+    lr_frac: float = Field(0.05, gt=0, description="policy LR = lr_frac x the init model's LRs, linear decay to 0")
+    value_lr_frac: float = Field(1.0, gt=0, description="critic LR = value_lr_frac x the init model's LRs")
+    normalize_std: bool = Field(False, description="GRPO: divide advantages by the group's std")
+    # PPO
+    ppo_epochs: int = Field(2, ge=1)
+    num_minibatches: int = Field(2, ge=1, description="minibatches per PPO epoch (each = one optimizer step)")
+    clip_eps: float = Field(0.2, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    value_coef: float = Field(0.1, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_ctl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.1, ge=0)
+    kl_target: float = Field(6.0, gt=0)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    whiten: Literal["batch", "group", "none"] = "batch"
+    reward_scale: float = Field(1.0, gt=0)
+    reward_bias: float = 0.0
+    reward_clip: float = Field(20.0, ge=0, description="0: no clipping")
+    no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
+    length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
+    min_response_length: int = Field(0, ge=0)
+    max_ratio: float = Field(5.0, ge=0, description="stop an update when an importance ratio exceeds this (0: off)")
+    ref_ema: float = Field(0.0, ge=0, le=1, description="reference <- (1-eta) ref + eta policy each step (0: frozen)")
+    disable_value: bool = Field(False, description="PPO without a critic: group-mean advantages (GRPO)")
+    # eval
+    eval_every: int = Field(10, ge=0, description="pass@k every N steps (0: only before and after)")
+    eval_split: Literal["train", "val", "test"] = Field("val", description="held-out split for pass@k")
+    eval_problems: int = Field(64, ge=1, description="held-out problems for pass@k")
+    eval_samples: int = Field(4, ge=1, description="samples per held-out problem")
+    eval_temperature: float = Field(1.0, ge=0)
+    checkpoint_every: int = Field(10, ge=0)
 
 
 # --------------------------------------------------------------------------- loading
@@ -290,7 +477,7 @@ def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
     if unknown:
         raise ParamsError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(top_level_keys)}")
     for name, overlay in (raw.get("profiles") or {}).items():
-        bad = set(overlay or {}) - set(SECTIONS)
+        bad = set(overlay or {}) - set(SECTIONS) - {"extends"}
         if bad:
             raise ParamsError(f"{path}: profiles.{name} has unknown section(s) {sorted(bad)}; allowed: {sorted(SECTIONS)}")
     return {name: load_section(cls) for name, cls in SECTIONS.items()}

@@ -20,6 +20,17 @@ SMALL_PARAMS = {
     "pretrain": {"depth": 2, "sequence_len": 64, "device_batch_size": 8, "total_batch_size": 1024,
                  "max_steps": 24, "eval_every": 8, "eval_tokens": 2048, "checkpoint_every": 8,
                  "sample_every": 0, "log_every": 4},
+    "midtrain": {"mixture": [{"task": "tinyworld_chat", "limit": 100}, {"task": "tinyworld_arith", "limit": 100},
+                             {"task": "tinyworld_mc", "limit": 40}, {"task": "identity", "limit": 20},
+                             {"task": "spellingbee", "limit": 20, "words": "tinyworld"}],
+                 "val_limit": 10, "max_seq_len": 128, "device_batch_size": 4, "total_batch_size": 512,
+                 "max_steps": 8, "eval_every": 0, "eval_tokens": 1024, "checkpoint_every": 4, "log_every": 4,
+                 "momentum_warmup_steps": 4},
+    "sft": {"mixture": [{"task": "tinyworld_chat", "limit": 60}, {"task": "tinyworld_arith", "limit": 100},
+                        {"task": "identity", "limit": 20}],
+            "val_limit": 10, "max_seq_len": 128, "device_batch_size": 4, "total_batch_size": 512,
+            "max_steps": 24, "eval_every": 0, "eval_tokens": 1024, "checkpoint_every": 2, "log_every": 4,
+            "momentum_warmup_steps": 4, "eval_prompts": 6, "eval_arith": 6, "eval_max_tokens": 32},
 }
 
 
@@ -30,8 +41,11 @@ def _merge(base: dict, overlay: dict) -> dict:
     return out
 
 
-def make_project(dest: Path, params: dict | None = None) -> Path:
-    """Copy the repo's files (tracked + untracked-not-ignored) to ``dest``, git init + commit there."""
+def make_project(dest: Path, params: dict | None = None, small: bool = True) -> Path:
+    """Copy the repo's files (tracked + untracked-not-ignored) to ``dest``, git init + commit there.
+
+    ``params`` is merged into params.yaml over SMALL_PARAMS (or over the real params if not ``small``).
+    """
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                            capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
@@ -39,7 +53,7 @@ def make_project(dest: Path, params: dict | None = None) -> Path:
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
-    set_params(dest, _merge(SMALL_PARAMS, params or {}))
+    set_params(dest, _merge(SMALL_PARAMS, params or {}) if small else (params or {}))
     git = ["git", "-c", "user.email=t@chatpipe.local", "-c", "user.name=test"]
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
