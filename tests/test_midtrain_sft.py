@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
+import re
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from tests.project import BIN, dvc, make_project, project_env, run
+
+
+def _kill_project_processes(project) -> None:
+    """SIGKILL every process working in ``project``: dvc, the torchx launcher and the workers.
+
+    torchx starts workers in their own session, so killing dvc's process group alone would leave
+    them running.
+    """
+    for proc in psutil.process_iter():
+        try:
+            if proc.cwd() == str(project):
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> bool:
@@ -26,16 +40,17 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> bool:
 
 @pytest.mark.slow
 def test_repro_sft_kill_resume_noop(tmp_path):
-    project = make_project(tmp_path)
+    project = make_project(tmp_path, {"sft": {"max_steps": 40}})
     sft_ckpts = project / "checkpoints" / "sft"
 
     # 1. the whole chain in the background; kill -9 everything once sft has written a checkpoint
     log = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen([str(BIN / "dvc"), "repro", "sft"], cwd=project, env=project_env(project),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT)
     started = _wait_for(lambda: any(sft_ckpts.glob("step_*")), proc, timeout=600)
-    os.killpg(proc.pid, signal.SIGKILL)
+    _kill_project_processes(project)
     proc.wait()
+    time.sleep(0.5)
     first = (tmp_path / "first.log").read_text()
     assert started, f"sft never checkpointed:\n{first[-3000:]}"
     assert (project / "artifacts" / "mid" / "meta.json").exists()
@@ -43,10 +58,12 @@ def test_repro_sft_kill_resume_noop(tmp_path):
 
     # 2. re-run: resumes from the checkpoint, finishes, runs the chat checks
     out = dvc(project, "repro", "sft").stdout
-    assert "resuming from checkpoints/sft/step_" in out, out[-3000:]
+    resumed = re.search(r"resuming from checkpoints/sft/step_(\d+)", out)
+    assert resumed and 0 < int(resumed.group(1)) < 40, out[-3000:]
     meta = json.loads((project / "artifacts" / "sft" / "meta.json").read_text())
-    assert meta["step"] == 24 and meta["source_stage"] == "sft"
+    assert meta["step"] == 40 and meta["source_stage"] == "sft"
     summary = meta["summary"]
+    assert summary["train_seconds"] > 0   # the re-run trained the remaining steps
     assert {"end_token_rate", "arith_accuracy", "arith_accuracy_base", "fill_ratio"} <= set(summary)
     assert 0.0 <= summary["end_token_rate"] <= 1.0
 
