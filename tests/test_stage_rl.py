@@ -66,7 +66,7 @@ def _stage(project: Path, *args: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_kill9_resume_matches_uninterrupted_run(tmp_path):
-    project = setup_project(tmp_path, algorithm="ppo", max_steps=4, eval_every=0, checkpoint_every=2)
+    project = setup_project(tmp_path, algorithm="ppo", max_steps=6, eval_every=0, checkpoint_every=2)
     args = ("--kl_ctl=adaptive",)
 
     # reference: one uninterrupted run
@@ -82,7 +82,7 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     deadline = time.time() + 240
     while not list((project / "checkpoints" / "rl").glob("step_*")):
         assert proc.poll() is None and time.time() < deadline, "stage ended before its first checkpoint"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (project / "artifacts" / "rl").exists()
@@ -92,6 +92,6 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     assert again.returncode == 0, out
     assert "resuming from" in out
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
-    assert meta["step"] == 4 and len(meta["prompt_indices"]) == 4
+    assert meta["step"] == 6 and len(meta["prompt_indices"]) == 6
     # policy, critic, optimizers, KL coefficient and sampling seeds all restored: same final weights
     assert sha256_file(project / "artifacts" / "rl" / "model.pt") == want
