@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -70,9 +71,17 @@ def scheduler_cfg(launch: LaunchSettings) -> dict[str, object]:
     return {k: v for k, v in {"namespace": launch.namespace, "queue": launch.queue}.items() if v}
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool = False,
               launch: LaunchSettings | None = None, env: dict[str, str] | None = None) -> int:
-    """Launch ``stage`` and stream its log; returns 0 on success, 1 on failure (dryrun: prints the request)."""
+    """Launch ``stage`` and stream its log; returns 0 on success, 1 on failure, 130 when interrupted.
+
+    With ``dryrun`` it only prints the scheduler request.
+    """
+    from torchx.schedulers.local_scheduler import SignalException  # its SIGTERM/SIGINT handler raises this
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
@@ -80,6 +89,10 @@ def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool =
     app = build_app(stage, launch, list(stage_args or []), env)
     cfg = scheduler_cfg(launch)
     runner = get_runner()
+    # torchx starts local workers in their own session: a SIGTERM/SIGHUP sent to DVC or Prefect would
+    # not reach them, so turn those signals into the KeyboardInterrupt path below, which cancels the app.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         if dryrun:
             print(runner.dryrun(app, launch.scheduler, cfg=cfg))
@@ -89,16 +102,19 @@ def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool =
         try:
             for line in runner.log_lines(handle, app.roles[0].name, k=0, should_tail=True):
                 print(line, end="" if line.endswith("\n") else "\n", flush=True)
+        except SignalException:
+            raise
         except Exception as e:  # remote schedulers may not serve logs; status still tells the outcome
             print(f"[launch] log streaming unavailable: {e}", flush=True)
         status = runner.wait(handle, wait_interval=0.5)
         ok = status is not None and status.state == AppState.SUCCEEDED
         print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'}", flush=True)
         return 0 if ok else 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SignalException):
         if not dryrun and "handle" in locals():
+            print(f"[launch] {stage}: interrupted, cancelling {handle}", flush=True)
             runner.cancel(handle)
-        raise
+        return 130  # the conventional exit status of an interrupted command
     finally:
         runner.close()
 

@@ -96,7 +96,7 @@ def _loss_curve(project: Path) -> list[float]:
 @pytest.mark.slow
 def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     """2 gloo workers through torchx == 1 worker accumulating 2 micro-batches (fp32)."""
-    project = make_project(tmp_path, {"pretrain": {"max_steps": 8, "eval_every": 0, "checkpoint_every": 0,
+    project = make_project(tmp_path, {"pretrain": {"max_steps": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1,
                                                    "dtype": "float32"}})
     dvc(project, "repro", "tokenizer")
     curves = {}
@@ -109,3 +109,30 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     for a, b in zip(curves[1], curves[2]):
         assert abs(a - b) <= 1e-4 * abs(a), (curves[1], curves[2])
     assert curves[1][-1] < curves[1][0]  # and it learns
+    # SIGTERM to the launcher (what DVC or Prefect cancellation sends) stops the workers too,
+    # although torchx runs them in a session of their own.
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.project import project_env
+    proc = subprocess.Popen(["python", "-m", "chatpipe.launch", "pretrain", "--", "--max_steps=100000"],
+                            cwd=project, env=project_env(project), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def workers() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline", "cwd"])
+                if "stages.pretrain" in " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(project)]
+
+    for line in proc.stdout:
+        if "step 1/" in line or "step 10/" in line:
+            break
+    assert workers(), "the stage never started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    deadline = time.monotonic() + 30
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not workers(), "workers survived the launcher's SIGTERM"
