@@ -71,6 +71,23 @@ def init(device: str = "auto", dtype: str = "auto") -> Runtime:
     return Runtime(rank, local_rank, world_size, dev, chosen)
 
 
+def run_stage(settings_cls, body, argv: list[str] | None = None) -> None:
+    """A distributed stage's entry point: settings, process group, ``body(cfg, rt)``, teardown.
+
+    Settings come from params.yaml + profile + env + ``argv`` (default ``sys.argv[1:]``), and every
+    params section is validated first, so a bad value stops the stage before any work.
+    """
+    from chatpipe.settings import load_section, validate_all
+
+    cfg = load_section(settings_cls, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    rt = init(cfg.device, cfg.dtype)
+    try:
+        body(cfg, rt)
+    finally:
+        shutdown()
+
+
 def shutdown() -> None:
     """Tear down the process group (call from ``finally``)."""
     if dist.is_available() and dist.is_initialized():

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from chatpipe.checkpoint import ARTIFACTS, WORK, fingerprint, load_model, replac
 from chatpipe.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.core_tinyworld import write_tinyworld_bundle
 from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
-from chatpipe.settings import EvalSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.settings import EvalSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.trainloop import evaluate_bpb, fixed_batches
 
@@ -43,14 +42,7 @@ OUT = ARTIFACTS / "eval"
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --- settings
-    cfg = load_section(EvalSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    rt = runtime.init(cfg.device, cfg.dtype)
-    try:
-        evaluate(cfg, rt)
-    finally:
-        runtime.shutdown()
+    runtime.run_stage(EvalSettings, evaluate, argv)
 
 
 def val_docs(tok: Tokenizer, work: Path, rt: runtime.Runtime) -> TokenDocs:

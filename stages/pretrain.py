@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 
 import torch
@@ -27,7 +26,7 @@ from chatpipe.engine import Engine
 from chatpipe.model import GPT, config_from_depth
 from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
 from chatpipe.plan import check_memory_fits, estimate_memory_bytes
-from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, train_step
 
@@ -36,14 +35,7 @@ SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled",
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --- settings
-    cfg = load_section(PretrainSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    rt = runtime.init(cfg.device, cfg.dtype)
-    try:
-        train(cfg, rt)
-    finally:
-        runtime.shutdown()
+    runtime.run_stage(PretrainSettings, train, argv)
 
 
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from chatpipe import runtime, tracking
 from chatpipe.checkpoint import ARTIFACTS, replace_dir, write_json_atomic

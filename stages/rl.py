@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint
 from chatpipe.engine import Engine
 from chatpipe.optim import apply_schedules, build_optimizers
 from chatpipe.rollout import Rollouts, collect_rollouts, evaluate_problems, load_problems, rank_indices, token_logprobs
-from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.trainloop import OBSERVABILITY_KEYS
 from chatpipe.value import ValueModel, token_values
@@ -42,14 +41,7 @@ RL_OBSERVABILITY_KEYS = OBSERVABILITY_KEYS | {"eval_problems", "eval_samples", "
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --- settings
-    cfg = load_section(RLSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    rt = runtime.init(cfg.device, cfg.dtype)
-    try:
-        train(cfg, rt)
-    finally:
-        runtime.shutdown()
+    runtime.run_stage(RLSettings, train, argv)
 
 
 def train(cfg: RLSettings, rt: runtime.Runtime) -> None:

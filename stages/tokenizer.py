@@ -14,7 +14,6 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
