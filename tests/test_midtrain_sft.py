@@ -71,6 +71,22 @@ def test_repro_sft_kill_resume_noop(tmp_path):
     again = dvc(project, "repro", "sft").stdout
     assert "Running stage" not in again, again
 
+    # 4. talk to the trained sft model in the terminal: a prompt goes in, streamed text comes out, /exit works
+    import pexpect
+    child = pexpect.spawn(str(BIN / "chatpipe"), ["chat", "--model", "sft", "-t", "0", "--max-tokens", "24"],
+                          cwd=str(project), env={**project_env(project), "TERM": "dumb"}, encoding="utf-8",
+                          timeout=120)
+    child.expect(r"chatpipe chat: sft \(stage sft, step 40")
+    child.expect("You: ")
+    child.sendline("What is 12 plus 7?")
+    child.expect("Assistant: ")
+    child.expect("\r\n\r\nYou: ")
+    assert child.before.strip(), "the sft model streamed no reply"
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
 
 def test_bad_conversation_row_stops_midtrain_before_training(tmp_path):
     """A malformed custom-JSON row names file and line, and the stage fails before any training step."""
