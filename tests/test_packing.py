@@ -98,13 +98,10 @@ def test_assistant_only_mask_on_rendered_tasks():
 
 
 def test_fill_ratio_on_tiny_mixture_is_high():
+    from chatpipe.synthetic import pretrain_documents
     from chatpipe.tokenizer import Tokenizer
-    from tests.project import REPO
 
-    tok_dir = REPO / "artifacts" / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        pytest.skip("artifacts/tokenizer not built (run `dvc repro tokenizer`)")
-    tok = Tokenizer.load(tok_dir)
+    tok = Tokenizer.train(pretrain_documents(seed=0, num_docs=2000), 1024)  # the tiny profile's tokenizer
     mix = TaskMixture([build_task("tinyworld_chat", "train", limit=400), build_task("tinyworld_arith", "train",
                        limit=200), build_task("tinyworld_mc", "train", limit=100)], seed=0)
     data = render_all(mix, tok, 257)
