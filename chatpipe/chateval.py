@@ -1,4 +1,4 @@
-"""Evaluation helpers for the chat stages: val loss/bpb on packed rows, sampled answers, task accuracy.
+"""Evaluation helpers for the chat stages: sampled answers, end-token rate, task accuracy.
 
     rate = end_token_rate(model, tok, prompts, max_tokens=64, temperature=0.7)
     acc = task_accuracy(model, tok, build_task("tinyworld_arith", "test"), n=100)
@@ -7,40 +7,14 @@
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from chatpipe.engine import Engine
-from chatpipe.runtime import Runtime, all_reduce_sum
 
 log = logging.getLogger(__name__)
-
-
-@torch.no_grad()
-def evaluate_loss_bpb(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                      token_bytes: torch.Tensor, rt: Runtime) -> tuple[float, float]:
-    """Mean loss (nats) over trained targets (-1 ignored) and bits per byte, in one pass, all ranks.
-
-    Bits per byte counts only targets with a byte length (special tokens such as
-    ``<|assistant_end|>`` have none), as :func:`chatpipe.trainloop.evaluate_bpb` does.
-    """
-    sums = torch.zeros(4, dtype=torch.float64, device=rt.device)   # loss, targets, loss on bytes, bytes
-    was_training = model.training
-    model.eval()
-    for x, y in batches:
-        with rt.autocast():
-            loss = model(x, y, loss_reduction="none").float()
-        valid = y >= 0
-        nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        sums += torch.stack([loss.sum(), valid.sum(), (loss * (nbytes > 0)).sum(), nbytes.sum()]).double()
-    model.train(was_training)
-    all_reduce_sum(sums)
-    loss_sum, targets, byte_nats, nbytes = sums.tolist()
-    return loss_sum / max(targets, 1.0), byte_nats / (math.log(2) * max(nbytes, 1.0))
-
 
 def complete(engine: Engine, conversation: dict[str, Any], *, max_tokens: int, temperature: float = 0.0,
              seed: int = 0) -> tuple[str, bool]:

@@ -16,7 +16,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
-from chatpipe.chateval import evaluate_loss_bpb
 from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, load_model,
                                  save_checkpoint, save_model_dir, sha256_file)
 from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
@@ -24,7 +23,7 @@ from chatpipe.packing import ConversationLoader, fill_ratio, pack_rows, render_a
 from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tasks import build_mixture
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import OBSERVABILITY_KEYS, fixed_batches, grad_accum_steps, train_step
+from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_step
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, MLflow run or None) -> extra summary metrics

@@ -29,7 +29,7 @@ def test_val_loss_and_bpb_count_only_trained_targets():
     y[:, :10] = -1
     y[0, 15] = END   # a special token: a target for the loss, no bytes for bpb
     per_token = model(x, y, loss_reduction="none")
-    loss, bpb = chateval.evaluate_loss_bpb(model, [(x, y)], TOK.token_bytes(), RT)
+    loss, bpb = trainloop.evaluate_loss_bpb(model, [(x, y)], TOK.token_bytes(), RT)
     assert loss == pytest.approx(per_token[:, 10:].mean().item(), rel=1e-5)
     byte_targets = per_token[:, 10:].flatten().tolist()
     del byte_targets[5]   # row 0, position 15
