@@ -6,7 +6,8 @@
     python -m chatpipe.launch pretrain --scheduler slurm --dryrun
 
 Every scheduler (``local_cwd``, ``slurm``, ``kubernetes``) runs the same
-``torchrun -m stages.<stage>`` command; only the topology and scheduler options differ.
+``torchrun -m stages.<stage>`` command (plain ``python -m`` for a single process); only the
+topology and scheduler options differ.
 The worker log is streamed to this process's stdout and the exit code says whether the app
 succeeded, so DVC and Prefect see a crashed or killed worker as a failed stage.
 """
@@ -39,20 +40,33 @@ def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, 
 
 
 def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: dict[str, str] | None = None):
-    """The torchx AppDef that runs ``stages.<stage>`` with torchrun on the configured topology."""
+    """The torchx AppDef that runs ``stages.<stage>`` on the configured topology.
+
+    More than one process: ``torchrun`` (torchx ``dist.ddp``) starts and rendezvous the workers.
+    Exactly one process: plain ``python -m`` (torchx ``utils.python``); torchrun would add a second
+    interpreter and torch import (~2-3 s a stage on a laptop) and nothing else.
+    """
     from torchx.components.dist import ddp
+    from torchx.components.utils import python
 
     if stage not in STAGES:
         raise ParamsError(f"unknown stage {stage!r}; allowed: {', '.join(STAGES)}")
     single = stage in SINGLE_WORKER_STAGES
     nnodes, nproc = (1, 1) if single else (launch.nnodes, launch.nproc_per_node)
+    gpu = 0 if single else launch.gpus_per_node
+    if nnodes * nproc == 1:
+        app = python(*stage_args, m=f"stages.{stage}", name=stage, image=launch.image, cpu=launch.cpus_per_node,
+                     gpu=gpu, memMB=launch.mem_mb)
+        app.roles[0].env.update(stage_env(launch.scheduler, env))
+        app.roles[0].max_retries = launch.max_retries
+        return app
     return ddp(
         *stage_args,
         m=f"stages.{stage}",
         name=f"chatpipe/{stage}",
         image=launch.image,
         cpu=launch.cpus_per_node,
-        gpu=0 if single else launch.gpus_per_node,
+        gpu=gpu,
         memMB=launch.mem_mb,
         j=f"{nnodes}x{nproc}",
         env=stage_env(launch.scheduler, env),

@@ -17,7 +17,7 @@ def _launch(**overrides) -> LaunchSettings:
     return LaunchSettings(**{"scheduler": "local_cwd", **overrides})
 
 
-def _torchrun_args(app) -> list[str]:
+def _command(app) -> list[str]:
     role = app.roles[0]
     return [role.entrypoint, *role.args]
 
@@ -25,7 +25,7 @@ def _torchrun_args(app) -> list[str]:
 def test_app_runs_the_stage_module_with_torchrun_topology(params_file):
     app = build_app("pretrain", _launch(nnodes=2, nproc_per_node=8, gpus_per_node=8), ["--max_steps=5"])
     role = app.roles[0]
-    args = " ".join(_torchrun_args(app))
+    args = " ".join(_command(app))
     assert role.num_replicas == 2
     assert role.resource.gpu == 8
     assert "--nnodes 2" in args and "--nproc_per_node 8" in args
@@ -35,7 +35,17 @@ def test_app_runs_the_stage_module_with_torchrun_topology(params_file):
 def test_single_process_stages_ignore_topology(params_file):
     app = build_app("tokenizer", _launch(nnodes=4, nproc_per_node=8, gpus_per_node=8), [])
     assert app.roles[0].num_replicas == 1 and app.roles[0].resource.gpu == 0
-    assert "--nproc_per_node 1" in " ".join(_torchrun_args(app))
+    assert _command(app) == ["python", "-m", "stages.tokenizer"]  # one process: no torchrun
+
+
+def test_one_process_runs_python_without_torchrun(params_file):
+    app = build_app("pretrain", _launch(nnodes=1, nproc_per_node=1, max_retries=2), ["--max_steps=5"],
+                    env={"CHATPIPE_X": "1"})
+    role = app.roles[0]
+    assert [role.entrypoint, *role.args] == ["python", "-m", "stages.pretrain", "--max_steps=5"]
+    assert role.max_retries == 2 and role.env["CHATPIPE_X"] == "1" and "PATH" in role.env
+    two = build_app("pretrain", _launch(nnodes=1, nproc_per_node=2), [])
+    assert "torchrun" in " ".join(_command(two)) and "--nproc_per_node 2" in " ".join(_command(two))
 
 
 def test_unknown_stage_is_a_clear_error(params_file):
