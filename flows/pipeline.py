@@ -25,6 +25,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 
 from chatpipe import tracking
 from chatpipe.settings import ParamsError, TrackingSettings, active_profile, load_section, validate_all, write_profile
+from flows import prefect_api
 
 
 
@@ -121,7 +122,18 @@ def main(argv: list[str] | None = None) -> None:
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(pipeline(profile=args.profile, stages=args.stages, resume_from=args.resume_from))
+    # Without a configured Prefect server, start the temporary one now so that it boots while
+    # this process opens (or creates) the MLflow store, the other slow part of starting a run.
+    server = None if prefect_api.configured() else prefect_api.TemporaryServer()
+    try:
+        track = load_section(TrackingSettings)
+        if track.enabled:
+            tracking.configure(track)
+        with prefect_api.pointed_at(server):
+            print(pipeline(profile=args.profile, stages=args.stages, resume_from=args.resume_from))
+    finally:
+        if server is not None:
+            server.stop()
 
 
 if __name__ == "__main__":

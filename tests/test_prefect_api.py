@@ -1,0 +1,59 @@
+"""The temporary Prefect API server a command-line pipeline run starts for itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL
+
+from flows import prefect_api
+
+
+@flow(name="prefect-api-probe")
+def probe() -> str:
+    return "ok"
+
+
+async def _state_on_server(flow_run_id) -> str:
+    async with get_client() as client:
+        return (await client.read_flow_run(flow_run_id)).state.type.value
+
+
+def test_flow_reports_to_the_temporary_server_which_stops_afterwards():
+    before = PREFECT_API_URL.value()
+    server = prefect_api.TemporaryServer()
+    try:
+        with prefect_api.pointed_at(server):
+            assert PREFECT_API_URL.value() == server.api_url
+            state = probe(return_state=True)
+            assert state.result() == "ok"
+            # the run was recorded by this server
+            assert asyncio.run(_state_on_server(state.state_details.flow_run_id)) == "COMPLETED"
+        assert PREFECT_API_URL.value() == before
+        proc = server.proc
+    finally:
+        server.stop()
+    assert proc.poll() is not None and server.proc is None
+    try:
+        httpx.get(f"{server.api_url}/health", timeout=2)
+        raise AssertionError("the server still answers after stop()")
+    except httpx.TransportError:
+        pass
+
+
+def test_server_that_did_not_come_up_leaves_prefect_settings_alone(capsys):
+    before = PREFECT_API_URL.value()
+    server = prefect_api.TemporaryServer()
+    server.stop()  # dead before anyone waits for it
+    with prefect_api.pointed_at(server):
+        assert PREFECT_API_URL.value() == before
+    assert "did not start" in capsys.readouterr().err
+
+
+def test_no_server_changes_nothing():
+    before = PREFECT_API_URL.value()
+    with prefect_api.pointed_at(None):
+        assert PREFECT_API_URL.value() == before
