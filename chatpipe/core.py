@@ -30,7 +30,6 @@ after a sequence). Tests and tools can pass ``scorer=`` to bypass the model enti
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from chatpipe.jsonl import iter_jsonl
 from chatpipe.metrics import centered
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -153,18 +153,11 @@ def load_task_rows(bundle_dir: Path, task: TaskConfig) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"CORE task {task.label!r}: data file not found: {path}")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: bad JSON ({e.msg})") from None
-            problem = _check_row(row, task)
-            if problem:
-                raise ValueError(f"{path}:{lineno}: {problem}")
-            rows.append(row)
+    for lineno, row in iter_jsonl(path):
+        problem = _check_row(row, task)
+        if problem:
+            raise ValueError(f"{path}:{lineno}: {problem}")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no rows for CORE task {task.label!r}")
     return rows

@@ -23,7 +23,6 @@ leaves a half-written data dir.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -37,6 +36,7 @@ from tqdm import tqdm
 
 from chatpipe import synthetic
 from chatpipe.checkpoint import replace_dir, write_json_atomic
+from chatpipe.jsonl import iter_jsonl
 
 SOURCES = ("synthetic", "hf", "local")
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".txt")
@@ -159,17 +159,10 @@ def read_local_file(path: Path, column: str = "text") -> Iterator[str]:
     if path.suffix == ".parquet":
         yield from _read_parquet_column(path, column)
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict) or not isinstance(row.get(column), str):
-                    raise ValueError(f"{path}:{lineno}: expected an object with a string {column!r} field")
-                yield row[column]
+        for lineno, row in iter_jsonl(path):
+            if not isinstance(row, dict) or not isinstance(row.get(column), str):
+                raise ValueError(f"{path}:{lineno}: expected an object with a string {column!r} field")
+            yield row[column]
     elif path.suffix == ".txt":
         yield from _txt_documents(path.read_text(encoding="utf-8"))
     else:

@@ -6,7 +6,6 @@ Runs in a throwaway git + DVC copy of the repo with small params (tests/project.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time

@@ -156,7 +156,7 @@ def test_errors_are_clear(tmp_path: Path) -> None:
     src.mkdir()
     (src / "a.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
     (src / "b.jsonl").write_text('{"text": "ok"}\n')
-    with pytest.raises(ValueError, match=r"a\.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"a\.jsonl:2: bad JSON"):
         prepare(tmp_path / "data", source="local", local_dir=src)
     (src / "a.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"a\.jsonl:2: .*'text'"):

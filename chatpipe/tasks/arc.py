@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from chatpipe.tasks.base import (MultipleChoiceTask, check_source, check_split, hash_split, limit_rows, load_hf,
-                                 mc_conversation, read_jsonl)
+from chatpipe.tasks.base import (MultipleChoiceTask, check_source, check_split, checked_rows, hash_split,
+                                 limit_rows, load_hf, mc_conversation)
 
 HF_SPLITS = {"train": "train", "val": "validation", "test": "test"}
 
@@ -41,12 +41,7 @@ class ARC(MultipleChoiceTask):
         check_source(source, ("local", "hf"), self.name)
         if source == "local":
             file = Path(path or "data/core") / f"arc_{subset}.jsonl"
-            rows = []
-            for lineno, obj in read_jsonl(file):
-                try:
-                    rows.append(_local_row(obj))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{file}:{lineno}: malformed ARC row: {e}") from None
+            rows = checked_rows(file, _local_row, "ARC row")
             rows = hash_split(rows, split, lambda r: r["question"])
         else:
             config = "ARC-Easy" if subset == "easy" else "ARC-Challenge"

@@ -12,12 +12,12 @@ put ``"letters"`` in each conversation so an evaluator can restrict the answer t
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from chatpipe.jsonl import iter_jsonl
 from chatpipe.synthetic import split_of
 from chatpipe.tokenizer import normalize_messages
 
@@ -75,34 +75,29 @@ def check_split(split: str, task: str, allowed: Sequence[str] = ("train", "val",
         raise ValueError(f"{task}: split = {split!r}; allowed: {', '.join(allowed)}")
 
 
-def read_jsonl(path: Path | str) -> list[tuple[int, Any]]:
-    """``(line number, object)`` for every non-blank line; a bad line raises naming file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: bad JSON line ({e.msg} at column {e.colno})") from None
-    return out
+def checked_rows(path: Path | str, convert: Callable[[Any], dict[str, Any]], what: str = "row") -> list[dict[str, Any]]:
+    """Read a JSONL file and convert + validate every row now, so a bad row stops a stage before training.
 
-
-def checked_rows(path: Path | str, convert: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Read a JSONL file and convert + validate every row now, so a bad row stops a stage before training."""
+    ``convert`` raises ValueError/KeyError/TypeError on a bad row; the error names ``path:line``.
+    """
     rows = []
-    for lineno, obj in read_jsonl(path):
+    for lineno, obj in iter_jsonl(path):
         try:
-            conv = convert(obj)
-            normalize_messages(conv)
+            rows.append(convert(obj))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}:{lineno}: malformed conversation row: {e}") from None
-        rows.append(conv)
+            raise ValueError(f"{path}:{lineno}: malformed {what}: {e}") from None
     return rows
+
+
+def conversation_rows(path: Path | str, convert: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`checked_rows` for conversations: each converted row must also be a valid chat."""
+
+    def checked(obj: Any) -> dict[str, Any]:
+        conversation = convert(obj)
+        normalize_messages(conversation)
+        return conversation
+
+    return checked_rows(path, checked, "conversation row")
 
 
 def hash_split(rows: Sequence[Any], split: str, key: Callable[[Any], str]) -> list[Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from chatpipe.tasks.base import Task, checked_rows, hash_split, limit_rows
+from chatpipe.tasks.base import Task, conversation_rows, hash_split, limit_rows
 
 
 def to_conversation(obj: Any) -> dict[str, Any]:
@@ -42,7 +42,7 @@ class CustomJSON(Task):
     def __init__(self, split: str = "all", path: str | Path = "", limit: int | None = None) -> None:
         if not path:
             raise ValueError("customjson: 'path' to a .jsonl file is required")
-        rows = checked_rows(path, to_conversation)
+        rows = conversation_rows(path, to_conversation)
         if split != "all":
             rows = hash_split(rows, split, lambda c: str(c["messages"][0]["content"]))
         super().__init__(limit_rows(rows, limit), split)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chatpipe.synthetic import split_of
-from chatpipe.tasks.base import NumericAnswerTask, check_source, check_split, limit_rows, load_hf, read_jsonl
+from chatpipe.tasks.base import NumericAnswerTask, check_source, check_split, checked_rows, limit_rows, load_hf
 
 _CALL = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 
@@ -40,15 +40,14 @@ def gsm_conversation(row: dict[str, Any]) -> dict[str, Any]:
                          {"role": "assistant", "content": answer_parts(answer)}]}
 
 
+def _valid_row(obj: dict[str, Any]) -> dict[str, Any]:
+    gsm_conversation(obj)  # raises on a malformed row
+    return obj
+
+
 def _local_rows(directory: Path, split: str) -> list[dict[str, Any]]:
     path = directory / ("test.jsonl" if split == "test" else "train.jsonl")
-    rows = []
-    for lineno, obj in read_jsonl(path):
-        try:
-            gsm_conversation(obj)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{lineno}: malformed GSM8K row: {e}") from None
-        rows.append(obj)
+    rows = checked_rows(path, _valid_row, "GSM8K row")
     if split == "test":
         return rows
     return [r for r in rows if (split_of(r["question"]) == "val") == (split == "val")]

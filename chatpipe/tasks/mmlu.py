@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from chatpipe.tasks.base import (MultipleChoiceTask, check_source, check_split, limit_rows, load_hf,
-                                 mc_conversation, read_jsonl)
+from chatpipe.tasks.base import (MultipleChoiceTask, check_source, check_split, checked_rows, limit_rows, load_hf,
+                                 mc_conversation)
 
 HF_SPLITS = {"train": ("auxiliary_train", "train"), "val": ("all", "validation"), "test": ("all", "test")}
 
@@ -31,12 +31,7 @@ class MMLU(MultipleChoiceTask):
         check_source(source, ("local", "hf"), self.name)
         if source == "local":
             file = Path(path or "data/mmlu") / f"{split}.jsonl"
-            rows = []
-            for lineno, obj in read_jsonl(file):
-                try:
-                    rows.append(_check(obj))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{file}:{lineno}: malformed MMLU row: {e}") from None
+            rows = checked_rows(file, _check, "MMLU row")
         else:
             config, hf_split = HF_SPLITS[split]
             rows = load_hf("cais/mmlu", config, hf_split)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from chatpipe.tasks.base import Task, check_source, check_split, checked_rows, limit_rows, load_hf
+from chatpipe.tasks.base import Task, check_source, check_split, conversation_rows, limit_rows, load_hf
 
 HF_SPLITS = {"train": "train", "val": "test", "test": "test"}
 
@@ -28,7 +28,7 @@ class SmolTalk(Task):
         check_split(split, self.name)
         check_source(source, ("local", "hf"), self.name)
         if source == "local":
-            rows = checked_rows(Path(path or "data/smoltalk") / f"{split}.jsonl", _messages)
+            rows = conversation_rows(Path(path or "data/smoltalk") / f"{split}.jsonl", _messages)
         else:
             rows = load_hf("HuggingFaceTB/smoltalk", "all", HF_SPLITS[split])
         super().__init__(limit_rows(rows, limit), split)
