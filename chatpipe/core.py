@@ -147,11 +147,24 @@ def _check_row(row: Any, task: TaskConfig) -> str | None:
     return None
 
 
+def task_file(bundle_dir: Path, task: TaskConfig) -> Path | None:
+    """Where ``task``'s jsonl is: ``bundle_dir/<file>``, else the one file of that name below it
+    (the published bundle files them in category folders); None when there is none."""
+    direct = Path(bundle_dir) / task.file
+    if direct.is_file():
+        return direct
+    found = sorted(Path(bundle_dir).rglob(Path(task.file).name))
+    if len(found) > 1:
+        raise ValueError(f"CORE task {task.label!r}: {len(found)} files named {task.file!r} under {bundle_dir}: "
+                         f"{', '.join(map(str, found))}; give the path relative to the bundle in the config")
+    return found[0] if found else None
+
+
 def load_task_rows(bundle_dir: Path, task: TaskConfig) -> list[dict]:
     """Read and validate the jsonl rows of ``task`` from ``bundle_dir``."""
-    path = Path(bundle_dir) / task.file
-    if not path.is_file():
-        raise FileNotFoundError(f"CORE task {task.label!r}: data file not found: {path}")
+    path = task_file(bundle_dir, task)
+    if path is None:
+        raise FileNotFoundError(f"CORE task {task.label!r}: data file not found: {Path(bundle_dir) / task.file}")
     rows = []
     for lineno, row in iter_jsonl(path):
         problem = _check_row(row, task)
@@ -347,8 +360,8 @@ def evaluate_core(model: torch.nn.Module | None, tokenizer: Tokenizer | None,
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     for task in config:
-        path = Path(bundle_dir) / task.file
-        if not path.is_file():
+        if task_file(bundle_dir, task) is None:
+            path = Path(bundle_dir) / task.file
             if task.required:
                 raise FileNotFoundError(f"CORE task {task.label!r} is required but {path} is missing")
             skipped[task.label] = f"data file not found: {path}"

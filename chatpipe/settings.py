@@ -331,6 +331,7 @@ class EvalSettings(StageSettings):
     core_stages: list[Literal["base", "mid", "sft", "rl"]] = ["base"]
     core_config: str = Field("", description="CORE task YAML ('' = chatpipe/core_tasks.yaml)")
     core_bundle_dir: str = Field("", description="dir with the CORE jsonl files ('' = no real tasks)")
+    core_bundle_url: str = Field("", description="zip fetched into core_bundle_dir when that dir is missing")
     core_tasks: list[str] = Field([], description="labels to run from core_config ([] = all found)")
     core_tinyworld: bool = Field(True, description="also run the synthetic tiny-world CORE tasks")
     tinyworld_examples: int = Field(200, ge=10)

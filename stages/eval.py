@@ -8,7 +8,7 @@
 For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.stages``):
 - bpb on the pretraining val text (``eval.bpb_tokens`` tokens),
 - CORE (``eval.core_stages``): the tasks of ``eval.core_config`` found in ``eval.core_bundle_dir``
-  and, with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/core_tinyworld.py),
+  (fetched from ``eval.core_bundle_url`` when missing; speedrun fetches the published bundle) and, with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/core_tinyworld.py),
 - ChatCORE (``eval.chatcore_stages``): ``eval.chatcore_tasks`` from chatpipe.tasks.
 
 Writes ``artifacts/eval/results.json`` (every number with the git commit and the dvc.lock hash
@@ -31,6 +31,7 @@ from chatpipe.checkpoint import ARTIFACTS, WORK, fingerprint, load_model, replac
 from chatpipe.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.core_tinyworld import write_tinyworld_bundle
 from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.fetch import fetch_zip
 from chatpipe.settings import EvalSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.trainloop import evaluate_bpb, fixed_batches
@@ -74,8 +75,13 @@ def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tupl
             # tasks asked for by name must be there: a missing file fails instead of being skipped
             config = [dataclasses.replace(t, required=True) for t in config if t.label in cfg.core_tasks]
         bundle = Path(cfg.core_bundle_dir)
+        if cfg.core_bundle_url and rt.is_main and not bundle.is_dir():
+            print(f"eval: fetching the CORE bundle {cfg.core_bundle_url} -> {bundle}", flush=True)
+            fetch_zip(cfg.core_bundle_url, bundle)
+        runtime.barrier()
         if not bundle.is_dir():
-            raise FileNotFoundError(f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory")
+            raise FileNotFoundError(f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory "
+                                    "(set eval.core_bundle_url to fetch it)")
         suites.append((config, bundle))
     if cfg.core_tinyworld:
         if rt.is_main:

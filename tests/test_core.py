@@ -323,3 +323,20 @@ def test_batched_scoring_matches_one_sequence_at_a_time() -> None:
             losses.append(torch.nn.functional.cross_entropy(logits[start - 1 : -1], target).item())
         rows.append({"query": f"question {i}", "choices": choices, "gold": losses.index(min(losses))})
     assert evaluate_task(model, tok, task, rows, device="cpu", max_seq_len=64) == 1.0
+
+
+def test_task_file_is_found_in_category_folders_and_ambiguity_is_named(tmp_path):
+    from chatpipe.core import task_file
+
+    task = _task("multiple_choice")
+    assert task_file(tmp_path, task) is None
+    nested = tmp_path / "eval_data" / "world" / task.file
+    nested.parent.mkdir(parents=True)
+    nested.write_text("{}\n")
+    assert task_file(tmp_path, task) == nested
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / task.file).write_text("{}\n")
+    with pytest.raises(ValueError, match=rf"2 files named '{task.file}'"):
+        task_file(tmp_path, task)
+    (tmp_path / task.file).write_text("{}\n")  # the configured relative path always wins
+    assert task_file(tmp_path, task) == tmp_path / task.file

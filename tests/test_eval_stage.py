@@ -105,3 +105,29 @@ def test_core_tasks_named_in_params_must_exist(tmp_path: Path, params_file: Path
     with pytest.raises(ValueError, match=r"eval.core_tasks = \['nope'\]: not in the CORE config"):
         core_suites(load_section(EvalSettings, {"core_bundle_dir": str(bundle), "core_tasks": ["nope"]}),
                     tmp_path / "work", rt)
+
+
+def test_core_bundle_is_fetched_when_missing_and_nested_files_are_found(tmp_path: Path, params_file: Path) -> None:
+    """eval.core_bundle_url: a zip laid out like the published bundle (category folders) is fetched and scored."""
+    import zipfile
+
+    import torch
+
+    from chatpipe.core import evaluate_core
+    from chatpipe.runtime import Runtime
+    from chatpipe.settings import EvalSettings, load_section
+    from stages.eval import core_suites
+
+    rows = [{"query": f"Question: {i}?", "choices": ["yes", "no"], "gold": i % 2} for i in range(6)]
+    with zipfile.ZipFile(tmp_path / "bundle.zip", "w") as zf:
+        zf.writestr("eval_bundle/eval_data/commonsense_reasoning/copa.jsonl", "\n".join(map(json.dumps, rows)))
+    dest = tmp_path / "data" / "eval_bundle"
+    cfg = load_section(EvalSettings, {"core_bundle_dir": str(dest), "core_bundle_url": (tmp_path / "bundle.zip").as_uri(),
+                                      "core_tasks": ["copa"], "core_tinyworld": False})
+    rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    [(config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
+    assert bundle == dest and (dest / "eval_data" / "commonsense_reasoning" / "copa.jsonl").is_file()
+
+    out = evaluate_core(None, None, config, bundle, device="cpu", max_seq_len=64,
+                        scorer=lambda task, row, prompts: row["gold"])  # picks the gold option: accuracy 1.0
+    assert out["tasks"]["copa"]["num_examples"] == 6 and out["tasks"]["copa"]["accuracy"] == 1.0
