@@ -1,25 +1,31 @@
 """Orchestration overhead: the pipeline through Prefect -> DVC -> torchx vs the stages called directly.
 
-    python bench/orchestration_overhead.py [--stages data tokenizer pretrain] [--max-steps N]
+    python bench/orchestration_overhead.py [--stages data tokenizer pretrain] [--max-steps N] [--repeats N]
 
-Both runs start from a fresh copy of this repo (git + DVC initialised, same params):
+Default: the whole ``tiny`` pipeline (every stage of dvc.yaml). Each run starts from a fresh copy
+of this repo (git + DVC initialised, same params):
 - orchestrated: ``python -m flows.pipeline --stages ...`` (temporary Prefect server, ``dvc repro``
-  per stage, torchx ``local_cwd`` launch, torchrun worker);
+  per stage, torchx ``local_cwd`` launch of the stage's worker);
 - direct: ``python -m stages.<stage>`` for each stage, one process each.
-Prints both wall times and their ratio last (goal <= 1.10).
+With ``--repeats`` the two alternate which goes first, so drift in machine load cancels.
+Prints the wall times and the ratio of their sums last (goal <= 1.10).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+STAGES = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
 
 from tests.project import make_project, project_env  # noqa: E402
 
@@ -34,23 +40,45 @@ def timed(project: Path, *cmds: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def final_weights(project: Path) -> dict[str, str]:
+    """sha256 of each model stage's final weights (from its meta.json), to check both runs did the same work."""
+    out = {}
+    for meta_path in sorted((project / "artifacts").glob("*/meta.json")):
+        sha = json.loads(meta_path.read_text()).get("files", {}).get("model.pt")
+        if sha:
+            out[meta_path.parent.name] = sha
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", nargs="+", default=["data", "tokenizer", "pretrain"])
+    p.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
     p.add_argument("--max-steps", type=int, default=0, help="override pretrain.max_steps (0: keep params.yaml)")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating which goes first")
     args = p.parse_args()
     overlay = {"pretrain": {"max_steps": args.max_steps}} if args.max_steps else {}
     py = sys.executable
-    with tempfile.TemporaryDirectory() as tmp:
-        # keep the real `tiny` params (make_project would shrink them), except the optional step override
-        direct_dir = make_project(Path(tmp) / "direct", overlay, small=False)
-        flow_dir = make_project(Path(tmp) / "flow", overlay, small=False)
-        direct = timed(direct_dir, *[[py, "-m", f"stages.{s}"] for s in args.stages])
-        flow = timed(flow_dir, [py, "-m", "flows.pipeline", "--stages", *args.stages])
-    print(f"stages: {' '.join(args.stages)}")
-    print(f"direct (python -m stages.<stage>):      {direct:7.1f} s")
-    print(f"orchestrated (Prefect -> DVC -> torchx): {flow:7.1f} s")
-    print(f"ratio orchestrated/direct: {flow / direct:.3f}")
+    commands = {"direct": [[py, "-m", f"stages.{s}"] for s in args.stages],
+                "orchestrated": [[py, "-m", "flows.pipeline", "--stages", *args.stages]]}
+    totals = {"direct": 0.0, "orchestrated": 0.0}
+    weights: dict[str, dict[str, str]] = {}
+    print(f"stages: {' '.join(args.stages)}", flush=True)
+    for rep in range(args.repeats):
+        order = ["direct", "orchestrated"] if rep % 2 == 0 else ["orchestrated", "direct"]
+        for kind in order:
+            with tempfile.TemporaryDirectory() as tmp:
+                # the real `tiny` params (make_project would shrink them), except the optional step override
+                project = make_project(Path(tmp) / kind, overlay, small=False)
+                seconds = timed(project, *commands[kind])
+                weights[kind] = final_weights(project)
+            totals[kind] += seconds
+            print(f"run {rep + 1} {kind:13s} {seconds:7.1f} s", flush=True)
+        if weights["direct"] != weights["orchestrated"]:
+            raise SystemExit(f"the two runs produced different models: {weights}")
+    print(f"same final weights in both ({', '.join(weights['direct']) or 'no model stage'})")
+    print(f"direct (python -m stages.<stage>):       {totals['direct']:7.1f} s")
+    print(f"orchestrated (Prefect -> DVC -> torchx): {totals['orchestrated']:7.1f} s")
+    print(f"ratio orchestrated/direct: {totals['orchestrated'] / totals['direct']:.3f}")
 
 
 if __name__ == "__main__":
