@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,12 +17,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from chatpipe import runtime, tracking
 from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, load_model,
                                  save_checkpoint, save_model_dir, sha256_file)
-from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+from chatpipe.optim import build_optimizers
 from chatpipe.packing import ConversationLoader, fill_ratio, pack_rows, render_all
 from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tasks import build_mixture
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_step
+from chatpipe.trainloop import (OBSERVABILITY_KEYS, evaluate_loss_bpb, fixed_batches, grad_accum_steps,
+                                scheduled_train_step)
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, MLflow run or None) -> extra summary metrics
@@ -121,14 +121,8 @@ def train_chat(cfg: ChatTrainSettings, rt: runtime.Runtime, *, stage: str, init_
             if last:
                 break
 
-            lr_mult = lr_multiplier(step, total_steps, warmup_steps=cfg.warmup_steps,
-                                    warmdown_ratio=cfg.warmdown_ratio, final_lr_frac=cfg.final_lr_frac,
-                                    schedule=cfg.schedule)
-            apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
-            t0 = time.perf_counter()
-            loss = train_step(step_model, train_loader.next_batch, optimizers, grad_accum=grad_accum, rt=rt,
-                              grad_clip=cfg.grad_clip)
-            dt = time.perf_counter() - t0
+            loss, lr_mult, dt = scheduled_train_step(step, total_steps, cfg, step_model, train_loader.next_batch,
+                                                     optimizers, grad_accum=grad_accum, rt=rt)
             step += 1
             t_train += dt
             metrics.log({"train/loss": loss, "lr_mult": lr_mult, "tokens_per_s": cfg.total_batch_size / dt,

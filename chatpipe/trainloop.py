@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 
+from chatpipe.optim import apply_schedules, lr_multiplier, muon_momentum
 from chatpipe.runtime import Runtime, all_reduce_sum
 
 # Dense bf16 peak FLOP/s per GPU, for MFU (SPEC §6). Unknown devices report no MFU.
@@ -60,6 +62,26 @@ def train_step(model: torch.nn.Module, next_batch: Callable[[], tuple[torch.Tens
     model.zero_grad(set_to_none=True)
     total /= grad_accum
     return (all_reduce_sum(total) / rt.world_size).item()
+
+
+def scheduled_train_step(step: int, total_steps: int, cfg, model: torch.nn.Module,
+                         next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                         optimizers: list[torch.optim.Optimizer], *, grad_accum: int,
+                         rt: Runtime) -> tuple[float, float, float]:
+    """Step ``step`` of ``total_steps``: set its LR multiplier and Muon momentum, then :func:`train_step`.
+
+    ``cfg`` is a stage's settings with the schedule fields (``warmup_steps``, ``warmdown_ratio``,
+    ``final_lr_frac``, ``schedule``, ``momentum_warmup_steps``, ``grad_clip``).
+    Returns ``(loss, lr multiplier, seconds)``.
+    """
+    lr_mult = lr_multiplier(step, total_steps, warmup_steps=cfg.warmup_steps, warmdown_ratio=cfg.warmdown_ratio,
+                            final_lr_frac=cfg.final_lr_frac, schedule=cfg.schedule)
+    apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
+    t0 = time.perf_counter()
+    loss = train_step(model, next_batch, optimizers, grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return loss, lr_mult, time.perf_counter() - t0
 
 
 @torch.no_grad()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,11 +23,12 @@ from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint
 from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.engine import Engine
 from chatpipe.model import GPT, config_from_depth
-from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+from chatpipe.optim import build_optimizers
 from chatpipe.plan import check_memory_fits, estimate_memory_bytes
 from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, train_step
+from chatpipe.trainloop import (OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops,
+                                scheduled_train_step)
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -125,16 +125,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             if last:
                 break
 
-            lr_mult = lr_multiplier(step, total_steps, warmup_steps=cfg.warmup_steps,
-                                    warmdown_ratio=cfg.warmdown_ratio, final_lr_frac=cfg.final_lr_frac,
-                                    schedule=cfg.schedule)
-            apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
-            t0 = time.perf_counter()
-            loss = train_step(step_model, train_loader.next_batch, optimizers, grad_accum=grad_accum, rt=rt,
-                              grad_clip=cfg.grad_clip)
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            loss, lr_mult, dt = scheduled_train_step(step, total_steps, cfg, step_model, train_loader.next_batch,
+                                                     optimizers, grad_accum=grad_accum, rt=rt)
             step += 1
             t_train += dt
             tokens_seen += cfg.total_batch_size
