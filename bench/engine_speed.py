@@ -13,34 +13,18 @@ Run::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from chatpipe.engine import Engine
-from chatpipe.model import GPT, config_from_depth
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SPECIALS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-            "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
-
-
-class StubTokenizer:
-    """Just enough tokenizer for the engine: specials are the last ids of the vocab."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.special = {name: vocab_size - len(SPECIALS) + i for i, name in enumerate(SPECIALS)}
-        self.bos_id = self.special["<|bos|>"]
-
-    def encode_special(self, name: str) -> int:
-        return self.special[name]
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
+from chatpipe.engine import Engine  # noqa: E402
+from chatpipe.model import GPT, config_from_depth  # noqa: E402
+from tests.chatmodel import ByteTokenizer  # noqa: E402  (the engine needs only bytes and specials)
 
 @torch.inference_mode()
 def recompute(model: GPT, prompt: list[int], n: int, device: torch.device) -> list[int]:
@@ -77,11 +61,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab, args.seq_len)).to(device)
     model.init_weights()
-    tok = StubTokenizer(args.vocab)
+    tok = ByteTokenizer()
     with torch.no_grad():
         for p in model.parameters():  # random non-trivial blocks (zero-init projections are identities)
             p.add_(0.05 * torch.randn_like(p))
-        model.lm_head.weight[[tok.bos_id, tok.special["<|assistant_end|>"]]] = 0.0  # never stop early
+        model.lm_head.weight[list(tok.special.values())] = 0.0  # specials never win: no early stop, no tool calls
     model.eval()
     prompt = [tok.bos_id] + torch.randint(0, 256, (args.prompt_len - 1,)).tolist()
     engine = Engine(model, tok)

@@ -4,6 +4,7 @@
 ``root/sft`` (a randomly initialised 2-layer GPT saved with save_model_dir), laid out like the
 pipeline's ``artifacts/``. The model never emits special tokens, so every reply runs to
 ``max_tokens``: lengths are predictable and greedy (temperature 0) replies are deterministic.
+``ByteTokenizer`` is a tokenizer stand-in for engine tests and benches that need no BPE at all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,23 @@ from chatpipe.model import GPT, GPTConfig
 from chatpipe.settings import ServeSettings
 from chatpipe.synthetic import pretrain_documents
 from chatpipe.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer: ids 0..255 are bytes, 256.. are the chat specials (SPECIAL_TOKENS order)."""
+
+    def __init__(self) -> None:
+        self.special = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.bos_id = self.special["<|bos|>"]
+
+    def encode_special(self, name: str) -> int:
+        return self.special[name]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def make_artifacts(root: Path, seed: int = 0, sequence_len: int = 256) -> Path:

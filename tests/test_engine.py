@@ -6,31 +6,11 @@ import torch
 
 from chatpipe.engine import Engine, sample_next
 from chatpipe.model import GPT, GPTConfig
-
-SPECIALS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-            "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
-
-
-class ByteTokenizer:
-    """Stand-in tokenizer: ids 0..255 are bytes, 256.. are the chat specials."""
-
-    def __init__(self) -> None:
-        self.special = {name: 256 + i for i, name in enumerate(SPECIALS)}
-        self.bos_id = self.special["<|bos|>"]
-
-    def encode_special(self, name: str) -> int:
-        return self.special[name]
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
+from tests.chatmodel import ByteTokenizer
 
 TOK = ByteTokenizer()
 S = TOK.special
-VOCAB = 256 + len(SPECIALS) + 35  # 300
+VOCAB = 256 + len(S) + 35  # 300
 
 
 def random_model(seed: int = 0, **kw) -> GPT:
