@@ -21,6 +21,15 @@ import httpx
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 
+def _die_with_parent() -> None:
+    """In the server child (Linux): get SIGTERM when the pipeline process dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -37,7 +46,7 @@ class TemporaryServer:
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-            env=env, stdin=subprocess.DEVNULL)
+            env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     @property
     def api_url(self) -> str:

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
+import psutil
+import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
 from flows import prefect_api
+from tests.conftest import REPO
 
 
 @flow(name="prefect-api-probe")
@@ -57,3 +64,19 @@ def test_no_server_changes_nothing():
     before = PREFECT_API_URL.value()
     with prefect_api.pointed_at(None):
         assert PREFECT_API_URL.value() == before
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux only")
+def test_server_does_not_outlive_a_killed_pipeline_process(tmp_path):
+    """SIGKILL of the process that started the server (no finally, no atexit) still stops the server."""
+    script = ("import sys, time; sys.path.insert(0, %r)\n"
+              "from flows.prefect_api import TemporaryServer\n"
+              "s = TemporaryServer(); print(s.proc.pid, flush=True); time.sleep(600)\n") % str(REPO)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(server_pid) and psutil.Process(server_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the server survived its parent"
+        time.sleep(0.2)
