@@ -7,14 +7,17 @@ of this repo (git + DVC initialised, same params):
 - orchestrated: ``python -m flows.pipeline --stages ...`` (temporary Prefect server, ``dvc repro``
   per stage, torchx ``local_cwd`` launch of the stage's worker);
 - direct: ``python -m stages.<stage>`` for each stage, one process each.
-With ``--repeats`` the two alternate which goes first, so drift in machine load cancels.
-Prints the wall times and the ratio of their sums last (goal <= 1.10).
+With ``--repeats`` the two alternate which goes first, so drift in machine load cancels. Both
+runs must produce the same final weights. Also printed: the orchestrated wall time over the sum of
+its stage apps' own wall times (from the launcher's log lines), the overhead seen inside one run.
+Logs go to bench/out/orchestration/. The ratio of the wall-time sums comes last (goal <= 1.10).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,19 +28,30 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+OUT = REPO / "bench" / "out" / "orchestration"  # each run's full log (git-ignored)
 STAGES = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
 
 from tests.project import make_project, project_env  # noqa: E402
 
 
-def timed(project: Path, *cmds: list[str]) -> float:
-    """Wall seconds to run ``cmds`` one after the other in ``project`` (any failure aborts)."""
+def timed(project: Path, log: Path, *cmds: list[str]) -> float:
+    """Wall seconds to run ``cmds`` one after the other in ``project``, output to ``log`` (a failure aborts)."""
     env = project_env(project)
+    env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the launcher's stage lines are INFO task logs
     env.pop("OMP_NUM_THREADS")  # use every core, as a user would
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    for cmd in cmds:
-        subprocess.run(cmd, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("w") as out:
+        for cmd in cmds:
+            if subprocess.run(cmd, cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"{' '.join(cmd)} failed; see {log}")
     return time.perf_counter() - t0
+
+
+def stage_seconds(log: Path) -> dict[str, float]:
+    """Each stage app's wall time as the launcher reported it (``[launch] <stage>: SUCCEEDED (<s> s)``)."""
+    found = re.findall(r"\[launch\] (\w+): SUCCEEDED \(([\d.]+) s\)", log.read_text())
+    return {stage: float(sec) for stage, sec in found}
 
 
 def final_weights(project: Path) -> dict[str, str]:
@@ -62,6 +76,7 @@ def main() -> None:
                 "orchestrated": [[py, "-m", "flows.pipeline", "--stages", *args.stages]]}
     totals = {"direct": 0.0, "orchestrated": 0.0}
     weights: dict[str, dict[str, str]] = {}
+    in_stages = 0.0
     print(f"stages: {' '.join(args.stages)}", flush=True)
     for rep in range(args.repeats):
         order = ["direct", "orchestrated"] if rep % 2 == 0 else ["orchestrated", "direct"]
@@ -69,15 +84,23 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 # the real `tiny` params (make_project would shrink them), except the optional step override
                 project = make_project(Path(tmp) / kind, overlay, small=False)
-                seconds = timed(project, *commands[kind])
+                log = OUT / f"{kind}-{rep + 1}.log"
+                seconds = timed(project, log, *commands[kind])
                 weights[kind] = final_weights(project)
             totals[kind] += seconds
             print(f"run {rep + 1} {kind:13s} {seconds:7.1f} s", flush=True)
+            if kind == "orchestrated":
+                stages = stage_seconds(log)
+                in_stages += sum(stages.values())
+                print(f"      stage apps {sum(stages.values()):7.1f} s: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()), flush=True)
         if weights["direct"] != weights["orchestrated"]:
             raise SystemExit(f"the two runs produced different models: {weights}")
     print(f"same final weights in both ({', '.join(weights['direct']) or 'no model stage'})")
     print(f"direct (python -m stages.<stage>):       {totals['direct']:7.1f} s")
     print(f"orchestrated (Prefect -> DVC -> torchx): {totals['orchestrated']:7.1f} s")
+    print(f"orchestrated wall / its own stage apps' wall (same run, noise-free view): "
+          f"{totals['orchestrated'] / in_stages:.3f}")
     print(f"ratio orchestrated/direct: {totals['orchestrated'] / totals['direct']:.3f}")
 
 

@@ -18,6 +18,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from chatpipe.settings import LaunchSettings, ParamsError, load_section, validate_all
@@ -111,6 +112,7 @@ def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool =
         if dryrun:
             print(runner.dryrun(app, launch.scheduler, cfg=cfg))
             return 0
+        started = time.perf_counter()
         handle = runner.run(app, launch.scheduler, cfg=cfg)
         print(f"[launch] {stage}: {handle}", flush=True)
         try:
@@ -122,7 +124,8 @@ def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool =
             print(f"[launch] log streaming unavailable: {e}", flush=True)
         status = runner.wait(handle, wait_interval=0.5)
         ok = status is not None and status.state == AppState.SUCCEEDED
-        print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'}", flush=True)
+        seconds = time.perf_counter() - started  # the app's own wall time, start to end, for overhead accounting
+        print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'} ({seconds:.1f} s)", flush=True)
         return 0 if ok else 1
     except (KeyboardInterrupt, SignalException):
         if not dryrun and "handle" in locals():
