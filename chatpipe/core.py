@@ -165,6 +165,11 @@ def load_task_rows(bundle_dir: Path, task: TaskConfig) -> list[dict]:
     path = task_file(bundle_dir, task)
     if path is None:
         raise FileNotFoundError(f"CORE task {task.label!r}: data file not found: {Path(bundle_dir) / task.file}")
+    return read_task_rows(path, task)
+
+
+def read_task_rows(path: Path, task: TaskConfig) -> list[dict]:
+    """Read and validate the jsonl rows of ``task`` from its file ``path``."""
     rows = []
     for lineno, row in iter_jsonl(path):
         problem = _check_row(row, task)
@@ -360,13 +365,14 @@ def evaluate_core(model: torch.nn.Module | None, tokenizer: Tokenizer | None,
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     for task in config:
-        if task_file(bundle_dir, task) is None:
-            path = Path(bundle_dir) / task.file
+        path = task_file(bundle_dir, task)
+        if path is None:
+            missing = Path(bundle_dir) / task.file
             if task.required:
-                raise FileNotFoundError(f"CORE task {task.label!r} is required but {path} is missing")
-            skipped[task.label] = f"data file not found: {path}"
+                raise FileNotFoundError(f"CORE task {task.label!r} is required but {missing} is missing")
+            skipped[task.label] = f"data file not found: {missing}"
             continue
-        rows = load_task_rows(Path(bundle_dir), task)
+        rows = read_task_rows(path, task)
         t0 = time.perf_counter()
         correct, total = _count_correct(
             model, tokenizer, task, rows, device=device, max_seq_len=max_seq_len,

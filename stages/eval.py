@@ -8,7 +8,8 @@
 For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.stages``):
 - bpb on the pretraining val text (``eval.bpb_tokens`` tokens),
 - CORE (``eval.core_stages``): the tasks of ``eval.core_config`` found in ``eval.core_bundle_dir``
-  (fetched from ``eval.core_bundle_url`` when missing; speedrun fetches the published bundle) and, with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/core_tinyworld.py),
+  (fetched from ``eval.core_bundle_url`` when missing; speedrun fetches the published bundle) and,
+  with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/core_tinyworld.py),
 - ChatCORE (``eval.chatcore_stages``): ``eval.chatcore_tasks`` from chatpipe.tasks.
 
 Writes ``artifacts/eval/results.json`` (every number with the git commit and the dvc.lock hash
