@@ -22,9 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chatpipe.engine import Engine  # noqa: E402
-from chatpipe.model import GPT, config_from_depth  # noqa: E402
+from chatpipe.inference.engine import Engine  # noqa: E402
+from chatpipe.model.gpt import GPT, config_from_depth  # noqa: E402
 from tests.chatmodel import ByteTokenizer  # noqa: E402  (the engine needs only bytes and specials)
+
 
 @torch.inference_mode()
 def recompute(model: GPT, prompt: list[int], n: int, device: torch.device) -> list[int]:
@@ -33,7 +34,7 @@ def recompute(model: GPT, prompt: list[int], n: int, device: torch.device) -> li
     for _ in range(n):
         nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def timed(fn: Callable[[], list[int]], repeats: int) -> tuple[list[int], float]:

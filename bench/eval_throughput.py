@@ -21,10 +21,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from chatpipe.checkpoint import load_model  # noqa: E402
-from chatpipe.core import evaluate_core  # noqa: E402
-from chatpipe.core_tinyworld import write_tinyworld_bundle  # noqa: E402
+from chatpipe.evals.core import evaluate_core  # noqa: E402
+from chatpipe.evals.core_tinyworld import write_tinyworld_bundle  # noqa: E402
 from chatpipe.tokenizer import Tokenizer  # noqa: E402
+from chatpipe.train.checkpoint import load_model  # noqa: E402
 
 
 @torch.no_grad()
@@ -41,8 +41,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = write_tinyworld_bundle(Path(tmp), n=args.items)
         t0 = time.perf_counter()
-        result = evaluate_core(model, tok, config, Path(tmp), device="cpu", max_seq_len=model.config.sequence_len,
-                               max_per_task=args.items)
+        result = evaluate_core(
+            model, tok, config, Path(tmp), device="cpu", max_seq_len=model.config.sequence_len, max_per_task=args.items
+        )
         evaluator_s = time.perf_counter() - t0
     hook.remove()
     tokens = sum(s.numel() for s in shapes)
@@ -50,8 +51,7 @@ def main() -> None:
     for shape in shapes:
         model(torch.randint(0, model.config.vocab_size, tuple(shape)))
     bare_s = time.perf_counter() - t0
-    print(f"CORE on tiny-world tasks: {result.get('core', float('nan')):.4f}, {len(shapes)} batches, "
-          f"{tokens:,} tokens")
+    print(f"CORE on tiny-world tasks: {result.get('core', float('nan')):.4f}, {len(shapes)} batches, {tokens:,} tokens")
     print(f"evaluator: {evaluator_s:.2f} s, {tokens / evaluator_s:,.0f} tokens/s")
     print(f"bare forward passes: {bare_s:.2f} s, {tokens / bare_s:,.0f} tokens/s")
     print(f"ratio evaluator/bare tokens/s: {bare_s / evaluator_s:.3f}")

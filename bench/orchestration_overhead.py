@@ -72,8 +72,10 @@ def main() -> None:
     args = p.parse_args()
     overlay = {"pretrain": {"max_steps": args.max_steps}} if args.max_steps else {}
     py = sys.executable
-    commands = {"direct": [[py, "-m", f"stages.{s}"] for s in args.stages],
-                "orchestrated": [[py, "-m", "flows.pipeline", "--stages", *args.stages]]}
+    commands = {
+        "direct": [[py, "-m", f"stages.{s}"] for s in args.stages],
+        "orchestrated": [[py, "-m", "flows.pipeline", "--stages", *args.stages]],
+    }
     totals = {"direct": 0.0, "orchestrated": 0.0}
     weights: dict[str, dict[str, str]] = {}
     in_stages = 0.0
@@ -92,15 +94,20 @@ def main() -> None:
             if kind == "orchestrated":
                 stages = stage_seconds(log)
                 in_stages += sum(stages.values())
-                print(f"      stage apps {sum(stages.values()):7.1f} s: "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()), flush=True)
+                print(
+                    f"      stage apps {sum(stages.values()):7.1f} s: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()),
+                    flush=True,
+                )
         if weights["direct"] != weights["orchestrated"]:
             raise SystemExit(f"the two runs produced different models: {weights}")
     print(f"same final weights in both ({', '.join(weights['direct']) or 'no model stage'})")
     print(f"direct (python -m stages.<stage>):       {totals['direct']:7.1f} s")
     print(f"orchestrated (Prefect -> DVC -> torchx): {totals['orchestrated']:7.1f} s")
-    print(f"orchestrated wall / its own stage apps' wall (same run, noise-free view): "
-          f"{totals['orchestrated'] / in_stages:.3f}")
+    print(
+        f"orchestrated wall / its own stage apps' wall (same run, noise-free view): "
+        f"{totals['orchestrated'] / in_stages:.3f}"
+    )
     print(f"ratio orchestrated/direct: {totals['orchestrated'] / totals['direct']:.3f}")
 
 

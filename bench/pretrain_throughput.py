@@ -27,9 +27,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from chatpipe.model import GPT, config_from_depth  # noqa: E402
-from chatpipe.optim import build_optimizers  # noqa: E402
+from chatpipe.model.gpt import GPT, config_from_depth  # noqa: E402
 from chatpipe.settings import PretrainSettings, load_section  # noqa: E402
+from chatpipe.train.optim import build_optimizers  # noqa: E402
 
 
 def stage_tokens_per_s(steps: int, profile: str) -> float:
@@ -39,12 +39,21 @@ def stage_tokens_per_s(steps: int, profile: str) -> float:
         (scratch / "artifacts").mkdir()
         for name in ("data", "tokenizer"):
             (scratch / "artifacts" / name).symlink_to(REPO / "artifacts" / name)
-        env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml"),
-               "CHATPIPE_PROFILE": profile, "CHATPIPE_TRACKING__ENABLED": "false"}
-        args = [f"--max_steps={steps}", "--eval_every=0", "--sample_every=0", "--checkpoint_every=0",
-                "--eval_tokens=1"]
-        subprocess.run([sys.executable, "-m", "stages.pretrain", *args], cwd=scratch, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "CHATPIPE_PARAMS": str(REPO / "params.yaml"),
+            "CHATPIPE_PROFILE": profile,
+            "CHATPIPE_TRACKING__ENABLED": "false",
+        }
+        args = [f"--max_steps={steps}", "--eval_every=0", "--sample_every=0", "--checkpoint_every=0", "--eval_tokens=1"]
+        subprocess.run(
+            [sys.executable, "-m", "stages.pretrain", *args],
+            cwd=scratch,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         meta = json.loads((scratch / "artifacts" / "base" / "meta.json").read_text())
         return meta["summary"]["tokens_per_s"]
 
@@ -52,11 +61,20 @@ def stage_tokens_per_s(steps: int, profile: str) -> float:
 def bare_tokens_per_s(cfg: PretrainSettings, vocab_size: int, steps: int) -> float:
     """The same model and optimizers stepping on random tokens, nothing else around them."""
     torch.manual_seed(0)
-    model = GPT(config_from_depth(cfg.depth, vocab_size, cfg.sequence_len, head_dim=cfg.head_dim,
-                                  n_kv_head=cfg.n_kv_head or None, window_pattern=cfg.window_pattern))
+    model = GPT(
+        config_from_depth(
+            cfg.depth,
+            vocab_size,
+            cfg.sequence_len,
+            head_dim=cfg.head_dim,
+            n_kv_head=cfg.n_kv_head or None,
+            window_pattern=cfg.window_pattern,
+        )
+    )
     model.init_weights()
-    opts = build_optimizers(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                            unembedding_lr=cfg.unembedding_lr)
+    opts = build_optimizers(
+        model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr
+    )
     accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.sequence_len)
     x = torch.randint(0, vocab_size, (cfg.device_batch_size, cfg.sequence_len))
     train_time = 0.0
@@ -87,8 +105,10 @@ def main() -> None:
     stage = stage_tokens_per_s(args.steps, args.profile)
     bare_b = bare_tokens_per_s(cfg, vocab, args.steps)
     bare = (bare_a + bare_b) / 2
-    print(f"profile {args.profile}: depth {cfg.depth}, {cfg.total_batch_size} tokens/step, {args.steps} steps, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"profile {args.profile}: depth {cfg.depth}, {cfg.total_batch_size} tokens/step, {args.steps} steps, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"bare loop tokens/s:     {bare:,.0f} ({bare_a:,.0f} / {bare_b:,.0f})")
     print(f"pretrain stage tokens/s: {stage:,.0f}")
     print(f"ratio stage/bare: {stage / bare:.3f}")

@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from chatpipe import rl
-from chatpipe.checkpoint import load_model
-from chatpipe.engine import Engine
-from chatpipe.model import GPT, config_from_depth
-from chatpipe.optim import build_optimizers
-from chatpipe.rollout import collect_rollouts, load_problems, token_logprobs
+from chatpipe.inference.engine import Engine
+from chatpipe.model.gpt import GPT, config_from_depth
+from chatpipe.rl import losses as rl
+from chatpipe.rl.rollout import collect_rollouts, load_problems, token_logprobs
 from chatpipe.tokenizer import Tokenizer
+from chatpipe.train.checkpoint import load_model
+from chatpipe.train.optim import build_optimizers
 
 
 def main() -> None:
@@ -58,10 +58,16 @@ def main() -> None:
     t_gen = t_train = 0.0
     gen_tokens = train_tokens = 0
     for step in range(args.steps):
-        batch_problems = problems[step * args.prompts:(step + 1) * args.prompts]
+        batch_problems = problems[step * args.prompts : (step + 1) * args.prompts]
         t0 = time.perf_counter()
-        batch = collect_rollouts(engine, batch_problems, group_size=args.group, max_new_tokens=args.max_new_tokens,
-                                 seed=step * 1000, device=device)
+        batch = collect_rollouts(
+            engine,
+            batch_problems,
+            group_size=args.group,
+            max_new_tokens=args.max_new_tokens,
+            seed=step * 1000,
+            device=device,
+        )
         t1 = time.perf_counter()
         adv = rl.group_advantages(batch.scores.view(args.prompts, args.group)).flatten()
         logp = token_logprobs(model, batch.inputs, batch.targets, args.micro_batch)
@@ -76,8 +82,11 @@ def main() -> None:
             t_gen, t_train = t_gen + t1 - t0, t_train + t2 - t1
             gen_tokens += batch.num_tokens
             train_tokens += batch.inputs.numel()
-        print(f"step {step}: {batch.num_tokens} generated tokens in {t1 - t0:.2f}s, update {t2 - t1:.2f}s, "
-              f"reward {batch.scores.mean().item():.3f}", flush=True)
+        print(
+            f"step {step}: {batch.num_tokens} generated tokens in {t1 - t0:.2f}s, update {t2 - t1:.2f}s, "
+            f"reward {batch.scores.mean().item():.3f}",
+            flush=True,
+        )
 
     total = t_gen + t_train
     print(f"generating: {t_gen / total:.1%} of step time, training: {t_train / total:.1%}")

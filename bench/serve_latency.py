@@ -1,6 +1,6 @@
 """Benchmark: chat server latency and throughput with 1 and 8 concurrent streaming clients.
 
-Starts ``python -m chatpipe.serve`` on a free 127.0.0.1 port in a subprocess (so the clients do
+Starts ``python -m chatpipe.serve.app`` on a free 127.0.0.1 port in a subprocess (so the clients do
 not share its interpreter), sends one warm-up request, then for each concurrency level every
 client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and seeds).
 Prints time-to-first-token (median and worst) and tokens/s summed over clients; the last line
@@ -25,9 +25,16 @@ import time
 
 import httpx
 
-PROMPTS = ["Who lives in Stonebridge?", "What does a cow say?", "Tell me a story.", "What is 12 + 30?",
-           "Where does the river Amber flow?", "What is Clara's favourite food?", "Spell the word honey.",
-           "Who is Pip?"]
+PROMPTS = [
+    "Who lives in Stonebridge?",
+    "What does a cow say?",
+    "Tell me a story.",
+    "What is 12 + 30?",
+    "Where does the river Amber flow?",
+    "What is Clara's favourite food?",
+    "Spell the word honey.",
+    "Who is Pip?",
+]
 
 
 def free_port() -> int:
@@ -38,8 +45,21 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "chatpipe.serve", "--model", args.model, "--port", str(port),
-           "--num-engines", str(args.num_engines), "--max-queue", "64", "--device", args.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "chatpipe.serve.app",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--num-engines",
+        str(args.num_engines),
+        "--max-queue",
+        "64",
+        "--device",
+        args.device,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -57,8 +77,13 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 def one_reply(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int]:
     """(seconds to the first streamed delta, tokens generated) for one streamed reply."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "seed": seed,
-            "temperature": 0.8, "top_k": 50}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "temperature": 0.8,
+        "top_k": 50,
+    }
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=600) as r:
@@ -109,15 +134,19 @@ def main() -> None:
     proc, url = start_server(args)
     try:
         info = httpx.get(f"{url}/health").json()
-        print(f"model {info['description']}, {args.num_engines} engines, {args.max_tokens} tokens per reply, "
-              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+        print(
+            f"model {info['description']}, {args.num_engines} engines, {args.max_tokens} tokens per reply, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        )
         one_reply(url, "warm up", 0, 8)
         results = {}
         for clients in (1, 8):
             ttfts, tps = run_level(url, clients, args.rounds, args.max_tokens)
             results[clients] = tps
-            print(f"{clients} client(s): time to first token median {statistics.median(ttfts) * 1000:.0f} ms, "
-                  f"worst {max(ttfts) * 1000:.0f} ms; {tps:.1f} tokens/s in total")
+            print(
+                f"{clients} client(s): time to first token median {statistics.median(ttfts) * 1000:.0f} ms, "
+                f"worst {max(ttfts) * 1000:.0f} ms; {tps:.1f} tokens/s in total"
+            )
         print(f"tokens/s at 8 clients: {results[8]:.1f}")
     finally:
         proc.terminate()

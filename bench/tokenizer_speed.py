@@ -21,7 +21,7 @@ import regex
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from chatpipe.synthetic import pretrain_documents  # noqa: E402
+from chatpipe.data.synthetic import pretrain_documents  # noqa: E402
 from chatpipe.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer  # noqa: E402
 
 

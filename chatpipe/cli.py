@@ -2,8 +2,8 @@
 
 Run::
 
-    chatpipe chat [--model sft] [-p PROMPT] ...     # chatpipe/chat.py
-    chatpipe serve [--port 8000] ...                # chatpipe/serve.py
+    chatpipe chat [--model sft] [-p PROMPT] ...     # chatpipe/serve/chat.py
+    chatpipe serve [--port 8000] ...                # chatpipe/serve/app.py
     chatpipe plan --profile speedrun                # chatpipe/plan.py
     chatpipe <command> --help                       # that command's flags
 
@@ -18,8 +18,8 @@ import sys
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 COMMANDS = {
-    "chat": ("chatpipe.chat", "talk to a trained model in the terminal"),
-    "serve": ("chatpipe.serve", "web UI and JSON API for a trained model"),
+    "chat": ("chatpipe.serve.chat", "talk to a trained model in the terminal"),
+    "serve": ("chatpipe.serve.app", "web UI and JSON API for a trained model"),
     "plan": ("chatpipe.plan", "parameters, tokens, steps, time, cost and memory of a profile"),
 }
 

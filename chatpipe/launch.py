@@ -56,8 +56,15 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     nnodes, nproc = (1, 1) if single else (launch.nnodes, launch.nproc_per_node)
     gpu = 0 if single else launch.gpus_per_node
     if nnodes * nproc == 1:
-        app = python(*stage_args, m=f"stages.{stage}", name=stage, image=launch.image, cpu=launch.cpus_per_node,
-                     gpu=gpu, memMB=launch.mem_mb)
+        app = python(
+            *stage_args,
+            m=f"stages.{stage}",
+            name=stage,
+            image=launch.image,
+            cpu=launch.cpus_per_node,
+            gpu=gpu,
+            memMB=launch.mem_mb,
+        )
         app.roles[0].env.update(stage_env(launch.scheduler, env))
         app.roles[0].max_retries = launch.max_retries
         return app
@@ -90,14 +97,20 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_stage(stage: str, stage_args: list[str] | None = None, *, dryrun: bool = False,
-              launch: LaunchSettings | None = None, env: dict[str, str] | None = None) -> int:
+def run_stage(
+    stage: str,
+    stage_args: list[str] | None = None,
+    *,
+    dryrun: bool = False,
+    launch: LaunchSettings | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
     """Launch ``stage`` and stream its log; returns 0 on success, 1 on failure, 130 when interrupted.
 
     With ``dryrun`` it only prints the scheduler request.
     """
-    from torchx.schedulers.local_scheduler import SignalException  # its SIGTERM/SIGINT handler raises this
     from torchx.runner import get_runner
+    from torchx.schedulers.local_scheduler import SignalException  # its SIGTERM/SIGINT handler raises this
     from torchx.specs import AppState
 
     launch = launch or load_section(LaunchSettings)
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     stage_args: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, stage_args = argv[:i], argv[i + 1:]
+        argv, stage_args = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description="Launch a chatpipe stage through torchx.")
     p.add_argument("stage", choices=STAGES)
     p.add_argument("--dryrun", action="store_true", help="print the scheduler request, run nothing")

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from chatpipe.model import GPT, config_from_depth
+from chatpipe.model.gpt import GPT, config_from_depth
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
-from chatpipe.trainloop import PEAK_FLOPS, grad_accum_steps
+from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass
@@ -45,8 +45,15 @@ class Plan:
     memory_gib: float
 
 
-def estimate_memory_bytes(num_params: int, num_embedding_params: int, n_layer: int, n_embd: int,
-                          vocab_size: int, device_batch_size: int, sequence_len: int) -> int:
+def estimate_memory_bytes(
+    num_params: int,
+    num_embedding_params: int,
+    n_layer: int,
+    n_embd: int,
+    vocab_size: int,
+    device_batch_size: int,
+    sequence_len: int,
+) -> int:
     """Rough peak training memory of one GPU (bf16 autocast, flash attention, fp32 master weights).
 
     Weights + grads in fp32 (8 B/param), AdamW moments for embedding and lm_head (8 B/param), Muon
@@ -70,7 +77,8 @@ def check_memory_fits(estimate_bytes: int, device: torch.device, device_batch_si
         raise RuntimeError(
             f"pretrain.device_batch_size = {device_batch_size} needs ~{estimate_bytes / GIB:.1f} GiB per GPU "
             f"but {torch.cuda.get_device_name(device)} has {total / GIB:.1f} GiB; lower device_batch_size "
-            f"(total_batch_size stays, gradient accumulation makes up the difference)")
+            f"(total_batch_size stays, gradient accumulation makes up the difference)"
+        )
 
 
 def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hour: float = 3.0) -> Plan:
@@ -89,8 +97,16 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         else:
             os.environ["CHATPIPE_PROFILE"] = previous
     with torch.device("meta"):
-        model = GPT(config_from_depth(cfg.depth, vocab, cfg.sequence_len, head_dim=cfg.head_dim,
-                                      n_kv_head=cfg.n_kv_head or None, window_pattern=cfg.window_pattern))
+        model = GPT(
+            config_from_depth(
+                cfg.depth,
+                vocab,
+                cfg.sequence_len,
+                head_dim=cfg.head_dim,
+                n_kv_head=cfg.n_kv_head or None,
+                window_pattern=cfg.window_pattern,
+            )
+        )
     num_params, fpt = model.num_params(), model.flops_per_token()
     if cfg.max_steps > 0:
         steps = cfg.max_steps
@@ -102,29 +118,56 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
     total_flops = float(fpt) * tokens
     gpus = max(1, launch.nnodes * launch.gpus_per_node)
     hours = total_flops / (PEAK_FLOPS[gpu] * gpus * mfu) / 3600
-    memory = estimate_memory_bytes(num_params, model.num_embedding_params(), model.config.n_layer,
-                                   model.config.n_embd, vocab, cfg.device_batch_size, cfg.sequence_len)
-    return Plan(profile, cfg.depth, model.config.n_embd, model.config.n_layer, vocab, num_params, fpt, tokens,
-                steps, cfg.total_batch_size, world, accum, total_flops, gpu, PEAK_FLOPS[gpu], mfu, hours,
-                hours * gpus * usd_per_gpu_hour, memory / GIB)
+    memory = estimate_memory_bytes(
+        num_params,
+        model.num_embedding_params(),
+        model.config.n_layer,
+        model.config.n_embd,
+        vocab,
+        cfg.device_batch_size,
+        cfg.sequence_len,
+    )
+    return Plan(
+        profile,
+        cfg.depth,
+        model.config.n_embd,
+        model.config.n_layer,
+        vocab,
+        num_params,
+        fpt,
+        tokens,
+        steps,
+        cfg.total_batch_size,
+        world,
+        accum,
+        total_flops,
+        gpu,
+        PEAK_FLOPS[gpu],
+        mfu,
+        hours,
+        hours * gpus * usd_per_gpu_hour,
+        memory / GIB,
+    )
 
 
 def format_plan(plan: Plan) -> str:
     """Human-readable plan."""
-    return "\n".join([
-        f"profile {plan.profile}: depth {plan.depth} (n_embd {plan.n_embd}, {plan.n_layer} layers), "
-        f"vocab {plan.vocab_size:,}",
-        f"  parameters       {plan.num_params:,} ({plan.num_params / 1e6:.1f}M)",
-        f"  FLOPs per token  {plan.flops_per_token:.4g}",
-        f"  tokens to train  {plan.tokens:,} ({plan.tokens / plan.num_params:.1f} tokens/param)",
-        f"  steps            {plan.steps:,} x {plan.total_batch_size:,} tokens",
-        f"  world size       {plan.world_size} (grad accumulation {plan.grad_accum})",
-        f"  total FLOPs      {plan.total_flops:.3e}",
-        f"  time on {plan.gpu}   {plan.hours:.2f} h at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s "
-        f"per GPU",
-        f"  cost             ${plan.usd:,.0f}",
-        f"  memory per GPU   ~{plan.memory_gib:.1f} GiB (estimate)",
-    ])
+    return "\n".join(
+        [
+            f"profile {plan.profile}: depth {plan.depth} (n_embd {plan.n_embd}, {plan.n_layer} layers), "
+            f"vocab {plan.vocab_size:,}",
+            f"  parameters       {plan.num_params:,} ({plan.num_params / 1e6:.1f}M)",
+            f"  FLOPs per token  {plan.flops_per_token:.4g}",
+            f"  tokens to train  {plan.tokens:,} ({plan.tokens / plan.num_params:.1f} tokens/param)",
+            f"  steps            {plan.steps:,} x {plan.total_batch_size:,} tokens",
+            f"  world size       {plan.world_size} (grad accumulation {plan.grad_accum})",
+            f"  total FLOPs      {plan.total_flops:.3e}",
+            f"  time on {plan.gpu}   {plan.hours:.2f} h at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s "
+            f"per GPU",
+            f"  cost             ${plan.usd:,.0f}",
+            f"  memory per GPU   ~{plan.memory_gib:.1f} GiB (estimate)",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = make_plan(args.profile or active_profile(), args.gpu, args.mfu, args.usd_per_gpu_hour)
     if args.json:
         import json
+
         print(json.dumps(asdict(plan), indent=2))
     else:
         print(format_plan(plan))

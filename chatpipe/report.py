@@ -49,15 +49,22 @@ def system_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
         mem_gb = float("nan")
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": cpu, "cpu_count": os.cpu_count(), "memory_gb": round(mem_gb, 1),
-            "gpus": ", ".join(gpus) or "none"}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gb": round(mem_gb, 1),
+        "gpus": ", ".join(gpus) or "none",
+    }
 
 
 def dvc_lock_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
@@ -102,9 +109,11 @@ def provenance_lines(results: dict) -> list[str]:
     for col in COLUMNS:
         r = results.get("stages", {}).get(col)
         if r:
-            out.append(f"- {col.upper()}: git `{r.get('git_commit')}`, dvc.lock `{r.get('dvc_lock')}`, "
-                       f"model stage lock entry `{r.get('dvc_stage_hash')}`, "
-                       f"model.pt sha256 `{(r.get('model_sha256') or '')[:12]}`")
+            out.append(
+                f"- {col.upper()}: git `{r.get('git_commit')}`, dvc.lock `{r.get('dvc_lock')}`, "
+                f"model stage lock entry `{r.get('dvc_stage_hash')}`, "
+                f"model.pt sha256 `{(r.get('model_sha256') or '')[:12]}`"
+            )
     return out
 
 
@@ -115,13 +124,18 @@ def stage_runs(client: Any, experiment_id: str, parent_run_id: str | None) -> di
     """
     runs: dict[str, Any] = {}
     if parent_run_id:
-        for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                      order_by=["attributes.start_time DESC"], max_results=500):
+        for run in client.search_runs(
+            [experiment_id],
+            f"tags.mlflow.parentRunId = '{parent_run_id}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=500,
+        ):
             runs.setdefault(run.data.tags.get("stage", run.info.run_name), run)
     for stage in PIPELINE_STAGES:
         if stage not in runs:
-            found = client.search_runs([experiment_id], f"tags.stage = '{stage}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
+            found = client.search_runs(
+                [experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time DESC"], max_results=1
+            )
             if found:
                 runs[stage] = found[0]
     return {s: runs[s] for s in PIPELINE_STAGES if s in runs}
@@ -195,15 +209,32 @@ def plot_curves(client: Any, runs: dict[str, Any], name: str, path: Path) -> boo
     return True
 
 
-def render_report(*, results: dict, system: dict, locks: dict[str, str], params: dict[str, Any],
-                  timings: str, plots: list[str], title: str = "chatpipe report") -> str:
+def render_report(
+    *,
+    results: dict,
+    system: dict,
+    locks: dict[str, str],
+    params: dict[str, Any],
+    timings: str,
+    plots: list[str],
+    title: str = "chatpipe report",
+) -> str:
     """The whole report.md as a string."""
     parts = [f"# {title}", ""]
-    parts += [f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; profile `{results.get('profile', '?')}`; "
-              f"git commit `{results.get('git_commit', '?')}`.", ""]
-    parts += ["## Summary", "", summary_table(results), "",
-              "CORE: mean centered accuracy of the in-context tasks; ARC/MMLU/GSM8K/HumanEval/SpellingBee: "
-              "accuracy (pass@k for generative tasks); ChatCORE: mean centered accuracy. Blank: not evaluated.", ""]
+    parts += [
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; profile `{results.get('profile', '?')}`; "
+        f"git commit `{results.get('git_commit', '?')}`.",
+        "",
+    ]
+    parts += [
+        "## Summary",
+        "",
+        summary_table(results),
+        "",
+        "CORE: mean centered accuracy of the in-context tasks; ARC/MMLU/GSM8K/HumanEval/SpellingBee: "
+        "accuracy (pass@k for generative tasks); ChatCORE: mean centered accuracy. Blank: not evaluated.",
+        "",
+    ]
     prov = provenance_lines(results)
     if prov:
         parts += ["Where each column's numbers came from:", "", *prov, ""]
@@ -211,8 +242,14 @@ def render_report(*, results: dict, system: dict, locks: dict[str, str], params:
     if skipped:
         parts += ["Not evaluated:", "", *skipped, ""]
     parts += ["## System", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in system.items()], ""]
-    parts += ["## Provenance (dvc.lock)", "", "| stage | hash |", "|---|---|",
-              *[f"| {k} | `{v}` |" for k, v in locks.items()], ""]
+    parts += [
+        "## Provenance (dvc.lock)",
+        "",
+        "| stage | hash |",
+        "|---|---|",
+        *[f"| {k} | `{v}` |" for k, v in locks.items()],
+        "",
+    ]
     parts += ["## Wall time and cost", "", timings, ""]
     parts += ["## Per-stage results", ""]
     for col in COLUMNS:
@@ -221,11 +258,14 @@ def render_report(*, results: dict, system: dict, locks: dict[str, str], params:
             continue
         parts += [f"### {col.upper()}", "", f"- val bpb: {r['bpb']:.4f}"]
         for label, t in ((r.get("core") or {}).get("tasks") or {}).items():
-            parts.append(f"- CORE {label}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
-                         f"({t['num_examples']} items)")
+            parts.append(
+                f"- CORE {label}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
+                f"({t['num_examples']} items)"
+            )
         for name, t in ((r.get("chatcore") or {}).get("tasks") or {}).items():
-            parts.append(f"- {name}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
-                         f"({t['num_examples']} items)")
+            parts.append(
+                f"- {name}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} ({t['num_examples']} items)"
+            )
         parts.append("")
     if plots:
         parts += ["## Curves", "", *[f"![{Path(p).stem}]({p})" for p in plots], ""]

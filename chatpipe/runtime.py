@@ -42,7 +42,8 @@ def setup_logging(rank: int = 0) -> None:
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout, force=True,
+        stream=sys.stdout,
+        force=True,
     )
 
 

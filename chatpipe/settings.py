@@ -81,8 +81,9 @@ def profile_overlay(profiles: dict[str, Any], name: str, path: Path, seen: tuple
     if parent is None:
         return overlay
     if parent not in profiles:
-        raise ParamsError(f"{path}: profiles.{name}.extends = {parent!r} is not defined; "
-                          f"allowed: {', '.join(profiles)}")
+        raise ParamsError(
+            f"{path}: profiles.{name}.extends = {parent!r} is not defined; allowed: {', '.join(profiles)}"
+        )
     return _deep_merge(profile_overlay(profiles, parent, path, (*seen, name)), overlay)
 
 
@@ -128,8 +129,9 @@ class StageSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", validate_default=True)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                   file_secret_settings):
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
         # CLI overrides arrive as init kwargs; they beat env, which beats the file.
         return init_settings, env_settings, _ParamsFileSource(settings_cls)
 
@@ -145,6 +147,7 @@ SECTIONS: dict[str, type[StageSettings]] = {}
 
 
 # --------------------------------------------------------------------------- sections
+
 
 class DataSettings(StageSettings):
     """Where pretraining text comes from (`data` stage)."""
@@ -213,9 +216,22 @@ class PretrainSettings(TrainSettings):
     embedding_lr: float = Field(0.2, gt=0)
 
 
-TaskName = Literal["tinyworld_chat", "tinyworld_arith", "tinyworld_gsm", "tinyworld_mc", "smoltalk", "mmlu",
-                   "arc_easy", "arc_challenge", "gsm8k", "identity", "simplespelling", "spellingbee",
-                   "customjson", "humaneval"]   # = chatpipe.tasks.TASK_NAMES (a test keeps them equal)
+TaskName = Literal[
+    "tinyworld_chat",
+    "tinyworld_arith",
+    "tinyworld_gsm",
+    "tinyworld_mc",
+    "smoltalk",
+    "mmlu",
+    "arc_easy",
+    "arc_challenge",
+    "gsm8k",
+    "identity",
+    "simplespelling",
+    "spellingbee",
+    "customjson",
+    "humaneval",
+]  # = chatpipe.data.tasks.TASK_NAMES (a test keeps them equal)
 
 
 class MixItem(BaseModel):
@@ -239,7 +255,7 @@ class ChatTrainSettings(TrainSettings):
     max_steps: int = Field(-1, ge=-1, description="-1: one pass over the mixture")
     model_name: str = "chatpipe"
     model_maker: str = "the chatpipe authors"
-    warmdown_ratio: float = Field(0.2, ge=0, le=1)   # flat, then linear decay over the last 20%
+    warmdown_ratio: float = Field(0.2, ge=0, le=1)  # flat, then linear decay over the last 20%
     final_lr_frac: float = Field(0.0, ge=0, le=1)
     init_lr_frac: float = Field(1.0, gt=0, le=1, description="scales every lr relative to the values above")
 
@@ -291,8 +307,6 @@ class TrackingSettings(StageSettings):
     enabled: bool = True
 
 
-
-
 class ChatSettings(StageSettings):
     """The chat CLI (`chatpipe chat`): which model, how to sample."""
 
@@ -317,6 +331,7 @@ class ServeSettings(ChatSettings):
     max_turns: int = Field(32, ge=1, description="messages in one conversation")
     max_tokens_limit: int = Field(1024, ge=1, description="the most max_tokens a request may ask for")
 
+
 class EvalSettings(StageSettings):
     """Evaluate every model stage that exists: bpb, CORE, ChatCORE (`eval` stage)."""
 
@@ -329,19 +344,24 @@ class EvalSettings(StageSettings):
     bpb_tokens: int = Field(32768, ge=1, description="val tokens for bits per byte")
     device_batch_size: int = Field(16, ge=1)
     core_stages: list[Literal["base", "mid", "sft", "rl"]] = ["base"]
-    core_config: str = Field("", description="CORE task YAML ('' = chatpipe/core_tasks.yaml)")
+    core_config: str = Field("", description="CORE task YAML ('' = chatpipe/evals/core_tasks.yaml)")
     core_bundle_dir: str = Field("", description="dir with the CORE jsonl files ('' = no real tasks)")
     core_bundle_url: str = Field("", description="zip fetched into core_bundle_dir when that dir is missing")
     core_tasks: list[str] = Field([], description="labels to run from core_config ([] = all found)")
     core_tinyworld: bool = Field(True, description="also run the synthetic tiny-world CORE tasks")
     tinyworld_examples: int = Field(200, ge=10)
     chatcore_stages: list[Literal["base", "mid", "sft", "rl"]] = ["mid", "sft", "rl"]
-    # ChatCORE name -> build_task spec: {task: <chatpipe.tasks name>, <its keyword args>...}
-    chatcore_tasks: dict[Literal["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"],
-                         dict[str, Any]] = {
-        "ARC-Easy": {"task": "arc_easy", "source": "hf"}, "ARC-Challenge": {"task": "arc_challenge", "source": "hf"},
-        "MMLU": {"task": "mmlu", "source": "hf"}, "GSM8K": {"task": "gsm8k", "source": "hf"},
-        "HumanEval": {"task": "humaneval"}, "SpellingBee": {"task": "spellingbee"}}
+    # ChatCORE name -> build_task spec: {task: <chatpipe.data.tasks name>, <its keyword args>...}
+    chatcore_tasks: dict[
+        Literal["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"], dict[str, Any]
+    ] = {
+        "ARC-Easy": {"task": "arc_easy", "source": "hf"},
+        "ARC-Challenge": {"task": "arc_challenge", "source": "hf"},
+        "MMLU": {"task": "mmlu", "source": "hf"},
+        "GSM8K": {"task": "gsm8k", "source": "hf"},
+        "HumanEval": {"task": "humaneval"},
+        "SpellingBee": {"task": "spellingbee"},
+    }
     chatcore_split: Literal["train", "val", "test"] = "test"
     num_samples: int = Field(1, ge=1, description="generative tasks: samples per problem")
     pass_k: int = Field(1, ge=1, description="pass@k over num_samples")
@@ -355,7 +375,9 @@ class EvalSettings(StageSettings):
     def _each_spec_names_a_task(cls, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for name, spec in specs.items():
             if not isinstance(spec.get("task"), str):
-                raise ValueError(f"chatcore_tasks.{name} needs a 'task' key naming a chatpipe.tasks task, got {spec!r}")
+                raise ValueError(
+                    f"chatcore_tasks.{name} needs a 'task' key naming a chatpipe.data.tasks task, got {spec!r}"
+                )
         return specs
 
 
@@ -375,7 +397,7 @@ class RLSettings(TrainSettings):
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
     task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
-    reward: str = Field("exact", description="reward function name in chatpipe.rewards")
+    reward: str = Field("exact", description="reward function name in chatpipe.rl.rewards")
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
     num_train_problems: int = Field(512, ge=1)
     max_steps: int = Field(30, ge=1)
@@ -421,6 +443,7 @@ class RLSettings(TrainSettings):
 
 # --------------------------------------------------------------------------- loading
 
+
 def parse_cli(args: list[str]) -> dict[str, str]:
     """Turn ``--key=value``, ``--key value`` or ``key=value`` arguments into a dict."""
     out: dict[str, str] = {}
@@ -453,10 +476,11 @@ def _format_error(cls: type[StageSettings], err: ValidationError) -> str:
 def _check_env(cls: type[StageSettings]) -> None:
     prefix = f"CHATPIPE_{cls.section.upper()}__"
     for name in os.environ:
-        key = name[len(prefix):].lower() if name.startswith(prefix) else None
+        key = name[len(prefix) :].lower() if name.startswith(prefix) else None
         if key and key.split("__")[0] not in cls.model_fields:
             raise ParamsError(
-                f"environment {name}: unknown key {cls.section}.{key}; allowed keys: {', '.join(cls.model_fields)}")
+                f"environment {name}: unknown key {cls.section}.{key}; allowed keys: {', '.join(cls.model_fields)}"
+            )
 
 
 def load_section(cls: type[StageSettings], cli: list[str] | dict[str, Any] | None = None) -> StageSettings:
@@ -480,7 +504,9 @@ def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
     for name, overlay in (raw.get("profiles") or {}).items():
         bad = set(overlay or {}) - set(SECTIONS) - {"extends"}
         if bad:
-            raise ParamsError(f"{path}: profiles.{name} has unknown section(s) {sorted(bad)}; allowed: {sorted(SECTIONS)}")
+            raise ParamsError(
+                f"{path}: profiles.{name} has unknown section(s) {sorted(bad)}; allowed: {sorted(SECTIONS)}"
+            )
     return {name: load_section(cls) for name, cls in SECTIONS.items()}
 
 

@@ -37,11 +37,15 @@ import torch
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = [
-    "<|bos|>",               # starts every document / conversation
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",     # the assistant calls the calculator tool
-    "<|output_start|>", "<|output_end|>",     # the tool's result, inserted by the engine
+    "<|bos|>",  # starts every document / conversation
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",  # the assistant calls the calculator tool
+    "<|output_start|>",
+    "<|output_end|>",  # the tool's result, inserted by the engine
 ]
 
 # GPT-4 (cl100k) split pattern, except numbers split into runs of at most 2 digits rather than 3:
@@ -83,8 +87,7 @@ class Tokenizer:
         """Build from mergeable ranks; special tokens get the ids right after the last rank."""
         n = len(ranks)
         specials = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
-        enc = tiktoken.Encoding(name="chatpipe", pat_str=pattern, mergeable_ranks=ranks,
-                                special_tokens=specials)
+        enc = tiktoken.Encoding(name="chatpipe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
         return cls(enc)
 
     @classmethod
@@ -92,8 +95,10 @@ class Tokenizer:
         """Train byte-level BPE on ``texts``; ``vocab_size`` counts the special tokens too."""
         n_ordinary = vocab_size - len(SPECIAL_TOKENS)
         if n_ordinary < 256:
-            raise ValueError(f"vocab_size={vocab_size} is too small: need at least "
-                             f"256 byte tokens + {len(SPECIAL_TOKENS)} special tokens")
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small: need at least "
+                f"256 byte tokens + {len(SPECIAL_TOKENS)} special tokens"
+            )
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(iter(texts), n_ordinary, pattern=pattern)
         ranks = {bytes(tok): rank for tok, rank in trainer.get_mergeable_ranks()}
@@ -109,15 +114,15 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         ranks = self.enc._mergeable_ranks
-        lines = [f"{base64.b64encode(tok).decode()} {rank}\n"
-                 for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+        lines = [
+            f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+        ]
         _write_atomic(directory / RANKS_FILE, "".join(lines).encode())
         tb_tmp = directory / f".{TOKEN_BYTES_FILE}.tmp{os.getpid()}"
         torch.save(self.token_bytes(), tb_tmp)
         os.replace(tb_tmp, directory / TOKEN_BYTES_FILE)
         # The config goes last: its presence means the directory is complete.
-        config = {"pattern": self.enc._pat_str, "special_tokens": self.special_ids,
-                  "vocab_size": self.vocab_size}
+        config = {"pattern": self.enc._pat_str, "special_tokens": self.special_ids, "vocab_size": self.vocab_size}
         _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2).encode())
 
     @classmethod
@@ -138,12 +143,13 @@ class Tokenizer:
             try:
                 tok, rank = line.split()
                 ranks[base64.b64decode(tok, validate=True)] = int(rank)
-            except ValueError as e:   # binascii.Error is a ValueError
+            except ValueError as e:  # binascii.Error is a ValueError
                 raise ValueError(f"{ranks_path}:{lineno}: corrupt rank line ({e})") from None
         tok = cls.from_ranks(ranks, pattern)
         if tok.special_ids != specials or tok.vocab_size != vocab_size:
-            raise ValueError(f"{directory}: {CONFIG_FILE} disagrees with {RANKS_FILE} "
-                             f"(vocab {vocab_size} vs {tok.vocab_size})")
+            raise ValueError(
+                f"{directory}: {CONFIG_FILE} disagrees with {RANKS_FILE} (vocab {vocab_size} vs {tok.vocab_size})"
+            )
         return tok
 
     # ------------------------------------------------------------------ encode / decode
@@ -165,8 +171,9 @@ class Tokenizer:
         except KeyError:
             raise KeyError(f"unknown special token {name!r}; known: {SPECIAL_TOKENS}") from None
 
-    def encode(self, text: str | list[str], prepend: int | str | None = None,
-               num_threads: int = 4) -> list[int] | list[list[int]]:
+    def encode(
+        self, text: str | list[str], prepend: int | str | None = None, num_threads: int = 4
+    ) -> list[int] | list[list[int]]:
         """Encode text (special-token strings in it stay ordinary text); a list encodes in parallel.
 
         ``prepend`` (an id or a special token name) is put before every sequence.
@@ -216,7 +223,7 @@ class Tokenizer:
                     add(text, 1)
                 elif part["type"] == "python":
                     add([sp["<|python_start|>"], *text, sp["<|python_end|>"]], 1)
-                else:   # python_output: the engine writes it at inference, so never a target
+                else:  # python_output: the engine writes it at inference, so never a target
                     add([sp["<|output_start|>"], *text, sp["<|output_end|>"]], 0)
             # Supervising the end token teaches the model when to stop.
             add([sp["<|assistant_end|>"]], 1)
@@ -265,8 +272,10 @@ def normalize_messages(conv: dict[str, Any]) -> list[dict[str, Any]]:
         role, content = msg.get("role"), msg.get("content")
         expected = "user" if (i - start) % 2 == 0 else "assistant"
         if role != expected:
-            raise ValueError(f"message {i}: expected role {expected!r}, got {role!r} "
-                             "(roles must alternate user/assistant after an optional leading system)")
+            raise ValueError(
+                f"message {i}: expected role {expected!r}, got {role!r} "
+                "(roles must alternate user/assistant after an optional leading system)"
+            )
         if role == "user":
             if not isinstance(content, str):
                 raise ValueError(f"message {i}: user content must be a string")
@@ -284,13 +293,19 @@ def _check_parts(index: int, content: Any) -> None:
     if not isinstance(content, list):
         raise ValueError(f"message {index}: assistant content must be a string or a list of parts")
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("text", "python", "python_output") \
-                or not isinstance(part.get("text"), str):
-            raise ValueError(f"message {index}, part {j}: expected {{'type': 'text'|'python'|"
-                             f"'python_output', 'text': str}}, got {part!r}")
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in ("text", "python", "python_output")
+            or not isinstance(part.get("text"), str)
+        ):
+            raise ValueError(
+                f"message {index}, part {j}: expected {{'type': 'text'|'python'|"
+                f"'python_output', 'text': str}}, got {part!r}"
+            )
 
 
 # ---------------------------------------------------------------------- evaluation
+
 
 def _get_encoding(name: str, timeout: float) -> tiktoken.Encoding:
     """tiktoken.get_encoding with a deadline: the first use downloads, and requests has no timeout."""
@@ -299,10 +314,10 @@ def _get_encoding(name: str, timeout: float) -> tiktoken.Encoding:
     def fetch() -> None:
         try:
             result["enc"] = tiktoken.get_encoding(name)
-        except Exception as e:   # offline: ConnectionError, DNS failure, ...
+        except Exception as e:  # offline: ConnectionError, DNS failure, ...
             result["err"] = e
 
-    worker = threading.Thread(target=fetch, daemon=True)   # daemon: an abandoned fetch never blocks exit
+    worker = threading.Thread(target=fetch, daemon=True)  # daemon: an abandoned fetch never blocks exit
     worker.start()
     worker.join(timeout)
     if "enc" in result:

@@ -12,9 +12,10 @@ import hashlib
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 PARENT_ENV = "CHATPIPE_PARENT_RUN_ID"
 
@@ -23,8 +24,9 @@ def git_commit() -> str:
     """HEAD commit of the working tree (with ``-dirty`` when there are uncommitted changes)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -105,7 +107,7 @@ def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, ena
         flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
         items = list(flat.items())
         for i in range(0, len(items), 100):  # log_params takes at most 100 per call
-            mlflow.log_params(dict(items[i:i + 100]))
+            mlflow.log_params(dict(items[i : i + 100]))
         yield run
 
 
@@ -119,8 +121,9 @@ def tag_stage_runs(parent_run_id: str, stage: str, tags: dict[str, str]) -> int:
 
     client = mlflow.MlflowClient()
     parent = client.get_run(parent_run_id)
-    runs = client.search_runs([parent.info.experiment_id],
-                              f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.stage = '{stage}'")
+    runs = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.stage = '{stage}'"
+    )
     for r in runs:
         for key, value in tags.items():
             client.set_tag(r.info.run_id, key, value)
@@ -155,6 +158,6 @@ class MetricBuffer:
 
         client = MlflowClient()
         for i in range(0, len(self.items), 1000):
-            client.log_batch(self.run_id, metrics=self.items[i:i + 1000])
+            client.log_batch(self.run_id, metrics=self.items[i : i + 1000])
         self.items.clear()
         self.last_flush = time.monotonic()

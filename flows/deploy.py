@@ -18,9 +18,14 @@ from flows.pipeline import STAGES, pipeline
 DEFAULT_TAGS = ["chatpipe", "training"]
 
 
-def build_deployment(name: str = "nightly", cron: str | None = "0 3 * * *", profile: str = "tiny",
-                     stages: list[str] | None = None, tags: list[str] | None = None,
-                     work_pool: str | None = None):
+def build_deployment(
+    name: str = "nightly",
+    cron: str | None = "0 3 * * *",
+    profile: str = "tiny",
+    stages: list[str] | None = None,
+    tags: list[str] | None = None,
+    work_pool: str | None = None,
+):
     """The pipeline as a Prefect RunnerDeployment: schedule, parameters, tags (and work pool, if given)."""
     return pipeline.to_deployment(
         name=name,

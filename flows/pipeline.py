@@ -28,7 +28,6 @@ from chatpipe.settings import ParamsError, TrackingSettings, active_profile, loa
 from flows import prefect_api
 
 
-
 def dvc_stages(path: Path = Path("dvc.yaml")) -> list[str]:
     """Stage names in dvc.yaml order, which is the pipeline order."""
     import yaml
@@ -53,8 +52,13 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if parent_run_id:
         env[tracking.PARENT_ENV] = parent_run_id
-    proc = subprocess.Popen([_bin("dvc"), "repro", "--single-item", stage], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [_bin("dvc"), "repro", "--single-item", stage],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     skipped = False
     for line in proc.stdout:
         line = line.rstrip()
@@ -63,8 +67,11 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
     if proc.wait() != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
     if parent_run_id and not skipped:
-        tracking.tag_stage_runs(parent_run_id, stage, {"dvc_stage_hash": tracking.dvc_stage_hash(stage),
-                                                       "dvc_lock": tracking.dvc_lock_hash()})
+        tracking.tag_stage_runs(
+            parent_run_id,
+            stage,
+            {"dvc_stage_hash": tracking.dvc_stage_hash(stage), "dvc_lock": tracking.dvc_lock_hash()},
+        )
     return "skipped" if skipped else "ran"
 
 
@@ -76,8 +83,11 @@ def pipeline(profile: str | None = None, stages: list[str] | None = None, resume
         raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(STAGES)}")
     if resume_from and resume_from not in STAGES:
         raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(STAGES)}")
-    selected = [s for s in STAGES if (not stages or s in stages)
-                and (not resume_from or STAGES.index(s) >= STAGES.index(resume_from))]
+    selected = [
+        s
+        for s in STAGES
+        if (not stages or s in stages) and (not resume_from or STAGES.index(s) >= STAGES.index(resume_from))
+    ]
     logger = get_run_logger()
     if profile:
         write_profile(profile)

@@ -44,9 +44,25 @@ class TemporaryServer:
         # The same app and flags Prefect's own temporary server uses: API only, ephemeral services.
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
-             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-            env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--factory",
+                "prefect.server.api.server:create_app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "error",
+                "--lifespan",
+                "on",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
 
     @property
     def api_url(self) -> str:

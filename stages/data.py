@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from chatpipe import runtime, tracking
-from chatpipe.checkpoint import ARTIFACTS
+from chatpipe.data.sources import prepare_text
 from chatpipe.settings import DataSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
-from chatpipe.sources import prepare_text
+from chatpipe.train.checkpoint import ARTIFACTS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,15 +30,25 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
 
     # --- data
-    with tracking.stage_run("data", load_section(TrackingSettings), {"data": snapshot(cfg)},
-                            profile=active_profile()) as run:
+    with tracking.stage_run(
+        "data", load_section(TrackingSettings), {"data": snapshot(cfg)}, profile=active_profile()
+    ) as run:
         manifest = prepare_text(
-            out_dir, source=cfg.source, seed=cfg.seed, num_docs=cfg.num_docs, val_docs=cfg.val_docs,
-            docs_per_shard=cfg.docs_per_shard, hf_repo=cfg.hf_repo, hf_num_shards=cfg.hf_num_shards,
-            hf_text_column=cfg.hf_text_column, local_dir=Path(cfg.local_dir) if cfg.local_dir else None,
-            cache_dir=Path(cfg.cache_dir))
+            out_dir,
+            source=cfg.source,
+            seed=cfg.seed,
+            num_docs=cfg.num_docs,
+            val_docs=cfg.val_docs,
+            docs_per_shard=cfg.docs_per_shard,
+            hf_repo=cfg.hf_repo,
+            hf_num_shards=cfg.hf_num_shards,
+            hf_text_column=cfg.hf_text_column,
+            local_dir=Path(cfg.local_dir) if cfg.local_dir else None,
+            cache_dir=Path(cfg.cache_dir),
+        )
         if run is not None:
             import mlflow
+
             mlflow.log_metrics(tracking.numeric_leaves(manifest))
             mlflow.log_metric("seconds", time.time() - t0)
     print(f"data: {manifest}")

@@ -9,8 +9,8 @@ For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.stages``)
 - bpb on the pretraining val text (``eval.bpb_tokens`` tokens),
 - CORE (``eval.core_stages``): the tasks of ``eval.core_config`` found in ``eval.core_bundle_dir``
   (fetched from ``eval.core_bundle_url`` when missing; speedrun fetches the published bundle) and,
-  with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/core_tinyworld.py),
-- ChatCORE (``eval.chatcore_stages``): ``eval.chatcore_tasks`` from chatpipe.tasks.
+  with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/evals/core_tinyworld.py),
+- ChatCORE (``eval.chatcore_stages``): ``eval.chatcore_tasks`` from chatpipe.data.tasks.
 
 Writes ``artifacts/eval/results.json`` (every number with the git commit and the dvc.lock hash
 of the model stage it came from) and logs the same numbers as MLflow metrics.
@@ -27,15 +27,16 @@ from pathlib import Path
 import torch
 
 from chatpipe import runtime, tracking
-from chatpipe.chatcore import evaluate_chatcore
-from chatpipe.checkpoint import ARTIFACTS, WORK, fingerprint, load_model, replace_dir, sha256_file, write_json_atomic
-from chatpipe.core import DEFAULT_CONFIG, evaluate_core, load_core_config
-from chatpipe.core_tinyworld import write_tinyworld_bundle
-from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
-from chatpipe.fetch import fetch_zip
+from chatpipe.data.fetch import fetch_zip
+from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.evals.chatcore import evaluate_chatcore
+from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
+from chatpipe.evals.core_tinyworld import write_tinyworld_bundle
+from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
 from chatpipe.settings import EvalSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import evaluate_bpb, fixed_batches
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model
+from chatpipe.train.loop import evaluate_bpb, fixed_batches
 
 log = logging.getLogger("eval")
 # model dir under artifacts/ -> the dvc.yaml stage that writes it (for provenance)
@@ -81,8 +82,10 @@ def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tupl
             fetch_zip(cfg.core_bundle_url, bundle)
         runtime.barrier()
         if not bundle.is_dir():
-            raise FileNotFoundError(f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory "
-                                    "(set eval.core_bundle_url to fetch it)")
+            raise FileNotFoundError(
+                f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory "
+                "(set eval.core_bundle_url to fetch it)"
+            )
         suites.append((config, bundle))
     if cfg.core_tinyworld:
         if rt.is_main:
@@ -94,7 +97,7 @@ def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tupl
 
 def chat_tasks(cfg: EvalSettings) -> tuple[dict, dict[str, str]]:
     """The ChatCORE tasks to run, and {name: reason} for those whose data is not available here."""
-    from chatpipe.tasks import build_task  # only chat stages need the task package
+    from chatpipe.data.tasks import build_task  # only chat stages need the task package
 
     tasks, skipped = {}, {}
     for name, spec in cfg.chatcore_tasks.items():
@@ -114,8 +117,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
     token_bytes = torch.load(ARTIFACTS / "tokenizer" / "token_bytes.pt").to(rt.device)
     present = [s for s in cfg.stages if (ARTIFACTS / s / "meta.json").exists()]
     if not present:
-        raise FileNotFoundError(f"none of {[str(ARTIFACTS / s) for s in cfg.stages]} holds a model; "
-                                "run pretrain first")
+        raise FileNotFoundError(f"none of {[str(ARTIFACTS / s) for s in cfg.stages]} holds a model; run pretrain first")
     log.info("evaluating %s", ", ".join(present))
 
     # --- inputs shared by every model
@@ -126,18 +128,33 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
     commit, lock = tracking.git_commit(), tracking.dvc_lock_hash()
 
     results: dict[str, dict] = {}
-    with tracking.stage_run("eval", load_section(TrackingSettings), {"eval": snapshot(cfg), "stages": present},
-                            profile=active_profile(), enabled=rt.is_main) as run:
+    with tracking.stage_run(
+        "eval",
+        load_section(TrackingSettings),
+        {"eval": snapshot(cfg), "stages": present},
+        profile=active_profile(),
+        enabled=rt.is_main,
+    ) as run:
         for stage in present:
             model, meta = load_model(ARTIFACTS / stage, rt.device)
             seq_len = model.config.sequence_len
-            r: dict = {"model_sha256": meta.get("files", {}).get("model.pt"), "git_commit": commit,
-                       "dvc_lock": lock, "dvc_stage_hash": tracking.dvc_stage_hash(PRODUCER[stage])}
+            r: dict = {
+                "model_sha256": meta.get("files", {}).get("model.pt"),
+                "git_commit": commit,
+                "dvc_lock": lock,
+                "dvc_stage_hash": tracking.dvc_stage_hash(PRODUCER[stage]),
+            }
 
             # --- bits per byte on val text
             steps = max(1, cfg.bpb_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
-            loader = RowLoader(docs, batch_size=cfg.device_batch_size, seq_len=seq_len, rank=rt.rank,
-                               world_size=rt.world_size, device=rt.device)
+            loader = RowLoader(
+                docs,
+                batch_size=cfg.device_batch_size,
+                seq_len=seq_len,
+                rank=rt.rank,
+                world_size=rt.world_size,
+                device=rt.device,
+            )
             r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), token_bytes, rt)
             log.info("%s | val bpb %.4f", stage, r["bpb"])
 
@@ -146,47 +163,87 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                 core_tasks, skipped = {}, {}
                 for config, bundle in suites:
                     with rt.autocast():
-                        out = evaluate_core(model, tok, config, bundle, device=rt.device, max_seq_len=seq_len,
-                                            max_per_task=max_per_task, rank=rt.rank, world_size=rt.world_size)
+                        out = evaluate_core(
+                            model,
+                            tok,
+                            config,
+                            bundle,
+                            device=rt.device,
+                            max_seq_len=seq_len,
+                            max_per_task=max_per_task,
+                            rank=rt.rank,
+                            world_size=rt.world_size,
+                        )
                     core_tasks.update(out["tasks"])
                     skipped.update(out["skipped"])
                 core = sum(t["centered"] for t in core_tasks.values()) / len(core_tasks) if core_tasks else None
                 r["core"] = {"core": core, "tasks": core_tasks, "skipped": skipped}
                 for label, t in core_tasks.items():
-                    log.info("%s | CORE %-28s acc %.3f centered %+.3f (%d items, %.1fs)", stage, label,
-                             t["accuracy"], t["centered"], t["num_examples"], t["seconds"])
+                    log.info(
+                        "%s | CORE %-28s acc %.3f centered %+.3f (%d items, %.1fs)",
+                        stage,
+                        label,
+                        t["accuracy"],
+                        t["centered"],
+                        t["num_examples"],
+                        t["seconds"],
+                    )
                 log.info("%s | CORE %s over %d tasks (%d skipped)", stage, core, len(core_tasks), len(skipped))
 
             # --- ChatCORE
             if stage in cfg.chatcore_stages and tasks:
                 with rt.autocast():
                     out = evaluate_chatcore(
-                        model, tok, tasks, device=rt.device, max_per_task=max_per_task,
-                        max_generative=cfg.generative_max_per_task or None, rank=rt.rank,
-                        world_size=rt.world_size, num_samples=cfg.num_samples, k=cfg.pass_k,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None,
-                        seed=cfg.seed)
+                        model,
+                        tok,
+                        tasks,
+                        device=rt.device,
+                        max_per_task=max_per_task,
+                        max_generative=cfg.generative_max_per_task or None,
+                        rank=rt.rank,
+                        world_size=rt.world_size,
+                        num_samples=cfg.num_samples,
+                        k=cfg.pass_k,
+                        max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature,
+                        top_k=cfg.top_k or None,
+                        seed=cfg.seed,
+                    )
                 r["chatcore"] = {**out, "skipped": chat_skipped}
                 for name, t in out["tasks"].items():
-                    log.info("%s | %-13s acc %.3f centered %+.3f (%d items, %.1fs)", stage, name, t["accuracy"],
-                             t["centered"], t["num_examples"], t["seconds"])
+                    log.info(
+                        "%s | %-13s acc %.3f centered %+.3f (%d items, %.1fs)",
+                        stage,
+                        name,
+                        t["accuracy"],
+                        t["centered"],
+                        t["num_examples"],
+                        t["seconds"],
+                    )
                 log.info("%s | ChatCORE %.4f", stage, out["chatcore"])
             results[stage] = r
             if run is not None:
                 import mlflow
+
                 mlflow.log_metrics(stage_metrics(stage, r))
             del model
 
         # --- write results (DVC out) and attach them to the MLflow run
         if rt.is_main:
-            doc = {"git_commit": commit, "dvc_lock": lock, "profile": active_profile(), "settings": snapshot(cfg),
-                   "stages": results}
+            doc = {
+                "git_commit": commit,
+                "dvc_lock": lock,
+                "profile": active_profile(),
+                "settings": snapshot(cfg),
+                "stages": results,
+            }
             tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
             tmp.mkdir(parents=True, exist_ok=True)
             write_json_atomic(tmp / "results.json", doc)
             replace_dir(tmp, OUT)
             if run is not None:
                 import mlflow
+
                 mlflow.log_artifact(str(OUT / "results.json"))
             log.info("wrote %s", OUT / "results.json")
     runtime.barrier()

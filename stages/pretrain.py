@@ -18,17 +18,30 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
-from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, save_checkpoint,
-                                 save_model_dir, sha256_file)
-from chatpipe.dataloader import RowLoader, TokenDocs, tokenize_shards
-from chatpipe.engine import Engine
-from chatpipe.model import GPT, config_from_depth
-from chatpipe.optim import build_optimizers
+from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.inference.engine import Engine
+from chatpipe.io import fingerprint, sha256_file
+from chatpipe.model.gpt import GPT, config_from_depth
 from chatpipe.plan import check_memory_fits, estimate_memory_bytes
 from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import (OBSERVABILITY_KEYS, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops,
-                                scheduled_train_step)
+from chatpipe.train.checkpoint import (
+    ARTIFACTS,
+    WORK,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_model_dir,
+)
+from chatpipe.train.loop import (
+    OBSERVABILITY_KEYS,
+    evaluate_bpb,
+    fixed_batches,
+    grad_accum_steps,
+    peak_flops,
+    scheduled_train_step,
+)
+from chatpipe.train.optim import build_optimizers
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -45,36 +58,68 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     # --- data: tokenize the text shards once (ranks split the shards), then pack rows
     tok = Tokenizer.load(tok_dir)
     token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
-    inputs = {"tokenizer": sha256_file(tok_dir / "tokenizer.json"),
-              "data": json.loads((data_dir / "manifest.json").read_text())}
-    tokenize_shards(data_dir, tok, work / "tokens", fingerprint=fingerprint(inputs), rank=rt.rank,
-                    world_size=rt.world_size)
+    inputs = {
+        "tokenizer": sha256_file(tok_dir / "tokenizer.json"),
+        "data": json.loads((data_dir / "manifest.json").read_text()),
+    }
+    tokenize_shards(
+        data_dir, tok, work / "tokens", fingerprint=fingerprint(inputs), rank=rt.rank, world_size=rt.world_size
+    )
     train_docs, val_docs = TokenDocs(work / "tokens", "train"), TokenDocs(work / "tokens", "val")
 
     # --- model
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    model_config = config_from_depth(cfg.depth, tok.vocab_size, cfg.sequence_len, head_dim=cfg.head_dim,
-                                     n_kv_head=cfg.n_kv_head or None, window_pattern=cfg.window_pattern)
+    model_config = config_from_depth(
+        cfg.depth,
+        tok.vocab_size,
+        cfg.sequence_len,
+        head_dim=cfg.head_dim,
+        n_kv_head=cfg.n_kv_head or None,
+        window_pattern=cfg.window_pattern,
+    )
     with torch.device(rt.device):
         model = GPT(model_config)
     model.init_weights()
     num_params, flops_per_token = model.num_params(), model.flops_per_token()
-    check_memory_fits(estimate_memory_bytes(num_params, model.num_embedding_params(), model_config.n_layer,
-                                            model_config.n_embd, tok.vocab_size, cfg.device_batch_size,
-                                            cfg.sequence_len), rt.device, cfg.device_batch_size)
+    check_memory_fits(
+        estimate_memory_bytes(
+            num_params,
+            model.num_embedding_params(),
+            model_config.n_layer,
+            model_config.n_embd,
+            tok.vocab_size,
+            cfg.device_batch_size,
+            cfg.sequence_len,
+        ),
+        rt.device,
+        cfg.device_batch_size,
+    )
 
     # --- batch math and schedule length
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else int(cfg.target_param_data_ratio * num_params
-                                                              // cfg.total_batch_size)
-    log.info("model %s | %.2fM params | %.3g FLOPs/token | %d steps x %d tokens (grad accum %d, world %d)",
-             model_config, num_params / 1e6, flops_per_token, total_steps, cfg.total_batch_size, grad_accum,
-             rt.world_size)
+    total_steps = (
+        cfg.max_steps if cfg.max_steps > 0 else int(cfg.target_param_data_ratio * num_params // cfg.total_batch_size)
+    )
+    log.info(
+        "model %s | %.2fM params | %.3g FLOPs/token | %d steps x %d tokens (grad accum %d, world %d)",
+        model_config,
+        num_params / 1e6,
+        flops_per_token,
+        total_steps,
+        cfg.total_batch_size,
+        grad_accum,
+        rt.world_size,
+    )
 
     # --- optimizer
-    optimizers = build_optimizers(model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                                  unembedding_lr=cfg.unembedding_lr, weight_decay=cfg.weight_decay,
-                                  fused=rt.device.type == "cuda")
+    optimizers = build_optimizers(
+        model,
+        matrix_lr=cfg.matrix_lr,
+        embedding_lr=cfg.embedding_lr,
+        unembedding_lr=cfg.unembedding_lr,
+        weight_decay=cfg.weight_decay,
+        fused=rt.device.type == "cuda",
+    )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     math_settings = {k: v for k, v in snapshot(cfg).items() if k not in OBSERVABILITY_KEYS}
@@ -86,28 +131,55 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         start_step, start_row = meta["step"], meta["loader"]["row"]
         log.info("resuming from %s (step %d)", ckpt, start_step)
 
-    train_loader = RowLoader(train_docs, batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len,
-                             rank=rt.rank, world_size=rt.world_size, device=rt.device, start_row=start_row)
+    train_loader = RowLoader(
+        train_docs,
+        batch_size=cfg.device_batch_size,
+        seq_len=cfg.sequence_len,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        device=rt.device,
+        start_row=start_row,
+    )
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     eval_model = torch.compile(model) if cfg.compile else model
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
 
     def val_bpb() -> float:
-        loader = RowLoader(val_docs, batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len,
-                           rank=rt.rank, world_size=rt.world_size, device=rt.device)
+        loader = RowLoader(
+            val_docs,
+            batch_size=cfg.device_batch_size,
+            seq_len=cfg.sequence_len,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            device=rt.device,
+        )
         return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
 
     def checkpoint_meta(step: int) -> dict:
-        return {"stage": "pretrain", "fingerprint": run_fp, "world_size": rt.world_size,
-                "model_config": model_config.to_dict(), "settings": snapshot(cfg), "inputs": inputs,
-                "loader": train_loader.state(), "total_steps": total_steps}
+        return {
+            "stage": "pretrain",
+            "fingerprint": run_fp,
+            "world_size": rt.world_size,
+            "model_config": model_config.to_dict(),
+            "settings": snapshot(cfg),
+            "inputs": inputs,
+            "loader": train_loader.state(),
+            "total_steps": total_steps,
+        }
 
     # --- loop
-    params = {"pretrain": snapshot(cfg), "model_config": model_config.to_dict(), "num_params": num_params,
-              "grad_accum": grad_accum, "world_size": rt.world_size, "total_steps": total_steps}
-    with tracking.stage_run("pretrain", load_section(TrackingSettings), params, profile=active_profile(),
-                            enabled=rt.is_main) as run:
+    params = {
+        "pretrain": snapshot(cfg),
+        "model_config": model_config.to_dict(),
+        "num_params": num_params,
+        "grad_accum": grad_accum,
+        "world_size": rt.world_size,
+        "total_steps": total_steps,
+    }
+    with tracking.stage_run(
+        "pretrain", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
+    ) as run:
         metrics = tracking.MetricBuffer(run)
         peak = peak_flops(rt.device) * rt.world_size
         step, bpb, t_train, tokens_seen = start_step, float("nan"), 0.0, 0
@@ -120,13 +192,21 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             if rt.is_main and cfg.sample_every and (last or step % cfg.sample_every == 0) and step > 0:
                 log_samples(model, tok, rt, run, step)
             if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                save_checkpoint(work, step, model=model, optimizers=optimizers, meta=checkpoint_meta(step),
-                                rank=rt.rank, keep=cfg.keep_checkpoints)
+                save_checkpoint(
+                    work,
+                    step,
+                    model=model,
+                    optimizers=optimizers,
+                    meta=checkpoint_meta(step),
+                    rank=rt.rank,
+                    keep=cfg.keep_checkpoints,
+                )
             if last:
                 break
 
-            loss, lr_mult, dt = scheduled_train_step(step, total_steps, cfg, step_model, train_loader.next_batch,
-                                                     optimizers, grad_accum=grad_accum, rt=rt)
+            loss, lr_mult, dt = scheduled_train_step(
+                step, total_steps, cfg, step_model, train_loader.next_batch, optimizers, grad_accum=grad_accum, rt=rt
+            )
             step += 1
             t_train += dt
             tokens_seen += cfg.total_batch_size
@@ -136,19 +216,34 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
                 row["mfu"] = flops_per_token * tok_per_s / peak
             metrics.log(row, step)
             if step % cfg.log_every == 0 or step == total_steps:
-                log.info("step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s", step, total_steps, loss, lr_mult,
-                         tok_per_s, f" | mfu {row['mfu']:.1%}" if peak else "")
+                log.info(
+                    "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s",
+                    step,
+                    total_steps,
+                    loss,
+                    lr_mult,
+                    tok_per_s,
+                    f" | mfu {row['mfu']:.1%}" if peak else "",
+                )
 
         # --- save the final model for the next stage
-        summary = {"val_bpb": bpb, "train_seconds": t_train, "tokens": tokens_seen,
-                   "tokens_per_s": tokens_seen / max(t_train, 1e-9)}
+        summary = {
+            "val_bpb": bpb,
+            "train_seconds": t_train,
+            "tokens": tokens_seen,
+            "tokens_per_s": tokens_seen / max(t_train, 1e-9),
+        }
         metrics.log({"final/val_bpb": bpb}, step)
         metrics.flush()
         if rt.is_main:
-            save_model_dir(ARTIFACTS / "base", model, {**checkpoint_meta(step), "step": step, "summary": summary,
-                                                       "source_stage": "pretrain"})
+            save_model_dir(
+                ARTIFACTS / "base",
+                model,
+                {**checkpoint_meta(step), "step": step, "summary": summary, "source_stage": "pretrain"},
+            )
             if run is not None:
                 import mlflow
+
                 mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
             log.info("saved artifacts/base (val bpb %.4f)", bpb)
     runtime.barrier()
@@ -165,6 +260,7 @@ def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run, step: int)
     log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
     if run is not None:
         import mlflow
+
         mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
 
 

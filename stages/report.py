@@ -18,11 +18,28 @@ import os
 import sys
 
 from chatpipe import runtime, tracking
-from chatpipe.checkpoint import ARTIFACTS, replace_dir, write_json_atomic
-from chatpipe.report import (COLUMNS, CURVES, dvc_lock_hashes, plot_curves, render_report, stage_runs, summary_values,
-                             system_info, timing_table)
-from chatpipe.settings import (ReportSettings, TrackingSettings, active_profile, load_section, resolve_params, snapshot,
-                               validate_all)
+from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.report import (
+    COLUMNS,
+    CURVES,
+    dvc_lock_hashes,
+    plot_curves,
+    render_report,
+    stage_runs,
+    summary_values,
+    system_info,
+    timing_table,
+)
+from chatpipe.settings import (
+    ReportSettings,
+    TrackingSettings,
+    active_profile,
+    load_section,
+    resolve_params,
+    snapshot,
+    validate_all,
+)
+from chatpipe.train.checkpoint import ARTIFACTS
 
 log = logging.getLogger("report")
 OUT = ARTIFACTS / "report"
@@ -62,11 +79,19 @@ def report(cfg: ReportSettings) -> None:
         resolved = resolve_params()
         params = {s: resolved[s] for s in PARAM_SECTIONS if s in resolved}
         locks = dvc_lock_hashes()
-        text = render_report(results=results, system=system_info(), locks=locks, params=params, timings=timings,
-                             plots=plots)
+        text = render_report(
+            results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots
+        )
         (tmp / "report.md").write_text(text)
-        write_json_atomic(tmp / "report.json", {"summary": summary_values(results), "dvc_lock": locks,
-                                                "git_commit": results.get("git_commit"), "plots": plots})
+        write_json_atomic(
+            tmp / "report.json",
+            {
+                "summary": summary_values(results),
+                "dvc_lock": locks,
+                "git_commit": results.get("git_commit"),
+                "plots": plots,
+            },
+        )
         replace_dir(tmp, OUT)
         log.info("wrote %s (%d plots)", OUT / "report.md", len(plots))
 
@@ -77,8 +102,9 @@ def report(cfg: ReportSettings) -> None:
             client = mlflow.MlflowClient()
             client.log_artifacts(parent_id or run.info.run_id, str(OUT), "report")
             values = summary_values(results)
-            mlflow.log_metrics({f"summary/{row}/{col}": v for row, cols in values.items()
-                                for col, v in cols.items() if v is not None})
+            mlflow.log_metrics(
+                {f"summary/{row}/{col}": v for row, cols in values.items() for col, v in cols.items() if v is not None}
+            )
             if cfg.register_model:
                 register_final_model(client, run, cfg.model_name, results, values)
 
@@ -93,9 +119,14 @@ def register_final_model(client, run, name: str, results: dict, values: dict) ->
     if not client.search_registered_models(f"name = '{name}'"):
         client.create_registered_model(name, description="chatpipe chat model (final stage of the pipeline)")
     r = results.get("stages", {}).get(final, {})
-    tags = {"stage": final, "git_commit": str(r.get("git_commit")), "dvc_lock": str(r.get("dvc_lock")),
-            "model_sha256": str(r.get("model_sha256")), "bpb": f"{r.get('bpb', float('nan')):.4f}",
-            **{row: f"{cols[final]:.4f}" for row, cols in values.items() if cols.get(final) is not None}}
+    tags = {
+        "stage": final,
+        "git_commit": str(r.get("git_commit")),
+        "dvc_lock": str(r.get("dvc_lock")),
+        "model_sha256": str(r.get("model_sha256")),
+        "bpb": f"{r.get('bpb', float('nan')):.4f}",
+        **{row: f"{cols[final]:.4f}" for row, cols in values.items() if cols.get(final) is not None},
+    }
     version = client.create_model_version(name, f"{run.info.artifact_uri}/model", run_id=run.info.run_id, tags=tags)
     log.info("registered %s version %s from artifacts/%s", name, version.version, final)
 

@@ -25,16 +25,32 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chatpipe import rl, runtime, tracking
-from chatpipe.checkpoint import (ARTIFACTS, WORK, fingerprint, latest_checkpoint, load_checkpoint, load_model,
-                                 save_checkpoint, save_model_dir, sha256_file)
-from chatpipe.engine import Engine
-from chatpipe.optim import apply_schedules, build_optimizers
-from chatpipe.rollout import Rollouts, collect_rollouts, evaluate_problems, load_problems, rank_indices, token_logprobs
+from chatpipe import runtime, tracking
+from chatpipe.inference.engine import Engine
+from chatpipe.io import fingerprint, sha256_file
+from chatpipe.rl import losses as rl
+from chatpipe.rl.rollout import (
+    Rollouts,
+    collect_rollouts,
+    evaluate_problems,
+    load_problems,
+    rank_indices,
+    token_logprobs,
+)
+from chatpipe.rl.value import ValueModel, token_values
 from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.trainloop import OBSERVABILITY_KEYS
-from chatpipe.value import ValueModel, token_values
+from chatpipe.train.checkpoint import (
+    ARTIFACTS,
+    WORK,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+    save_model_dir,
+)
+from chatpipe.train.loop import OBSERVABILITY_KEYS
+from chatpipe.train.optim import apply_schedules, build_optimizers
 
 log = logging.getLogger("rl")
 RL_OBSERVABILITY_KEYS = OBSERVABILITY_KEYS | {"eval_problems", "eval_samples", "eval_temperature", "eval_split"}
@@ -48,8 +64,9 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     work = WORK / "rl"
     init_dir = Path(cfg.init_dir)
     if cfg.prompts_per_step % rt.world_size:
-        raise ValueError(f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the "
-                         f"{rt.world_size} ranks")
+        raise ValueError(
+            f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the {rt.world_size} ranks"
+        )
     per_rank = cfg.prompts_per_step // rt.world_size
     use_critic = cfg.algorithm == "ppo" and not cfg.disable_value
 
@@ -62,31 +79,43 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
 
     # --- optimizers: a fraction of the init model's LRs, decayed linearly to 0
-    init_lrs = {k: init_meta.get("settings", {}).get(k, getattr(cfg, k))
-                for k in ("matrix_lr", "embedding_lr", "unembedding_lr")}
-    policy_opts = build_optimizers(policy, **{k: v * cfg.lr_frac for k, v in init_lrs.items()},
-                                   weight_decay=cfg.weight_decay)
-    critic_opts = build_optimizers(critic, **{k: v * cfg.value_lr_frac for k, v in init_lrs.items()},
-                                   weight_decay=cfg.weight_decay) if critic else []
-    kl_ctl = rl.KLController(cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target,
-                             horizon=cfg.kl_horizon)
+    init_lrs = {
+        k: init_meta.get("settings", {}).get(k, getattr(cfg, k))
+        for k in ("matrix_lr", "embedding_lr", "unembedding_lr")
+    }
+    policy_opts = build_optimizers(
+        policy, **{k: v * cfg.lr_frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
+    )
+    critic_opts = (
+        build_optimizers(
+            critic, **{k: v * cfg.value_lr_frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
+        )
+        if critic
+        else []
+    )
+    kl_ctl = rl.KLController(
+        cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
+    )
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
-    train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward,
-                                   cfg.task_source)
-    eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed,
-                                  cfg.reward, cfg.task_source)[rt.rank::rt.world_size]
+    train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source)
+    eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source)[
+        rt.rank :: rt.world_size
+    ]
 
     # --- resume from the newest checkpoint made with the same settings and init model
-    inputs = {"init": sha256_file(init_dir / "model.pt"),
-              "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json")}
+    inputs = {
+        "init": sha256_file(init_dir / "model.pt"),
+        "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
+    }
     math_settings = {k: v for k, v in snapshot(cfg).items() if k not in RL_OBSERVABILITY_KEYS}
     run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
     start_step, prompt_log, first_eval = 0, [], None
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:
-        meta = load_checkpoint(ckpt, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank,
-                               world_size=rt.world_size)
+        meta = load_checkpoint(
+            ckpt, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank, world_size=rt.world_size
+        )
         start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
         first_eval = meta["first_eval"]
         log.info("resuming from %s (step %d)", ckpt, start_step)
@@ -97,27 +126,50 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     def pass_at_k() -> dict[str, float]:
         policy.eval()
-        correct = evaluate_problems(engine, eval_problems, num_samples=cfg.eval_samples,
-                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
-                                    top_k=cfg.top_k or None, seed=cfg.seed + 10_000 * rt.rank)
+        correct = evaluate_problems(
+            engine,
+            eval_problems,
+            num_samples=cfg.eval_samples,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.eval_temperature,
+            top_k=cfg.top_k or None,
+            seed=cfg.seed + 10_000 * rt.rank,
+        )
         policy.train()
         ks = sorted({1, cfg.eval_samples})
-        sums = torch.tensor([len(correct)] + [rl.mean_pass_at_k(correct, k) * len(correct) if correct else 0.0
-                                              for k in ks], dtype=torch.float64, device=rt.device)
+        sums = torch.tensor(
+            [len(correct)] + [rl.mean_pass_at_k(correct, k) * len(correct) if correct else 0.0 for k in ks],
+            dtype=torch.float64,
+            device=rt.device,
+        )
         runtime.all_reduce_sum(sums)
         return {f"eval/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
 
     def checkpoint_meta() -> dict:
-        return {"stage": "rl", "fingerprint": run_fp, "world_size": rt.world_size, "kl_coef": kl_ctl.value,
-                "model_config": policy.config.to_dict(), "settings": snapshot(cfg), "inputs": inputs,
-                "init_dir": str(init_dir), "total_steps": cfg.max_steps,
-                "prompt_indices": prompt_log, "first_eval": first_eval}
+        return {
+            "stage": "rl",
+            "fingerprint": run_fp,
+            "world_size": rt.world_size,
+            "kl_coef": kl_ctl.value,
+            "model_config": policy.config.to_dict(),
+            "settings": snapshot(cfg),
+            "inputs": inputs,
+            "init_dir": str(init_dir),
+            "total_steps": cfg.max_steps,
+            "prompt_indices": prompt_log,
+            "first_eval": first_eval,
+        }
 
     # --- loop
-    params = {"rl": snapshot(cfg), "model_config": policy.config.to_dict(), "world_size": rt.world_size,
-              "init_lrs": init_lrs}
-    with tracking.stage_run("rl", load_section(TrackingSettings), params, profile=active_profile(),
-                            enabled=rt.is_main) as run:
+    params = {
+        "rl": snapshot(cfg),
+        "model_config": policy.config.to_dict(),
+        "world_size": rt.world_size,
+        "init_lrs": init_lrs,
+    }
+    with tracking.stage_run(
+        "rl", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
+    ) as run:
         metrics = tracking.MetricBuffer(run)
         step, evals = start_step, {}
         t_gen_total = t_train_total = 0.0
@@ -130,8 +182,15 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 metrics.log(evals, step)
                 log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in evals.items()))
             if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                save_checkpoint(work, step, model=state, optimizers=policy_opts + critic_opts,
-                                meta=checkpoint_meta(), rank=rt.rank, keep=cfg.keep_checkpoints)
+                save_checkpoint(
+                    work,
+                    step,
+                    model=state,
+                    optimizers=policy_opts + critic_opts,
+                    meta=checkpoint_meta(),
+                    rank=rt.rank,
+                    keep=cfg.keep_checkpoints,
+                )
             if last:
                 break
 
@@ -143,59 +202,114 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             idx = rank_indices(len(train_problems), step, per_rank, rt.rank, rt.world_size, cfg.seed)
             prompt_log.append(gather(idx, rt))  # rank 0 keeps who sampled what (tests check no overlap)
             policy.eval()
-            batch = collect_rollouts(engine, [train_problems[i] for i in idx], group_size=cfg.group_size,
-                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     top_k=cfg.top_k or None, device=rt.device,
-                                     seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank)
+            batch = collect_rollouts(
+                engine,
+                [train_problems[i] for i in idx],
+                group_size=cfg.group_size,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k or None,
+                device=rt.device,
+                seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank,
+            )
             policy.train()
             t_gen = time.perf_counter() - t0
 
             # update
             t1 = time.perf_counter()
-            scores = rl.shape_scores(rl.length_penalties(batch.scores, batch.ended, batch.lengths, no_eos=cfg.no_eos,
-                                                         penalty=cfg.length_penalty,
-                                                         min_length=cfg.min_response_length),
-                                     scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip)
+            scores = rl.shape_scores(
+                rl.length_penalties(
+                    batch.scores,
+                    batch.ended,
+                    batch.lengths,
+                    no_eos=cfg.no_eos,
+                    penalty=cfg.length_penalty,
+                    min_length=cfg.min_response_length,
+                ),
+                scale=cfg.reward_scale,
+                bias=cfg.reward_bias,
+                clip=cfg.reward_clip,
+            )
             if cfg.algorithm == "grpo":
                 stats = grpo_update(cfg, rt, train_policy, policy_opts, batch, scores, per_rank)
             else:
-                stats = ppo_update(cfg, rt, train_policy, ref, train_critic, policy_opts, critic_opts, batch,
-                                   scores, per_rank, kl_ctl, step)
+                stats = ppo_update(
+                    cfg,
+                    rt,
+                    train_policy,
+                    ref,
+                    train_critic,
+                    policy_opts,
+                    critic_opts,
+                    batch,
+                    scores,
+                    per_rank,
+                    kl_ctl,
+                    step,
+                )
                 rl.ema_update(ref, policy, cfg.ref_ema)
             t_train = time.perf_counter() - t1
             step += 1
 
             # metrics, summed over ranks
-            sums = torch.tensor([batch.scores.sum().item(), float(len(batch.scores)), float(batch.lengths.sum()),
-                                 batch.ended.float().sum().item(), float(batch.num_tokens), stats.pop("kl_sum", 0.0)],
-                                dtype=torch.float64, device=rt.device)
+            sums = torch.tensor(
+                [
+                    batch.scores.sum().item(),
+                    float(len(batch.scores)),
+                    float(batch.lengths.sum()),
+                    batch.ended.float().sum().item(),
+                    float(batch.num_tokens),
+                    stats.pop("kl_sum", 0.0),
+                ],
+                dtype=torch.float64,
+                device=rt.device,
+            )
             runtime.all_reduce_sum(sums)
             n = sums[1].item()
             gen_tokens_total += int(sums[4].item())
             t_gen_total, t_train_total = t_gen_total + t_gen, t_train_total + t_train
-            row = {"reward/mean": sums[0].item() / n, "response/length": sums[2].item() / n,
-                   "response/eos_frac": sums[3].item() / n, "kl/mean": sums[5].item() / n,
-                   "rollout/tokens_per_s": sums[4].item() / max(t_gen, 1e-9),  # ranks sample in parallel
-                   "time/gen_share": t_gen / (t_gen + t_train), "lr_mult": lr_mult, "kl/coef": kl_ctl.value,
-                   **stats}
+            row = {
+                "reward/mean": sums[0].item() / n,
+                "response/length": sums[2].item() / n,
+                "response/eos_frac": sums[3].item() / n,
+                "kl/mean": sums[5].item() / n,
+                "rollout/tokens_per_s": sums[4].item() / max(t_gen, 1e-9),  # ranks sample in parallel
+                "time/gen_share": t_gen / (t_gen + t_train),
+                "lr_mult": lr_mult,
+                "kl/coef": kl_ctl.value,
+                **stats,
+            }
             metrics.log(row, step)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                log.info("step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs", step,
-                         cfg.max_steps, row["reward/mean"], row["response/length"], row["kl/mean"],
-                         " ".join(f"{k} {v:.3g}" for k, v in stats.items()), 100 * row["time/gen_share"],
-                         t_gen + t_train)
+                log.info(
+                    "step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs",
+                    step,
+                    cfg.max_steps,
+                    row["reward/mean"],
+                    row["response/length"],
+                    row["kl/mean"],
+                    " ".join(f"{k} {v:.3g}" for k, v in stats.items()),
+                    100 * row["time/gen_share"],
+                    t_gen + t_train,
+                )
 
         # --- save the final policy for eval and chat
-        summary = {"steps": step, "gen_seconds": t_gen_total, "train_seconds": t_train_total,
-                   "rollout_tokens_per_s": gen_tokens_total / max(t_gen_total, 1e-9),
-                   **{f"first_{k}": v for k, v in (first_eval or {}).items()},
-                   **{f"final_{k}": v for k, v in evals.items()}}
+        summary = {
+            "steps": step,
+            "gen_seconds": t_gen_total,
+            "train_seconds": t_train_total,
+            "rollout_tokens_per_s": gen_tokens_total / max(t_gen_total, 1e-9),
+            **{f"first_{k}": v for k, v in (first_eval or {}).items()},
+            **{f"final_{k}": v for k, v in evals.items()},
+        }
         metrics.flush()
         if rt.is_main:
-            save_model_dir(ARTIFACTS / "rl", policy, {**checkpoint_meta(), "step": step, "summary": summary,
-                                                      "source_stage": "rl"})
+            save_model_dir(
+                ARTIFACTS / "rl", policy, {**checkpoint_meta(), "step": step, "summary": summary, "source_stage": "rl"}
+            )
             if run is not None:
                 import mlflow
+
                 mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
             log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     runtime.barrier()
@@ -215,8 +329,9 @@ def micro_batches(n_rows: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
 
-def grpo_update(cfg: RLSettings, rt: runtime.Runtime, model, optimizers: list, batch: Rollouts,
-                scores: torch.Tensor, per_rank: int) -> dict[str, float]:
+def grpo_update(
+    cfg: RLSettings, rt: runtime.Runtime, model, optimizers: list, batch: Rollouts, scores: torch.Tensor, per_rank: int
+) -> dict[str, float]:
     """One policy-gradient step: advantage = score - group mean, loss normalised by the batch's action tokens."""
     adv = rl.group_advantages(scores.view(per_rank, cfg.group_size), cfg.normalize_std).flatten()
     num_tokens = batch.mask.sum().item()
@@ -224,7 +339,7 @@ def grpo_update(cfg: RLSettings, rt: runtime.Runtime, model, optimizers: list, b
     total = 0.0
     for i, rows in enumerate(chunks):
         sync = i == len(chunks) - 1 or not hasattr(model, "no_sync")
-        with (contextlib.nullcontext() if sync else model.no_sync()), rt.autocast():
+        with contextlib.nullcontext() if sync else model.no_sync(), rt.autocast():
             logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
             loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
         loss.backward()
@@ -235,9 +350,20 @@ def grpo_update(cfg: RLSettings, rt: runtime.Runtime, model, optimizers: list, b
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item()}
 
 
-def ppo_update(cfg: RLSettings, rt: runtime.Runtime, model, ref, critic, policy_opts: list, critic_opts: list,
-               batch: Rollouts, scores: torch.Tensor, per_rank: int, kl_ctl: rl.KLController,
-               step: int) -> dict[str, float]:
+def ppo_update(
+    cfg: RLSettings,
+    rt: runtime.Runtime,
+    model,
+    ref,
+    critic,
+    policy_opts: list,
+    critic_opts: list,
+    batch: Rollouts,
+    scores: torch.Tensor,
+    per_rank: int,
+    kl_ctl: rl.KLController,
+    step: int,
+) -> dict[str, float]:
     """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches."""
     mb = cfg.device_batch_size
     with torch.no_grad(), rt.autocast():
@@ -261,7 +387,7 @@ def ppo_update(cfg: RLSettings, rt: runtime.Runtime, model, ref, critic, policy_
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(n, generator=g).to(batch.inputs.device)
         for start in range(0, rows_per_mb * cfg.num_minibatches, rows_per_mb):
-            rows_mb = perm[start:start + rows_per_mb]
+            rows_mb = perm[start : start + rows_per_mb]
             num_tokens = batch.mask[rows_mb].sum().item()
             chunks = micro_batches(len(rows_mb), mb)
             exceeded = torch.zeros(1, device=rt.device)
@@ -271,8 +397,9 @@ def ppo_update(cfg: RLSettings, rt: runtime.Runtime, model, ref, critic, policy_
                 sync = i == len(chunks) - 1
                 ctxs = [model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()]
                 if critic is not None:
-                    ctxs.append(critic.no_sync() if not sync and hasattr(critic, "no_sync")
-                                else contextlib.nullcontext())
+                    ctxs.append(
+                        critic.no_sync() if not sync and hasattr(critic, "no_sync") else contextlib.nullcontext()
+                    )
                 with contextlib.ExitStack() as stack, rt.autocast():
                     for c in ctxs:
                         stack.enter_context(c)
@@ -281,8 +408,9 @@ def ppo_update(cfg: RLSettings, rt: runtime.Runtime, model, ref, critic, policy_
                     stats["loss/policy"] += loss.item()
                     if critic is not None:
                         values = critic(batch.inputs[rows])
-                        v_loss, _ = rl.clipped_value_loss(values, old_values[rows], returns[rows], mask,
-                                                          cfg.value_clip, num_tokens)
+                        v_loss, _ = rl.clipped_value_loss(
+                            values, old_values[rows], returns[rows], mask, cfg.value_clip, num_tokens
+                        )
                         stats["loss/value"] += v_loss.item()
                         loss = loss + cfg.value_coef * v_loss
                 loss.backward()

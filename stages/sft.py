@@ -18,12 +18,12 @@ import logging
 import time
 
 from chatpipe import runtime
-from chatpipe.chateval import end_token_rate, task_accuracy
-from chatpipe.chattrain import train_chat
-from chatpipe.checkpoint import ARTIFACTS, load_model
+from chatpipe.data.tasks import build_task
+from chatpipe.evals.chat_checks import end_token_rate, task_accuracy
 from chatpipe.settings import SFTSettings
-from chatpipe.tasks import build_task
 from chatpipe.tokenizer import Tokenizer
+from chatpipe.train.chat import train_chat
+from chatpipe.train.checkpoint import ARTIFACTS, load_model
 
 log = logging.getLogger("sft")
 # end-of-stage checks only read the model: they never change the weights, so resume ignores them
@@ -35,8 +35,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:
-    train_chat(cfg, rt, stage="sft", init_dir=ARTIFACTS / "mid", out_dir=ARTIFACTS / "sft", resume_ignores=EVAL_KEYS,
-               finish=lambda model, tok, run: chat_checks(cfg, model, tok, rt, run))
+    train_chat(
+        cfg,
+        rt,
+        stage="sft",
+        init_dir=ARTIFACTS / "mid",
+        out_dir=ARTIFACTS / "sft",
+        resume_ignores=EVAL_KEYS,
+        finish=lambda model, tok, run: chat_checks(cfg, model, tok, rt, run),
+    )
 
 
 def chat_checks(cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, run) -> dict[str, float]:
@@ -46,11 +53,14 @@ def chat_checks(cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, ru
     t0 = time.perf_counter()
     if cfg.eval_prompts:
         # held-out (test split) prompts of every tiny-world kind, interleaved
-        kinds = [build_task(name, "test", limit=cfg.eval_prompts) for name in
-                 ("tinyworld_chat", "tinyworld_arith", "tinyworld_mc")]
+        kinds = [
+            build_task(name, "test", limit=cfg.eval_prompts)
+            for name in ("tinyworld_chat", "tinyworld_arith", "tinyworld_mc")
+        ]
         prompts = [kinds[i % len(kinds)][i // len(kinds)] for i in range(cfg.eval_prompts)]
-        out["end_token_rate"] = end_token_rate(model, tok, prompts, max_tokens=cfg.eval_max_tokens,
-                                               temperature=cfg.eval_temperature, seed=cfg.seed)
+        out["end_token_rate"] = end_token_rate(
+            model, tok, prompts, max_tokens=cfg.eval_max_tokens, temperature=cfg.eval_temperature, seed=cfg.seed
+        )
     if cfg.eval_arith:
         arith = build_task("tinyworld_arith", "test", limit=cfg.eval_arith)
         samples: list = []
@@ -62,14 +72,15 @@ def chat_checks(cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, ru
         log.info("arithmetic samples:\n  %s", "\n  ".join(lines))
         if run is not None:
             import mlflow
+
             mlflow.log_text("\n".join(lines), "samples/arithmetic.txt")
     model.train()
     log.info("chat checks (%.1f s): %s", time.perf_counter() - t0, out)
     if run is not None:
         import mlflow
+
         mlflow.log_metrics({f"eval/{k}": v for k, v in out.items()})
     return out
-
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 import torch
 
 from chatpipe import runtime, tracking
-from chatpipe.checkpoint import ARTIFACTS, replace_dir, write_json_atomic
+from chatpipe.data.sources import iter_documents
+from chatpipe.io import replace_dir, write_json_atomic
 from chatpipe.settings import TokenizerSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
-from chatpipe.sources import iter_documents
 from chatpipe.tokenizer import Tokenizer, compression_report
+from chatpipe.train.checkpoint import ARTIFACTS
 
 
 def take_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:
@@ -41,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     runtime.setup_logging()
     data_dir, out_dir = ARTIFACTS / "data", ARTIFACTS / "tokenizer"
 
-    with tracking.stage_run("tokenizer", load_section(TrackingSettings), {"tokenizer": snapshot(cfg)},
-                            profile=active_profile()) as run:
+    with tracking.stage_run(
+        "tokenizer", load_section(TrackingSettings), {"tokenizer": snapshot(cfg)}, profile=active_profile()
+    ) as run:
         # --- train
         t0 = time.time()
         texts = list(take_chars(iter_documents(data_dir, "train"), cfg.max_chars))
@@ -53,8 +55,12 @@ def main(argv: list[str] | None = None) -> None:
         # --- eval: compression on held-out text
         val_text = "".join(take_chars(iter_documents(data_dir, "val"), cfg.eval_chars))
         report = compression_report(tok, val_text)
-        report.update(train_chars=n_chars, train_seconds=round(train_s, 3),
-                      chars_per_second=round(n_chars / max(train_s, 1e-9)), vocab_size=tok.vocab_size)
+        report.update(
+            train_chars=n_chars,
+            train_seconds=round(train_s, 3),
+            chars_per_second=round(n_chars / max(train_s, 1e-9)),
+            vocab_size=tok.vocab_size,
+        )
 
         # --- save atomically: build in a temp dir, then swap it in
         tmp = out_dir.with_name(f".{out_dir.name}.tmp")
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if run is not None:
             import mlflow
+
             mlflow.log_metrics(tracking.numeric_leaves(report))
             mlflow.log_artifact(str(out_dir / "report.json"))
     print(f"tokenizer: vocab {tok.vocab_size}, trained on {n_chars:,} chars in {train_s:.1f}s; {report}")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from chatpipe.checkpoint import save_model_dir
-from chatpipe.model import GPT, GPTConfig
+from chatpipe.data.synthetic import pretrain_documents
+from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.settings import ServeSettings
-from chatpipe.synthetic import pretrain_documents
 from chatpipe.tokenizer import SPECIAL_TOKENS, Tokenizer
+from chatpipe.train.checkpoint import save_model_dir
 
 
 class ByteTokenizer:
@@ -41,8 +41,9 @@ def make_artifacts(root: Path, seed: int = 0, sequence_len: int = 256) -> Path:
     """Write tokenizer + a random ``sft`` model under ``root``; returns ``root``."""
     tok = Tokenizer.train(pretrain_documents(seed, 200), vocab_size=512)
     tok.save(root / "tokenizer")
-    config = GPTConfig(sequence_len=sequence_len, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=2,
-                       n_embd=64)
+    config = GPTConfig(
+        sequence_len=sequence_len, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64
+    )
     torch.manual_seed(seed)
     model = GPT(config)
     model.init_weights()
@@ -51,8 +52,11 @@ def make_artifacts(root: Path, seed: int = 0, sequence_len: int = 256) -> Path:
             p.add_(0.1 * torch.randn_like(p))
         # logit 0, never the max: special tokens (so no reply ends early) and tokens that are not
         # printable ASCII (so replies read as words in the screenshot)
-        unreadable = [i for i in range(tok.vocab_size)
-                      if not all(32 <= c < 127 for c in tok.id_to_token_bytes(i)) or i >= tok.bos_id]
+        unreadable = [
+            i
+            for i in range(tok.vocab_size)
+            if not all(32 <= c < 127 for c in tok.id_to_token_bytes(i)) or i >= tok.bos_id
+        ]
         model.lm_head.weight[[tok.encode_special(s) for s in SPECIAL_TOKENS] + unreadable] = 0.0
     save_model_dir(root / "sft", model, {"model_config": config.to_dict(), "stage": "sft", "step": 7})
     return root

@@ -17,20 +17,57 @@ BIN = Path(sys.executable).parent
 SMALL_PARAMS = {
     "data": {"num_docs": 600, "val_docs": 60, "docs_per_shard": 300, "chat_examples": 200},
     "tokenizer": {"vocab_size": 512, "max_chars": 300_000, "eval_chars": 20_000},
-    "pretrain": {"depth": 2, "sequence_len": 64, "device_batch_size": 8, "total_batch_size": 1024,
-                 "max_steps": 24, "eval_every": 8, "eval_tokens": 2048, "checkpoint_every": 8,
-                 "sample_every": 0, "log_every": 4},
-    "midtrain": {"mixture": [{"task": "tinyworld_chat", "limit": 100}, {"task": "tinyworld_arith", "limit": 100},
-                             {"task": "tinyworld_mc", "limit": 40}, {"task": "identity", "limit": 20},
-                             {"task": "spellingbee", "limit": 20, "words": "tinyworld"}],
-                 "val_limit": 10, "max_seq_len": 128, "device_batch_size": 4, "total_batch_size": 512,
-                 "max_steps": 8, "eval_every": 0, "eval_tokens": 1024, "checkpoint_every": 4, "log_every": 4,
-                 "momentum_warmup_steps": 4},
-    "sft": {"mixture": [{"task": "tinyworld_chat", "limit": 60}, {"task": "tinyworld_arith", "limit": 100},
-                        {"task": "identity", "limit": 20}],
-            "val_limit": 10, "max_seq_len": 128, "device_batch_size": 4, "total_batch_size": 512,
-            "max_steps": 24, "eval_every": 0, "eval_tokens": 1024, "checkpoint_every": 2, "log_every": 4,
-            "momentum_warmup_steps": 4, "eval_prompts": 6, "eval_arith": 6, "eval_max_tokens": 32},
+    "pretrain": {
+        "depth": 2,
+        "sequence_len": 64,
+        "device_batch_size": 8,
+        "total_batch_size": 1024,
+        "max_steps": 24,
+        "eval_every": 8,
+        "eval_tokens": 2048,
+        "checkpoint_every": 8,
+        "sample_every": 0,
+        "log_every": 4,
+    },
+    "midtrain": {
+        "mixture": [
+            {"task": "tinyworld_chat", "limit": 100},
+            {"task": "tinyworld_arith", "limit": 100},
+            {"task": "tinyworld_mc", "limit": 40},
+            {"task": "identity", "limit": 20},
+            {"task": "spellingbee", "limit": 20, "words": "tinyworld"},
+        ],
+        "val_limit": 10,
+        "max_seq_len": 128,
+        "device_batch_size": 4,
+        "total_batch_size": 512,
+        "max_steps": 8,
+        "eval_every": 0,
+        "eval_tokens": 1024,
+        "checkpoint_every": 4,
+        "log_every": 4,
+        "momentum_warmup_steps": 4,
+    },
+    "sft": {
+        "mixture": [
+            {"task": "tinyworld_chat", "limit": 60},
+            {"task": "tinyworld_arith", "limit": 100},
+            {"task": "identity", "limit": 20},
+        ],
+        "val_limit": 10,
+        "max_seq_len": 128,
+        "device_batch_size": 4,
+        "total_batch_size": 512,
+        "max_steps": 24,
+        "eval_every": 0,
+        "eval_tokens": 1024,
+        "checkpoint_every": 2,
+        "log_every": 4,
+        "momentum_warmup_steps": 4,
+        "eval_prompts": 6,
+        "eval_arith": 6,
+        "eval_max_tokens": 32,
+    },
 }
 
 
@@ -46,8 +83,13 @@ def make_project(dest: Path, params: dict | None = None, small: bool = True) -> 
 
     ``params`` is merged into params.yaml over SMALL_PARAMS (or over the real params if not ``small``).
     """
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for rel in files:
         src = REPO / rel
         if src.is_file():
@@ -70,8 +112,13 @@ def set_params(project: Path, overlay: dict) -> None:
 def project_env(project: Path, **extra: str) -> dict[str, str]:
     """Environment for commands run inside ``project`` (its own params, MLflow store, no stray overrides)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPIPE_")}
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(project), OMP_NUM_THREADS="1",
-               PREFECT_LOGGING_LEVEL="WARNING", **extra)
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(project),
+        OMP_NUM_THREADS="1",
+        PREFECT_LOGGING_LEVEL="WARNING",
+        **extra,
+    )
     return env
 
 

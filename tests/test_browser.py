@@ -14,14 +14,21 @@ import time
 
 import pytest
 
-from chatpipe.loading import load_chat_model
-from chatpipe.serve import create_app, run_in_thread
+from chatpipe.model.loading import load_chat_model
+from chatpipe.serve.app import create_app, run_in_thread
 from tests.chatmodel import make_artifacts, serve_settings
 from tests.conftest import REPO
 
 # as root, with no network: no sandbox, and none of the background calls home that would fail
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")
 

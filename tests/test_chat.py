@@ -1,4 +1,4 @@
-"""Tests for chatpipe.chat: the terminal chat driven through a pseudo-terminal with pexpect."""
+"""Tests for chatpipe.serve.chat: the terminal chat driven through a pseudo-terminal with pexpect."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import pexpect
 import pytest
 
-from chatpipe.chat import ContextTooLong, main, prompt_for, show_stream
-from chatpipe.engine import Engine
-from chatpipe.loading import load_chat_model
+from chatpipe.inference.engine import Engine
+from chatpipe.model.loading import load_chat_model
+from chatpipe.serve.chat import ContextTooLong, main, prompt_for, show_stream
 from tests.chatmodel import make_artifacts
 from tests.conftest import REPO
 
@@ -38,8 +38,14 @@ def greedy_reply(workdir, messages, max_tokens: int) -> str:
 
 
 def test_interactive_chat_streams_replies_and_exits(workdir):
-    child = pexpect.spawn(sys.executable, ["-m", "chatpipe.chat", "--model", "sft", "-t", "0", "--max-tokens", "20"],
-                          cwd=str(workdir), env=cli_env(), encoding="utf-8", timeout=60)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "chatpipe.serve.chat", "--model", "sft", "-t", "0", "--max-tokens", "20"],
+        cwd=str(workdir),
+        env=cli_env(),
+        encoding="utf-8",
+        timeout=60,
+    )
     try:
         child.expect(r"chatpipe chat: sft \(stage sft, step 7")
         child.expect("You: ")
@@ -52,8 +58,11 @@ def test_interactive_chat_streams_replies_and_exits(workdir):
         child.sendline("and then?")
         child.expect("Assistant: ")
         child.expect("\r\n\r\nYou: ")
-        convo = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.strip()},
-                 {"role": "user", "content": "and then?"}]
+        convo = [
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": first.strip()},
+            {"role": "user", "content": "and then?"},
+        ]
         assert child.before.strip() == greedy_reply(workdir, convo, 20).strip()
         child.sendline("/clear")
         child.expect_exact("(new conversation)")
@@ -66,8 +75,16 @@ def test_interactive_chat_streams_replies_and_exits(workdir):
 
 
 def test_one_shot_prompt(workdir):
-    run = lambda *args: subprocess.run([sys.executable, "-m", "chatpipe.chat", *args], cwd=workdir, env=cli_env(),  # noqa: E731
-                                       capture_output=True, text=True, timeout=120)
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "chatpipe.serve.chat", *args],
+            cwd=workdir,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     r = run("--model", "sft", "-p", "hi", "-t", "0", "--max-tokens", "10")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == greedy_reply(workdir, [{"role": "user", "content": "hi"}], 10).strip()
@@ -92,14 +109,24 @@ class Recorder(io.StringIO):
 
 
 def test_show_stream_writes_each_piece_and_brackets_tool_calls():
-    pieces = [("text", "It is"), ("text", " "), ("python", "12+"), ("python", "7"), ("python_output", "19"),
-              ("text", " apples.")]
+    pieces = [
+        ("text", "It is"),
+        ("text", " "),
+        ("python", "12+"),
+        ("python", "7"),
+        ("python_output", "19"),
+        ("text", " apples."),
+    ]
     out = Recorder()
     parts = show_stream(iter(pieces), out)
     assert out.getvalue() == "It is [calc: 12+7 = 19] apples.\n"
     assert out.writes >= len(pieces)
-    assert parts == [{"type": "text", "text": "It is "}, {"type": "python", "text": "12+7"},
-                     {"type": "python_output", "text": "19"}, {"type": "text", "text": " apples."}]
+    assert parts == [
+        {"type": "text", "text": "It is "},
+        {"type": "python", "text": "12+7"},
+        {"type": "python_output", "text": "19"},
+        {"type": "text", "text": " apples."},
+    ]
 
 
 def test_prompt_that_cannot_fit_is_refused(workdir):

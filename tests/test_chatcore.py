@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-import chatpipe.chatcore as chatcore_mod
-from chatpipe.chatcore import choose_letters, evaluate_chatcore, evaluate_task, letter_token_ids
-from chatpipe.metrics import pass_at_k
+import chatpipe.evals.chatcore as chatcore_mod
+from chatpipe.evals.chatcore import choose_letters, evaluate_chatcore, evaluate_task, letter_token_ids
+from chatpipe.evals.metrics import pass_at_k
 from chatpipe.tokenizer import SPECIAL_TOKENS
 
 LETTERS = ["A", "B", "C", "D"]
@@ -35,8 +35,13 @@ class ByteTokenizer:
 
     def render_for_completion(self, conv: dict) -> list[int]:
         sp = self.special
-        return [self.bos_id, sp["<|user_start|>"], *self.encode(conv["messages"][0]["content"]),
-                sp["<|user_end|>"], sp["<|assistant_start|>"]]
+        return [
+            self.bos_id,
+            sp["<|user_start|>"],
+            *self.encode(conv["messages"][0]["content"]),
+            sp["<|user_end|>"],
+            sp["<|assistant_start|>"],
+        ]
 
 
 class FakeMC:
@@ -54,8 +59,13 @@ class FakeMC:
 
     def __getitem__(self, i: int) -> dict:
         self.seen.append(i)
-        return {"messages": [{"role": "user", "content": f"question {i}? hint {self.gold[i]}"},
-                             {"role": "assistant", "content": self.gold[i]}], "letters": LETTERS}
+        return {
+            "messages": [
+                {"role": "user", "content": f"question {i}? hint {self.gold[i]}"},
+                {"role": "assistant", "content": self.gold[i]},
+            ],
+            "letters": LETTERS,
+        }
 
     def evaluate(self, conv: dict, completion: str) -> bool:
         return completion == conv["messages"][-1]["content"]
@@ -109,6 +119,7 @@ class ScriptedGen:
 def scripted_samples(monkeypatch):
     def fake(engine, tokenizer, conv, *, num_samples, **kw):
         return [str(j) for j in range(num_samples)]
+
     monkeypatch.setattr(chatcore_mod, "generate_completions", fake)
 
 
@@ -160,8 +171,7 @@ def test_items_are_split_across_ranks_and_capped() -> None:
     seen = []
     for rank in (0, 1):
         task = FakeMC(100)
-        r = evaluate_task(CopyModel(TOK.vocab_size), TOK, task, device="cpu", max_examples=10, rank=rank,
-                          world_size=2)
+        r = evaluate_task(CopyModel(TOK.vocab_size), TOK, task, device="cpu", max_examples=10, rank=rank, world_size=2)
         assert r["num_examples"] == 5  # no process group: each rank reports its own share
         seen.append(set(task.seen))
     assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 10
@@ -184,7 +194,7 @@ def test_chatcore_is_mean_centered_accuracy(scripted_samples) -> None:
 
 def test_generative_path_runs_the_real_engine() -> None:
     """A random tiny GPT through Engine: completions reach evaluate without the stop token."""
-    from chatpipe.model import GPT, config_from_depth
+    from chatpipe.model.gpt import GPT, config_from_depth
 
     torch.manual_seed(0)
     model = GPT(config_from_depth(1, TOK.vocab_size, 32, head_dim=16))
@@ -196,8 +206,7 @@ def test_generative_path_runs_the_real_engine() -> None:
             got.append(completion)
             return False
 
-    r = evaluate_task(model, TOK, Recorder([0, 0, 0]), device="cpu", num_samples=2, max_new_tokens=5,
-                      temperature=1.0)
+    r = evaluate_task(model, TOK, Recorder([0, 0, 0]), device="cpu", num_samples=2, max_new_tokens=5, temperature=1.0)
     assert r["accuracy"] == 0.0 and len(got) == 6
     assert all("<|assistant_end|>" not in c and "<|bos|>" not in c for c in got)
 

@@ -7,8 +7,15 @@ import random
 
 import torch
 
-from chatpipe.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, replace_dir, save_checkpoint,
-                                 save_model_dir, verify_checkpoint, write_json_atomic)
+from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.train.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    save_model_dir,
+    verify_checkpoint,
+)
 
 
 def _model_and_opt(seed: int = 0):

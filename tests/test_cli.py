@@ -9,7 +9,7 @@ from chatpipe import cli
 
 def test_subcommands_dispatch_their_arguments(monkeypatch):
     seen = {}
-    monkeypatch.setattr("chatpipe.chat.main", lambda argv: seen.setdefault("chat", argv) and 0)
+    monkeypatch.setattr("chatpipe.serve.chat.main", lambda argv: seen.setdefault("chat", argv) and 0)
     assert cli.main(["chat", "--model", "sft", "-p", "hi"]) == 0
     assert seen["chat"] == ["--model", "sft", "-p", "hi"]
 

@@ -1,4 +1,4 @@
-"""Tests for chatpipe/core.py: config and data validation, prompts, scoring and the CORE mean.
+"""Tests for chatpipe/evals/core.py: config and data validation, prompts, scoring and the CORE mean.
 
 Uses the 14 real CORE task files in ``<repo>/../shared/data/core`` (skipped if absent) with
 scripted scorers, plus tiny torch models for the real model path.
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from chatpipe.core import (
+from chatpipe.evals.core import (
     DEFAULT_CONFIG,
     TaskConfig,
     encode_prompt,
@@ -85,9 +85,17 @@ def test_default_config_has_the_22_tasks_with_spec_baselines() -> None:
     assert len(by_label) == 22
     assert by_label["hellaswag_zeroshot"].file == by_label["hellaswag"].file == "hellaswag.jsonl"
     assert (by_label["hellaswag_zeroshot"].num_fewshot, by_label["hellaswag"].num_fewshot) == (0, 10)
-    expected = {"jeopardy": (10, 0.0), "arc_easy": (10, 0.25), "copa": (0, 0.5), "piqa": (10, 0.5),
-                "boolq": (10, 0.62), "agi_eval_lsat_ar": (3, 0.25), "winogrande": (0, 0.5),
-                "coqa": (0, 0.0), "openbook_qa": (0, 0.25)}
+    expected = {
+        "jeopardy": (10, 0.0),
+        "arc_easy": (10, 0.25),
+        "copa": (0, 0.5),
+        "piqa": (10, 0.5),
+        "boolq": (10, 0.62),
+        "agi_eval_lsat_ar": (3, 0.25),
+        "winogrande": (0, 0.5),
+        "coqa": (0, 0.0),
+        "openbook_qa": (0, 0.25),
+    }
     for label, (shots, baseline) in expected.items():
         assert (by_label[label].num_fewshot, by_label[label].random_baseline) == (shots, baseline)
     assert by_label["winograd"].type == "schema" and by_label["lambada_openai"].type == "language_modeling"
@@ -120,10 +128,13 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
 
 
 def test_row_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
-    _write_jsonl(tmp_path / "schema.jsonl", [
-        {"context_options": ["a", "b"], "continuation": "c", "gold": 1},
-        {"context_options": ["a", "b"], "gold": 0},
-    ])
+    _write_jsonl(
+        tmp_path / "schema.jsonl",
+        [
+            {"context_options": ["a", "b"], "continuation": "c", "gold": 1},
+            {"context_options": ["a", "b"], "gold": 0},
+        ],
+    )
     with pytest.raises(ValueError, match=r"schema.jsonl:2: missing field\(s\) \['continuation'\]"):
         load_task_rows(tmp_path, _task("schema"))
     _write_jsonl(tmp_path / "multiple_choice.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 2}])
@@ -184,8 +195,7 @@ def test_encode_prompt_marks_continuation_and_truncates_left() -> None:
 
 @needs_shared
 def test_gold_scorer_gets_every_shared_task_right() -> None:
-    out = evaluate_core(None, None, load_core_config(), SHARED_CORE, device="cpu",
-                        max_seq_len=2048, scorer=gold_scorer)
+    out = evaluate_core(None, None, load_core_config(), SHARED_CORE, device="cpu", max_seq_len=2048, scorer=gold_scorer)
     assert len(out["tasks"]) == 14 and len(out["skipped"]) == 8
     assert "hellaswag" in out["skipped"] and "not found" in out["skipped"]["hellaswag"]
     files = {t.label: t.file for t in load_core_config()}
@@ -210,8 +220,7 @@ def test_random_scorer_lands_near_the_random_baseline() -> None:
         task = config[label]
         rows = load_task_rows(SHARED_CORE, task)
         n = min(len(rows), 1000)
-        acc = evaluate_task(None, None, task, rows, device="cpu", max_seq_len=2048,
-                            max_examples=n, scorer=guess)
+        acc = evaluate_task(None, None, task, rows, device="cpu", max_seq_len=2048, max_examples=n, scorer=guess)
         b = task.random_baseline
         assert abs(acc - b) <= 4 * math.sqrt(b * (1 - b) / n), (label, acc, b)
 
@@ -252,8 +261,7 @@ def test_core_mean_and_centering_match_hand_values(tmp_path: Path) -> None:
     assert (lm["accuracy"], lm["centered"], lm["num_examples"]) == (0.4, 0.4, 5)
     assert out["core"] == pytest.approx(((0.5 - 0.25) / 0.75 + 0.4) / 2)
     assert set(out["skipped"]) == {"gone"}
-    only = evaluate_core(None, None, Path(cfg), tmp_path, device="cpu", max_seq_len=64,
-                         scorer=scripted, tasks=["lm"])
+    only = evaluate_core(None, None, Path(cfg), tmp_path, device="cpu", max_seq_len=64, scorer=scripted, tasks=["lm"])
     assert list(only["tasks"]) == ["lm"] and only["core"] == pytest.approx(0.4)
 
     cfg.write_text(cfg.read_text().replace("random_baseline: 0.5}", "random_baseline: 0.5, required: true}"))
@@ -266,8 +274,17 @@ def test_items_are_split_across_ranks() -> None:
     seen: list[list[int]] = []
     for rank in range(3):
         mine: list[int] = []
-        evaluate_task(None, None, _task("language_modeling"), rows, device="cpu", max_seq_len=64,
-                      rank=rank, world_size=3, scorer=lambda t, item, p: mine.append(int(item["context"][1:])) or True)
+        evaluate_task(
+            None,
+            None,
+            _task("language_modeling"),
+            rows,
+            device="cpu",
+            max_seq_len=64,
+            rank=rank,
+            world_size=3,
+            scorer=lambda t, item, p, mine=mine: mine.append(int(item["context"][1:])) or True,
+        )
         seen.append(mine)
     assert sorted(sum(seen, [])) == list(range(10))
     assert seen[0] == [0, 3, 6, 9]
@@ -326,7 +343,7 @@ def test_batched_scoring_matches_one_sequence_at_a_time() -> None:
 
 
 def test_task_file_is_found_in_category_folders_and_ambiguity_is_named(tmp_path):
-    from chatpipe.core import task_file
+    from chatpipe.evals.core import task_file
 
     task = _task("multiple_choice")
     assert task_file(tmp_path, task) is None

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from chatpipe.dataloader import RowLoader, TokenDocs, pack_rows, token_dtype, tokenize_shards
+from chatpipe.data.loader import RowLoader, TokenDocs, pack_rows, token_dtype, tokenize_shards
 
 BOS = 0
 

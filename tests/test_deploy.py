@@ -25,8 +25,9 @@ def test_deployment_applies_with_schedule_tags_and_parameters(prefect_server):
 
     from flows.deploy import build_deployment
 
-    deployment = build_deployment("nightly-test", cron="30 2 * * *", profile="tiny", stages=["tokenizer"],
-                                  tags=["team-a"])
+    deployment = build_deployment(
+        "nightly-test", cron="30 2 * * *", profile="tiny", stages=["tokenizer"], tags=["team-a"]
+    )
     deployment_id = deployment.apply()
 
     async def read():
@@ -58,4 +59,5 @@ def test_prefect_yaml_entrypoints_resolve():
         assert hasattr(getattr(module, func), "fn"), f"{d['entrypoint']} is not a Prefect flow"
         assert d["work_pool"]["name"] == "chatpipe-local"
         assert d["parameters"]["profile"] in yaml.safe_load((REPO / "params.yaml").read_text())["profiles"] | {
-            "tiny": {}}
+            "tiny": {}
+        }

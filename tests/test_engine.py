@@ -1,11 +1,11 @@
-"""Tests for chatpipe.engine: cache == recompute, sampling, stopping, batch expansion, tool use."""
+"""Tests for chatpipe.inference.engine: cache == recompute, sampling, stopping, batch expansion, tool use."""
 
 from __future__ import annotations
 
 import torch
 
-from chatpipe.engine import Engine, sample_next
-from chatpipe.model import GPT, GPTConfig
+from chatpipe.inference.engine import Engine, sample_next
+from chatpipe.model.gpt import GPT, GPTConfig
 from tests.chatmodel import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -15,8 +15,16 @@ VOCAB = 256 + len(S) + 35  # 300
 
 def random_model(seed: int = 0, **kw) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**dict(sequence_len=64, vocab_size=VOCAB, n_layer=2, n_head=2, n_kv_head=1,
-                                    n_embd=64, window_pattern="SL"), **kw}))
+    model = GPT(
+        GPTConfig(
+            **{
+                **dict(
+                    sequence_len=64, vocab_size=VOCAB, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL"
+                ),
+                **kw,
+            }
+        )
+    )
     model.init_weights()
     with torch.no_grad():  # non-trivial blocks (zero-init projections would make them identities)
         for p in model.parameters():
@@ -30,7 +38,7 @@ def greedy_recompute(model: GPT, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_kv_cache_greedy_equals_recompute():
@@ -87,14 +95,28 @@ class ScriptedGPT(GPT):
 
 def test_tool_use_forces_calculator_output():
     b = TOK.encode
-    script = {S["<|assistant_start|>"]: S["<|python_start|>"], S["<|python_start|>"]: b("2")[0],
-              b("2")[0]: b("+")[0], b("+")[0]: b("3")[0], b("3")[0]: S["<|python_end|>"],
-              S["<|output_end|>"]: b("!")[0], b("!")[0]: S["<|assistant_end|>"]}
+    script = {
+        S["<|assistant_start|>"]: S["<|python_start|>"],
+        S["<|python_start|>"]: b("2")[0],
+        b("2")[0]: b("+")[0],
+        b("+")[0]: b("3")[0],
+        b("3")[0]: S["<|python_end|>"],
+        S["<|output_end|>"]: b("!")[0],
+        b("!")[0]: S["<|assistant_end|>"],
+    }
     engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
     prompt = [S["<|bos|>"], S["<|user_start|>"], *b("hi"), S["<|user_end|>"], S["<|assistant_start|>"]]
     seqs, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=30, temperature=0.0)
-    gen = [S["<|python_start|>"], *b("2+3"), S["<|python_end|>"],
-           S["<|output_start|>"], *b("5"), S["<|output_end|>"], *b("!"), S["<|assistant_end|>"]]
+    gen = [
+        S["<|python_start|>"],
+        *b("2+3"),
+        S["<|python_end|>"],
+        S["<|output_start|>"],
+        *b("5"),
+        S["<|output_end|>"],
+        *b("!"),
+        S["<|assistant_end|>"],
+    ]
     want_mask = [1, 1, 1, 1, 1, 0, 0, 0, 1, 1]
     for seq, mask in zip(seqs, masks):
         assert seq == prompt + gen
@@ -103,8 +125,12 @@ def test_tool_use_forces_calculator_output():
 
 def test_rejected_tool_call_forces_nothing_and_padding_after_stop():
     b = TOK.encode
-    script = {S["<|assistant_start|>"]: S["<|python_start|>"], S["<|python_start|>"]: b("x")[0],
-              b("x")[0]: S["<|python_end|>"], S["<|python_end|>"]: S["<|assistant_end|>"]}
+    script = {
+        S["<|assistant_start|>"]: S["<|python_start|>"],
+        S["<|python_start|>"]: b("x")[0],
+        b("x")[0]: S["<|python_end|>"],
+        S["<|python_end|>"]: S["<|assistant_end|>"],
+    }
     engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
     cols = list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
     tokens = [c[0][0] for c in cols]
@@ -124,15 +150,30 @@ def test_max_tokens_and_custom_stop_tokens():
 def test_stream_yields_text_deltas_by_part_and_holds_split_characters():
     b = TOK.encode
     e_acute = b("é")  # two byte tokens: the first alone decodes to U+FFFD and must be held back
-    script = {S["<|assistant_start|>"]: b("a")[0], b("a")[0]: e_acute[0], e_acute[0]: e_acute[1],
-              e_acute[1]: S["<|python_start|>"], S["<|python_start|>"]: b("2")[0], b("2")[0]: b("+")[0],
-              b("+")[0]: b("3")[0], b("3")[0]: S["<|python_end|>"], S["<|output_end|>"]: b("!")[0],
-              b("!")[0]: S["<|assistant_end|>"]}
+    script = {
+        S["<|assistant_start|>"]: b("a")[0],
+        b("a")[0]: e_acute[0],
+        e_acute[0]: e_acute[1],
+        e_acute[1]: S["<|python_start|>"],
+        S["<|python_start|>"]: b("2")[0],
+        b("2")[0]: b("+")[0],
+        b("+")[0]: b("3")[0],
+        b("3")[0]: S["<|python_end|>"],
+        S["<|output_end|>"]: b("!")[0],
+        b("!")[0]: S["<|assistant_end|>"],
+    }
     engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
     stats: dict = {}
     pieces = list(engine.stream([S["<|assistant_start|>"]], stats=stats, max_tokens=30, temperature=0.0))
-    assert pieces == [("text", "a"), ("text", "é"), ("python", "2"), ("python", "+"), ("python", "3"),
-                      ("python_output", "5"), ("text", "!")]
+    assert pieces == [
+        ("text", "a"),
+        ("text", "é"),
+        ("python", "2"),
+        ("python", "+"),
+        ("python", "3"),
+        ("python_output", "5"),
+        ("text", "!"),
+    ]
     assert stats == {"tokens": 13, "finish_reason": "stop"}
     gen = engine.stream([S["<|bos|>"]], stats=stats, max_tokens=4, temperature=0.0)
     assert next(gen) == ("text", "?")  # lazily: the first delta arrives before the rest is generated

@@ -12,10 +12,20 @@ from tests.project import dvc, make_project, run
 
 EVAL_PARAMS = {
     "pretrain": {"max_steps": 8, "eval_every": 4, "checkpoint_every": 4},  # still 3 bpb points for the plot
-    "eval": {"max_per_task": 6, "generative_max_per_task": 2, "max_new_tokens": 12, "bpb_tokens": 1024,
-             "device_batch_size": 4, "tinyworld_examples": 20, "chatcore_stages": ["base"],
-             "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"},
-                                "ARC-Easy": {"task": "arc_easy", "source": "local", "path": "no/such/dir"}}},
+    "eval": {
+        "max_per_task": 6,
+        "generative_max_per_task": 2,
+        "max_new_tokens": 12,
+        "bpb_tokens": 1024,
+        "device_batch_size": 4,
+        "tinyworld_examples": 20,
+        "chatcore_stages": ["base"],
+        "chatcore_tasks": {
+            "MMLU": {"task": "tinyworld_mc"},
+            "GSM8K": {"task": "tinyworld_gsm"},
+            "ARC-Easy": {"task": "arc_easy", "source": "local", "path": "no/such/dir"},
+        },
+    },
     "report": {"cost_per_hour": 3.6},
 }
 
@@ -39,10 +49,16 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     project = make_project(tmp_path / "p", EVAL_PARAMS)
     _base_only_pipeline(project)
     # the flow's job, done by hand: a parent MLflow run whose id the stages nest under
-    made = run(project, "python", "-c", (
-        "from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section; import mlflow;"
-        "e = tracking.configure(load_section(TrackingSettings));"
-        "print(mlflow.MlflowClient().create_run(e, run_name='pipeline').info.run_id)"))
+    made = run(
+        project,
+        "python",
+        "-c",
+        (
+            "from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section; import mlflow;"
+            "e = tracking.configure(load_section(TrackingSettings));"
+            "print(mlflow.MlflowClient().create_run(e, run_name='pipeline').info.run_id)"
+        ),
+    )
     parent = made.stdout.strip().splitlines()[-1]
     run(project, "dvc", "repro", "report", CHATPIPE_PARENT_RUN_ID=parent)
 
@@ -51,8 +67,13 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     assert list(results["stages"]) == ["base"]
     assert 0 < base["bpb"] < 8
     core = base["core"]
-    assert set(core["tasks"]) == {"tinyworld_facts_mc", "tinyworld_rivers_schema", "tinyworld_facts_lm",
-                                  "tinyworld_arith_lm", "tinyworld_spell_lm"}
+    assert set(core["tasks"]) == {
+        "tinyworld_facts_mc",
+        "tinyworld_rivers_schema",
+        "tinyworld_facts_lm",
+        "tinyworld_arith_lm",
+        "tinyworld_spell_lm",
+    }
     assert core["core"] == pytest.approx(sum(t["centered"] for t in core["tasks"].values()) / 5)
     chat = base["chatcore"]
     # params merge into the default task map; the ARC files are not in the throwaway project
@@ -71,11 +92,17 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     for stage in ("pretrain", "eval"):
         assert f"| {stage} |" in md
 
-    check = run(project, "python", "-c", (
-        "import mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
-        "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
-        f"print(sorted(a.path for a in c.list_artifacts('{parent}', 'report')));"
-        "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['CORE'])"))
+    check = run(
+        project,
+        "python",
+        "-c",
+        (
+            "import mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
+            "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
+            f"print(sorted(a.path for a in c.list_artifacts('{parent}', 'report')));"
+            "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['CORE'])"
+        ),
+    )
     listed, registered = check.stdout.strip().splitlines()[-2:]
     assert "report/report.md" in listed and "report/loss.png" in listed
     assert registered == f"base {core['core']:.4f}"
@@ -87,24 +114,26 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
 
 def test_core_tasks_named_in_params_must_exist(tmp_path: Path, params_file: Path) -> None:
     """A task asked for by label whose file is missing fails naming the task and the path (not skipped)."""
-    from chatpipe.core import evaluate_core
+    import torch
+
+    from chatpipe.evals.core import evaluate_core
     from chatpipe.runtime import Runtime
     from chatpipe.settings import EvalSettings, load_section
     from stages.eval import core_suites
 
-    import torch
-
     (tmp_path / "bundle").mkdir()
-    cfg = load_section(EvalSettings, {"core_bundle_dir": str(tmp_path / "bundle"), "core_tasks": ["copa"],
-                                      "core_tinyworld": False})
+    cfg = load_section(
+        EvalSettings, {"core_bundle_dir": str(tmp_path / "bundle"), "core_tasks": ["copa"], "core_tinyworld": False}
+    )
     rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     [(config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
     assert [t.label for t in config] == ["copa"] and config[0].required
     with pytest.raises(FileNotFoundError, match=r"'copa' is required but .*bundle/copa.jsonl is missing"):
         evaluate_core(None, None, config, bundle, device="cpu", max_seq_len=64, scorer=lambda *a: 0)
     with pytest.raises(ValueError, match=r"eval.core_tasks = \['nope'\]: not in the CORE config"):
-        core_suites(load_section(EvalSettings, {"core_bundle_dir": str(bundle), "core_tasks": ["nope"]}),
-                    tmp_path / "work", rt)
+        core_suites(
+            load_section(EvalSettings, {"core_bundle_dir": str(bundle), "core_tasks": ["nope"]}), tmp_path / "work", rt
+        )
 
 
 def test_core_bundle_is_fetched_when_missing_and_nested_files_are_found(tmp_path: Path, params_file: Path) -> None:
@@ -113,7 +142,7 @@ def test_core_bundle_is_fetched_when_missing_and_nested_files_are_found(tmp_path
 
     import torch
 
-    from chatpipe.core import evaluate_core
+    from chatpipe.evals.core import evaluate_core
     from chatpipe.runtime import Runtime
     from chatpipe.settings import EvalSettings, load_section
     from stages.eval import core_suites
@@ -122,12 +151,20 @@ def test_core_bundle_is_fetched_when_missing_and_nested_files_are_found(tmp_path
     with zipfile.ZipFile(tmp_path / "bundle.zip", "w") as zf:
         zf.writestr("eval_bundle/eval_data/commonsense_reasoning/copa.jsonl", "\n".join(map(json.dumps, rows)))
     dest = tmp_path / "data" / "eval_bundle"
-    cfg = load_section(EvalSettings, {"core_bundle_dir": str(dest), "core_bundle_url": (tmp_path / "bundle.zip").as_uri(),
-                                      "core_tasks": ["copa"], "core_tinyworld": False})
+    cfg = load_section(
+        EvalSettings,
+        {
+            "core_bundle_dir": str(dest),
+            "core_bundle_url": (tmp_path / "bundle.zip").as_uri(),
+            "core_tasks": ["copa"],
+            "core_tinyworld": False,
+        },
+    )
     rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     [(config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
     assert bundle == dest and (dest / "eval_data" / "commonsense_reasoning" / "copa.jsonl").is_file()
 
-    out = evaluate_core(None, None, config, bundle, device="cpu", max_seq_len=64,
-                        scorer=lambda task, row, prompts: row["gold"])  # picks the gold option: accuracy 1.0
+    out = evaluate_core(
+        None, None, config, bundle, device="cpu", max_seq_len=64, scorer=lambda task, row, prompts: row["gold"]
+    )  # picks the gold option: accuracy 1.0
     assert out["tasks"]["copa"]["num_examples"] == 6 and out["tasks"]["copa"]["accuracy"] == 1.0

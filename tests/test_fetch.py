@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chatpipe.fetch import fetch_zip
+from chatpipe.data.fetch import fetch_zip
 
 
 def make_zip(path: Path, files: dict[str, str]) -> str:
@@ -18,7 +18,9 @@ def make_zip(path: Path, files: dict[str, str]) -> str:
 
 
 def test_single_top_folder_is_unpacked_as_dest(tmp_path):
-    url = make_zip(tmp_path / "b.zip", {"eval_bundle/eval_data/x/copa.jsonl": "{}\n", "eval_bundle/core.yaml": "a: 1\n"})
+    url = make_zip(
+        tmp_path / "b.zip", {"eval_bundle/eval_data/x/copa.jsonl": "{}\n", "eval_bundle/core.yaml": "a: 1\n"}
+    )
     dest = fetch_zip(url, tmp_path / "data" / "eval_bundle")
     assert (dest / "eval_data" / "x" / "copa.jsonl").read_text() == "{}\n" and (dest / "core.yaml").is_file()
     assert sorted(p.name for p in dest.parent.iterdir()) == ["eval_bundle"]  # no temp dirs left behind

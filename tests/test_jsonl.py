@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chatpipe.jsonl import iter_jsonl
+from chatpipe.data.jsonl import iter_jsonl
 
 
 def test_yields_line_numbers_and_skips_blank_lines(tmp_path):

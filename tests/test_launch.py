@@ -39,8 +39,9 @@ def test_single_process_stages_ignore_topology(params_file):
 
 
 def test_one_process_runs_python_without_torchrun(params_file):
-    app = build_app("pretrain", _launch(nnodes=1, nproc_per_node=1, max_retries=2), ["--max_steps=5"],
-                    env={"CHATPIPE_X": "1"})
+    app = build_app(
+        "pretrain", _launch(nnodes=1, nproc_per_node=1, max_retries=2), ["--max_steps=5"], env={"CHATPIPE_X": "1"}
+    )
     role = app.roles[0]
     assert [role.entrypoint, *role.args] == ["python", "-m", "stages.pretrain", "--max_steps=5"]
     assert role.max_retries == 2 and role.env["CHATPIPE_X"] == "1" and "PATH" in role.env
@@ -99,15 +100,18 @@ def _loss_curve(project: Path) -> list[float]:
         "exp = c.get_experiment_by_name('chatpipe')\n"
         "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
         "h = sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)\n"
-        "print(json.dumps([m.value for m in h]))\n")
+        "print(json.dumps([m.value for m in h]))\n"
+    )
     return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     """2 gloo workers through torchx == 1 worker accumulating 2 micro-batches (fp32)."""
-    project = make_project(tmp_path, {"pretrain": {"max_steps": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1,
-                                                   "dtype": "float32"}})
+    project = make_project(
+        tmp_path,
+        {"pretrain": {"max_steps": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "dtype": "float32"}},
+    )
     dvc(project, "repro", "tokenizer")
     curves = {}
     for nproc in (2, 1):
@@ -128,13 +132,22 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     import psutil
 
     from tests.project import project_env
-    proc = subprocess.Popen(["python", "-m", "chatpipe.launch", "pretrain", "--", "--max_steps=100000"],
-                            cwd=project, env=project_env(project), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+
+    proc = subprocess.Popen(
+        ["python", "-m", "chatpipe.launch", "pretrain", "--", "--max_steps=100000"],
+        cwd=project,
+        env=project_env(project),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def workers() -> list[psutil.Process]:
-        return [p for p in psutil.process_iter(["cmdline", "cwd"])
-                if "stages.pretrain" in " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(project)]
+        return [
+            p
+            for p in psutil.process_iter(["cmdline", "cwd"])
+            if "stages.pretrain" in " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(project)
+        ]
 
     for line in proc.stdout:
         if "step 1/" in line or "step 10/" in line:

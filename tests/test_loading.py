@@ -1,4 +1,4 @@
-"""Tests for chatpipe.loading: stage names, `latest`, paths, the MLflow model registry."""
+"""Tests for chatpipe.model.loading: stage names, `latest`, paths, the MLflow model registry."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from chatpipe.loading import load_chat_model, pick_device, resolve
+from chatpipe.model.loading import load_chat_model, pick_device, resolve
 from tests.chatmodel import make_artifacts
 
 
@@ -45,7 +45,7 @@ def test_missing_stage_and_unknown_name_are_clear_errors(artifacts, tmp_path):
 
 
 def test_tokenizer_from_another_run_is_refused(artifacts, tmp_path):
-    from chatpipe.synthetic import pretrain_documents
+    from chatpipe.data.synthetic import pretrain_documents
     from chatpipe.tokenizer import Tokenizer
 
     Tokenizer.train(pretrain_documents(1, 200), vocab_size=1024).save(tmp_path / "tok")
@@ -71,8 +71,9 @@ def check_registry(mlflow, artifacts, tmp_path) -> None:
     with mlflow.start_run(experiment_id=exp) as run:  # as stages/report.py registers the final model
         client.log_artifacts(run.info.run_id, str(artifacts / "sft"), "model")
     client.create_registered_model("chatpipe-test")
-    version = client.create_model_version("chatpipe-test", f"{run.info.artifact_uri}/model",
-                                          run_id=run.info.run_id).version
+    version = client.create_model_version(
+        "chatpipe-test", f"{run.info.artifact_uri}/model", run_id=run.info.run_id
+    ).version
     loaded = load_chat_model(f"models:/chatpipe-test/{version}", artifacts=artifacts, tracking_uri=uri)
     local = load_chat_model("sft", artifacts=artifacts)
     assert loaded.name == f"models:/chatpipe-test/{version}" and loaded.stage == "sft"

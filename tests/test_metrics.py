@@ -1,4 +1,4 @@
-"""Tests for chatpipe/metrics.py against hand-computed values."""
+"""Tests for chatpipe/evals/metrics.py against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from itertools import combinations
 
 import pytest
 
-from chatpipe.metrics import bits_per_byte, centered, chatcore, pass_at_k
+from chatpipe.evals.metrics import bits_per_byte, centered, chatcore, pass_at_k
 
 
 def test_pass_at_k_hand_values() -> None:
     assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
     assert pass_at_k(5, 0, 3) == 0.0
-    assert pass_at_k(5, 2, 4) == 1.0          # k >= n - c + 1: every draw holds a correct one
+    assert pass_at_k(5, 2, 4) == 1.0  # k >= n - c + 1: every draw holds a correct one
     assert pass_at_k(5, 5, 1) == 1.0
-    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)   # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
 
 
 def test_pass_at_k_matches_enumeration() -> None:
@@ -55,8 +55,7 @@ def test_centered_and_bits_per_byte() -> None:
 def test_chatcore_averages_present_tasks_only() -> None:
     # ARC-Easy 0.4 -> (0.4-0.25)/0.75 = 0.2 ; GSM8K 0.1 -> 0.1 ; mean 0.15
     assert chatcore({"ARC-Easy": 0.4, "GSM8K": 0.1}) == pytest.approx(0.15)
-    full = {"ARC-Easy": 0.25, "ARC-Challenge": 1.0, "MMLU": 0.625, "GSM8K": 0.3,
-            "HumanEval": 0.0, "SpellingBee": 0.9}
+    full = {"ARC-Easy": 0.25, "ARC-Challenge": 1.0, "MMLU": 0.625, "GSM8K": 0.3, "HumanEval": 0.0, "SpellingBee": 0.9}
     assert chatcore(full) == pytest.approx((0 + 1 + 0.5 + 0.3 + 0 + 0.9) / 6)
     assert chatcore({"arc_challenge": 0.625}) == pytest.approx(0.5)  # name spelling is forgiving
     with pytest.raises(ValueError, match="unknown ChatCORE task"):

@@ -45,8 +45,9 @@ def test_repro_sft_kill_resume_noop(tmp_path):
 
     # 1. the whole chain in the background; kill -9 everything once sft has written a checkpoint
     log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen([str(BIN / "dvc"), "repro", "sft"], cwd=project, env=project_env(project),
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(BIN / "dvc"), "repro", "sft"], cwd=project, env=project_env(project), stdout=log, stderr=subprocess.STDOUT
+    )
     started = _wait_for(lambda: any(sft_ckpts.glob("step_*")), proc, timeout=600)
     _kill_project_processes(project)
     proc.wait()
@@ -63,7 +64,7 @@ def test_repro_sft_kill_resume_noop(tmp_path):
     meta = json.loads((project / "artifacts" / "sft" / "meta.json").read_text())
     assert meta["step"] == 40 and meta["source_stage"] == "sft"
     summary = meta["summary"]
-    assert summary["train_seconds"] > 0   # the re-run trained the remaining steps
+    assert summary["train_seconds"] > 0  # the re-run trained the remaining steps
     assert {"end_token_rate", "arith_accuracy", "arith_accuracy_base", "fill_ratio"} <= set(summary)
     assert 0.0 <= summary["end_token_rate"] <= 1.0
 
@@ -73,9 +74,15 @@ def test_repro_sft_kill_resume_noop(tmp_path):
 
     # 4. talk to the trained sft model in the terminal: a prompt goes in, streamed text comes out, /exit works
     import pexpect
-    child = pexpect.spawn(str(BIN / "chatpipe"), ["chat", "--model", "sft", "-t", "0", "--max-tokens", "24"],
-                          cwd=str(project), env={**project_env(project), "TERM": "dumb"}, encoding="utf-8",
-                          timeout=120)
+
+    child = pexpect.spawn(
+        str(BIN / "chatpipe"),
+        ["chat", "--model", "sft", "-t", "0", "--max-tokens", "24"],
+        cwd=str(project),
+        env={**project_env(project), "TERM": "dumb"},
+        encoding="utf-8",
+        timeout=120,
+    )
     child.expect(r"chatpipe chat: sft \(stage sft, step 40")
     child.expect("You: ")
     child.sendline("What is 12 plus 7?")
@@ -92,9 +99,12 @@ def test_bad_conversation_row_stops_midtrain_before_training(tmp_path):
     """A malformed custom-JSON row names file and line, and the stage fails before any training step."""
     project = make_project(tmp_path)
     bad = project / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": "yo"}]}) + "\n"
-                   + json.dumps({"messages": [{"content": "no role"}]}) + "\n")
+    bad.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+        + json.dumps({"messages": [{"content": "no role"}]})
+        + "\n"
+    )
     # the stage module directly: artifacts/base is not needed to reach the data check
     mixture = json.dumps([{"task": "customjson", "path": str(bad)}])
     proc = run(project, "python", "-m", "stages.midtrain", check=False, CHATPIPE_MIDTRAIN__MIXTURE=mixture)

@@ -1,12 +1,12 @@
-"""Tests for chatpipe.model: shapes, loss, init, GQA, sliding windows, KV cache, param accounting."""
+"""Tests for chatpipe.model.gpt: shapes, loss, init, GQA, sliding windows, KV cache, param accounting."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from chatpipe.model import GPT, GPTConfig, KVCache, config_from_depth, layer_windows
-from chatpipe.optim import build_optimizers
+from chatpipe.model.gpt import GPT, GPTConfig, KVCache, config_from_depth, layer_windows
+from chatpipe.train.optim import build_optimizers
 
 
 def tiny(seed: int = 0, **kw) -> GPT:
@@ -142,7 +142,7 @@ def test_kv_cache_matches_full_forward(pattern, kv):
     cache = KVCache.from_config(model.config, batch_size=2, max_len=14)
     chunks = [model(x[:, :5], kv_cache=cache)]  # prefill a chunk, then one token at a time
     for t in range(5, 14):
-        chunks.append(model(x[:, t:t + 1], kv_cache=cache))
+        chunks.append(model(x[:, t : t + 1], kv_cache=cache))
     assert cache.pos == 14
     assert torch.allclose(torch.cat(chunks, dim=1), full, atol=1e-4)
     with pytest.raises(ValueError, match="full"):

@@ -1,12 +1,12 @@
-"""Tests for chatpipe.optim: optimizer grouping and lrs, schedules at hand-checked steps, momentum ramp."""
+"""Tests for chatpipe.train.optim: optimizer grouping and lrs, schedules at hand-checked steps, momentum ramp."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from chatpipe.model import GPT, GPTConfig
-from chatpipe.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.train.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
 
 
 def model_with_width(n_embd: int) -> GPT:
@@ -18,8 +18,7 @@ def model_with_width(n_embd: int) -> GPT:
 
 def test_build_optimizers_groups_and_scaled_lrs():
     model = model_with_width(192)  # (192/768)^-0.5 = 2
-    adamw, muon = build_optimizers(model, matrix_lr=0.03, embedding_lr=0.2, unembedding_lr=0.004,
-                                   weight_decay=0.1)
+    adamw, muon = build_optimizers(model, matrix_lr=0.03, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.1)
     assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
     lm_group, emb_group = adamw.param_groups
     assert lm_group["params"] == [model.lm_head.weight] and emb_group["params"] == [model.wte.weight]
@@ -96,7 +95,7 @@ def test_apply_schedules_sets_lr_and_muon_momentum_only():
 def test_fp32_newton_schulz_matches_torch_iteration():
     import torch.optim._muon as torch_muon
 
-    from chatpipe.optim import newton_schulz_fp32
+    from chatpipe.train.optim import newton_schulz_fp32
 
     torch.manual_seed(0)
     for shape in [(64, 32), (32, 64)]:
@@ -113,7 +112,7 @@ def test_fp32_newton_schulz_matches_torch_iteration():
 def test_cpu_muon_step_restores_torch_function():
     import torch.optim._muon as torch_muon
 
-    from chatpipe.optim import Muon
+    from chatpipe.train.optim import Muon
 
     before = torch_muon._zeropower_via_newtonschulz
     w = torch.nn.Parameter(torch.randn(16, 8))

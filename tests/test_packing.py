@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from chatpipe.packing import ConversationLoader, Rendered, fill_ratio, pack_rows, render_all
-from chatpipe.tasks import TaskMixture, build_task
+from chatpipe.data.packing import ConversationLoader, Rendered, fill_ratio, pack_rows, render_all
+from chatpipe.data.tasks import TaskMixture, build_task
 
 
 class CharTokenizer:
@@ -27,7 +27,7 @@ class CharTokenizer:
 def rendered(lengths):
     ids, mask, offsets = [], [], [0]
     for c, n in enumerate(lengths):
-        ids += [1000 + c] + [c] * (n - 1)   # first token marks the conversation start (like BOS)
+        ids += [1000 + c] + [c] * (n - 1)  # first token marks the conversation start (like BOS)
         mask += [0] + [1] * (n - 1)
         offsets.append(len(ids))
     return Rendered(np.array(ids, dtype=np.int64), np.array(mask, dtype=np.uint8), np.array(offsets))
@@ -41,7 +41,7 @@ def test_every_conversation_once_rows_never_overflow():
     assert placed == list(range(500))
     for row in rows:
         assert sum(n for _, n in row) <= 64
-        assert all(n == lengths[c] for c, n in row)   # nothing cropped: all fit a row
+        assert all(n == lengths[c] for c, n in row)  # nothing cropped: all fit a row
     assert fill_ratio(rows, 64) > 0.9
 
 
@@ -54,20 +54,20 @@ def test_too_long_conversation_is_cropped_alone():
 def test_pack_is_deterministic_and_best_fit():
     lengths = [30, 20, 12, 9, 8]
     assert pack_rows(lengths, 32) == pack_rows(lengths, 32)
-    assert pack_rows(lengths, 32)[0] == [(0, 30)]       # 30 first, nothing else fits beside it
+    assert pack_rows(lengths, 32)[0] == [(0, 30)]  # 30 first, nothing else fits beside it
     assert pack_rows(lengths, 32)[1] == [(1, 20), (2, 12)]
 
 
 def test_loader_targets_padding_and_bos_alignment():
     data = rendered([6, 5, 9])
-    rows = pack_rows(data.lengths.tolist(), 13)   # capacity = seq_len + 1
+    rows = pack_rows(data.lengths.tolist(), 13)  # capacity = seq_len + 1
     loader = ConversationLoader(data, rows, batch_size=len(rows), seq_len=12, pad_id=-7)
     x, y = loader.next_batch()
     assert x.shape == y.shape == (len(rows), 12)
     for r, row in enumerate(rows):
-        assert x[r, 0].item() >= 1000   # every row starts at a conversation start
+        assert x[r, 0].item() >= 1000  # every row starts at a conversation start
         used = sum(n for _, n in row)
-        assert (x[r, used:] == -7).all() and (y[r, used - 1:] == -1).all()   # padding never a target
+        assert (x[r, used:] == -7).all() and (y[r, used - 1 :] == -1).all()  # padding never a target
     # the start marker of the next conversation (mask 0) is never a target
     assert not (y >= 1000).any()
     assert (y[y >= 0] < 1000).all()
@@ -91,19 +91,25 @@ def test_assistant_only_mask_on_rendered_tasks():
     task = build_task("tinyworld_chat", "train", limit=3)
     data = render_all(task, tok, max_tokens=1000)
     a = int(data.offsets[0])
-    ids, mask = data.ids[a:data.offsets[1]], data.mask[a:data.offsets[1]]
+    ids, mask = data.ids[a : data.offsets[1]], data.mask[a : data.offsets[1]]
     answer = task[0]["messages"][1]["content"]
     trained = "".join(chr(i) for i, m in zip(ids, mask) if m and i < 256)
     assert answer in trained and task[0]["messages"][0]["content"] not in trained
 
 
 def test_fill_ratio_on_tiny_mixture_is_high():
-    from chatpipe.synthetic import pretrain_documents
+    from chatpipe.data.synthetic import pretrain_documents
     from chatpipe.tokenizer import Tokenizer
 
     tok = Tokenizer.train(pretrain_documents(seed=0, num_docs=2000), 1024)  # the tiny profile's tokenizer
-    mix = TaskMixture([build_task("tinyworld_chat", "train", limit=400), build_task("tinyworld_arith", "train",
-                       limit=200), build_task("tinyworld_mc", "train", limit=100)], seed=0)
+    mix = TaskMixture(
+        [
+            build_task("tinyworld_chat", "train", limit=400),
+            build_task("tinyworld_arith", "train", limit=200),
+            build_task("tinyworld_mc", "train", limit=100),
+        ],
+        seed=0,
+    )
     data = render_all(mix, tok, 257)
     assert fill_ratio(pack_rows(data.lengths.tolist(), 257), 257) >= 0.9
 
@@ -119,5 +125,6 @@ def test_render_all_names_bad_example():
             return {"messages": [{"role": "assistant", "content": "x"}]}
 
     from chatpipe.tokenizer import Tokenizer
+
     with pytest.raises(ValueError, match="bad example 0"):
         render_all(Bad(), Tokenizer.__new__(Tokenizer), 10)

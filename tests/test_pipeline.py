@@ -50,9 +50,13 @@ def kill_workers_after_checkpoint(proc: subprocess.Popen, project: Path, stage: 
         time.sleep(0.02)
     else:
         raise AssertionError(f"no {stage} checkpoint appeared within {timeout_s}s")
-    workers = [p for p in psutil.process_iter(["cmdline", "cwd"])
-               if f"stages.{stage}" in " ".join(p.info["cmdline"] or []) and "torchrun" not in
-               " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(project)]
+    workers = [
+        p
+        for p in psutil.process_iter(["cmdline", "cwd"])
+        if f"stages.{stage}" in " ".join(p.info["cmdline"] or [])
+        and "torchrun" not in " ".join(p.info["cmdline"] or [])
+        and p.info["cwd"] == str(project)
+    ]
     assert workers, "no worker process found to kill"
     for p in workers:
         p.send_signal(signal.SIGKILL)
@@ -68,7 +72,8 @@ def mlflow_runs(project: Path) -> list[dict]:
         "exp = c.get_experiment_by_name('chatpipe')\n"
         "runs = c.search_runs([exp.experiment_id], max_results=1000)\n"
         "print(json.dumps([{'id': r.info.run_id, 'name': r.info.run_name, 'status': r.info.status,\n"
-        "  'tags': r.data.tags, 'metrics': r.data.metrics, 'params': list(r.data.params)} for r in runs]))\n")
+        "  'tags': r.data.tags, 'metrics': r.data.metrics, 'params': list(r.data.params)} for r in runs]))\n"
+    )
     return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
 
 
@@ -89,9 +94,11 @@ def test_flow_trains_and_val_bpb_falls(finished):
     history = runs["pretrain"]["metrics"]
     assert meta["summary"]["val_bpb"] == pytest.approx(history["final/val_bpb"])
     # step-0 bpb from the metric history
-    script = ("import mlflow\nmlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-              f"h = mlflow.MlflowClient().get_metric_history('{runs['pretrain']['id']}', 'val/bpb')\n"
-              "print(min(h, key=lambda m: m.step).value, max(h, key=lambda m: m.step).value)\n")
+    script = (
+        "import mlflow\nmlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
+        f"h = mlflow.MlflowClient().get_metric_history('{runs['pretrain']['id']}', 'val/bpb')\n"
+        "print(min(h, key=lambda m: m.step).value, max(h, key=lambda m: m.step).value)\n"
+    )
     first, last = map(float, run(finished, "python", "-c", script).stdout.split()[-2:])
     assert last <= 0.7 * first, (first, last)
 
@@ -125,12 +132,19 @@ def test_second_repro_is_a_noop(finished):
 def test_kill_9_then_repro_resumes_bitwise_identical(finished):
     reference = final_weights(finished)
     import shutil
+
     shutil.rmtree(finished / "checkpoints" / "pretrain")
     # Forget DVC's cache, or the re-run would just check out the earlier identical result instead
     # of running the stage (what happens to a kill during a real change of inputs).
     shutil.rmtree(finished / ".dvc" / "cache")
-    proc = subprocess.Popen([str(BIN / "dvc"), "repro", "--force", "--single-item", "pretrain"], cwd=finished,
-                            env=project_env(finished), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(BIN / "dvc"), "repro", "--force", "--single-item", "pretrain"],
+        cwd=finished,
+        env=project_env(finished),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     killed_at = kill_workers_after_checkpoint(proc, finished, "pretrain")
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, "dvc repro should fail when the workers are killed"
@@ -138,6 +152,7 @@ def test_kill_9_then_repro_resumes_bitwise_identical(finished):
     assert list((finished / "checkpoints" / "pretrain").glob("step_*")), "in-progress checkpoints must survive"
     resumed = dvc(finished, "repro", "pretrain").stdout
     import re
+
     resumed_at = re.search(r"resuming from checkpoints/pretrain/step_(\d+)", resumed)
     assert resumed_at and int(resumed_at.group(1)) >= killed_at, resumed[-3000:]
     assert_bitwise_equal(final_weights(finished), reference)
@@ -170,6 +185,7 @@ def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, tmp_path
             @staticmethod
             def poll():
                 return None
+
         killed.append(kill_workers_after_checkpoint(_Running, project, "pretrain", timeout_s=600))
 
     thread = threading.Thread(target=killer, daemon=True)
@@ -184,13 +200,16 @@ def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, tmp_path
                 return [r for r in runs if r.name == "pretrain"]
 
         import asyncio
+
         runs = asyncio.run(pretrain_runs())
     thread.join(timeout=5)
     assert killed, "the pretrain workers were never killed"
     assert len(runs) == 1 and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]
     assert_bitwise_equal(final_weights(project), reference)
-    bpb = [json.loads((p / "artifacts" / "base" / "meta.json").read_text())["summary"]["val_bpb"]
-           for p in (finished, project)]
+    bpb = [
+        json.loads((p / "artifacts" / "base" / "meta.json").read_text())["summary"]["val_bpb"]
+        for p in (finished, project)
+    ]
     assert bpb[0] == bpb[1]
 
 

@@ -69,9 +69,11 @@ def test_no_server_changes_nothing():
 @pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux only")
 def test_server_does_not_outlive_a_killed_pipeline_process(tmp_path):
     """SIGKILL of the process that started the server (no finally, no atexit) still stops the server."""
-    script = ("import sys, time; sys.path.insert(0, %r)\n"
-              "from flows.prefect_api import TemporaryServer\n"
-              "s = TemporaryServer(); print(s.proc.pid, flush=True); time.sleep(600)\n") % str(REPO)
+    script = (
+        f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+        "from flows.prefect_api import TemporaryServer\n"
+        "s = TemporaryServer(); print(s.proc.pid, flush=True); time.sleep(600)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     server_pid = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)

@@ -7,21 +7,48 @@ from types import SimpleNamespace
 
 import pytest
 
-from chatpipe.report import (format_seconds, plot_curves, provenance_lines, render_report, stage_runs, summary_table,
-                             summary_values, timing_table)
+from chatpipe.report import (
+    format_seconds,
+    plot_curves,
+    provenance_lines,
+    render_report,
+    stage_runs,
+    summary_table,
+    summary_values,
+    timing_table,
+)
 
 RESULTS = {
-    "git_commit": "abc123", "profile": "tiny",
+    "git_commit": "abc123",
+    "profile": "tiny",
     "stages": {
-        "base": {"bpb": 1.25, "git_commit": "abc123", "dvc_lock": "lock1", "dvc_stage_hash": "pre1",
-                 "model_sha256": "f" * 64,
-                 "core": {"core": 0.4321, "tasks": {"copa": {"accuracy": 0.7, "centered": 0.4, "num_examples": 50}},
-                          "skipped": {"hellaswag": "data file not found: x/hellaswag.jsonl"}}},
-        "sft": {"bpb": 1.5, "git_commit": "abc123", "dvc_lock": "lock1", "dvc_stage_hash": "sft1",
-                "model_sha256": "e" * 64,
-                "chatcore": {"chatcore": 0.1, "skipped": {},
-                             "tasks": {"ARC-Easy": {"accuracy": 0.4, "centered": 0.2, "num_examples": 50},
-                                       "GSM8K": {"accuracy": 0.05, "centered": 0.05, "num_examples": 8}}}},
+        "base": {
+            "bpb": 1.25,
+            "git_commit": "abc123",
+            "dvc_lock": "lock1",
+            "dvc_stage_hash": "pre1",
+            "model_sha256": "f" * 64,
+            "core": {
+                "core": 0.4321,
+                "tasks": {"copa": {"accuracy": 0.7, "centered": 0.4, "num_examples": 50}},
+                "skipped": {"hellaswag": "data file not found: x/hellaswag.jsonl"},
+            },
+        },
+        "sft": {
+            "bpb": 1.5,
+            "git_commit": "abc123",
+            "dvc_lock": "lock1",
+            "dvc_stage_hash": "sft1",
+            "model_sha256": "e" * 64,
+            "chatcore": {
+                "chatcore": 0.1,
+                "skipped": {},
+                "tasks": {
+                    "ARC-Easy": {"accuracy": 0.4, "centered": 0.2, "num_examples": 50},
+                    "GSM8K": {"accuracy": 0.05, "centered": 0.05, "num_examples": 8},
+                },
+            },
+        },
     },
 }
 
@@ -47,8 +74,10 @@ def test_every_column_names_its_commit_and_lock_hash() -> None:
 
 
 def _run(run_id: str, start: int, end: int | None, metrics: dict | None = None, tags: dict | None = None):
-    return SimpleNamespace(info=SimpleNamespace(run_id=run_id, start_time=start, end_time=end, run_name="x"),
-                           data=SimpleNamespace(metrics=metrics or {}, tags=tags or {}))
+    return SimpleNamespace(
+        info=SimpleNamespace(run_id=run_id, start_time=start, end_time=end, run_name="x"),
+        data=SimpleNamespace(metrics=metrics or {}, tags=tags or {}),
+    )
 
 
 def test_timing_table_and_cost() -> None:
@@ -61,11 +90,28 @@ def test_timing_table_and_cost() -> None:
 
 
 def test_render_report_sections() -> None:
-    md = render_report(results=RESULTS, system={"cpu": "test cpu", "torch": "2.13"}, locks={"dvc.lock": "lock1"},
-                       params={"eval": {"max_per_task": 50}}, timings="(timings)", plots=["loss.png"])
-    for needle in ("## Summary", "| CORE | 0.4321 |", "## System", "test cpu", "## Provenance", "`lock1`",
-                   "(timings)", "![loss](loss.png)", "max_per_task: 50", "hellaswag: data file not found",
-                   "val bpb: 1.2500", "GSM8K: accuracy 0.0500"):
+    md = render_report(
+        results=RESULTS,
+        system={"cpu": "test cpu", "torch": "2.13"},
+        locks={"dvc.lock": "lock1"},
+        params={"eval": {"max_per_task": 50}},
+        timings="(timings)",
+        plots=["loss.png"],
+    )
+    for needle in (
+        "## Summary",
+        "| CORE | 0.4321 |",
+        "## System",
+        "test cpu",
+        "## Provenance",
+        "`lock1`",
+        "(timings)",
+        "![loss](loss.png)",
+        "max_per_task: 50",
+        "hellaswag: data file not found",
+        "val bpb: 1.2500",
+        "GSM8K: accuracy 0.0500",
+    ):
         assert needle in md, needle
 
 

@@ -1,22 +1,25 @@
-"""Answer extraction and reward functions (chatpipe/rewards.py)."""
+"""Answer extraction and reward functions (chatpipe/rl/rewards.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from chatpipe import rewards
-from chatpipe.synthetic import arithmetic_problems, tool_conversations
+from chatpipe.data.synthetic import arithmetic_problems, tool_conversations
+from chatpipe.rl import rewards
 
 
-@pytest.mark.parametrize("text, want", [
-    ("He has 5+7 = <<5+7=12>>12 apples.\n#### 12", "12"),
-    ("#### 1,234", "1234"),
-    ("####-7", "-7"),
-    ("#### 3.50 dollars", "3.5"),
-    ("#### 4.0", "4"),
-    ("The answer is 12.", None),
-    ("#### twelve", None),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("He has 5+7 = <<5+7=12>>12 apples.\n#### 12", "12"),
+        ("#### 1,234", "1234"),
+        ("####-7", "-7"),
+        ("#### 3.50 dollars", "3.5"),
+        ("#### 4.0", "4"),
+        ("The answer is 12.", None),
+        ("#### twelve", None),
+    ],
+)
 def test_extract_answer(text, want):
     assert rewards.extract_answer(text) == want
 
@@ -30,7 +33,7 @@ def test_exact_answer_against_gold_text_or_number():
     assert rewards.exact_answer("bla\n#### 1,000", "1000") == 1.0
     assert rewards.exact_answer("#### 12", "Some work.\n#### 12") == 1.0
     assert rewards.exact_answer("#### 13", "#### 12") == 0.0
-    assert rewards.exact_answer("12", "#### 12") == 0.0   # no committed answer, no reward
+    assert rewards.exact_answer("12", "#### 12") == 0.0  # no committed answer, no reward
     assert rewards.exact_or_format("#### 13", "12") == pytest.approx(0.1)
     assert rewards.exact_or_format("thirteen", "12") == 0.0
 

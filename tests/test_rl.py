@@ -1,4 +1,4 @@
-"""RL math against hand-computed values (chatpipe/rl.py)."""
+"""RL math against hand-computed values (chatpipe/rl/losses.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from chatpipe import rl
+from chatpipe.rl import losses as rl
 
 T = torch.tensor
 
@@ -103,11 +103,11 @@ def test_policy_gradient_loss_normalised_by_valid_tokens():
 
 def test_adaptive_kl_controller():
     ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
-    assert ctl.update(9.0, 256) == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000))   # error clipped at +0.2
+    assert ctl.update(9.0, 256) == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000))  # error clipped at +0.2
     ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
     assert ctl.update(6.6, 256) == pytest.approx(0.1 * (1 + 0.1 * 256 / 10000))
     ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
-    assert ctl.update(3.0, 256) == pytest.approx(0.1 * (1 - 0.2 * 256 / 10000))   # clipped at -0.2
+    assert ctl.update(3.0, 256) == pytest.approx(0.1 * (1 - 0.2 * 256 / 10000))  # clipped at -0.2
     fixed = rl.KLController(0.1)
     assert fixed.update(100.0, 256) == 0.1
 
@@ -118,7 +118,7 @@ def test_whiten_batch_and_group():
     assert close(rl.whiten(x, mask), [[-s, 0.0, s, 0.0]], tol=1e-4)
     x2 = T([[1.0, 3.0], [10.0, 30.0]])
     out = rl.whiten(x2, torch.ones(2, 2), groups=T([0, 1]))
-    assert close(out, [[-1.0, 1.0], [-1.0, 1.0]], tol=1e-4)   # each group to mean 0, std 1
+    assert close(out, [[-1.0, 1.0], [-1.0, 1.0]], tol=1e-4)  # each group to mean 0, std 1
     assert close(rl.whiten(x, mask, shift_mean=False), [[-s + 2, 2.0, s + 2, 0.0]], tol=1e-4)
 
 
@@ -139,7 +139,7 @@ def test_ratio_cap_ignores_masked_tokens():
     logp = T([[math.log(6.0), 0.0]])
     assert rl.ratio_exceeds_cap(logp, old, T([[1.0, 1.0]]), cap=5.0)
     assert not rl.ratio_exceeds_cap(logp, old, T([[0.0, 1.0]]), cap=5.0)
-    assert not rl.ratio_exceeds_cap(logp, old, T([[1.0, 1.0]]), cap=0.0)   # 0 = off
+    assert not rl.ratio_exceeds_cap(logp, old, T([[1.0, 1.0]]), cap=0.0)  # 0 = off
 
 
 def test_ema_update_and_pass_at_k():
@@ -152,5 +152,6 @@ def test_ema_update_and_pass_at_k():
     assert ref.weight.item() == pytest.approx(0.1)
     # pass@2 of 4 samples: 1 correct -> 1 - C(3,2)/C(4,2) = .5; 2 correct -> 1 - 1/6
     assert rl.mean_pass_at_k([[True, False, False, False], [True, True, False, False]], 2) == pytest.approx(
-        (0.5 + 5 / 6) / 2)
+        (0.5 + 5 / 6) / 2
+    )
     assert rl.mean_pass_at_k([[True, False]], 1) == pytest.approx(0.5)

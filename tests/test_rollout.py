@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatpipe.engine import Engine
-from chatpipe.model import GPT, GPTConfig
-from chatpipe.rewards import exact_answer
-from chatpipe.rollout import Problem, collect_rollouts, load_problems, rank_indices, token_logprobs
+from chatpipe.inference.engine import Engine
+from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.rl.rewards import exact_answer
+from chatpipe.rl.rollout import Problem, collect_rollouts, load_problems, rank_indices, token_logprobs
+from chatpipe.rl.value import ValueModel, token_values
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.value import ValueModel, token_values
 
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})  # bytes only + the chat specials
 
 
 def test_rank_indices_disjoint_across_ranks_and_steps():
     n, per_rank, world = 50, 4, 3
-    steps_per_epoch = n // (per_rank * world)   # 4
+    steps_per_epoch = n // (per_rank * world)  # 4
     seen_in_epoch: set[int] = set()
     for step in range(steps_per_epoch):
         picks = [rank_indices(n, step, per_rank, r, world, seed=7) for r in range(world)]
@@ -47,7 +47,7 @@ class ScriptedModel(torch.nn.Module):
         t0 = kv_cache.pos if kv_cache is not None else 0
         logits = torch.zeros(b, t, self.vocab)
         for j in range(t):
-            k = t0 + j + 1 - self.prompt_len   # index into the script of the token predicted here
+            k = t0 + j + 1 - self.prompt_len  # index into the script of the token predicted here
             if 0 <= k < len(self.script):
                 logits[:, j, self.script[k]] = 50.0
         if kv_cache is not None:
@@ -63,11 +63,21 @@ def test_collect_rollouts_masks_scores_and_padding():
     sp = TOK.special_ids
     enc = TOK.encode
     # the model calls the calculator with 2+3; the engine forces <|output_start|>5<|output_end|>
-    script = [sp["<|python_start|>"], *enc("2+3"), sp["<|python_end|>"], sp["<|output_start|>"], *enc("5"),
-              sp["<|output_end|>"], *enc("#### 5"), sp["<|assistant_end|>"]]
+    script = [
+        sp["<|python_start|>"],
+        *enc("2+3"),
+        sp["<|python_end|>"],
+        sp["<|output_start|>"],
+        *enc("5"),
+        sp["<|output_end|>"],
+        *enc("#### 5"),
+        sp["<|assistant_end|>"],
+    ]
     long_q, short_q = "what is 2+3?", "2+3"
-    problems = [Problem(conv(long_q, "5"), lambda text: exact_answer(text, "5")),
-                Problem(conv(short_q, "6"), lambda text: exact_answer(text, "6"))]
+    problems = [
+        Problem(conv(long_q, "5"), lambda text: exact_answer(text, "5")),
+        Problem(conv(short_q, "6"), lambda text: exact_answer(text, "6")),
+    ]
     prompt_len = len(TOK.render_for_completion(problems[0].conversation))
     short_len = len(TOK.render_for_completion(problems[1].conversation))
     model = ScriptedModel(script, prompt_len, TOK.vocab_size)
@@ -80,16 +90,15 @@ def test_collect_rollouts_masks_scores_and_padding():
     assert batch.completions[0].endswith("#### 5")
     # targets are the next tokens; the mask is 1 exactly on the sampled ones
     row_mask, row_targets = batch.mask[0], batch.targets[0]
-    assert row_mask[:prompt_len - 1].sum() == 0          # prompt
+    assert row_mask[: prompt_len - 1].sum() == 0  # prompt
     assert row_mask.sum() == len(script) - n_forced
-    forced = row_targets[row_mask == 0][prompt_len - 1:].tolist()
+    forced = row_targets[row_mask == 0][prompt_len - 1 :].tolist()
     assert forced == [sp["<|output_start|>"], *enc("5"), sp["<|output_end|>"]]
 
     # two prompts of different length: the shorter rows are padded, padding is masked out
     model_b = ScriptedModel(script, short_len, TOK.vocab_size)
-    both = collect_rollouts(Engine(model_b, TOK), problems[1:] + problems[1:], group_size=1, max_new_tokens=40,
-                            seed=0)
-    assert both.scores.tolist() == [0.0, 0.0]     # answered 5, gold is 6
+    both = collect_rollouts(Engine(model_b, TOK), problems[1:] + problems[1:], group_size=1, max_new_tokens=40, seed=0)
+    assert both.scores.tolist() == [0.0, 0.0]  # answered 5, gold is 6
     assert both.groups.tolist() == [0, 1]
 
     # cut at max_new_tokens: not ended
@@ -98,13 +107,15 @@ def test_collect_rollouts_masks_scores_and_padding():
 
 
 def test_collect_rollouts_pads_rows_of_unequal_length():
-    problems = [Problem(conv("a much longer question here", "1"), lambda t: 0.0),
-                Problem(conv("q", "1"), lambda t: 0.0)]
+    problems = [
+        Problem(conv("a much longer question here", "1"), lambda t: 0.0),
+        Problem(conv("q", "1"), lambda t: 0.0),
+    ]
     lens = [len(TOK.render_for_completion(p.conversation)) for p in problems]
-    model = ScriptedModel([], 0, TOK.vocab_size)   # flat logits: random tokens
+    model = ScriptedModel([], 0, TOK.vocab_size)  # flat logits: random tokens
     batch = collect_rollouts(Engine(model, TOK), problems, group_size=1, max_new_tokens=3, seed=0)
     assert batch.inputs.shape[1] >= max(lens) - 1
-    assert batch.mask[1, lens[1] + 3:].sum() == 0   # past the short row's end is padding
+    assert batch.mask[1, lens[1] + 3 :].sum() == 0  # past the short row's end is padding
 
 
 def tiny_gpt(seed: int = 0) -> GPT:
@@ -131,7 +142,7 @@ def test_value_model_is_an_independent_copy_with_zero_head():
     critic = ValueModel.from_policy(policy)
     x = torch.randint(0, 256, (3, 10))
     assert token_values(critic, x, micro_batch=2).shape == (3, 10)
-    assert torch.all(critic(x) == 0)    # zero head: every first value is 0
+    assert torch.all(critic(x) == 0)  # zero head: every first value is 0
     trainable = [p for p in critic.parameters() if p.requires_grad]
     grouped = [p for ps in critic.param_groups().values() for p in ps]
     assert len(grouped) == len(trainable) and {id(p) for p in grouped} == {id(p) for p in trainable}

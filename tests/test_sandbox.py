@@ -1,4 +1,4 @@
-"""Red-team tests for chatpipe/sandbox.py: each attack must end contained with a clear status.
+"""Red-team tests for chatpipe/evals/sandbox.py: each attack must end contained with a clear status.
 
 Run: python -m pytest tests/test_sandbox.py -q
 The prelude-bypass tests (raw libc via a re-imported ctypes) check the kernel-level layers and
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from chatpipe.sandbox import SandboxResult, _interpreter, check_humaneval, run_program
+from chatpipe.evals.sandbox import SandboxResult, _interpreter, check_humaneval, run_program
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="sandbox limits are Linux-only")
 
@@ -170,8 +170,10 @@ def test_socket_to_localhost_fails() -> None:
     server, hits = _listener()
     port = server.getsockname()[1]
     try:
-        for code in (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
-                     f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))"):
+        for code in (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+            f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))",
+        ):
             r = run_program(code)
             _assert_contained(r, "error")
         time.sleep(0.6)
@@ -184,8 +186,10 @@ def test_socket_to_localhost_fails() -> None:
 def test_raw_socket_bypassing_prelude_fails() -> None:
     server, hits = _listener()
     port = server.getsockname()[1]
-    code = ("import sys\nsys.modules.pop('_socket')\nimport _socket\n"
-            f"s = _socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))")
+    code = (
+        "import sys\nsys.modules.pop('_socket')\nimport _socket\n"
+        f"s = _socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))"
+    )
     try:
         r = run_program(code)
         _assert_contained(r, "error")

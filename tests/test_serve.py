@@ -1,4 +1,4 @@
-"""Tests for chatpipe.serve against a real uvicorn server on 127.0.0.1 (tiny random model)."""
+"""Tests for chatpipe.serve.app against a real uvicorn server on 127.0.0.1 (tiny random model)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from chatpipe.engine import Engine
-from chatpipe.loading import load_chat_model
-from chatpipe.serve import create_app, run_in_thread
+from chatpipe.inference.engine import Engine
+from chatpipe.model.loading import load_chat_model
+from chatpipe.serve.app import create_app, run_in_thread
 from tests.chatmodel import make_artifacts, serve_settings
 
 
@@ -23,8 +23,15 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    cfg = serve_settings(num_engines=4, max_queue=16, max_message_chars=200, max_turns=5,
-                         max_tokens=16, max_tokens_limit=2200, temperature=0.0)
+    cfg = serve_settings(
+        num_engines=4,
+        max_queue=16,
+        max_message_chars=200,
+        max_turns=5,
+        max_tokens=16,
+        max_tokens_limit=2200,
+        temperature=0.0,
+    )
     forward = loaded.model.forward
 
     def paced_forward(*args, **kw):  # >= 5 ms a token, like a real model: replies overlap in time
@@ -83,8 +90,14 @@ def test_bad_requests_get_4xx_with_a_message(server):
     assert r.status_code == 422 and "expected role 'user'" in r.json()["error"]
     r = post({"messages": [{"role": "robot", "content": "hi"}]})
     assert r.status_code == 422 and "messages.0.role" in r.json()["error"]
-    long = {"messages": [{"role": "user", "content": "~" * 200}, {"role": "assistant", "content": "~" * 200},
-                         {"role": "user", "content": "~" * 200}], "max_tokens": 2200}
+    long = {
+        "messages": [
+            {"role": "user", "content": "~" * 200},
+            {"role": "assistant", "content": "~" * 200},
+            {"role": "user", "content": "~" * 200},
+        ],
+        "max_tokens": 2200,
+    }
     r = post(long)  # ~600 prompt tokens (an unseen byte each) + 2200 > the 2560-position context
     assert r.status_code == 413 and "context" in r.json()["error"]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
@@ -111,8 +124,10 @@ def test_eight_concurrent_requests_get_their_own_replies(server, loaded):
     engine = Engine(loaded.model, loaded.tokenizer)
     prompts = [f"tell me about {w}" for w in ("Pip", "Dot", "the river", "honey", "Ashford", "cows", "Iris", "bees")]
     kw = dict(max_tokens=40, temperature=1.0, top_k=20)
-    expected = ["".join(t for _, t in engine.stream(loaded.tokenizer.render_for_completion(user(p)), seed=i, **kw))
-                for i, p in enumerate(prompts)]
+    expected = [
+        "".join(t for _, t in engine.stream(loaded.tokenizer.render_for_completion(user(p)), seed=i, **kw))
+        for i, p in enumerate(prompts)
+    ]
     assert len(set(expected)) == 8
     got: dict[int, str] = {}
     spans: dict[int, tuple[float, float]] = {}

@@ -10,16 +10,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from chatpipe import synthetic
-from chatpipe.sources import iter_documents, prepare_text
+from chatpipe.data import synthetic
+from chatpipe.data.sources import iter_documents, prepare_text
 
 SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "text" / "tinyshakespeare.txt"
 
 
 def prepare(out_dir: Path, **kw) -> dict:
-    args = dict(source="synthetic", seed=1, num_docs=120, val_docs=20, docs_per_shard=50,
-                hf_repo="karpathy/fineweb-edu-100b-shuffle", hf_num_shards=2, hf_text_column="text",
-                local_dir=None, cache_dir=out_dir.parent / "cache")
+    args = dict(
+        source="synthetic",
+        seed=1,
+        num_docs=120,
+        val_docs=20,
+        docs_per_shard=50,
+        hf_repo="karpathy/fineweb-edu-100b-shuffle",
+        hf_num_shards=2,
+        hf_text_column="text",
+        local_dir=None,
+        cache_dir=out_dir.parent / "cache",
+    )
     return prepare_text(out_dir, **(args | kw))
 
 
@@ -40,8 +49,7 @@ def test_synthetic_prepare_and_read_back(tmp_path: Path) -> None:
     manifest = prepare(out)
     docs = synthetic.pretrain_documents(1, 120)
     assert manifest["source"] == "synthetic"
-    assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"],
-                                  "val": ["val_00000.parquet"]}
+    assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"], "val": ["val_00000.parquet"]}
     assert manifest["num_docs"] == {"train": 100, "val": 20}
     assert manifest["num_chars"]["val"] == sum(map(len, docs[100:]))
     assert list(iter_documents(out, "train")) == docs[:100]
@@ -59,7 +67,7 @@ def test_local_parquet(tmp_path: Path, paragraphs: list[str]) -> None:
     src.mkdir()
     write_parquet(src / "shard_00000.parquet", paragraphs[:300])
     write_parquet(src / "shard_00001.parquet", paragraphs[300:500], extra=True)
-    write_parquet(src / "shard_00002.parquet", paragraphs[500:])   # last file: val
+    write_parquet(src / "shard_00002.parquet", paragraphs[500:])  # last file: val
     manifest = prepare(tmp_path / "data", source="local", local_dir=src, docs_per_shard=128)
     assert manifest["num_docs"] == {"train": 500, "val": 100}
     assert len(manifest["shards"]["train"]) == 4
@@ -70,8 +78,11 @@ def test_local_parquet(tmp_path: Path, paragraphs: list[str]) -> None:
 def test_local_jsonl_with_val_in_name(tmp_path: Path, paragraphs: list[str]) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    for name, docs in [("a_val.jsonl", paragraphs[:50]), ("b.jsonl", paragraphs[50:400]),
-                       ("c.jsonl", paragraphs[400:])]:
+    for name, docs in [
+        ("a_val.jsonl", paragraphs[:50]),
+        ("b.jsonl", paragraphs[50:400]),
+        ("c.jsonl", paragraphs[400:]),
+    ]:
         (src / name).write_text("".join(json.dumps({"text": d, "meta": 1}) + "\n" for d in docs))
     prepare(tmp_path / "data", source="local", local_dir=src)
     assert list(iter_documents(tmp_path / "data", "val")) == paragraphs[:50]
@@ -119,11 +130,10 @@ def test_hf_from_prefilled_cache(tmp_path: Path, paragraphs: list[str], monkeypa
     write_parquet(cache / "shard_00001.parquet", paragraphs[200:300])
     write_parquet(cache / "shard_00002.parquet", paragraphs[300:400])
     manifest = prepare(tmp_path / "data", source="hf", hf_num_shards=3)
-    assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"],
-                                  "val": ["val_00000.parquet"]}
+    assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"], "val": ["val_00000.parquet"]}
     assert manifest["num_chars"]["val"] == sum(map(len, paragraphs[300:400]))
     assert list(iter_documents(tmp_path / "data", "train")) == paragraphs[:300]
-    assert (cache / "shard_00000.parquet").is_file()   # the cache outlives the data dir
+    assert (cache / "shard_00000.parquet").is_file()  # the cache outlives the data dir
 
 
 def test_hf_downloads_missing_shards_once(tmp_path: Path, monkeypatch) -> None:
@@ -142,7 +152,7 @@ def test_hf_downloads_missing_shards_once(tmp_path: Path, monkeypatch) -> None:
     for _ in range(2):
         prepare(tmp_path / "data", source="hf", hf_repo="me/corpus", hf_text_column="body")
     assert calls == ["shard_00000.parquet", "shard_00001.parquet"]
-    assert pq.read_schema(tmp_path / "data" / "val_00000.parquet").names == ["text"]   # column renamed
+    assert pq.read_schema(tmp_path / "data" / "val_00000.parquet").names == ["text"]  # column renamed
     assert list(iter_documents(tmp_path / "data", "val"))[0] == "shard_00001.parquet doc 0"
 
 
@@ -165,7 +175,7 @@ def test_errors_are_clear(tmp_path: Path) -> None:
     (src / "c.parquet").write_bytes(b"not parquet")
     with pytest.raises(ValueError, match=r"c\.parquet: not a readable parquet"):
         prepare(tmp_path / "data", source="local", local_dir=src)
-    assert not (tmp_path / "data").exists()   # failures leave nothing half-written
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]   # and no temp dirs
+    assert not (tmp_path / "data").exists()  # failures leave nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # and no temp dirs
     with pytest.raises(FileNotFoundError, match="val_"):
         list(iter_documents(tmp_path, "val"))

@@ -17,14 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatpipe.checkpoint import save_model_dir, sha256_file
-from chatpipe.model import GPT, GPTConfig
+from chatpipe.io import sha256_file
+from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.tokenizer import Tokenizer
+from chatpipe.train.checkpoint import save_model_dir
 from tests.project import dvc, make_project, project_env, run
 
-RL_PARAMS = {"init_dir": "init_model", "num_train_problems": 16, "prompts_per_step": 2, "group_size": 4,
-             "max_new_tokens": 12, "max_steps": 4, "eval_every": 2, "eval_problems": 4, "eval_samples": 2,
-             "checkpoint_every": 2, "device_batch_size": 8, "log_every": 1}
+RL_PARAMS = {
+    "init_dir": "init_model",
+    "num_train_problems": 16,
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "max_new_tokens": 12,
+    "max_steps": 4,
+    "eval_every": 2,
+    "eval_problems": 4,
+    "eval_samples": 2,
+    "checkpoint_every": 2,
+    "device_batch_size": 8,
+    "log_every": 1,
+}
 
 
 def setup_project(tmp_path: Path, **rl_overrides) -> Path:
@@ -43,8 +55,15 @@ def setup_project(tmp_path: Path, **rl_overrides) -> Path:
 def test_two_workers_through_dvc_sample_disjoint_prompts(tmp_path):
     project = setup_project(tmp_path)
     # launch.nproc_per_node=2 via env: dvc -> chatpipe.launch -> torchx local_cwd -> 2 torchrun workers (gloo)
-    proc = run(project, str(Path(sys.executable).parent / "dvc"), "repro", "--single-item", "rl",
-               CHATPIPE_LAUNCH__NPROC_PER_NODE="2", CHATPIPE_TRACKING__ENABLED="false")
+    proc = run(
+        project,
+        str(Path(sys.executable).parent / "dvc"),
+        "repro",
+        "--single-item",
+        "rl",
+        CHATPIPE_LAUNCH__NPROC_PER_NODE="2",
+        CHATPIPE_TRACKING__ENABLED="false",
+    )
     assert "SUCCEEDED" in proc.stdout
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["step"] == 4
@@ -60,8 +79,14 @@ def test_two_workers_through_dvc_sample_disjoint_prompts(tmp_path):
 
 def _stage(project: Path, *args: str) -> subprocess.Popen:
     env = project_env(project, CHATPIPE_TRACKING__ENABLED="false")
-    return subprocess.Popen([sys.executable, "-m", "stages.rl", *args], cwd=project, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "stages.rl", *args],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from chatpipe import synthetic as S
+from chatpipe.data import synthetic as S
 
 SPLIT_GENERATORS = [S.chat_conversations, S.arithmetic_problems, S.tool_conversations, S.mc_questions]
 
@@ -36,8 +36,7 @@ def test_other_generators_deterministic() -> None:
 
 
 def test_splits_disjoint_across_all_generators() -> None:
-    by_split = {split: set().union(*(questions(g(0, 150, split)) for g in SPLIT_GENERATORS))
-                for split in S.SPLITS}
+    by_split = {split: set().union(*(questions(g(0, 150, split)) for g in SPLIT_GENERATORS)) for split in S.SPLITS}
     for a, b in [("train", "val"), ("train", "test"), ("val", "test")]:
         assert not by_split[a] & by_split[b], f"{a}/{b} share questions"
     assert all(len(qs) > 50 for qs in by_split.values())
@@ -50,7 +49,7 @@ def test_bad_split_raises() -> None:
 
 def test_gsm8k_format_and_annotations() -> None:
     rows = S.arithmetic_problems(0, 200, "test")
-    assert len({r["question"] for r in rows}) == 200   # distinct within a split
+    assert len({r["question"] for r in rows}) == 200  # distinct within a split
     ops = set()
     for row in rows:
         body, final = row["answer"].rsplit("\n#### ", 1)
@@ -60,7 +59,7 @@ def test_gsm8k_format_and_annotations() -> None:
         for a, op, b, c, shown in annotations:
             a, b, c = int(a), int(b), int(c)
             expected = {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op]
-            assert c == expected and shown == str(c), row   # division is always exact
+            assert c == expected and shown == str(c), row  # division is always exact
             ops.add(op)
         assert int(annotations[-1][3]) == value
     assert ops == {"+", "-", "*", "/"}
@@ -76,7 +75,7 @@ def test_tool_conversations_compute_correctly() -> None:
         assert calls and len(calls) == len(outputs)
         for call, out in zip(calls, outputs):
             assert re.fullmatch(r"\d+(\+|-|\*|//)\d+", call["text"])
-            assert str(eval(call["text"])) == out["text"]   # what a python calculator prints
+            assert str(eval(call["text"])) == out["text"]  # what a python calculator prints
         assert parts[-1]["text"].endswith(f"#### {outputs[-1]['text']}")
 
 

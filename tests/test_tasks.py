@@ -7,11 +7,11 @@ import typing
 
 import pytest
 
+from chatpipe.data.tasks import TASK_NAMES, TaskMixture, TaskSequence, build_mixture, build_task
+from chatpipe.data.tasks.base import final_answer, render_mc
+from chatpipe.data.tasks.customjson import to_conversation
+from chatpipe.data.tasks.gsm8k import answer_parts
 from chatpipe.settings import TaskName
-from chatpipe.tasks import TASK_NAMES, TaskMixture, TaskSequence, build_mixture, build_task
-from chatpipe.tasks.base import final_answer, render_mc
-from chatpipe.tasks.customjson import to_conversation
-from chatpipe.tasks.gsm8k import answer_parts
 from chatpipe.tokenizer import normalize_messages
 from tests.conftest import require_shared_data
 
@@ -36,8 +36,7 @@ def test_settings_task_names_match_registry():
     assert set(typing.get_args(TaskName)) == set(TASK_NAMES)
 
 
-@pytest.mark.parametrize("name", ["tinyworld_chat", "tinyworld_arith", "tinyworld_gsm", "tinyworld_mc",
-                                  "identity"])
+@pytest.mark.parametrize("name", ["tinyworld_chat", "tinyworld_arith", "tinyworld_gsm", "tinyworld_mc", "identity"])
 def test_generated_tasks_grade_their_gold_answer(name):
     task = build_task(name, "train", limit=20)
     assert len(task) == 20
@@ -61,8 +60,7 @@ def test_tool_arithmetic_uses_calculator_parts():
 
 def test_gsm8k_annotations_become_tool_calls():
     parts = answer_parts("Natalia sold 48/2 = <<48/2=24>>24 clips.\nSo 48+24 = <<48+24=72>>72.\n#### 72")
-    assert [p["type"] for p in parts] == ["text", "python", "python_output", "text", "python", "python_output",
-                                          "text"]
+    assert [p["type"] for p in parts] == ["text", "python", "python_output", "text", "python", "python_output", "text"]
     assert parts[1]["text"] == "48/2" and parts[2]["text"] == "24"
     assert final_answer("so #### 1,234") == "1234" and final_answer("no marker") is None
 
@@ -111,8 +109,12 @@ def test_bad_json_line_names_file_and_line(tmp_path):
 
 def test_missing_role_names_file_and_line(tmp_path):
     path = tmp_path / "chats.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                    + json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+        + json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=rf"{path.name}:2: malformed conversation row: message 0"):
         build_task("customjson", "all", path=path)
 
@@ -183,8 +185,11 @@ def test_mixture_epochs_and_deterministic_shuffle():
 
 
 def test_build_mixture_from_params_entries():
-    spec = [{"task": "tinyworld_chat", "limit": 20, "epochs": 2},
-            {"task": "identity", "limit": 5}, {"task": "spellingbee", "limit": 8, "words": "tinyworld"}]
+    spec = [
+        {"task": "tinyworld_chat", "limit": 20, "epochs": 2},
+        {"task": "identity", "limit": 5},
+        {"task": "spellingbee", "limit": 8, "words": "tinyworld"},
+    ]
     mix = build_mixture(spec, "train", seed=1, model_name="Zed", model_maker="Y")
     assert len(mix) == 20 * 2 + 5 + 8
     assert any("Zed" in gold(c) for c in mix)

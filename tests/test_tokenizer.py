@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from chatpipe import synthetic
+from chatpipe.data import synthetic
 from chatpipe.tokenizer import SPECIAL_TOKENS, Tokenizer, compression_report
 
 
@@ -41,12 +41,19 @@ def test_small_corpus_stops_early_with_warning(caplog) -> None:
 
 def test_training_learned_merges(tok: Tokenizer) -> None:
     text = synthetic.pretrain_documents(seed=1, num_docs=5)[0]
-    assert len(tok.encode(text)) < len(text.encode()) / 2   # real compression, not bytes
+    assert len(tok.encode(text)) < len(text.encode()) / 2  # real compression, not bytes
 
 
-@pytest.mark.parametrize("text", ["", "hello world",
-                                  "Ünïcödé — 日本語テキスト 🙂🚀\n\ttabs  and  spaces",
-                                  "12345678901 + 7 = ?", "Ω≈ç√∫˜µ≤≥÷ العربية עברית"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "hello world",
+        "Ünïcödé — 日本語テキスト 🙂🚀\n\ttabs  and  spaces",
+        "12345678901 + 7 = ?",
+        "Ω≈ç√∫˜µ≤≥÷ العربية עברית",
+    ],
+)
 def test_round_trip(tok: Tokenizer, text: str) -> None:
     assert tok.decode(tok.encode(text)) == text
 
@@ -80,7 +87,7 @@ def test_save_load_round_trip(tok: Tokenizer, tmp_path) -> None:
     text = "Mira's pet is a sheep named Moss. 日本"
     assert loaded.encode(text) == tok.encode(text)
     assert json.loads((tmp_path / "tokenizer.json").read_text())["vocab_size"] == 512
-    assert not list(tmp_path.glob(".*tmp*"))   # no temp files left behind
+    assert not list(tmp_path.glob(".*tmp*"))  # no temp files left behind
 
 
 def test_load_errors_name_the_file(tok: Tokenizer, tmp_path) -> None:
@@ -98,32 +105,42 @@ def test_load_errors_name_the_file(tok: Tokenizer, tmp_path) -> None:
 
 
 def test_render_masks(tok: Tokenizer) -> None:
-    ids, mask = tok.render_conversation(conv(("user", "How old is Alice?"), ("assistant", "Alice is 30."),
-                                             ("user", "Thanks"), ("assistant", "You are welcome!")))
+    ids, mask = tok.render_conversation(
+        conv(
+            ("user", "How old is Alice?"),
+            ("assistant", "Alice is 30."),
+            ("user", "Thanks"),
+            ("assistant", "You are welcome!"),
+        )
+    )
     sp = tok.special_ids
     assert len(ids) == len(mask) and ids[0] == tok.bos_id and mask[0] == 0
     user_q = tok.encode("How old is Alice?")
-    assert ids[1:3 + len(user_q)] == [sp["<|user_start|>"], *user_q, sp["<|user_end|>"]]
-    assert set(mask[1:3 + len(user_q)]) == {0}
+    assert ids[1 : 3 + len(user_q)] == [sp["<|user_start|>"], *user_q, sp["<|user_end|>"]]
+    assert set(mask[1 : 3 + len(user_q)]) == {0}
     a0 = ids.index(sp["<|assistant_start|>"])
     answer = tok.encode("Alice is 30.")
     assert mask[a0] == 0
-    assert ids[a0 + 1:a0 + 2 + len(answer)] == [*answer, sp["<|assistant_end|>"]]
-    assert set(mask[a0 + 1:a0 + 2 + len(answer)]) == {1}
+    assert ids[a0 + 1 : a0 + 2 + len(answer)] == [*answer, sp["<|assistant_end|>"]]
+    assert set(mask[a0 + 1 : a0 + 2 + len(answer)]) == {1}
     # Trained tokens are exactly the two answers and their end tokens.
     trained = [i for i, m in zip(ids, mask) if m]
     assert tok.decode(trained) == "Alice is 30.<|assistant_end|>You are welcome!<|assistant_end|>"
 
 
 def test_render_tool_use(tok: Tokenizer) -> None:
-    parts = [{"type": "text", "text": "Let me compute."}, {"type": "python", "text": "12*7"},
-             {"type": "python_output", "text": "84"}, {"type": "text", "text": "#### 84"}]
+    parts = [
+        {"type": "text", "text": "Let me compute."},
+        {"type": "python", "text": "12*7"},
+        {"type": "python_output", "text": "84"},
+        {"type": "text", "text": "#### 84"},
+    ]
     ids, mask = tok.render_conversation(conv(("user", "What is 12 times 7?"), ("assistant", parts)))
     sp = tok.special_ids
     ps, pe = ids.index(sp["<|python_start|>"]), ids.index(sp["<|python_end|>"])
     os_, oe = ids.index(sp["<|output_start|>"]), ids.index(sp["<|output_end|>"])
-    assert tok.decode(ids[ps + 1:pe]) == "12*7" and set(mask[ps:pe + 1]) == {1}
-    assert tok.decode(ids[os_ + 1:oe]) == "84" and set(mask[os_:oe + 1]) == {0}
+    assert tok.decode(ids[ps + 1 : pe]) == "12*7" and set(mask[ps : pe + 1]) == {1}
+    assert tok.decode(ids[os_ + 1 : oe]) == "84" and set(mask[os_ : oe + 1]) == {0}
     assert mask[oe + 1] == 1 and ids[-1] == sp["<|assistant_end|>"] and mask[-1] == 1
 
 
@@ -133,13 +150,16 @@ def test_system_merged_into_first_user(tok: Tokenizer) -> None:
     assert merged == plain
 
 
-@pytest.mark.parametrize("messages, index", [
-    ((("user", "a"), ("user", "b")), 1),
-    ((("assistant", "a"),), 0),
-    ((("user", "a"), ("assistant", "b"), ("system", "c")), 2),
-    ((("system", "s"), ("assistant", "a")), 1),
-    ((("user", "a"), ("assistant", [{"type": "code", "text": "x"}])), 1),
-])
+@pytest.mark.parametrize(
+    "messages, index",
+    [
+        ((("user", "a"), ("user", "b")), 1),
+        ((("assistant", "a"),), 0),
+        ((("user", "a"), ("assistant", "b"), ("system", "c")), 2),
+        ((("system", "s"), ("assistant", "a")), 1),
+        ((("user", "a"), ("assistant", [{"type": "code", "text": "x"}])), 1),
+    ],
+)
 def test_bad_conversations_name_the_index(tok: Tokenizer, messages, index: int) -> None:
     with pytest.raises(ValueError, match=f"message {index}"):
         tok.render_conversation(conv(*messages))
@@ -155,7 +175,7 @@ def test_render_for_completion(tok: Tokenizer) -> None:
     prompt = tok.render_for_completion(c)
     full, _ = tok.render_conversation(c)
     assert prompt[-1] == tok.encode_special("<|assistant_start|>")
-    assert prompt == full[:len(prompt)] and tok.encode("Alice is 30.")[0] == full[len(prompt)]
+    assert prompt == full[: len(prompt)] and tok.encode("Alice is 30.")[0] == full[len(prompt)]
     # A conversation that already ends with the user gets the same prompt.
     assert tok.render_for_completion(conv(("user", "How old is Alice?"))) == prompt
 
@@ -165,5 +185,5 @@ def test_compression_report_offline_skips(tok: Tokenizer) -> None:
     report = compression_report(tok, text, timeout=5.0)
     assert report["bytes"] == len(text.encode())
     assert report["ours"]["bytes_per_token"] > 2
-    for name in ("gpt2", "cl100k_base"):   # offline: skipped with a reason; online: measured
+    for name in ("gpt2", "cl100k_base"):  # offline: skipped with a reason; online: measured
         assert "skipped" in report[name] or report[name]["bytes_per_token"] > 1

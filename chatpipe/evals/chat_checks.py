@@ -1,0 +1,69 @@
+"""Evaluation helpers for the chat stages: sampled answers, end-token rate, task accuracy.
+
+rate = end_token_rate(model, tok, prompts, max_tokens=64, temperature=0.7)
+acc = task_accuracy(model, tok, build_task("tinyworld_arith", "test"), n=100)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from chatpipe.inference.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def complete(
+    engine: Engine, conversation: dict[str, Any], *, max_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> tuple[str, bool]:
+    """The assistant's reply to ``conversation`` (its gold answer dropped) and whether it ended its turn."""
+    tok = engine.tokenizer
+    prompt = tok.render_for_completion(conversation)
+    seqs, masks = engine.generate_batch(
+        prompt, num_samples=1, max_tokens=max_tokens, temperature=temperature, seed=seed
+    )
+    new = seqs[0][len(prompt) :]
+    ended = bool(new) and new[-1] == engine.assistant_end and masks[0][-1] == 1
+    return tok.decode(new[:-1] if ended else new), ended
+
+
+def end_token_rate(
+    model: torch.nn.Module,
+    tokenizer,
+    conversations: Sequence[dict[str, Any]],
+    *,
+    max_tokens: int = 64,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> float:
+    """Fraction of sampled replies that end with ``<|assistant_end|>`` within ``max_tokens``."""
+    engine = Engine(model, tokenizer)
+    ended = [
+        complete(engine, c, max_tokens=max_tokens, temperature=temperature, seed=seed + i)[1]
+        for i, c in enumerate(conversations)
+    ]
+    return sum(ended) / max(1, len(ended))
+
+
+def task_accuracy(
+    model: torch.nn.Module, tokenizer, task, n: int | None = None, *, max_tokens: int = 64, samples: list | None = None
+) -> float:
+    """Exact-match accuracy of greedy replies on the first ``n`` examples of ``task`` (its own ``evaluate``).
+
+    ``samples``, when given, receives ``(prompt text, reply, correct)`` for inspection.
+    """
+    engine = Engine(model, tokenizer)
+    n = len(task) if n is None else min(n, len(task))
+    correct = 0
+    for i in range(n):
+        conv = task[i]
+        reply, _ = complete(engine, conv, max_tokens=max_tokens, temperature=0.0)
+        ok = task.evaluate(conv, reply)
+        correct += ok
+        if samples is not None:
+            samples.append((conv["messages"][-2]["content"], reply, ok))
+    return correct / max(1, n)

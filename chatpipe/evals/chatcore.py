@@ -1,0 +1,215 @@
+"""ChatCORE: how well a chat model answers ARC, MMLU, GSM8K, HumanEval and SpellingBee (SPEC §9).
+
+    from chatpipe.evals.chatcore import evaluate_chatcore
+    from chatpipe.data.tasks import build_task
+    tasks = {"ARC-Easy": build_task("arc_easy", "test"), "GSM8K": build_task("gsm8k", "test")}
+    out = evaluate_chatcore(model, tokenizer, tasks, device="cpu", max_per_task=50)
+    out["chatcore"], out["tasks"]["GSM8K"]["accuracy"]
+
+Two ways to score a task (``task.eval_type``):
+- categorical: one forward pass over the prompt (rendered up to ``<|assistant_start|>``); the
+  answer is the letter among ``conversation["letters"]`` whose token has the highest logit at
+  the last position. Only the letters are compared, so a model that has not learned to stop
+  after one token still gets a fair score.
+- generative: ``num_samples`` completions from :class:`chatpipe.inference.engine.Engine` (tool calls run),
+  each checked by ``task.evaluate``; the per-item score is the unbiased pass@k over them.
+
+ChatCORE = mean over the tasks given of the centered accuracy (baselines in
+:data:`chatpipe.evals.metrics.CHATCORE_BASELINES`). Items are split over ranks (position % world);
+with torch.distributed initialised the sums are all-reduced, so every rank sees the totals.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+from chatpipe.evals.metrics import CHATCORE_BASELINES, centered, chatcore, pass_at_k
+from chatpipe.inference.engine import Engine
+
+
+class Task(Protocol):
+    """The slice of ``chatpipe.data.tasks.base.Task`` this module uses."""
+
+    eval_type: str
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> dict: ...
+    def evaluate(self, conversation: dict, completion: str) -> bool: ...
+
+
+def letter_token_ids(tokenizer: Any, letters: list[str]) -> list[int]:
+    """The single token id of each answer letter; raises if a letter is not one token."""
+    ids = []
+    for letter in letters:
+        tokens = tokenizer.encode(letter)
+        if len(tokens) != 1:
+            raise ValueError(
+                f"answer letter {letter!r} encodes to {len(tokens)} tokens {tokens}; "
+                "categorical scoring needs one token per letter"
+            )
+        ids.append(tokens[0])
+    return ids
+
+
+def _fit(prompt: list[int], model: torch.nn.Module, room: int = 0) -> list[int]:
+    """Keep the last tokens of ``prompt`` that fit the model's positions, leaving ``room`` to generate.
+
+    The question and answer format sit at the end of a prompt, so dropping from the left loses least.
+    """
+    table = getattr(model, "cos", None)  # GPT's rotary table bounds the positions it can take
+    limit = table.size(2) - room if isinstance(table, torch.Tensor) else None
+    return prompt if limit is None or len(prompt) <= limit else prompt[-limit:]
+
+
+@torch.no_grad()
+def choose_letters(
+    model: torch.nn.Module, tokenizer: Any, conversations: list[dict], device: torch.device | str
+) -> list[str]:
+    """For each conversation, the answer letter with the highest next-token logit after the prompt."""
+    prompts = [_fit(tokenizer.render_for_completion(conv), model) for conv in conversations]
+    width = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), width), tokenizer.bos_id, dtype=torch.long)
+    for i, p in enumerate(prompts):  # right padding: a causal model never looks past position len-1
+        idx[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    logits = model(idx.to(device))
+    out = []
+    for i, (conv, p) in enumerate(zip(conversations, prompts)):
+        letters = conv["letters"]
+        ids = torch.tensor(letter_token_ids(tokenizer, letters), device=logits.device)
+        out.append(letters[int(logits[i, len(p) - 1, ids].argmax())])
+    return out
+
+
+def generate_completions(
+    engine: Engine,
+    tokenizer: Any,
+    conversation: dict,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> list[str]:
+    """``num_samples`` assistant completions (text after the prompt, stop token removed)."""
+    prompt = _fit(tokenizer.render_for_completion(conversation), engine.model, room=max_new_tokens)
+    seqs, _ = engine.generate_batch(
+        prompt, num_samples=num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    )
+    stops = engine.stop_ids()
+    completions = []
+    for seq in seqs:
+        new = seq[len(prompt) :]
+        if new and new[-1] in stops:
+            new = new[:-1]
+        completions.append(tokenizer.decode(new))
+    return completions
+
+
+def _item_indices(n: int, max_examples: int | None) -> list[int]:
+    # Evenly spaced rather than a prefix: task files are often sorted by subject or difficulty.
+    if not max_examples or max_examples >= n:
+        return list(range(n))
+    return sorted({round(i * n / max_examples) for i in range(max_examples)})
+
+
+def _all_reduce(values: list[float], device: torch.device | str) -> list[float]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+    return values
+
+
+def evaluate_task(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    *,
+    device: torch.device | str,
+    max_examples: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 8,
+    num_samples: int = 1,
+    k: int = 1,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Accuracy (categorical) or mean pass@k (generative) of ``model`` on ``task``.
+
+    Returns ``{"accuracy", "num_examples", "seconds"}`` with totals over all ranks.
+    """
+    if task.eval_type not in ("categorical", "generative"):
+        raise ValueError(f"task eval_type = {task.eval_type!r}; allowed: 'categorical', 'generative'")
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"pass@k needs 1 <= k <= num_samples, got k={k}, num_samples={num_samples}")
+    t0 = time.perf_counter()
+    items = _item_indices(len(task), max_examples)
+    mine = [i for pos, i in enumerate(items) if pos % world_size == rank]
+    was_training = model.training
+    model.eval()
+    score = 0.0
+    try:
+        if task.eval_type == "categorical":
+            for start in range(0, len(mine), batch_size):
+                convs = [task[i] for i in mine[start : start + batch_size]]
+                for conv, letter in zip(convs, choose_letters(model, tokenizer, convs, device)):
+                    score += bool(task.evaluate(conv, letter))
+        else:
+            engine = Engine(model, tokenizer)
+            for i in mine:
+                conv = task[i]
+                completions = generate_completions(
+                    engine,
+                    tokenizer,
+                    conv,
+                    num_samples=num_samples,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    seed=seed + i,
+                )
+                correct = sum(bool(task.evaluate(conv, c)) for c in completions)
+                score += pass_at_k(num_samples, correct, k)
+    finally:
+        model.train(was_training)
+    score, total = _all_reduce([score, float(len(mine))], device)
+    if total == 0:
+        raise ValueError("ChatCORE task has no items to evaluate")
+    return {"accuracy": score / total, "num_examples": int(total), "seconds": time.perf_counter() - t0}
+
+
+def evaluate_chatcore(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    tasks: dict[str, Task],
+    *,
+    device: torch.device | str,
+    max_per_task: int | None = None,
+    max_generative: int | None = None,
+    **kw: Any,
+) -> dict:
+    """Evaluate every task (ChatCORE display name -> Task); ChatCORE = mean centered accuracy.
+
+    ``max_generative`` caps generative tasks separately (sampling costs far more than one
+    forward pass); None means ``max_per_task``.
+    Returns ``{"tasks": {name: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``.
+    Extra keyword arguments go to :func:`evaluate_task` (rank, world_size, num_samples, k, ...).
+    """
+    unknown = [name for name in tasks if name not in CHATCORE_BASELINES]
+    if unknown:
+        raise ValueError(f"unknown ChatCORE task(s) {unknown}; known: {sorted(CHATCORE_BASELINES)}")
+    results = {}
+    for name, task in tasks.items():
+        limit = max_generative if task.eval_type == "generative" and max_generative else max_per_task
+        r = evaluate_task(model, tokenizer, task, device=device, max_examples=limit, **kw)
+        r["centered"] = centered(r["accuracy"], CHATCORE_BASELINES[name])
+        results[name] = r
+    score = chatcore({name: r["accuracy"] for name, r in results.items()}) if results else None
+    return {"tasks": results, "chatcore": score}

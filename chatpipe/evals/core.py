@@ -1,0 +1,443 @@
+"""CORE (DCLM) evaluator: 22 in-context-learning tasks scored with a base model (SPEC §9).
+
+    from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
+    config = load_core_config(DEFAULT_CONFIG)          # chatpipe/evals/core_tasks.yaml
+    out = evaluate_core(model, tokenizer, config, Path("eval_bundle"), device="cuda",
+                        max_seq_len=2048, max_per_task=500, rank=rank, world_size=world_size)
+    out["core"], out["tasks"]["arc_easy"]["centered"], out["skipped"]
+
+Task types (rows are the llm-foundry jsonl formats):
+- multiple_choice ``{query, choices, gold}``: one prompt per choice, same context; the choice
+  with the lowest mean cross-entropy over its continuation tokens wins.
+- schema ``{context_options, continuation, gold}``: one context per option, same continuation;
+  lowest mean loss wins.
+- language_modeling ``{context, continuation}``: correct only if greedy argmax reproduces every
+  continuation token.
+
+Few-shot demos are drawn with ``random.Random(1234 + item_index)`` from the other rows (never
+the item itself) and joined with blank lines before the item's own prompt.
+
+Tokenization: every sequence starts with BOS. We encode ``context`` and ``context +
+continuation`` and score the tokens of the second after their common prefix. Encoding the text
+whole (rather than concatenating two encodings) keeps BPE merges across the boundary natural,
+and the common prefix finds where the continuation starts even when such a merge happened.
+Sequences longer than ``max_seq_len`` lose tokens from the left.
+
+The model is any causal ``nn.Module`` with ``model(idx[B, T]) -> logits[B, T, V]``; the options
+of one item go through one right-padded forward pass (a causal model never looks at the pads
+after a sequence). Tests and tools can pass ``scorer=`` to bypass the model entirely.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from chatpipe.data.jsonl import iter_jsonl
+from chatpipe.evals.metrics import centered
+
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+DEFAULT_CONFIG = Path(__file__).with_name("core_tasks.yaml")
+FEWSHOT_SEED = 1234  # few-shot demos of item i use random.Random(FEWSHOT_SEED + i)
+SUBSAMPLE_SEED = 1337  # which items are evaluated when max_examples < number of rows
+FEWSHOT_SEP = "\n\n"
+
+_REQUIRED_KEYS = ("label", "file", "type", "num_fewshot", "random_baseline")
+_OPTIONAL_KEYS: dict[str, Any] = {"continuation_delimiter": " ", "required": False}
+_ROW_FIELDS = {
+    "multiple_choice": ("query", "choices", "gold"),
+    "schema": ("context_options", "continuation", "gold"),
+    "language_modeling": ("context", "continuation"),
+}
+
+Prompt = tuple[str, str]  # (context, continuation)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One CORE task as configured in core_tasks.yaml."""
+
+    label: str
+    file: str
+    type: str
+    num_fewshot: int
+    random_baseline: float
+    continuation_delimiter: str = " "
+    required: bool = False
+
+
+class Tokenizer(Protocol):
+    """The slice of the project tokenizer this module uses."""
+
+    bos_id: int
+
+    def encode(self, text: str, prepend: int | None = None) -> list[int]: ...
+
+
+# A scorer replaces the model: (task, row, prompts) -> chosen option index (MC/schema) or
+# whether the continuation was reproduced (language_modeling).
+Scorer = Callable[[TaskConfig, dict, list[Prompt]], int | bool]
+
+
+# --------------------------------------------------------------------------- config and data
+
+
+def _task_from_dict(entry: Any, position: int, path: Path) -> TaskConfig:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: task #{position} must be a mapping, got {type(entry).__name__}")
+    label = entry.get("label", f"#{position}")
+    for key in _REQUIRED_KEYS:
+        if key not in entry:
+            raise ValueError(f"{path}: task {label!r} is missing required key {key!r}")
+    unknown = set(entry) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: task {label!r} has unknown key(s) {sorted(unknown)}")
+    if entry["type"] not in TASK_TYPES:
+        raise ValueError(f"{path}: task {label!r} has key 'type' = {entry['type']!r}; allowed: {list(TASK_TYPES)}")
+    shots, baseline = entry["num_fewshot"], entry["random_baseline"]
+    if not isinstance(shots, int) or isinstance(shots, bool) or shots < 0:
+        raise ValueError(f"{path}: task {label!r} key 'num_fewshot' must be an int >= 0, got {shots!r}")
+    if not isinstance(baseline, (int, float)) or not 0.0 <= baseline < 1.0:
+        raise ValueError(f"{path}: task {label!r} key 'random_baseline' must be in [0, 1), got {baseline!r}")
+    merged = {**_OPTIONAL_KEYS, **entry}
+    return TaskConfig(
+        label=str(label),
+        file=str(merged["file"]),
+        type=merged["type"],
+        num_fewshot=shots,
+        random_baseline=float(baseline),
+        continuation_delimiter=str(merged["continuation_delimiter"]),
+        required=bool(merged["required"]),
+    )
+
+
+def load_core_config(path: Path = DEFAULT_CONFIG) -> list[TaskConfig]:
+    """Read and validate a CORE task list (a YAML mapping with a ``tasks:`` list)."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("tasks"), list):
+        raise ValueError(f"{path}: expected a mapping with a 'tasks' list")
+    tasks = [_task_from_dict(entry, i, path) for i, entry in enumerate(data["tasks"])]
+    labels = [t.label for t in tasks]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"{path}: duplicate task label(s) {dupes}")
+    return tasks
+
+
+def _check_row(row: Any, task: TaskConfig) -> str | None:
+    """Why ``row`` cannot be used for ``task``, or None if it is fine."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    missing = [f for f in _ROW_FIELDS[task.type] if f not in row]
+    if missing:
+        return f"missing field(s) {missing} needed by type {task.type!r}"
+    options = row.get("choices", row.get("context_options"))
+    if options is not None:
+        if not isinstance(options, list) or len(options) < 2 or not all(isinstance(o, str) for o in options):
+            return "options must be a list of at least 2 strings"
+        gold = row["gold"]
+        if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(options):
+            return f"gold {gold!r} is not an index into {len(options)} options"
+    return None
+
+
+def task_file(bundle_dir: Path, task: TaskConfig) -> Path | None:
+    """Where ``task``'s jsonl is: ``bundle_dir/<file>``, else the one file of that name below it
+    (the published bundle files them in category folders); None when there is none."""
+    direct = Path(bundle_dir) / task.file
+    if direct.is_file():
+        return direct
+    found = sorted(Path(bundle_dir).rglob(Path(task.file).name))
+    if len(found) > 1:
+        raise ValueError(
+            f"CORE task {task.label!r}: {len(found)} files named {task.file!r} under {bundle_dir}: "
+            f"{', '.join(map(str, found))}; give the path relative to the bundle in the config"
+        )
+    return found[0] if found else None
+
+
+def load_task_rows(bundle_dir: Path, task: TaskConfig) -> list[dict]:
+    """Read and validate the jsonl rows of ``task`` from ``bundle_dir``."""
+    path = task_file(bundle_dir, task)
+    if path is None:
+        raise FileNotFoundError(f"CORE task {task.label!r}: data file not found: {Path(bundle_dir) / task.file}")
+    return read_task_rows(path, task)
+
+
+def read_task_rows(path: Path, task: TaskConfig) -> list[dict]:
+    """Read and validate the jsonl rows of ``task`` from its file ``path``."""
+    rows = []
+    for lineno, row in iter_jsonl(path):
+        problem = _check_row(row, task)
+        if problem:
+            raise ValueError(f"{path}:{lineno}: {problem}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows for CORE task {task.label!r}")
+    return rows
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def fewshot_indices(num_rows: int, item_index: int, k: int) -> list[int]:
+    """Indices of the ``k`` demos for item ``item_index``: deterministic, distinct, never the item."""
+    k = min(k, num_rows - 1)
+    if k <= 0:
+        return []
+    rng = random.Random(FEWSHOT_SEED + item_index)
+    # Draw one spare so dropping the item itself still leaves k; avoids building an
+    # O(num_rows) candidate list per item (bigbench_qa_wikidata has 20k rows).
+    picks = rng.sample(range(num_rows), k + 1)
+    return [j for j in picks if j != item_index][:k]
+
+
+def _solved(task: TaskConfig, row: dict) -> str:
+    """A row with its correct answer filled in, used as a few-shot demo."""
+    d = task.continuation_delimiter
+    if task.type == "multiple_choice":
+        return row["query"] + d + row["choices"][row["gold"]]
+    if task.type == "schema":
+        return row["context_options"][row["gold"]] + d + row["continuation"]
+    return row["context"] + d + row["continuation"]
+
+
+def render_prompts(task: TaskConfig, rows: list[dict], index: int) -> list[Prompt]:
+    """The (context, continuation) pairs to score for item ``index``: one per option, or one for LM."""
+    shots = fewshot_indices(len(rows), index, task.num_fewshot)
+    prefix = "".join(_solved(task, rows[j]) + FEWSHOT_SEP for j in shots)
+    row, d = rows[index], task.continuation_delimiter
+    if task.type == "multiple_choice":
+        return [(prefix + row["query"] + d, choice) for choice in row["choices"]]
+    if task.type == "schema":
+        return [(prefix + option + d, row["continuation"]) for option in row["context_options"]]
+    return [(prefix + row["context"] + d, row["continuation"])]
+
+
+# --------------------------------------------------------------------------- model scoring
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, max_seq_len: int) -> tuple[list[int], int]:
+    """Tokens of context+continuation (BOS first, left-truncated) and where the continuation starts."""
+    context, continuation = prompt
+    ctx = tokenizer.encode(context, prepend=tokenizer.bos_id)
+    full = tokenizer.encode(context + continuation, prepend=tokenizer.bos_id)
+    if len(full) < 2:
+        raise ValueError(f"nothing to score in prompt {prompt!r}")
+    # Position 0 is never predicted; an empty continuation still scores the last token.
+    start = max(1, min(_common_prefix_len(ctx, full), len(full) - 1))
+    drop = len(full) - max_seq_len
+    if drop > 0:
+        full = full[drop:]
+        start = max(1, start - drop)
+    return full, start
+
+
+def _score_item(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    task: TaskConfig,
+    prompts: list[Prompt],
+    device: torch.device | str,
+    max_seq_len: int,
+) -> int | bool:
+    """Run the options of one item as one padded batch; return the chosen index or LM correctness."""
+    encoded = [encode_prompt(tokenizer, p, max_seq_len) for p in prompts]
+    width = max(len(tokens) for tokens, _ in encoded)
+    idx = torch.full((len(encoded), width), tokenizer.bos_id, dtype=torch.long)
+    for i, (tokens, _) in enumerate(encoded):
+        idx[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    idx = idx.to(device)
+    logits = model(idx)
+    if task.type == "language_modeling":
+        tokens, start = encoded[0]
+        predicted = logits[0, start - 1 : len(tokens) - 1].argmax(dim=-1)
+        return bool(torch.equal(predicted, idx[0, start : len(tokens)]))
+    # Slice to the continuation before the softmax: full [B, T, V] log-probs would not fit
+    # in memory for long prompts and big vocabularies.
+    losses = [
+        F.cross_entropy(logits[i, start - 1 : len(tokens) - 1].float(), idx[i, start : len(tokens)]).item()
+        for i, (tokens, start) in enumerate(encoded)
+    ]
+    return min(range(len(losses)), key=losses.__getitem__)
+
+
+def _is_correct(task: TaskConfig, row: dict, outcome: int | bool) -> bool:
+    if task.type == "language_modeling":
+        return bool(outcome)
+    return int(outcome) == row["gold"]
+
+
+def _item_indices(num_rows: int, max_examples: int | None) -> list[int]:
+    if max_examples is None or max_examples >= num_rows:
+        return list(range(num_rows))
+    # Files are often grouped (jeopardy by category), so a prefix would be a biased sample.
+    return sorted(random.Random(SUBSAMPLE_SEED).sample(range(num_rows), max_examples))
+
+
+def _count_correct(
+    model: torch.nn.Module | None,
+    tokenizer: Tokenizer | None,
+    task: TaskConfig,
+    rows: list[dict],
+    *,
+    device: torch.device | str,
+    max_seq_len: int,
+    max_examples: int | None,
+    rank: int,
+    world_size: int,
+    scorer: Scorer | None,
+) -> tuple[int, int]:
+    """(correct, total) over this rank's items, summed over ranks when torch.distributed is up."""
+    items = _item_indices(len(rows), max_examples)
+    mine = [i for pos, i in enumerate(items) if pos % world_size == rank]
+    correct = 0
+    was_training = model.training if model is not None else False
+    if model is not None:
+        model.eval()
+    try:
+        with torch.no_grad():
+            for i in mine:
+                prompts = render_prompts(task, rows, i)
+                if scorer is not None:
+                    outcome = scorer(task, rows[i], prompts)
+                else:
+                    outcome = _score_item(model, tokenizer, task, prompts, device, max_seq_len)
+                correct += _is_correct(task, rows[i], outcome)
+    finally:
+        if model is not None:
+            model.train(was_training)
+    total = len(mine)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        counts = torch.tensor([correct, total], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(counts)
+        correct, total = (int(x) for x in counts.tolist())
+    return correct, total
+
+
+def evaluate_task(
+    model: torch.nn.Module | None,
+    tokenizer: Tokenizer | None,
+    task: TaskConfig,
+    rows: list[dict],
+    *,
+    device: torch.device | str,
+    max_seq_len: int,
+    max_examples: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    scorer: Scorer | None = None,
+) -> float:
+    """Accuracy of ``model`` (or ``scorer``) on ``task``.
+
+    Items (all rows, or a fixed random ``max_examples`` of them) are split over ranks by
+    position ``% world_size``; with torch.distributed initialised the counts are all-reduced,
+    so every rank returns the global accuracy.
+    """
+    if scorer is None and (model is None or tokenizer is None):
+        raise ValueError("evaluate_task needs a model and tokenizer, or a scorer")
+    correct, total = _count_correct(
+        model,
+        tokenizer,
+        task,
+        rows,
+        device=device,
+        max_seq_len=max_seq_len,
+        max_examples=max_examples,
+        rank=rank,
+        world_size=world_size,
+        scorer=scorer,
+    )
+    if total == 0:
+        raise ValueError(f"CORE task {task.label!r}: no items evaluated")
+    return correct / total
+
+
+# --------------------------------------------------------------------------- CORE
+
+
+def centered_accuracy(acc: float, random_baseline: float) -> float:
+    """``(acc - b) / (1 - b)``: 0 at chance, 1 at perfect."""
+    return centered(acc, random_baseline)
+
+
+def evaluate_core(
+    model: torch.nn.Module | None,
+    tokenizer: Tokenizer | None,
+    config: list[TaskConfig] | Path,
+    bundle_dir: Path,
+    *,
+    device: torch.device | str,
+    max_seq_len: int,
+    max_per_task: int | None = None,
+    tasks: list[str] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    scorer: Scorer | None = None,
+) -> dict:
+    """Evaluate every configured task found in ``bundle_dir``; CORE = mean centered accuracy.
+
+    Returns ``{"tasks": {label: {"accuracy", "centered", "num_examples", "seconds"}},
+    "core": float | None, "skipped": {label: reason}}``. A task whose file is absent is
+    skipped with a reason, unless it is marked ``required: true``, which raises.
+    ``tasks`` restricts the run to those labels.
+    """
+    if not isinstance(config, list):
+        config = load_core_config(Path(config))
+    if tasks is not None:
+        known = {t.label for t in config}
+        unknown = [label for label in tasks if label not in known]
+        if unknown:
+            raise ValueError(f"unknown CORE task label(s) {unknown}; known: {sorted(known)}")
+        config = [t for t in config if t.label in set(tasks)]
+    results: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    for task in config:
+        path = task_file(bundle_dir, task)
+        if path is None:
+            missing = Path(bundle_dir) / task.file
+            if task.required:
+                raise FileNotFoundError(f"CORE task {task.label!r} is required but {missing} is missing")
+            skipped[task.label] = f"data file not found: {missing}"
+            continue
+        rows = read_task_rows(path, task)
+        t0 = time.perf_counter()
+        correct, total = _count_correct(
+            model,
+            tokenizer,
+            task,
+            rows,
+            device=device,
+            max_seq_len=max_seq_len,
+            max_examples=max_per_task,
+            rank=rank,
+            world_size=world_size,
+            scorer=scorer,
+        )
+        acc = correct / total if total else 0.0
+        results[task.label] = {
+            "accuracy": acc,
+            "centered": centered_accuracy(acc, task.random_baseline),
+            "num_examples": total,
+            "seconds": time.perf_counter() - t0,
+        }
+    core = sum(r["centered"] for r in results.values()) / len(results) if results else None
+    return {"tasks": results, "core": core, "skipped": skipped}

@@ -1,0 +1,76 @@
+"""Small evaluation metrics shared by the eval stages (SPEC §9).
+
+    from chatpipe.evals.metrics import pass_at_k, centered, bits_per_byte, chatcore
+    pass_at_k(n=10, c=3, k=1)                      # 0.3
+    chatcore({"ARC-Easy": 0.4, "GSM8K": 0.05})     # mean centered accuracy of the tasks given
+
+Pure Python, no torch: callers reduce their counts across ranks first.
+"""
+
+from __future__ import annotations
+
+import math
+
+# ChatCORE tasks and their random baselines (SPEC §9). Generative tasks have baseline 0.
+CHATCORE_BASELINES: dict[str, float] = {
+    "ARC-Easy": 0.25,
+    "ARC-Challenge": 0.25,
+    "MMLU": 0.25,
+    "GSM8K": 0.0,
+    "HumanEval": 0.0,
+    "SpellingBee": 0.0,
+}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k: chance that at least one of k samples (drawn from n, c correct) passes.
+
+    Computes ``1 - C(n-c, k) / C(n, k)`` as a running product, which stays exact-ish for large n
+    where the binomials themselves would overflow a float.
+    """
+    if n < 1 or not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs n >= 1, 0 <= c <= n, 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset must contain a correct sample
+        return 1.0
+    # C(n-c,k)/C(n,k) = prod_{i=n-c+1}^{n} (1 - k/i)
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def centered(acc: float, baseline: float) -> float:
+    """Accuracy rescaled so the random baseline maps to 0 and perfect to 1."""
+    if not 0.0 <= baseline < 1.0:
+        raise ValueError(f"random baseline must be in [0, 1), got {baseline}")
+    return (acc - baseline) / (1.0 - baseline)
+
+
+def bits_per_byte(total_nats: float, total_bytes: int) -> float:
+    """Tokenizer-independent loss: summed token losses (nats) per UTF-8 byte, in bits."""
+    if total_bytes <= 0:
+        raise ValueError(f"bits_per_byte needs total_bytes > 0, got {total_bytes}")
+    return total_nats / (math.log(2) * total_bytes)
+
+
+def _norm(name: str) -> str:
+    # "ARC-Easy", "arc_easy" and "arceasy" all name the same task.
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def chatcore(results: dict[str, float]) -> float:
+    """Mean centered accuracy over the ChatCORE tasks present in ``results`` (task -> accuracy).
+
+    Task names match :data:`CHATCORE_BASELINES` ignoring case, ``-`` and ``_``; an unknown name
+    raises rather than being silently dropped (a typo would otherwise change the score).
+    """
+    baselines = {_norm(name): b for name, b in CHATCORE_BASELINES.items()}
+    if not results:
+        raise ValueError("chatcore needs at least one task result")
+    scores = []
+    for name, acc in results.items():
+        key = _norm(name)
+        if key not in baselines:
+            raise ValueError(f"unknown ChatCORE task {name!r}; known: {sorted(CHATCORE_BASELINES)}")
+        scores.append(centered(acc, baselines[key]))
+    return sum(scores) / len(scores)

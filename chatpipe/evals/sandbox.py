@@ -1,0 +1,345 @@
+"""Run untrusted, model-written Python (HumanEval completions) in a contained child process.
+
+    from chatpipe.evals.sandbox import check_humaneval, run_program
+    r = run_program("print(1 + 1)", timeout_s=5, memory_mb=512)
+    r.passed, r.status, r.stdout            # True, "passed", "2\\n"
+    check_humaneval(prompt, completion, test, entry_point).passed
+
+Layers, outermost first (SPEC §9: separate process, limits, no network, temp dir, no project):
+1. A fresh ``python -I -S -B`` interpreter (no PYTHON* env, no site-packages, so not even the
+   installed project) started in its own session; on timeout the whole process group is killed.
+2. Kernel limits set in the child before exec: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC
+   (fork bombs fail), RLIMIT_FSIZE (files and captured output), RLIMIT_CORE 0.
+3. A new network namespace (no interfaces) where the kernel allows one. As root, the child
+   also drops to ``nobody`` (using a system python3 if ours is unreadable for nobody), so it can
+   neither signal us nor write our files, and RLIMIT_NPROC applies (root ignores it).
+4. A fresh temp dir as cwd and HOME, deleted afterwards; a minimal environment.
+5. A prelude run before the code: sockets, fork/exec/kill, subprocess and ctypes raise, and
+   open/os.* refuse writes outside the temp dir and reads outside it and the stdlib. This
+   layer is Python-level and can be bypassed by determined code; 1-4 are the boundary.
+
+Statuses: passed, failed (assertion or early exit), error (any other exception, including the
+sandbox's PermissionErrors and "File too large" past RLIMIT_FSIZE), timeout (wall or CPU
+limit), memory (MemoryError), killed (ended by some other signal, e.g. SIGSEGV).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import pwd
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_OUTPUT_CHARS = 20_000  # per stream, kept in the result
+FSIZE_BYTES = 8 * 1024 * 1024  # any file the child writes, stdout/stderr included
+NPROC = 64  # processes for the child's user; the child needs one
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+
+# Exit codes the runner below uses to report how the program ended.
+_EXIT_STATUS = {0: "passed", 1: "failed", 2: "error", 3: "memory"}
+
+_RUNNER = r"""
+import builtins, io, _io, linecache, os, posix, signal, socket, _socket, sys, traceback, types
+_src = sys.stdin.read()
+_WORK = os.path.realpath(os.getcwd())
+_READ_ROOTS = (_WORK, os.path.realpath(os.path.dirname(os.__file__)),
+               "/dev/null", "/dev/zero", "/dev/urandom")
+
+def _deny(name):
+    def blocked(*args, **kwargs):
+        raise PermissionError(f"sandbox: {name} is disabled")
+    return blocked
+
+def _within(path, roots):
+    if isinstance(path, int):
+        return True  # an already-open descriptor
+    real = os.path.realpath(os.fsdecode(os.fspath(path)))
+    return any(real == r or real.startswith(r + os.sep) for r in roots)
+
+def _guard_open(real_open):
+    def guarded(file, mode="r", *args, **kwargs):
+        writing = any(ch in mode for ch in "wax+")
+        if not _within(file, (_WORK,) if writing else _READ_ROOTS):
+            raise PermissionError(f"sandbox: may not open {file!r} (mode {mode!r}) here")
+        return real_open(file, mode, *args, **kwargs)
+    return guarded
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+def _guard_os_open(real_open):
+    def guarded(path, flags, *args, **kwargs):
+        roots = (_WORK,) if flags & _WRITE_FLAGS else _READ_ROOTS
+        if kwargs.get("dir_fd") is not None or not _within(path, roots):
+            raise PermissionError(f"sandbox: may not open {path!r} here")
+        return real_open(path, flags, *args, **kwargs)
+    return guarded
+
+def _guard_paths(real, name, roots):
+    def guarded(*args, **kwargs):
+        paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))]
+        if any(k.endswith("dir_fd") and v is not None for k, v in kwargs.items()) or \
+                not all(_within(p, roots) for p in paths):
+            raise PermissionError(f"sandbox: os.{name} outside the work dir")
+        return real(*args, **kwargs)
+    return guarded
+
+builtins.open = io.open = _io.open = _guard_open(_io.open)
+class _GuardedFileIO(_io.FileIO):
+    def __init__(self, file, mode="r", *args, **kwargs):
+        writing = any(ch in mode for ch in "wax+")
+        if not _within(file, (_WORK,) if writing else _READ_ROOTS):
+            raise PermissionError(f"sandbox: may not open {file!r} (mode {mode!r}) here")
+        super().__init__(file, mode, *args, **kwargs)
+io.FileIO = _io.FileIO = _GuardedFileIO
+os.open = posix.open = _guard_os_open(posix.open)
+for _name in ("remove", "unlink", "rmdir", "mkdir", "rename", "replace", "link", "symlink",
+              "chmod", "chown", "lchown", "truncate", "utime", "mkfifo", "mknod"):
+    if hasattr(os, _name):
+        setattr(os, _name, _guard_paths(getattr(os, _name), _name, (_WORK,)))
+for _name in ("listdir", "scandir"):  # os only: importlib lists dirs through posix
+    setattr(os, _name, _guard_paths(getattr(os, _name), _name, _READ_ROOTS))
+for _name in ("fork", "forkpty", "vfork", "kill", "killpg", "system", "popen", "execv", "execve",
+              "execl", "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnv", "spawnve",
+              "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "posix_spawn",
+              "posix_spawnp", "setsid", "setpgid", "setpgrp", "pidfd_open", "_exit"):
+    for _mod in (os, posix):
+        if hasattr(_mod, _name):
+            setattr(_mod, _name, _deny("os." + _name))
+for _name in ("pidfd_send_signal", "pthread_kill"):
+    if hasattr(signal, _name):
+        setattr(signal, _name, _deny("signal." + _name))
+
+class _NoSocket(socket.socket):
+    def __init__(self, *args, **kwargs):
+        raise PermissionError("sandbox: network is disabled")
+socket.socket = socket.SocketType = _socket.socket = _socket.SocketType = _NoSocket
+for _name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo",
+              "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+    setattr(socket, _name, _deny("socket." + _name))
+
+_sub = types.ModuleType("subprocess", "disabled in the sandbox")
+for _name in ("Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
+    setattr(_sub, _name, _deny("subprocess." + _name))
+sys.modules["subprocess"] = _sub
+for _name in ("ctypes", "_ctypes", "_posixsubprocess", "multiprocessing", "_multiprocessing", "pty"):
+    sys.modules[_name] = None  # import raises ImportError
+
+linecache.cache["<sandbox>"] = (len(_src), None, _src.splitlines(True), "<sandbox>")
+sys.argv = ["<sandbox>"]
+try:
+    exec(compile(_src, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+except MemoryError:
+    sys.stderr.write("MemoryError: memory limit reached\n")
+    _status = 3
+except AssertionError:
+    traceback.print_exc()
+    _status = 1
+except SystemExit as e:
+    sys.stderr.write(f"program exited before finishing (SystemExit {e.code!r})\n")
+    _status = 1
+except BaseException:
+    traceback.print_exc()
+    _status = 2
+else:
+    _status = 0
+sys.stdout.flush()
+raise SystemExit(_status)
+"""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one sandboxed run; ``status`` says how it ended."""
+
+    passed: bool
+    status: str  # passed | failed | timeout | memory | error | killed
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unshare(flags: int) -> None:
+    if hasattr(os, "unshare"):  # Python >= 3.12
+        os.unshare(flags)
+        return
+    if _libc().unshare(flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _isolate_network() -> None:
+    """Move the (forked, single-threaded) child into an empty network namespace if allowed."""
+    try:
+        _unshare(CLONE_NEWNET)  # needs CAP_SYS_ADMIN, e.g. root
+        return
+    except OSError:
+        pass
+    try:  # unprivileged: a user namespace of our own may create a network namespace
+        uid, gid = os.getuid(), os.getgid()
+        _unshare(CLONE_NEWUSER | CLONE_NEWNET)
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError:
+        pass  # no namespaces here: the prelude's socket guard is all we have
+
+
+def _lower_limit(which: int, soft: int, hard: int) -> None:
+    cur_soft, cur_hard = resource.getrlimit(which)
+    if cur_hard != resource.RLIM_INFINITY:
+        hard = min(hard, cur_hard)
+    resource.setrlimit(which, (min(soft, hard), hard))
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
+def _child_setup(memory_bytes: int, cpu_s: int, run_as: tuple[int, int] | None) -> None:
+    """Runs in the child between fork and exec (preexec_fn): namespaces, limits, user."""
+    _isolate_network()
+    _lower_limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
+    _lower_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU first, SIGKILL a second later
+    _lower_limit(resource.RLIMIT_NPROC, NPROC, NPROC)
+    _lower_limit(resource.RLIMIT_FSIZE, FSIZE_BYTES, FSIZE_BYTES)
+    _lower_limit(resource.RLIMIT_CORE, 0, 0)
+    if run_as is not None:
+        _drop_privileges(*run_as)
+
+
+def _minimal_env(home: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter() -> tuple[str, tuple[int, int] | None]:
+    """The Python to run and the (uid, gid) to run it as (None: stay as we are).
+
+    As root we want to drop to ``nobody``; our own interpreter may live where nobody cannot
+    read it (e.g. under /root), so a system python3 is tried next. The program only needs the
+    stdlib, so any Python 3 will do. If none works for nobody we stay root, and the prelude and
+    process group are what remain against kill and fork.
+    """
+    if os.geteuid() != 0:
+        return sys.executable, None
+    try:
+        entry = pwd.getpwnam("nobody")
+        ids = (entry.pw_uid, entry.pw_gid)
+    except KeyError:
+        ids = (65534, 65534)
+    probe = "import encodings, json, linecache, math, re, socket, traceback"
+    for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            done = subprocess.run(
+                [python, "-I", "-S", "-B", "-c", probe],
+                cwd="/",
+                env=_minimal_env("/"),
+                preexec_fn=functools.partial(_drop_privileges, *ids),
+                capture_output=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return python, ids
+    return sys.executable, None
+
+
+def _read_output(path: Path) -> str:
+    with path.open("rb") as f:
+        data = f.read(MAX_OUTPUT_CHARS * 4 + 1)
+    text = data.decode("utf-8", errors="replace")
+    if len(text) > MAX_OUTPUT_CHARS or path.stat().st_size > len(data):
+        text = text[:MAX_OUTPUT_CHARS] + "\n[... output truncated]"
+    return text
+
+
+def _status(returncode: int, timed_out: bool) -> str:
+    if timed_out:
+        return "timeout"
+    if returncode < 0:
+        return "timeout" if -returncode == signal.SIGXCPU else "killed"
+    return _EXIT_STATUS.get(returncode, "error")
+
+
+def _kill_group(proc: subprocess.Popen, patience_s: float = 2.0) -> None:
+    """SIGKILL the child's process group until it is gone (a fork racing the first kill can
+    leave a straggler), reaping the child so its zombie does not keep the group alive."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.poll()
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return  # group gone
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int | None = None) -> SandboxResult:
+    """Run ``code`` as a fresh Python program inside the sandbox; never raises for bad code."""
+    cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
+    python, run_as = _interpreter()
+    work = tempfile.mkdtemp(prefix="chatpipe-sandbox-")  # the child's cwd and HOME
+    io_dir = Path(tempfile.mkdtemp(prefix="chatpipe-sandbox-io-"))  # ours; the child gets fds only
+    try:
+        if run_as is not None:
+            os.chown(work, *run_as)
+        (io_dir / "stdin").write_text(code, encoding="utf-8")
+        start = time.monotonic()
+        with (
+            (io_dir / "stdin").open("rb") as fin,
+            (io_dir / "stdout").open("wb") as fout,
+            (io_dir / "stderr").open("wb") as ferr,
+        ):
+            proc = subprocess.Popen(
+                [python, "-I", "-S", "-B", "-c", _RUNNER],
+                stdin=fin,
+                stdout=fout,
+                stderr=ferr,
+                cwd=work,
+                env=_minimal_env(work),
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=functools.partial(_child_setup, memory_mb * 1024 * 1024, cpu_s, run_as),
+            )
+            try:
+                proc.wait(timeout=timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                seconds = time.monotonic() - start
+                _kill_group(proc)  # also ends anything the program left behind
+                proc.wait()
+        status = _status(proc.returncode, timed_out)
+        stdout, stderr = _read_output(io_dir / "stdout"), _read_output(io_dir / "stderr")
+        return SandboxResult(status == "passed", status, stdout, stderr, seconds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(io_dir, ignore_errors=True)
+
+
+def check_humaneval(prompt: str, completion: str, test: str, entry_point: str, **limits: float) -> SandboxResult:
+    """Run a HumanEval problem: prompt + completion, then the test's ``check(entry_point)``."""
+    program = f"{prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"
+    return run_program(program, **limits)

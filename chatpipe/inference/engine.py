@@ -1,0 +1,201 @@
+"""Inference engine: KV-cached sampling with calculator tool use (SPEC §4, §9).
+
+The prompt is prefilled once with batch 1, its KV cache copied into ``num_samples`` rows, then
+one token per row is produced per step. When a row emits ``<|python_end|>``, the text since
+``<|python_start|>`` goes to :func:`chatpipe.inference.calculator.evaluate`; a result is forced back into
+that row as ``<|output_start|>`` + result tokens + ``<|output_end|>``, one token per step, mask 0.
+
+Usage::
+
+    engine = Engine(model, tokenizer)
+    for tokens, masks in engine.generate(prompt_ids, num_samples=4, max_tokens=128, temperature=0.8):
+        ...  # one column: next token of each row, 1 = sampled / 0 = forced or padding
+    seqs, masks = engine.generate_batch(prompt_ids, num_samples=4, max_tokens=128)
+    for kind, text in engine.stream(prompt_ids, max_tokens=128):   # one sample, as text deltas
+        ...  # kind: "text" | "python" (a tool call) | "python_output" (its result)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chatpipe.inference.calculator import evaluate
+from chatpipe.model.gpt import KVCache
+
+
+@dataclass
+class _Row:
+    """Per-sample state: the tool-use state machine and the queue of tokens to force."""
+
+    done: bool = False
+    in_python: bool = False
+    python_tokens: list[int] = field(default_factory=list)
+    forced: deque[int] = field(default_factory=deque)
+
+
+def sample_next(
+    logits: torch.Tensor, rng: torch.Generator, temperature: float = 1.0, top_k: int | None = None
+) -> torch.Tensor:
+    """Next token per row from logits [B, V]: argmax when temperature is 0, else top-k sampling."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        k = min(top_k, logits.size(-1))
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+class Engine:
+    """Generation for a :class:`chatpipe.model.gpt.GPT` and a tokenizer with chat special tokens."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        special = tokenizer.encode_special
+        self.bos = tokenizer.bos_id
+        self.assistant_end = special("<|assistant_end|>")
+        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
+        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+
+    def stop_ids(self, stop_tokens: list[int] | None = None) -> set[int]:
+        """Tokens that end a sample: ``<|assistant_end|>``, ``<|bos|>`` and any extra ``stop_tokens``."""
+        return {self.assistant_end, self.bos, *(stop_tokens or [])}
+
+    def _tool_step(self, row: _Row, token: int) -> None:
+        """Advance the python-tool state machine of one row by one token."""
+        if token == self.python_start:
+            row.in_python, row.python_tokens = True, []
+        elif token == self.python_end and row.in_python:
+            row.in_python = False
+            result = evaluate(self.tokenizer.decode(row.python_tokens))
+            if result is not None:
+                row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
+        elif row.in_python:
+            row.python_tokens.append(token)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        num_samples: int = 1,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int = 42,
+        stop_tokens: list[int] | None = None,
+    ) -> Iterator[tuple[list[int], list[int]]]:
+        """Stream (tokens, masks), one column per step, until every row stopped or ``max_tokens``.
+
+        Rows that have finished keep yielding ``bos`` with mask 0 as padding; callers ignore it.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids must hold at least one token (e.g. <|bos|>)")
+        device = next(self.model.parameters()).device
+        rng = torch.Generator(device=device)
+        rng.manual_seed(seed)
+        stops = self.stop_ids(stop_tokens)
+        config = self.model.config
+
+        # prefill once with batch 1, then share the prompt's keys/values across all rows
+        prompt_cache = KVCache.from_config(config, batch_size=1, max_len=len(prompt_ids))
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        logits = self.model(ids, kv_cache=prompt_cache)[:, -1, :].expand(num_samples, -1)
+        cache = KVCache.from_config(config, batch_size=num_samples, max_len=len(prompt_ids) + max_tokens)
+        cache.prefill(prompt_cache)
+        del prompt_cache
+
+        rows = [_Row() for _ in range(num_samples)]
+        for step in range(max_tokens):
+            sampled = sample_next(logits, rng, temperature, top_k).tolist()
+            tokens, masks = [], []
+            for row, tok in zip(rows, sampled):
+                if row.done:
+                    tokens.append(self.bos)
+                    masks.append(0)
+                    continue
+                forced = bool(row.forced)
+                tok = row.forced.popleft() if forced else tok
+                tokens.append(tok)
+                masks.append(0 if forced else 1)
+                if not forced and tok in stops:
+                    row.done = True
+                elif not forced:
+                    self._tool_step(row, tok)
+            yield tokens, masks
+            if all(r.done for r in rows) or step == max_tokens - 1:
+                return
+            column = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)
+            logits = self.model(column, kv_cache=cache)[:, -1, :]
+
+    def generate_batch(
+        self, prompt_ids: list[int], num_samples: int = 1, **kw: Any
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Full sequences (prompt + generated, ending at the stop token if one came) and their masks.
+
+        Masks are 0 on the prompt and on forced tool-output tokens, 1 on sampled tokens.
+        """
+        stops = self.stop_ids(kw.get("stop_tokens"))
+        seqs = [list(prompt_ids) for _ in range(num_samples)]
+        masks = [[0] * len(prompt_ids) for _ in range(num_samples)]
+        done = [False] * num_samples
+        for tokens, column_masks in self.generate(prompt_ids, num_samples=num_samples, **kw):
+            for i, (tok, m) in enumerate(zip(tokens, column_masks)):
+                if done[i]:
+                    continue
+                seqs[i].append(tok)
+                masks[i].append(m)
+                done[i] = m == 1 and tok in stops
+            if all(done):
+                break
+        return seqs, masks
+
+    def stream(
+        self, prompt_ids: list[int], stats: dict[str, Any] | None = None, **kw: Any
+    ) -> Iterator[tuple[str, str]]:
+        """One sample as ``(kind, text)`` deltas while it is generated, for chat front ends.
+
+        ``kind`` is the assistant message part the text belongs to: ``"text"``, ``"python"`` (a
+        calculator call) or ``"python_output"`` (its result); the special tokens that delimit parts
+        are not shown. Text is held back while it ends inside a multi-byte UTF-8 character.
+        Keyword arguments are those of :meth:`generate` (``num_samples`` is 1). A ``stats`` dict,
+        when given, receives ``tokens`` (generated so far) and, at the end, ``finish_reason``
+        (``"stop"``: the model ended its turn; ``"length"``: ``max_tokens`` ran out).
+        """
+        stats = {} if stats is None else stats
+        stats.update(tokens=0, finish_reason="length")
+        kinds = {
+            self.python_start: "python",
+            self.output_start: "python_output",
+            self.python_end: "text",
+            self.output_end: "text",
+        }
+        stops = self.stop_ids(kw.get("stop_tokens"))
+        kind, pending = "text", []  # tokens not shown yet: they end inside a UTF-8 character
+        for tokens, masks in self.generate(prompt_ids, num_samples=1, **kw):
+            tok = tokens[0]
+            stats["tokens"] += 1
+            if masks[0] == 1 and tok in stops:
+                stats["finish_reason"] = "stop"
+                break
+            if tok in kinds:
+                if pending:
+                    yield kind, self.tokenizer.decode(pending)
+                kind, pending = kinds[tok], []
+                continue
+            pending.append(tok)
+            text = self.tokenizer.decode(pending)
+            if not text.endswith("\ufffd"):
+                yield kind, text
+                pending = []
+        if pending:
+            yield kind, self.tokenizer.decode(pending)

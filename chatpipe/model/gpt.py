@@ -1,0 +1,371 @@
+"""The GPT: a nanochat-style decoder-only transformer, plus the KV cache used for generation.
+
+Rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, no biases, untied embedding and
+lm_head, logit soft-capping, grouped-query attention and an optional sliding-window pattern.
+
+Usage::
+
+    from chatpipe.model.gpt import GPT, config_from_depth
+    config = config_from_depth(depth=4, vocab_size=4096, sequence_len=256)
+    with torch.device("meta"):          # or any real device
+        model = GPT(config)
+    model.to_empty(device="cpu")        # only needed after "meta"
+    model.init_weights()                # never called by __init__: do it explicitly
+    loss = model(idx, targets)          # scalar mean cross-entropy (targets == -1 ignored)
+    logits = model(idx)                 # float32 [B, T, vocab]
+
+``init_weights`` also rebuilds the rotary tables, so a model built on "meta" is complete after
+``to_empty`` + ``init_weights``. A model built on a real device already has correct tables and can
+load a state dict directly (rotary tables are non-persistent buffers, not in the state dict).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SOFTCAP = 15.0
+ROTARY_BASE = 10000.0
+ROTARY_LEN_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past training length
+
+
+@dataclass
+class GPTConfig:
+    """Model shape; exactly the keys a checkpoint's ``model_config`` holds (SPEC §5)."""
+
+    sequence_len: int = 2048
+    vocab_size: int = 65536
+    n_layer: int = 20
+    n_head: int = 10
+    n_kv_head: int = 10
+    n_embd: int = 1280
+    window_pattern: str = "L"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON sidecars and MLflow params."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error so typos surface."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown GPTConfig keys {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
+def config_from_depth(
+    depth: int,
+    vocab_size: int,
+    sequence_len: int,
+    head_dim: int = 128,
+    n_kv_head: int | None = None,
+    window_pattern: str = "L",
+) -> GPTConfig:
+    """Derive the whole shape from one dial: n_embd = 64*depth, n_head = n_embd // head_dim (>= 1)."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    n_embd = depth * 64
+    n_head = max(1, n_embd // head_dim)
+    if n_embd % n_head:
+        raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}; pick another head_dim")
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    if n_kv_head < 1 or n_head % n_kv_head:
+        divisors = [d for d in range(1, n_head + 1) if n_head % d == 0]
+        raise ValueError(f"n_kv_head={n_kv_head} must divide n_head={n_head}; allowed: {divisors}")
+    return GPTConfig(
+        sequence_len=sequence_len,
+        vocab_size=vocab_size,
+        n_layer=depth,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=n_embd,
+        window_pattern=window_pattern,
+    )
+
+
+def layer_windows(config: GPTConfig) -> list[int | None]:
+    """Attention window per layer: None = full causal ('L'), else sequence_len // 2 tokens ('S')."""
+    pattern = config.window_pattern.upper()
+    if not pattern or set(pattern) - {"S", "L"}:
+        raise ValueError(f"window_pattern={config.window_pattern!r} must be a non-empty string of 'S'/'L'")
+    chars = [pattern[i % len(pattern)] for i in range(config.n_layer)]
+    chars[-1] = "L"  # the last layer always sees the whole context
+    short = max(1, config.sequence_len // 2)
+    return [short if c == "S" else None for c in chars]
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm without learnable parameters."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the last dim of x [B, H, T, D] by position angles."""
+    half = x.size(-1) // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class KVCache:
+    """Preallocated keys/values for every layer: ``k``/``v`` are [n_layer, batch, n_kv_head, max_len, head_dim].
+
+    Storage is allocated on the first write (or :meth:`prefill`) with the dtype and device of the
+    incoming keys, so the same cache works under fp32 and bf16 autocast. ``pos`` is the number of
+    positions already filled; the model advances it after each forward.
+    """
+
+    def __init__(self, batch_size: int, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
+        self.shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.batch_size, self.max_len = batch_size, max_len
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.pos = 0
+
+    @classmethod
+    def from_config(cls, config: GPTConfig, batch_size: int, max_len: int) -> KVCache:
+        """A cache shaped for a model with ``config``."""
+        head_dim = config.n_embd // config.n_head
+        return cls(batch_size, config.n_layer, config.n_kv_head, head_dim, max_len)
+
+    def reset(self) -> None:
+        """Forget all positions (storage is kept for reuse)."""
+        self.pos = 0
+
+    def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
+        if self.k is None or self.k.dtype != dtype or self.k.device != device:
+            self.k = torch.zeros(self.shape, dtype=dtype, device=device)
+            self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+
+    def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [B, H, T, D] at positions pos..pos+T of ``layer``; return all keys/values so far."""
+        t = k.size(2)
+        if self.pos + t > self.max_len:
+            raise ValueError(f"KV cache full: {self.pos} + {t} positions > max_len {self.max_len}")
+        self._allocate(k.dtype, k.device)
+        self.k[layer, :, :, self.pos : self.pos + t] = k
+        self.v[layer, :, :, self.pos : self.pos + t] = v
+        return self.k[layer, :, :, : self.pos + t], self.v[layer, :, :, : self.pos + t]
+
+    def advance(self, t: int) -> None:
+        """Mark t more positions as filled (called once per forward, after the last layer)."""
+        self.pos += t
+
+    def prefill(self, other: KVCache) -> None:
+        """Copy ``other``'s filled positions into this cache, broadcasting a batch-1 cache to every row.
+
+        The engine prefills the prompt once with batch 1, then expands it to num_samples rows.
+        """
+        same = (0, 2, 4)  # layers, kv heads, head_dim must match; batch and max_len may differ
+        if any(other.shape[i] != self.shape[i] for i in same):
+            raise ValueError(f"cache shapes differ: {other.shape} vs {self.shape}")
+        if other.batch_size not in (1, self.batch_size):
+            raise ValueError(f"cannot expand batch {other.batch_size} to {self.batch_size}")
+        if other.pos > self.max_len:
+            raise ValueError(f"source has {other.pos} positions, more than max_len {self.max_len}")
+        if other.k is not None:
+            self._allocate(other.k.dtype, other.k.device)
+            self.k[:, :, :, : other.pos] = other.k[:, :, :, : other.pos]
+            self.v[:, :, :, : other.pos] = other.v[:, :, :, : other.pos]
+        self.pos = other.pos
+
+
+def _attention_mask(t0: int, t: int, window: int | None, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for queries at t0..t0+t over keys 0..t0+t with an optional window.
+
+    Fast paths avoid a mask: full causal from position 0 uses is_causal; a single query that sees
+    every key needs no mask at all. True in the mask = may attend.
+    """
+    total = t0 + t
+    if window is None or window >= total:
+        if t0 == 0:
+            return None, True
+        if t == 1:
+            return None, False
+    q_pos = torch.arange(t0, total, device=device).unsqueeze(1)
+    k_pos = torch.arange(total, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    return mask, False
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with rotary, QK-norm and grouped-query k/v heads."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: tuple[torch.Tensor | None, bool],
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.c_q(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
+        if kv_cache is not None:
+            k, v = kv_cache.insert(self.layer_idx, k, v)
+        attn_mask, is_causal = mask
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.n_kv_head != self.n_head
+        )
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """Two matrices with ReLU^2 between, 4x hidden width."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: tuple[torch.Tensor | None, bool],
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        x = x + self.attn(norm(x), cos, sin, mask, kv_cache)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    """The language model. Build, then call :meth:`init_weights` (see the module docstring)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd={config.n_embd} must be divisible by n_head={config.n_head}")
+        if config.n_head % config.n_kv_head:
+            raise ValueError(f"n_kv_head={config.n_kv_head} must divide n_head={config.n_head}")
+        if (config.n_embd // config.n_head) % 2:
+            raise ValueError(f"head_dim={config.n_embd // config.n_head} must be even for rotary embeddings")
+        self.config = config
+        self.windows = layer_windows(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        cos, sin = self._rotary_tables(self.wte.weight.device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _rotary_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim = self.config.n_embd // self.config.n_head
+        length = ROTARY_LEN_FACTOR * self.config.sequence_len
+        inv_freq = 1.0 / ROTARY_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
+        return angles.cos()[None, None], angles.sin()[None, None]  # [1, 1, length, head_dim/2]
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic (given the torch seed) init; also rebuilds the rotary tables on the current device."""
+        nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        s = math.sqrt(3.0) / math.sqrt(self.config.n_embd)  # uniform with std 1/sqrt(n_embd)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -s, s)
+            # zero output projections: every block starts as the identity on the residual stream
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        cos, sin = self._rotary_tables(self.wte.weight.device)
+        self.cos, self.sin = cos, sin
+
+    def hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too)."""
+        t = idx.size(1)
+        t0 = kv_cache.pos if kv_cache is not None else 0
+        if t0 + t > self.cos.size(2):
+            raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
+        cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
+        masks = {w: _attention_mask(t0, t, w, idx.device) for w in set(self.windows)}  # one per distinct window
+        x = norm(self.wte(idx))
+        for block, window in zip(self.blocks, self.windows):
+            x = block(x, cos, sin, masks[window], kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(t)
+        return norm(x)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        loss_reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).
+
+        ``loss_reduction="none"`` returns per-token losses [B, T] (0.0 where ignored). With a
+        ``kv_cache``, positions continue from ``kv_cache.pos`` and the new keys/values are appended.
+        """
+        b, t = idx.shape
+        logits = self.lm_head(self.hidden(idx, kv_cache)).float()
+        logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
+        if targets is None:
+            return logits
+        if loss_reduction not in ("mean", "none"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: 'mean', 'none'")
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction
+        )
+        return loss if loss_reduction == "mean" else loss.view(b, t)
+
+    def num_params(self) -> int:
+        """All parameters."""
+        return sum(p.numel() for p in self.parameters())
+
+    def num_embedding_params(self) -> int:
+        """Token embedding (wte) only; lm_head is a real matmul and counts as compute."""
+        return self.wte.weight.numel()
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 * non-embedding params + attention (window-limited per layer)."""
+        head_dim = self.config.n_embd // self.config.n_head
+        attn = sum(
+            12 * self.config.n_head * head_dim * (w if w is not None else self.config.sequence_len)
+            for w in self.windows
+        )
+        return 6 * (self.num_params() - self.num_embedding_params()) + attn
+
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Parameters by optimizer: ``matrix`` (Muon), ``embedding`` and ``lm_head`` (AdamW)."""
+        return {
+            "matrix": [p for p in self.blocks.parameters() if p.dim() == 2],
+            "embedding": [self.wte.weight],
+            "lm_head": [self.lm_head.weight],
+        }

@@ -1,0 +1,156 @@
+"""Load a model to talk to, by name, with its tokenizer, on the best device here.
+
+A name is one of:
+
+- a stage: ``base`` (pretrain), ``mid`` (midtrain), ``sft``, ``rl`` -> ``artifacts/<dir>/``, the
+  stage's final model as DVC tracks it; ``latest`` is the most advanced of these that exists;
+- ``models:/<name>/<version>`` (or ``models:/<name>@<alias>``): a version in the MLflow model
+  registry. The report stage registers the model directory written by
+  :func:`chatpipe.train.checkpoint.save_model_dir` under the artifact path ``model``;
+- a path to such a model directory.
+
+The tokenizer comes from ``artifacts/tokenizer/`` unless a ``tokenizer/`` folder sits beside the
+model files (a registered model may carry its own).
+
+    from chatpipe.model.loading import load_chat_model
+    loaded = load_chat_model("sft")            # Loaded(model, tokenizer, name, stage, meta, device)
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatpipe.tokenizer import Tokenizer
+from chatpipe.train.checkpoint import ARTIFACTS, load_model
+
+log = logging.getLogger(__name__)
+
+# stage name -> artifacts/ dir; pipeline order, so the last one present is the most advanced
+STAGE_DIRS = {"base": "base", "mid": "mid", "sft": "sft", "rl": "rl"}
+ALIASES = {"pretrain": "base", "midtrain": "mid"}
+
+
+@dataclass
+class Loaded:
+    """A model ready for :class:`chatpipe.inference.engine.Engine`, and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    name: str  # what was asked for, resolved ("sft", "models:/chatpipe/3", a path)
+    stage: str  # the stage that produced the weights (meta.json "stage")
+    meta: dict[str, Any]
+    device: torch.device
+
+    def describe(self) -> str:
+        """One line for banners and the web UI: name, stage, step, size."""
+        step = self.meta.get("step")
+        params = sum(p.numel() for p in self.model.parameters())
+        return (
+            f"{self.name} (stage {self.stage}{f', step {step}' if step is not None else ''}, "
+            f"{params / 1e6:.1f}M params, {self.device.type})"
+        )
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """``auto``: the first CUDA GPU when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device} requested but CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def stage_dir(name: str, artifacts: Path = ARTIFACTS) -> Path:
+    """The artifacts dir of a stage name (or ``latest``), with a clear error when it has not run."""
+    name = ALIASES.get(name, name)
+    if name == "latest":
+        present = [s for s in STAGE_DIRS if (artifacts / STAGE_DIRS[s] / "meta.json").exists()]
+        if not present:
+            raise FileNotFoundError(
+                f"no trained model under {artifacts}/ (looked for "
+                f"{', '.join(STAGE_DIRS.values())}): run the pipeline first"
+            )
+        return artifacts / STAGE_DIRS[present[-1]]
+    path = artifacts / STAGE_DIRS[name]
+    if not (path / "meta.json").exists():
+        raise FileNotFoundError(
+            f"{path}/meta.json not found: run the `{name}` stage first "
+            f"(or pick another of: latest, {', '.join(STAGE_DIRS)})"
+        )
+    return path
+
+
+def download_registered(uri: str, tracking_uri: str | None = None) -> Path:
+    """Download a registered model version (``models:/name/version``) and return its model dir.
+
+    ``tracking_uri`` defaults to the ``tracking`` section of params.yaml.
+    """
+    import mlflow
+
+    if tracking_uri is None:  # the project's store (params.yaml `tracking.uri`), not MLflow's ./mlruns default
+        from chatpipe.settings import TrackingSettings, load_section
+
+        tracking_uri = load_section(TrackingSettings).uri
+    mlflow.set_tracking_uri(tracking_uri)
+    dst = Path(tempfile.mkdtemp(prefix="chatpipe-model-"))
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    except Exception as e:  # mlflow raises several types; all mean "not there"
+        raise FileNotFoundError(
+            f"{uri}: cannot download from the MLflow registry at {mlflow.get_tracking_uri()}: {e}"
+        ) from None
+    for candidate in (local, local / "model"):  # the version's source may be the run or its "model" dir
+        if (candidate / "meta.json").exists():
+            return candidate
+    raise FileNotFoundError(
+        f"{uri}: downloaded to {local} but it holds no meta.json + model.pt "
+        "(expected the dir written by save_model_dir, logged as artifact path 'model')"
+    )
+
+
+def resolve(name: str, artifacts: Path = ARTIFACTS, tracking_uri: str | None = None) -> Path:
+    """The local model directory a name refers to (downloading registered models)."""
+    if name.startswith("models:/"):
+        return download_registered(name, tracking_uri)
+    if name == "latest" or ALIASES.get(name, name) in STAGE_DIRS:
+        return stage_dir(name, artifacts)
+    path = Path(name)
+    if (path / "meta.json").exists():
+        return path
+    raise FileNotFoundError(
+        f"model {name!r}: not a stage (latest, {', '.join(STAGE_DIRS)}), "
+        "not models:/<name>/<version>, and not a directory with meta.json"
+    )
+
+
+def load_chat_model(
+    name: str = "latest",
+    *,
+    artifacts: Path = ARTIFACTS,
+    tokenizer_dir: Path | None = None,
+    device: str = "auto",
+    tracking_uri: str | None = None,
+) -> Loaded:
+    """Load model + tokenizer by name (see the module docstring) onto ``device``."""
+    dev = pick_device(device)
+    model_dir = resolve(name, Path(artifacts), tracking_uri)
+    if tokenizer_dir is None:
+        beside = model_dir / "tokenizer"
+        tokenizer_dir = beside if beside.is_dir() else Path(artifacts) / "tokenizer"
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    model, meta = load_model(model_dir, device=dev)
+    vocab = model.config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"{tokenizer_dir}: tokenizer has {tokenizer.vocab_size} ids but the model in "
+            f"{model_dir} only {vocab}: they come from different runs"
+        )
+    shown = name if name.startswith("models:/") or name not in (*STAGE_DIRS, *ALIASES, "latest") else model_dir.name
+    log.info("loaded %s from %s on %s", shown, model_dir, dev)
+    return Loaded(model, tokenizer, shown, str(meta.get("stage", "?")), meta, dev)

@@ -1,0 +1,75 @@
+"""Verifiable rewards for RL (SPEC §8): answer extraction and pluggable reward functions.
+
+GSM8K and the tiny-world arithmetic both end an answer with ``#### <number>``; the reward is 1.0
+when the completion's extracted number equals the gold one.
+
+    from chatpipe.rl.rewards import extract_answer, get_reward
+    extract_answer("5 + 7 = 12.\\n#### 12")            # "12"
+    reward = get_reward("exact")
+    reward("The answer is 12.\\n#### 12", "12")        # 1.0
+
+A reward function is ``f(completion: str, gold: str) -> float``; register more with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+RewardFn = Callable[[str, str], float]
+
+_ANSWER = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def normalize_number(text: str) -> str:
+    """Canonical form of a number: no thousands commas, no trailing ``.0`` / zeros after a dot."""
+    s = text.replace(",", "").strip()
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:
+    """The number after the first ``####`` in ``text`` (normalised), or None.
+
+    With ``fallback_last_number`` a completion without ``####`` yields its last number instead
+    (lenient grading; off by default because it rewards answers the format did not commit to).
+    """
+    m = _ANSWER.search(text)
+    if m:
+        return normalize_number(m.group(1))
+    if fallback_last_number:
+        numbers = _NUMBER.findall(text)
+        if numbers:
+            return normalize_number(numbers[-1])
+    return None
+
+
+def exact_answer(completion: str, gold: str) -> float:
+    """1.0 when the ``####`` answer of ``completion`` equals ``gold`` (a number or a gold text with ``####``)."""
+    want = extract_answer(gold) or normalize_number(gold)
+    got = extract_answer(completion)
+    return float(got is not None and got == want)
+
+
+def exact_or_format(completion: str, gold: str) -> float:
+    """Like :func:`exact_answer`, plus 0.1 for a wrong answer that at least used the ``####`` format."""
+    score = exact_answer(completion, gold)
+    return score if score > 0 else (0.1 if extract_answer(completion) is not None else 0.0)
+
+
+REWARDS: dict[str, RewardFn] = {"exact": exact_answer, "exact_or_format": exact_or_format}
+
+
+def register(name: str, fn: RewardFn) -> None:
+    """Add a reward function under ``name`` (e.g. a task's own verifier or a reward model wrapper)."""
+    REWARDS[name] = fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function called ``name``; a clear error lists the known ones."""
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; allowed: {', '.join(sorted(REWARDS))}") from None

@@ -1,0 +1,238 @@
+"""RL rollouts: which prompts a rank samples, sampling groups with the engine, per-token log-probs.
+
+    problems = load_problems("tinyworld_arith", "train", n=512, seed=0)
+    idx = rank_indices(len(problems), step, per_rank=8, rank=rt.rank, world_size=rt.world_size, seed=0)
+    batch = collect_rollouts(engine, [problems[i] for i in idx], group_size=8, max_new_tokens=64, seed=...)
+    logp = token_logprobs(model, batch.inputs, batch.targets, micro_batch=16)   # [B, T]
+
+A :class:`Rollouts` batch is aligned for next-token prediction: ``inputs = ids[:, :-1]``,
+``targets = ids[:, 1:]`` and ``mask`` is 1 on targets the policy sampled (its actions), 0 on the
+prompt, on tool outputs the engine forced in, and on padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chatpipe.rl.rewards import RewardFn, get_reward
+
+# --------------------------------------------------------------------------- problems
+
+
+@dataclass
+class Problem:
+    """One RL prompt: the conversation (last message = gold answer) and how to score a completion."""
+
+    conversation: dict[str, Any]
+    score: Callable[[str], float]
+
+
+def gold_text(conversation: dict[str, Any]) -> str:
+    """The text of the conversation's final (assistant) message, tool parts included."""
+    content = conversation["messages"][-1]["content"]
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+
+
+def load_problems(
+    task: str, split: str, n: int, seed: int = 0, reward: str = "exact", source: str = ""
+) -> list[Problem]:
+    """``n`` problems of ``task`` ("tinyworld_arith", "gsm8k", ...) from ``split``.
+
+    Uses :func:`chatpipe.data.tasks.build_task` when that package exists (its ``reward`` wins unless a
+    reward name other than "exact" is asked for; ``source`` picks hf | local | synthetic where the
+    task has sources, "" its default). Without that package the tiny-world arithmetic comes from
+    the synthetic generator directly (``seed`` only matters there).
+    """
+    reward_fn = get_reward(reward)
+    try:
+        from chatpipe.data.tasks import build_task
+    except ImportError:
+        build_task = None
+    if build_task is not None:
+        t = build_task(task, split, limit=n, source=source or None)
+        convs = [t[i] for i in range(min(n, len(t)))]
+        if reward == "exact" and hasattr(t, "reward"):
+            return [Problem(c, lambda text, c=c: float(t.reward(c, text))) for c in convs]
+        return [Problem(c, _gold_scorer(reward_fn, gold_text(c))) for c in convs]
+    if task != "tinyworld_arith":
+        raise ValueError(
+            f"task {task!r} needs chatpipe.data.tasks (not installed yet); available without it: tinyworld_arith"
+        )
+    from chatpipe.data.synthetic import tool_conversations
+
+    convs = tool_conversations(seed, n, split)
+    return [Problem(c, _gold_scorer(reward_fn, gold_text(c))) for c in convs]
+
+
+def _gold_scorer(fn: RewardFn, gold: str) -> Callable[[str], float]:
+    return lambda text: fn(text, gold)
+
+
+def rank_indices(num_items: int, step: int, per_rank: int, rank: int, world_size: int, seed: int) -> list[int]:
+    """Problem indices this rank samples at ``step``: disjoint across ranks, a fresh shuffle every epoch.
+
+    The global batch (``per_rank * world_size``) walks a per-epoch permutation; the items left
+    over at the end of an epoch are skipped, so one step never holds a problem twice.
+    """
+    global_batch = per_rank * world_size
+    if global_batch > num_items:
+        raise ValueError(
+            f"{global_batch} prompts per step (x{world_size} ranks) but only {num_items} problems; "
+            "lower prompts_per_step or raise num_train_problems"
+        )
+    steps_per_epoch = num_items // global_batch
+    epoch, offset = divmod(step, steps_per_epoch)
+    perm = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    start = offset * global_batch + rank * per_rank
+    return perm[start : start + per_rank].tolist()
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+@dataclass
+class Rollouts:
+    """A batch of sampled responses, padded and aligned for next-token log-probs."""
+
+    inputs: torch.Tensor  # [B, T] long
+    targets: torch.Tensor  # [B, T] long
+    mask: torch.Tensor  # [B, T] float, 1 = sampled (action) token
+    scores: torch.Tensor  # [B] float, verifier reward
+    ended: torch.Tensor  # [B] bool, stopped with <|assistant_end|>
+    lengths: torch.Tensor  # [B] long, number of action tokens
+    groups: torch.Tensor  # [B] long, which prompt (within this batch) the row answers
+    completions: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens (sampled + forced) in the batch."""
+        return int(self.lengths.sum())
+
+    def select(self, rows: torch.Tensor) -> Rollouts:
+        """The sub-batch of ``rows`` (for minibatches)."""
+        picked = [self.completions[i] for i in rows.tolist()] if self.completions else []
+        return Rollouts(
+            self.inputs[rows],
+            self.targets[rows],
+            self.mask[rows],
+            self.scores[rows],
+            self.ended[rows],
+            self.lengths[rows],
+            self.groups[rows],
+            picked,
+        )
+
+
+def pad_batch(
+    seqs: list[list[int]], masks: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad sequences; return (inputs, targets, action mask) shifted by one for next-token targets."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    m = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (s, mk) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        m[i, : len(mk)] = torch.tensor(mk, dtype=torch.float32)
+    return ids[:, :-1], ids[:, 1:], m[:, 1:]
+
+
+@torch.no_grad()
+def collect_rollouts(
+    engine: Any,
+    problems: list[Problem],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> Rollouts:
+    """Sample ``group_size`` responses per problem (tool use on) and score them with each problem's verifier.
+
+    ``seed`` makes the batch reproducible: problem ``j`` samples with seed ``seed + j``.
+    """
+    tok = engine.tokenizer
+    seqs, masks, scores, ended, lengths, groups, completions = [], [], [], [], [], [], []
+    for j, problem in enumerate(problems):
+        prompt = tok.render_for_completion(problem.conversation)
+        out, out_masks = engine.generate_batch(
+            prompt,
+            num_samples=group_size,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed + j,
+        )
+        for s, mk in zip(out, out_masks):
+            gen, gen_mask = s[len(prompt) :], mk[len(prompt) :]
+            stopped = bool(gen) and gen[-1] == engine.assistant_end and gen_mask[-1] == 1
+            text = tok.decode(gen[:-1] if stopped else gen)
+            seqs.append(s)
+            masks.append(mk)
+            scores.append(problem.score(text))
+            ended.append(stopped)
+            lengths.append(sum(gen_mask))
+            groups.append(j)
+            completions.append(text)
+    inputs, targets, mask = pad_batch(seqs, masks, tok.bos_id)
+    return Rollouts(
+        inputs.to(device),
+        targets.to(device),
+        mask.to(device),
+        torch.tensor(scores, dtype=torch.float32, device=device),
+        torch.tensor(ended, dtype=torch.bool, device=device),
+        torch.tensor(lengths, dtype=torch.long, device=device),
+        torch.tensor(groups, dtype=torch.long, device=device),
+        completions,
+    )
+
+
+# --------------------------------------------------------------------------- model passes
+
+
+def token_logprobs(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int = 0
+) -> torch.Tensor:
+    """log p(target | prefix) for every position [B, T], computed ``micro_batch`` rows at a time.
+
+    Uses the model's own per-token cross-entropy, so the [B, T, vocab] log-softmax is never kept.
+    Gradients flow when called outside ``no_grad``.
+    """
+    step = micro_batch if micro_batch > 0 else inputs.size(0)
+    parts = [
+        -model(inputs[i : i + step], targets[i : i + step], loss_reduction="none")
+        for i in range(0, inputs.size(0), step)
+    ]
+    return torch.cat(parts)
+
+
+def evaluate_problems(
+    engine: Any,
+    problems: list[Problem],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> list[list[bool]]:
+    """Per-problem lists of sample correctness (score > 0), for pass@k."""
+    out = []
+    for j, problem in enumerate(problems):
+        prompt = engine.tokenizer.render_for_completion(problem.conversation)
+        seqs, _ = engine.generate_batch(
+            prompt,
+            num_samples=num_samples,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed + j,
+        )
+        texts = [engine.tokenizer.decode([t for t in s[len(prompt) :] if t != engine.assistant_end]) for s in seqs]
+        out.append([problem.score(t) > 0 for t in texts])
+    return out

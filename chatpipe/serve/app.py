@@ -1,0 +1,341 @@
+"""Web UI and JSON API for chatting with a trained model (FastAPI + one static HTML page).
+
+Run::
+
+    chatpipe serve                               # http://127.0.0.1:8000, model from params.yaml `serve`
+    chatpipe serve --model sft --port 8080 --num-engines 4
+    python -m chatpipe.serve.app --host 0.0.0.0      # expose it beyond this machine (on purpose only)
+
+Endpoints:
+
+- ``GET /``            the chat page (chatpipe/serve/static/index.html)
+- ``GET /health``      status, model name and stage, limits, engines busy / queued
+- ``POST /api/chat``   ``{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.6,
+  "top_k": 50, "max_tokens": 256, "seed": 1, "stream": true}``. With ``stream`` (the default) the
+  reply comes as server-sent events, one JSON object per ``data:`` line: ``{"kind": "text" |
+  "python" | "python_output", "text": ...}`` deltas, then ``{"done": true, "message": ...,
+  "tokens": n, "finish_reason": ...}`` (or ``{"error": ...}``). Without it: one JSON object,
+  ``{"message": {"role": "assistant", "content": ...}, "text": ..., "tokens": n, ...}``.
+
+Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}``. At most
+``num_engines`` replies are generated at once (worker threads over the one model: every
+generation has its own KV cache, so conversations never mix); up to ``max_queue`` more wait, then
+503. A client that disconnects mid-stream stops its generation at the next token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from chatpipe.inference.engine import Engine
+from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for
+from chatpipe.settings import ParamsError, ServeSettings, load_section
+
+log = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+
+
+class ApiError(Exception):
+    """A request we refuse: HTTP status and a message for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class Part(BaseModel):
+    type: Literal["text", "python", "python_output"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Part]
+
+
+class ChatRequest(BaseModel):
+    messages: list[Message] = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0, le=5)
+    top_k: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0)
+    stream: bool = True
+
+
+# --------------------------------------------------------------------------- engine pool
+
+
+class EnginePool:
+    """Runs at most ``size`` generations at once in worker threads; up to ``max_queue`` wait."""
+
+    def __init__(self, engine: Engine, size: int, max_queue: int) -> None:
+        self.engine, self.size, self.max_queue = engine, size, max_queue
+        self.executor = ThreadPoolExecutor(size, thread_name_prefix="engine")
+        self.slots = asyncio.Semaphore(size)
+        self.active = self.waiting = self.served = self.cancelled = 0
+
+    def check_capacity(self) -> None:
+        """Refuse (503) before streaming starts when the queue is full."""
+        if self.active >= self.size and self.waiting >= self.max_queue:
+            raise ApiError(
+                503,
+                f"server busy: {self.active} replies generating and {self.waiting} queued "
+                f"(serve.max_queue={self.max_queue}); retry shortly",
+            )
+
+    async def stream(self, prompt: list[int], stats: dict[str, Any], **kw: Any) -> AsyncIterator[tuple[str, str]]:
+        """Deltas of one reply, generated in a worker thread; closing this iterator cancels it."""
+        self.waiting += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.waiting -= 1
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (server shutting down)
+                cancel.set()
+
+        def work() -> None:
+            try:
+                for piece in self.engine.stream(prompt, stats=stats, **kw):
+                    if cancel.is_set():
+                        return
+                    put(piece)
+            except Exception as e:  # reported to this client; the server carries on
+                log.exception("generation failed")
+                put(e)
+            finally:
+                put(None)
+
+        def release(_: Any) -> None:
+            self.active -= 1
+            self.cancelled += cancel.is_set()
+            self.served += not cancel.is_set()
+            self.slots.release()
+
+        self.active += 1
+        # the slot is freed when the thread really stops, not when the client goes away
+        loop.run_in_executor(self.executor, work).add_done_callback(release)
+        finished = False
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                cancel.set()
+
+
+# --------------------------------------------------------------------------- app
+
+
+def check_request(req: ChatRequest, cfg: ServeSettings) -> None:
+    """Enforce the server's limits with messages that name them."""
+    if len(req.messages) > cfg.max_turns:
+        raise ApiError(
+            422,
+            f"conversation has {len(req.messages)} messages; the limit is {cfg.max_turns} "
+            "(serve.max_turns): start a new chat",
+        )
+    for i, msg in enumerate(req.messages):
+        n = len(msg.content) if isinstance(msg.content, str) else sum(len(p.text) for p in msg.content)
+        if n > cfg.max_message_chars:
+            raise ApiError(
+                413, f"message {i} is {n} characters; the limit is {cfg.max_message_chars} (serve.max_message_chars)"
+            )
+    if req.max_tokens is not None and req.max_tokens > cfg.max_tokens_limit:
+        raise ApiError(
+            422, f"max_tokens={req.max_tokens} is over the limit of {cfg.max_tokens_limit} (serve.max_tokens_limit)"
+        )
+    if req.messages[-1].role != "user":
+        raise ApiError(422, "the last message must be from the user")
+
+
+def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
+    """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
+    app = FastAPI(title="chatpipe", docs_url="/api/docs", redoc_url=None)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    pool = EnginePool(engine, cfg.num_engines, cfg.max_queue)
+    app.state.pool = pool
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        if any(err["type"] == "json_invalid" for err in errors):
+            detail = "; ".join(
+                f"{err.get('ctx', {}).get('error', err['msg'])} at character {err['loc'][-1]}"
+                for err in errors
+                if err["type"] == "json_invalid"
+            )
+            return JSONResponse({"error": f"request body is not valid JSON: {detail}"}, status_code=400)
+        msgs = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors]
+        return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": loaded.name,
+            "stage": loaded.stage,
+            "step": loaded.meta.get("step"),
+            "description": loaded.describe(),
+            "device": loaded.device.type,
+            "engines": pool.size,
+            "active": pool.active,
+            "waiting": pool.waiting,
+            "served": pool.served,
+            "cancelled": pool.cancelled,
+            "limits": {
+                "max_message_chars": cfg.max_message_chars,
+                "max_turns": cfg.max_turns,
+                "max_tokens": cfg.max_tokens_limit,
+            },
+            "defaults": {"temperature": cfg.temperature, "top_k": cfg.top_k, "max_tokens": cfg.max_tokens},
+        }
+
+    @app.post("/api/chat")
+    async def chat(req: ChatRequest):
+        check_request(req, cfg)
+        messages = [m.model_dump() for m in req.messages]
+        max_tokens = req.max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit)
+        try:
+            prompt = prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
+        except ValueError as e:  # roles out of order, or too long for the context
+            raise ApiError(413 if isinstance(e, ContextTooLong) else 422, str(e)) from None
+        pool.check_capacity()
+        top_k = cfg.top_k if req.top_k is None else req.top_k
+        kw = dict(
+            max_tokens=max_tokens,
+            temperature=cfg.temperature if req.temperature is None else req.temperature,
+            top_k=top_k or None,
+            seed=cfg.seed if req.seed is None else req.seed,
+        )
+        stats: dict[str, Any] = {}
+        t0 = time.perf_counter()
+
+        def summary(parts: list[dict[str, str]]) -> dict[str, Any]:
+            text = all(p["type"] == "text" for p in parts)
+            content = "".join(p["text"] for p in parts) if text else parts
+            return {
+                "message": {"role": "assistant", "content": content},
+                "text": "".join(p["text"] for p in parts if p["type"] == "text"),
+                "tokens": stats.get("tokens", 0),
+                "finish_reason": stats.get("finish_reason"),
+                "seconds": round(time.perf_counter() - t0, 4),
+                "model": loaded.name,
+            }
+
+        if not req.stream:
+            parts: list[dict[str, str]] = []
+            async for kind, text in pool.stream(prompt, stats, **kw):
+                append_part(parts, kind, text)
+            return summary(parts)
+
+        async def events() -> AsyncIterator[str]:
+            parts: list[dict[str, str]] = []
+            try:
+                async for kind, text in pool.stream(prompt, stats, **kw):
+                    append_part(parts, kind, text)
+                    yield f"data: {json.dumps({'kind': kind, 'text': text})}\n\n"
+                yield f"data: {json.dumps({'done': True, **summary(parts)})}\n\n"
+            except Exception as e:  # headers are sent: report in-band
+                yield f"data: {json.dumps({'error': f'generation failed: {e}'})}\n\n"
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    return app
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    """Start uvicorn in a daemon thread (tests, benchmarks); returns (server, base_url).
+
+    Stop it with ``server.should_exit = True``. Port 0 picks a free port.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, f"http://{host}:{bound}"
+
+
+def parse_args(argv: list[str] | None) -> ServeSettings:
+    """Command-line flags over the params.yaml `serve` section."""
+    p = argparse.ArgumentParser(prog="chatpipe serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="base | mid | sft | rl | latest | models:/<name>/<version> | a model dir")
+    p.add_argument("--device", help="auto | cpu | cuda")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int)
+    p.add_argument("--num-engines", dest="num_engines", type=int, help="replies generated at once")
+    p.add_argument("--max-queue", dest="max_queue", type=int)
+    p.add_argument("-t", "--temperature", type=float)
+    p.add_argument("-k", "--top-k", dest="top_k", type=int)
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, help="default new tokens per reply")
+    p.add_argument("--max-message-chars", dest="max_message_chars", type=int)
+    p.add_argument("--max-turns", dest="max_turns", type=int)
+    p.add_argument("--max-tokens-limit", dest="max_tokens_limit", type=int)
+    args = vars(p.parse_args(argv))
+    return load_section(ServeSettings, {k: v for k, v in args.items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``chatpipe serve``."""
+    import uvicorn
+
+    from chatpipe.model.loading import load_chat_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = parse_args(argv)
+        loaded = load_chat_model(cfg.model, device=cfg.device)
+    except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"chatpipe serve: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {loaded.describe()} at http://{cfg.host}:{cfg.port}", flush=True)
+    uvicorn.run(create_app(loaded, cfg), host=cfg.host, port=cfg.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Training loop shared by the chat stages (midtrain, sft): packed conversations, assistant-only loss.
+
+The two stages differ only in their mixture, their starting model and what they check at the end,
+so each stage script is settings plus one call to :func:`train_chat`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from chatpipe import runtime, tracking
+from chatpipe.data.packing import ConversationLoader, fill_ratio, pack_rows, render_all
+from chatpipe.data.tasks import build_mixture
+from chatpipe.io import fingerprint, sha256_file
+from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.tokenizer import Tokenizer
+from chatpipe.train.checkpoint import (
+    ARTIFACTS,
+    WORK,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+    save_model_dir,
+)
+from chatpipe.train.loop import (
+    OBSERVABILITY_KEYS,
+    evaluate_loss_bpb,
+    fixed_batches,
+    grad_accum_steps,
+    scheduled_train_step,
+)
+from chatpipe.train.optim import build_optimizers
+
+log = logging.getLogger("chattrain")
+# rank 0's end-of-training hook: (model, tokenizer, MLflow run or None) -> extra summary metrics
+Finish = Callable[[torch.nn.Module, Tokenizer, object], dict[str, float]]
+
+
+def train_chat(
+    cfg: ChatTrainSettings,
+    rt: runtime.Runtime,
+    *,
+    stage: str,
+    init_dir: Path,
+    out_dir: Path,
+    resume_ignores: frozenset[str] = frozenset(),
+    finish: Finish | None = None,
+) -> None:
+    """Fine-tune the model in ``init_dir`` on ``cfg.mixture`` and save it to ``out_dir``.
+
+    Best-fit packed conversations, assistant-only loss, flat-then-decay LR, Muon momentum ramp,
+    val loss/bpb, resumable checkpoints in ``checkpoints/<stage>/``, an MLflow run named ``stage``.
+    ``finish(model, tokenizer, run)`` runs on rank 0 after training and adds to the summary;
+    settings in ``resume_ignores`` (like those of ``finish``) may change without invalidating checkpoints.
+    """
+    work, tok_dir = WORK / stage, ARTIFACTS / "tokenizer"
+
+    # --- data: build, render and pack the mixtures first, so a malformed row stops us before training
+    identity = {"model_name": cfg.model_name, "model_maker": cfg.model_maker}
+    train_mix = build_mixture(cfg.mixture, "train", seed=cfg.seed, **identity)
+    val_mix = build_mixture(cfg.mixture, "val", seed=cfg.seed, cap=cfg.val_limit, **identity)
+    tok = Tokenizer.load(tok_dir)
+    token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
+    capacity = cfg.max_seq_len + 1  # inputs and targets are the row shifted by one
+    train_data, val_data = render_all(train_mix, tok, capacity), render_all(val_mix, tok, capacity)
+    train_rows, val_rows = pack_rows(train_data.lengths, capacity), pack_rows(val_data.lengths, capacity)
+    fill = fill_ratio(train_rows, capacity)
+    log.info(
+        "mixture: %d conversations -> %d rows of %d tokens, fill %.1f%% (val: %d conversations, %d rows)",
+        len(train_mix),
+        len(train_rows),
+        capacity,
+        100 * fill,
+        len(val_mix),
+        len(val_rows),
+    )
+
+    # --- model: the previous stage's weights
+    model, init_meta = load_model(init_dir, rt.device)
+    model.train()
+    model_config = model.config
+    inputs = {"init": init_meta["files"]["model.pt"], "tokenizer": sha256_file(tok_dir / "tokenizer.json")}
+
+    # --- batch math and schedule length (-1: one pass over the packed mixture)
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.max_seq_len, rt.world_size)
+    rows_per_step = cfg.total_batch_size // cfg.max_seq_len
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(len(train_rows) / rows_per_step)
+    log.info(
+        "%d steps x %d tokens (grad accum %d, world %d), %.2f passes over the mixture",
+        total_steps,
+        cfg.total_batch_size,
+        grad_accum,
+        rt.world_size,
+        total_steps * rows_per_step / len(train_rows),
+    )
+
+    # --- optimizer
+    f = cfg.init_lr_frac
+    optimizers = build_optimizers(
+        model,
+        matrix_lr=cfg.matrix_lr * f,
+        embedding_lr=cfg.embedding_lr * f,
+        unembedding_lr=cfg.unembedding_lr * f,
+        weight_decay=cfg.weight_decay,
+    )
+
+    # --- resume from the newest valid checkpoint made with the same settings and inputs
+    ignored = OBSERVABILITY_KEYS | resume_ignores
+    run_fp = fingerprint({"settings": {k: v for k, v in snapshot(cfg).items() if k not in ignored}, "inputs": inputs})
+    start_step, start_row = 0, 0
+    ckpt = latest_checkpoint(work, run_fp)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
+        start_step, start_row = meta["step"], meta["loader"]["row"]
+        log.info("resuming from %s (step %d)", ckpt, start_step)
+
+    loader_kw = dict(
+        batch_size=cfg.device_batch_size,
+        seq_len=cfg.max_seq_len,
+        pad_id=tok.bos_id,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        device=rt.device,
+    )
+    train_loader = ConversationLoader(train_data, train_rows, start_row=start_row, **loader_kw)
+    ddp_model = DDP(model) if rt.world_size > 1 else model
+    step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    rows_per_eval = cfg.device_batch_size * rt.world_size
+    eval_steps = max(
+        1, min(cfg.eval_tokens // (rows_per_eval * cfg.max_seq_len), math.ceil(len(val_rows) / rows_per_eval))
+    )
+
+    def val_metrics() -> tuple[float, float]:
+        batches = list(fixed_batches(ConversationLoader(val_data, val_rows, **loader_kw).next_batch, eval_steps))
+        return evaluate_loss_bpb(model, batches, token_bytes, rt)
+
+    def checkpoint_meta() -> dict:
+        return {
+            "stage": stage,
+            "fingerprint": run_fp,
+            "world_size": rt.world_size,
+            "model_config": model_config.to_dict(),
+            "settings": snapshot(cfg),
+            "inputs": inputs,
+            "loader": train_loader.state(),
+            "total_steps": total_steps,
+        }
+
+    # --- loop
+    params = {
+        stage: snapshot(cfg),
+        "model_config": model_config.to_dict(),
+        "grad_accum": grad_accum,
+        "world_size": rt.world_size,
+        "total_steps": total_steps,
+        "train_rows": len(train_rows),
+        "train_conversations": len(train_mix),
+    }
+    with tracking.stage_run(
+        stage, load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
+    ) as run:
+        metrics = tracking.MetricBuffer(run)
+        metrics.log({"packing/fill_ratio": fill}, 0)
+        step, val_loss, bpb, t_train = start_step, float("nan"), float("nan"), 0.0
+        while True:
+            last = step == total_steps
+            if last or (cfg.eval_every and step % cfg.eval_every == 0):
+                val_loss, bpb = val_metrics()
+                metrics.log({"val/loss": val_loss, "val/bpb": bpb}, step)
+                log.info("step %d | val loss %.4f | val bpb %.4f", step, val_loss, bpb)
+            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                save_checkpoint(
+                    work,
+                    step,
+                    model=model,
+                    optimizers=optimizers,
+                    meta=checkpoint_meta(),
+                    rank=rt.rank,
+                    keep=cfg.keep_checkpoints,
+                )
+            if last:
+                break
+
+            loss, lr_mult, dt = scheduled_train_step(
+                step, total_steps, cfg, step_model, train_loader.next_batch, optimizers, grad_accum=grad_accum, rt=rt
+            )
+            step += 1
+            t_train += dt
+            metrics.log(
+                {
+                    "train/loss": loss,
+                    "lr_mult": lr_mult,
+                    "tokens_per_s": cfg.total_batch_size / dt,
+                    "epoch": train_loader.epoch,
+                },
+                step,
+            )
+            if step % cfg.log_every == 0 or step == total_steps:
+                log.info(
+                    "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s",
+                    step,
+                    total_steps,
+                    loss,
+                    lr_mult,
+                    cfg.total_batch_size / dt,
+                )
+
+        # --- stage-specific checks, then save the final model for the next stage
+        summary = {"val_loss": val_loss, "val_bpb": bpb, "fill_ratio": fill, "train_seconds": t_train}
+        if rt.is_main and finish is not None:
+            summary.update(finish(model, tok, run))
+        metrics.log({"final/val_loss": val_loss, "final/val_bpb": bpb}, step)
+        metrics.flush()
+        if rt.is_main:
+            save_model_dir(
+                out_dir, model, {**checkpoint_meta(), "step": step, "summary": summary, "source_stage": stage}
+            )
+            if run is not None:
+                import mlflow
+
+                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            log.info("saved %s (val loss %.4f, bpb %.4f)", out_dir, val_loss, bpb)
+    runtime.barrier()

@@ -1,0 +1,154 @@
+"""Plain functions every training stage shares: batch math, one optimizer step, bpb eval, MFU.
+
+Stages call these from their own top-to-bottom loop; there is no trainer class to inherit from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from chatpipe.runtime import Runtime, all_reduce_sum
+from chatpipe.train.optim import apply_schedules, lr_multiplier, muon_momentum
+
+# Dense bf16 peak FLOP/s per GPU, for MFU (SPEC §6). Unknown devices report no MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+# Settings that only change what is observed, not the trained weights: they may differ on resume.
+OBSERVABILITY_KEYS = frozenset(
+    {
+        "eval_every",
+        "eval_tokens",
+        "sample_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "log_every",
+        "compile",
+        "device",
+    }
+)
+
+
+def grad_accum_steps(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> int:
+    """Micro-steps per optimizer step so that 1 GPU and N GPUs do the same math."""
+    per_micro = device_batch_size * seq_len * world_size
+    if total_batch_size % per_micro:
+        raise ValueError(
+            f"total_batch_size = {total_batch_size} tokens is not a multiple of device_batch_size x sequence_len "
+            f"x world_size = {device_batch_size} x {seq_len} x {world_size} = {per_micro}; "
+            f"allowed: multiples of {per_micro}"
+        )
+    return total_batch_size // per_micro
+
+
+def peak_flops(device: torch.device) -> float:
+    """Peak bf16 FLOP/s of this GPU, or 0.0 when unknown (CPU)."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
+
+
+def train_step(
+    model: torch.nn.Module,
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    optimizers: Iterable[torch.optim.Optimizer],
+    *,
+    grad_accum: int,
+    rt: Runtime,
+    grad_clip: float = 0.0,
+) -> float:
+    """Forward/backward ``grad_accum`` micro-batches, step every optimizer; returns the mean loss over ranks."""
+    total = torch.zeros((), device=rt.device)
+    for micro in range(grad_accum):
+        x, y = next_batch()
+        # DDP all-reduces only on the last micro-step; the others accumulate locally.
+        sync = micro == grad_accum - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync(), rt.autocast():
+            loss = model(x, y)
+        (loss / grad_accum).backward()
+        total += loss.detach()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    total /= grad_accum
+    return (all_reduce_sum(total) / rt.world_size).item()
+
+
+def scheduled_train_step(
+    step: int,
+    total_steps: int,
+    cfg,
+    model: torch.nn.Module,
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    grad_accum: int,
+    rt: Runtime,
+) -> tuple[float, float, float]:
+    """Step ``step`` of ``total_steps``: set its LR multiplier and Muon momentum, then :func:`train_step`.
+
+    ``cfg`` is a stage's settings with the schedule fields (``warmup_steps``, ``warmdown_ratio``,
+    ``final_lr_frac``, ``schedule``, ``momentum_warmup_steps``, ``grad_clip``).
+    Returns ``(loss, lr multiplier, seconds)``.
+    """
+    lr_mult = lr_multiplier(
+        step,
+        total_steps,
+        warmup_steps=cfg.warmup_steps,
+        warmdown_ratio=cfg.warmdown_ratio,
+        final_lr_frac=cfg.final_lr_frac,
+        schedule=cfg.schedule,
+    )
+    apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
+    t0 = time.perf_counter()
+    loss = train_step(model, next_batch, optimizers, grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return loss, lr_mult, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def evaluate_loss_bpb(
+    model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes: torch.Tensor, rt: Runtime
+) -> tuple[float, float]:
+    """Mean loss (nats) over targets (-1 ignored) and bits per byte, in one pass over all ranks.
+
+    Bits per byte = summed losses of targets with a byte length / (ln 2 x summed byte lengths);
+    special tokens such as ``<|assistant_end|>`` have none and are excluded.
+    """
+    # float64 sums: byte and target counts pass 2**24 at speedrun eval sizes
+    sums = torch.zeros(4, dtype=torch.float64, device=rt.device)  # loss, targets, loss on bytes, bytes
+    was_training = model.training
+    model.eval()
+    for x, y in batches:
+        with rt.autocast():
+            loss = model(x, y, loss_reduction="none").float()
+        valid = y >= 0
+        nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+        sums += torch.stack(
+            [loss.sum().double(), valid.sum().double(), (loss * (nbytes > 0)).sum().double(), nbytes.sum().double()]
+        )
+    model.train(was_training)
+    all_reduce_sum(sums)
+    loss_sum, targets, byte_nats, total_bytes = sums.tolist()
+    return loss_sum / max(targets, 1.0), byte_nats / (math.log(2) * max(total_bytes, 1.0))
+
+
+def evaluate_bpb(
+    model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes: torch.Tensor, rt: Runtime
+) -> float:
+    """Bits per byte only (see :func:`evaluate_loss_bpb`)."""
+    return evaluate_loss_bpb(model, batches, token_bytes, rt)[1]
+
+
+def fixed_batches(make_next: Callable[[], tuple[torch.Tensor, torch.Tensor]], n: int):
+    """``n`` batches from a batch function (for eval loops)."""
+    for _ in range(n):
+        yield make_next()
