@@ -1,0 +1,93 @@
+"""dvc.yaml's code deps are each stage's import closure: a drift fails here, and DVC really sees edits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatpipe.lineage import import_closure, stage_code_deps, stale_deps
+from tests.project import make_project, run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dvc_stage_names(root: Path) -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])
+
+
+def test_dvc_yaml_code_deps_match_every_stage_import_closure():
+    assert stale_deps(REPO) == {}, "run `python -m chatpipe.lineage` to regenerate dvc.yaml's code deps"
+
+
+def test_closure_follows_function_level_imports_package_inits_and_named_data_files(tmp_path):
+    pkg = tmp_path / "chatpipe" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "chatpipe" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "late.py").write_text("X = 1\n")
+    (pkg / "table.yaml").write_text("a: 1\n")
+    (pkg / "early.py").write_text("def f():\n    from chatpipe.sub import late\n    return 'table.yaml'\n")
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "s.py").write_text("import chatpipe.sub.early\n")
+    got = [p.relative_to(tmp_path).as_posix() for p in import_closure(tmp_path, tmp_path / "stages" / "s.py")]
+    assert got == [
+        "chatpipe/__init__.py",
+        "chatpipe/sub/__init__.py",
+        "chatpipe/sub/early.py",
+        "chatpipe/sub/late.py",
+        "chatpipe/sub/table.yaml",
+        "stages/s.py",
+    ]
+
+
+def test_check_fails_on_a_dropped_dep_and_on_a_new_import(tmp_path):
+    project = make_project(tmp_path / "p")
+    check = [sys.executable, "-m", "chatpipe.lineage", "--check"]
+    assert run(project, *check).returncode == 0
+
+    # a hand-edited dvc.yaml that lost a module the rl stage imports (the drift that once went unnoticed)
+    text = (project / "dvc.yaml").read_text()
+    (project / "dvc.yaml").write_text(text.replace("      - chatpipe/inference/calculator.py\n", "", 1))
+    r = run(project, *check, check=False)
+    assert r.returncode == 1 and "chatpipe/inference/calculator.py" in r.stderr
+
+    # a stage that starts importing a module dvc.yaml does not list
+    (project / "dvc.yaml").write_text(text)
+    report = project / "stages" / "report.py"
+    report.write_text(report.read_text() + "\nfrom chatpipe.evals import metrics  # noqa: E402,F401\n")
+    r = run(project, *check, check=False)
+    assert r.returncode == 1 and "'report'" in r.stderr and "chatpipe/evals/metrics.py" in r.stderr
+    run(project, sys.executable, "-m", "chatpipe.lineage")
+    assert run(project, *check).returncode == 0
+
+
+@pytest.mark.slow
+def test_editing_any_imported_module_marks_exactly_the_stages_that_import_it_stale(tmp_path):
+    """With every stage committed, touching one module makes `dvc status` name exactly its importers."""
+    project = make_project(tmp_path / "p")
+    stages = dvc_stage_names(project)
+    for out in ("data", "tokenizer", "base", "mid", "sft", "rl", "eval", "report", "export"):
+        (project / "artifacts" / out).mkdir(parents=True, exist_ok=True)
+        (project / "artifacts" / out / "stub.txt").write_text(out)
+    run(project, "dvc", "commit", "-f", "-q")
+    assert json.loads(run(project, "dvc", "status", "--json").stdout) == {}
+
+    importers: dict[str, set[str]] = {}
+    for stage in stages:
+        for dep in stage_code_deps(project, stage):
+            importers.setdefault(dep, set()).add(stage)
+    assert len(importers) > 20
+    for dep, expected in sorted(importers.items()):
+        path = project / dep
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# touched\n")
+        try:
+            stale = set(json.loads(run(project, "dvc", "status", "--json").stdout))
+        finally:
+            path.write_bytes(original)
+        assert stale == expected, f"editing {dep}: dvc status says {sorted(stale)}, imports say {sorted(expected)}"
