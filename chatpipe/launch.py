@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from chatpipe.settings import LaunchSettings, ParamsError, load_section, validate_all
+from chatpipe.settings import STAGES, LaunchSettings, ParamsError, load_section, validate_all
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report"})
-STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report")
 
 
 def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:

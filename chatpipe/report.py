@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from chatpipe.settings import MODEL_STAGES, STAGES
+
 # Summary table: row label -> (where in a stage's eval results, key)
 ROWS: list[tuple[str, str, str]] = [
     ("CORE", "core", "core"),
@@ -30,9 +32,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("SpellingBee", "chatcore", "SpellingBee"),
     ("ChatCORE", "chatcore", "chatcore"),
 ]
-COLUMNS = ["base", "mid", "sft", "rl"]
+COLUMNS = list(MODEL_STAGES)
 # dvc.yaml stages whose MLflow runs report on (in pipeline order)
-PIPELINE_STAGES = ["data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval"]
+PIPELINE_STAGES = [s for s in STAGES if s != "report"]  # the stages a report describes
 # which curves go in which plot: metric-name fragment per plot
 CURVES = {"loss": "loss", "bpb": "bpb", "reward": "reward"}
 

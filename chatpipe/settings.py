@@ -25,6 +25,31 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+# The pipeline's stages in run order (dvc.yaml lists the same, in the same order; a test checks it),
+# and the model each training stage hands on: artifacts/<model stage>/, made by its training stage.
+STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report")
+MODEL_STAGES = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
+ModelStage = Literal[tuple(MODEL_STAGES)]
+
+
+def resume_neutral(default: Any, **kwargs: Any) -> Any:
+    """A field that only changes what is observed (logging, evals, checkpoint cadence), never the weights.
+
+    Such a setting may differ between a run and its resume: it is left out of the run's fingerprint
+    (see :func:`math_settings`), so changing it keeps the in-progress checkpoints.
+    """
+    return Field(default, json_schema_extra={"resume_neutral": True}, **kwargs)
+
+
+def math_settings(settings: BaseModel) -> dict[str, Any]:
+    """The settings that decide the trained weights: everything but the :func:`resume_neutral` fields."""
+    neutral = {
+        name
+        for name, f in type(settings).model_fields.items()
+        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("resume_neutral")
+    }
+    return {k: v for k, v in snapshot(settings).items() if k not in neutral}
+
 
 class ParamsError(ValueError):
     """A params.yaml / env / CLI value that is not allowed; the message names key and value."""
@@ -126,6 +151,8 @@ class StageSettings(BaseSettings):
     """Base for a params.yaml section: forbids unknown keys, reads env and the params file."""
 
     section: ClassVar[str] = ""
+    # keys this section used to have -> what replaced them; a params file that still sets one fails with it
+    removed: ClassVar[dict[str, str]] = {}
     model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", validate_default=True)
 
     @classmethod
@@ -153,6 +180,9 @@ class DataSettings(StageSettings):
     """Where pretraining text comes from (`data` stage)."""
 
     section: ClassVar[str] = "data"
+    removed: ClassVar[dict[str, str]] = {
+        "chat_examples": "nothing read it; chat examples per task are each mixture item's `limit` in midtrain/sft",
+    }
     source: Literal["synthetic", "hf", "local"] = "synthetic"
     seed: int = Field(42, ge=0)
     num_docs: int = Field(4000, ge=10, description="synthetic: documents to generate")
@@ -163,7 +193,6 @@ class DataSettings(StageSettings):
     hf_text_column: str = "text"
     local_dir: str = ""
     cache_dir: str = "data/cache"
-    chat_examples: int = Field(2000, ge=0, description="synthetic chat conversations per split")
 
 
 class TokenizerSettings(StageSettings):
@@ -175,16 +204,25 @@ class TokenizerSettings(StageSettings):
     eval_chars: int = Field(200_000, ge=100, description="held-out chars for the compression report")
 
 
-class TrainSettings(StageSettings):
-    """Settings shared by every training stage: batch, optimizer, schedule, checkpoints."""
+class RunSettings(StageSettings):
+    """What every training-like stage reads: seed, device, batch rows, length, checkpoint and log cadence."""
 
     seed: int = Field(1337, ge=0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = resume_neutral("auto")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    compile: bool = False
     device_batch_size: int = Field(16, ge=1)
-    total_batch_size: int = Field(4096, ge=1, description="tokens per optimizer step, all ranks")
     max_steps: int = Field(200, ge=-1, description="-1: derive from target_param_data_ratio")
+    eval_every: int = resume_neutral(50, ge=0, description="val bpb every N steps (0: only at the end)")
+    checkpoint_every: int = resume_neutral(50, ge=0, description="0: only at the end")
+    keep_checkpoints: int = resume_neutral(2, ge=1)
+    log_every: int = resume_neutral(10, ge=1)
+
+
+class TrainSettings(RunSettings):
+    """Settings shared by the gradient-descent stages: total batch, optimizer, LR schedule."""
+
+    compile: bool = resume_neutral(False)
+    total_batch_size: int = Field(4096, ge=1, description="tokens per optimizer step, all ranks")
     matrix_lr: float = Field(0.02, gt=0)
     embedding_lr: float = Field(0.2, gt=0)
     unembedding_lr: float = Field(0.004, gt=0)
@@ -195,11 +233,7 @@ class TrainSettings(StageSettings):
     schedule: Literal["warmdown", "cosine"] = "warmdown"
     momentum_warmup_steps: int = Field(300, ge=0)
     grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
-    eval_every: int = Field(50, ge=0, description="val bpb every N steps (0: only at the end)")
-    eval_tokens: int = Field(32768, ge=1)
-    checkpoint_every: int = Field(50, ge=0, description="0: only at the end")
-    keep_checkpoints: int = Field(2, ge=1)
-    log_every: int = Field(10, ge=1)
+    eval_tokens: int = resume_neutral(32768, ge=1)
 
 
 class PretrainSettings(TrainSettings):
@@ -212,7 +246,7 @@ class PretrainSettings(TrainSettings):
     window_pattern: str = Field("L", pattern=r"^[SL]+$")
     sequence_len: int = Field(256, ge=8)
     target_param_data_ratio: float = Field(20.0, gt=0)
-    sample_every: int = Field(100, ge=0)
+    sample_every: int = resume_neutral(100, ge=0)
     embedding_lr: float = Field(0.2, gt=0)
 
 
@@ -270,11 +304,15 @@ class SFTSettings(ChatTrainSettings):
     """Supervised fine-tuning (`sft` stage); starts from artifacts/mid, ends with a held-out chat eval."""
 
     section: ClassVar[str] = "sft"
-    eval_prompts: int = Field(100, ge=0, description="held-out tiny-world prompts sampled for the end-token rate")
-    eval_arith: int = Field(100, ge=0, description="held-out tiny-world arithmetic problems (exact match)")
-    eval_max_tokens: int = Field(64, ge=1)
-    eval_temperature: float = Field(0.7, ge=0, description="sampling temperature for the end-token rate")
-    eval_baseline: bool = Field(True, description="also score artifacts/base on the arithmetic, for comparison")
+    eval_prompts: int = resume_neutral(
+        100, ge=0, description="held-out tiny-world prompts sampled for the end-token rate"
+    )
+    eval_arith: int = resume_neutral(100, ge=0, description="held-out tiny-world arithmetic problems (exact match)")
+    eval_max_tokens: int = resume_neutral(64, ge=1)
+    eval_temperature: float = resume_neutral(0.7, ge=0, description="sampling temperature for the end-token rate")
+    eval_baseline: bool = resume_neutral(
+        True, description="also score artifacts/base on the arithmetic, for comparison"
+    )
 
 
 class LaunchSettings(StageSettings):
@@ -336,21 +374,21 @@ class EvalSettings(StageSettings):
     """Evaluate every model stage that exists: bpb, CORE, ChatCORE (`eval` stage)."""
 
     section: ClassVar[str] = "eval"
-    stages: list[Literal["base", "mid", "sft", "rl"]] = ["base", "mid", "sft", "rl"]
+    stages: list[ModelStage] = list(MODEL_STAGES)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_per_task: int = Field(50, ge=0, description="items per CORE/ChatCORE task (0: all)")
     generative_max_per_task: int = Field(0, ge=0, description="generative ChatCORE tasks (0: max_per_task)")
     bpb_tokens: int = Field(32768, ge=1, description="val tokens for bits per byte")
     device_batch_size: int = Field(16, ge=1)
-    core_stages: list[Literal["base", "mid", "sft", "rl"]] = ["base"]
+    core_stages: list[ModelStage] = ["base"]
     core_config: str = Field("", description="CORE task YAML ('' = chatpipe/evals/core_tasks.yaml)")
     core_bundle_dir: str = Field("", description="dir with the CORE jsonl files ('' = no real tasks)")
     core_bundle_url: str = Field("", description="zip fetched into core_bundle_dir when that dir is missing")
     core_tasks: list[str] = Field([], description="labels to run from core_config ([] = all found)")
     core_tinyworld: bool = Field(True, description="also run the synthetic tiny-world CORE tasks")
     tinyworld_examples: int = Field(200, ge=10)
-    chatcore_stages: list[Literal["base", "mid", "sft", "rl"]] = ["mid", "sft", "rl"]
+    chatcore_stages: list[ModelStage] = ["mid", "sft", "rl"]
     # ChatCORE name -> build_task spec: {task: <chatpipe.data.tasks name>, <its keyword args>...}
     chatcore_tasks: dict[
         Literal["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"], dict[str, Any]
@@ -390,10 +428,22 @@ class ReportSettings(StageSettings):
     model_name: str = Field("chatpipe", min_length=1)
 
 
-class RLSettings(TrainSettings):
+_RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearly to 0; there is no other schedule"
+
+
+class RLSettings(RunSettings):
     """RL on verifiable rewards (`rl` stage, SPEC §8): GRPO-lite or PPO, chosen by `algorithm`."""
 
     section: ClassVar[str] = "rl"
+    removed: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(["warmup_steps", "warmdown_ratio", "final_lr_frac", "schedule"], _RL_LR_NOTE),
+        **dict.fromkeys(["matrix_lr", "embedding_lr", "unembedding_lr"], _RL_LR_NOTE),
+        "momentum_warmup_steps": "RL keeps the init model's optimizer momentum; nothing to warm up",
+        "total_batch_size": "a step is prompts_per_step x group_size samples; rows per forward is device_batch_size",
+        "grad_clip": "RL never clipped gradients; the PPO ratio cap is max_ratio",
+        "eval_tokens": "RL evaluates pass@k: eval_problems x eval_samples",
+        "compile": "RL runs eager (generation dominates and changes shape every step)",
+    }
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
     task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
@@ -401,6 +451,7 @@ class RLSettings(TrainSettings):
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
     num_train_problems: int = Field(512, ge=1)
     max_steps: int = Field(30, ge=1)
+    weight_decay: float = Field(0.0, ge=0)
     prompts_per_step: int = Field(16, ge=1, description="prompts per step over all ranks")
     group_size: int = Field(16, ge=1, description="samples per prompt")
     max_new_tokens: int = Field(256, ge=1)
@@ -433,12 +484,12 @@ class RLSettings(TrainSettings):
     ref_ema: float = Field(0.0, ge=0, le=1, description="reference <- (1-eta) ref + eta policy each step (0: frozen)")
     disable_value: bool = Field(False, description="PPO without a critic: group-mean advantages (GRPO)")
     # eval
-    eval_every: int = Field(10, ge=0, description="pass@k every N steps (0: only before and after)")
-    eval_split: Literal["train", "val", "test"] = Field("val", description="held-out split for pass@k")
-    eval_problems: int = Field(64, ge=1, description="held-out problems for pass@k")
-    eval_samples: int = Field(4, ge=1, description="samples per held-out problem")
-    eval_temperature: float = Field(1.0, ge=0)
-    checkpoint_every: int = Field(10, ge=0)
+    eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
+    eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
+    eval_problems: int = resume_neutral(64, ge=1, description="held-out problems for pass@k")
+    eval_samples: int = resume_neutral(4, ge=1, description="samples per held-out problem")
+    eval_temperature: float = resume_neutral(1.0, ge=0)
+    checkpoint_every: int = resume_neutral(10, ge=0)
 
 
 # --------------------------------------------------------------------------- loading
@@ -466,7 +517,9 @@ def _format_error(cls: type[StageSettings], err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         value = e.get("input")
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and key in cls.removed:
+            lines.append(f"{cls.section}.{key} = {value!r}: this key was removed: {cls.removed[key]}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"{cls.section}.{key} = {value!r}: unknown key; allowed keys: {allowed}")
         else:
             lines.append(f"{cls.section}.{key} = {value!r}: {e['msg']}")

@@ -33,14 +33,13 @@ from chatpipe.evals.chatcore import evaluate_chatcore
 from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.evals.core_tinyworld import write_tinyworld_bundle
 from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
-from chatpipe.settings import EvalSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.settings import MODEL_STAGES, EvalSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model
 from chatpipe.train.loop import evaluate_bpb, fixed_batches
 
 log = logging.getLogger("eval")
 # model dir under artifacts/ -> the dvc.yaml stage that writes it (for provenance)
-PRODUCER = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
 OUT = ARTIFACTS / "eval"
 
 
@@ -142,7 +141,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                 "model_sha256": meta.get("files", {}).get("model.pt"),
                 "git_commit": commit,
                 "dvc_lock": lock,
-                "dvc_stage_hash": tracking.dvc_stage_hash(PRODUCER[stage]),
+                "dvc_stage_hash": tracking.dvc_stage_hash(MODEL_STAGES[stage]),
             }
 
             # --- bits per byte on val text

@@ -23,7 +23,7 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.gpt import GPT, config_from_depth
 from chatpipe.plan import check_memory_fits, estimate_memory_bytes
-from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -34,7 +34,6 @@ from chatpipe.train.checkpoint import (
     save_model_dir,
 )
 from chatpipe.train.loop import (
-    OBSERVABILITY_KEYS,
     evaluate_bpb,
     fixed_batches,
     grad_accum_steps,
@@ -122,8 +121,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
-    math_settings = {k: v for k, v in snapshot(cfg).items() if k not in OBSERVABILITY_KEYS}
-    run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
+    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     start_step, start_row = 0, 0
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:

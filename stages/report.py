@@ -31,6 +31,7 @@ from chatpipe.report import (
     timing_table,
 )
 from chatpipe.settings import (
+    STAGES,
     ReportSettings,
     TrackingSettings,
     active_profile,
@@ -43,7 +44,6 @@ from chatpipe.train.checkpoint import ARTIFACTS
 
 log = logging.getLogger("report")
 OUT = ARTIFACTS / "report"
-PARAM_SECTIONS = ["data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +77,7 @@ def report(cfg: ReportSettings) -> None:
 
         # --- report.md
         resolved = resolve_params()
-        params = {s: resolved[s] for s in PARAM_SECTIONS if s in resolved}
+        params = {s: resolved[s] for s in STAGES if s in resolved}
         locks = dvc_lock_hashes()
         text = render_report(
             results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots

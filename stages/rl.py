@@ -38,7 +38,7 @@ from chatpipe.rl.rollout import (
     token_logprobs,
 )
 from chatpipe.rl.value import ValueModel, token_values
-from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -49,11 +49,9 @@ from chatpipe.train.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
-from chatpipe.train.loop import OBSERVABILITY_KEYS
 from chatpipe.train.optim import apply_schedules, build_optimizers
 
 log = logging.getLogger("rl")
-RL_OBSERVABILITY_KEYS = OBSERVABILITY_KEYS | {"eval_problems", "eval_samples", "eval_temperature", "eval_split"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,8 +106,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         "init": sha256_file(init_dir / "model.pt"),
         "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
     }
-    math_settings = {k: v for k, v in snapshot(cfg).items() if k not in RL_OBSERVABILITY_KEYS}
-    run_fp = fingerprint({"settings": math_settings, "inputs": inputs})
+    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     start_step, prompt_log, first_eval = 0, [], None
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:

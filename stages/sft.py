@@ -26,8 +26,6 @@ from chatpipe.train.chat import train_chat
 from chatpipe.train.checkpoint import ARTIFACTS, load_model
 
 log = logging.getLogger("sft")
-# end-of-stage checks only read the model: they never change the weights, so resume ignores them
-EVAL_KEYS = frozenset({"eval_prompts", "eval_arith", "eval_max_tokens", "eval_temperature", "eval_baseline"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,7 +39,6 @@ def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:
         stage="sft",
         init_dir=ARTIFACTS / "mid",
         out_dir=ARTIFACTS / "sft",
-        resume_ignores=EVAL_KEYS,
         finish=lambda model, tok, run: chat_checks(cfg, model, tok, rt, run),
     )
 

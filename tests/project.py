@@ -15,7 +15,7 @@ BIN = Path(sys.executable).parent
 
 # Small enough for seconds per stage on 2 CPU cores, big enough that learning shows.
 SMALL_PARAMS = {
-    "data": {"num_docs": 600, "val_docs": 60, "docs_per_shard": 300, "chat_examples": 200},
+    "data": {"num_docs": 600, "val_docs": 60, "docs_per_shard": 300},
     "tokenizer": {"vocab_size": 512, "max_chars": 300_000, "eval_chars": 20_000},
     "pretrain": {
         "depth": 2,

@@ -7,10 +7,15 @@ import yaml
 
 from chatpipe.settings import (
     SECTIONS,
+    STAGES,
+    DataSettings,
     LaunchSettings,
     ParamsError,
     PretrainSettings,
+    RLSettings,
+    SFTSettings,
     load_section,
+    math_settings,
     parse_cli,
     resolve_params,
     validate_all,
@@ -92,3 +97,52 @@ def test_parse_cli_forms():
     assert parse_cli(["--a=1", "--b-c", "2", "d=3"]) == {"a": "1", "b_c": "2", "d": "3"}
     with pytest.raises(ParamsError, match="no value"):
         parse_cli(["--dangling"])
+
+
+def test_a_removed_key_names_what_replaced_it(params_file):
+    params_file.write_text(params_file.read_text().replace("  seed: 42\n", "  seed: 42\n  chat_examples: 2000\n", 1))
+    with pytest.raises(
+        ParamsError, match=r"data\.chat_examples = 2000: this key was removed: .*mixture item's `limit`"
+    ):
+        load_section(DataSettings)
+
+
+def test_rl_declares_only_what_it_reads(params_file):
+    """The training schedule knobs RL never read are refused, saying what RL does instead."""
+    assert not {"total_batch_size", "warmup_steps", "schedule", "grad_clip", "compile"} & set(RLSettings.model_fields)
+    with pytest.raises(ParamsError, match=r"rl\.warmup_steps = '5': this key was removed: RL's policy LR is lr_frac"):
+        load_section(RLSettings, ["--warmup_steps=5"])
+
+
+def test_resume_neutral_fields_are_marked_on_the_fields(params_file):
+    """Observation-only settings leave the run fingerprint alone; anything that changes the weights is in it."""
+    base = load_section(SFTSettings)
+    changed = load_section(SFTSettings, ["--eval_prompts=3", "--log_every=7", "--checkpoint_every=3"])
+    assert math_settings(changed) == math_settings(base)
+    assert math_settings(load_section(SFTSettings, ["--matrix_lr=0.01"])) != math_settings(base)
+    neutral = set(snapshot_keys(base)) - set(math_settings(base))
+    assert neutral == {
+        "device",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "log_every",
+        "compile",
+        "eval_tokens",
+        "eval_prompts",
+        "eval_arith",
+        "eval_max_tokens",
+        "eval_temperature",
+        "eval_baseline",
+    }
+
+
+def snapshot_keys(settings) -> list[str]:
+    return list(settings.model_dump())
+
+
+def test_stage_names_are_dvc_yaml_order():
+    from pathlib import Path
+
+    stages = list(yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"])
+    assert tuple(stages) == STAGES

@@ -26,14 +26,15 @@ from typing import Any
 
 import torch
 
+from chatpipe.settings import MODEL_STAGES
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import ARTIFACTS, load_model
 
 log = logging.getLogger(__name__)
 
 # stage name -> artifacts/ dir; pipeline order, so the last one present is the most advanced
-STAGE_DIRS = {"base": "base", "mid": "mid", "sft": "sft", "rl": "rl"}
-ALIASES = {"pretrain": "base", "midtrain": "mid"}
+STAGE_DIRS = {stage: stage for stage in MODEL_STAGES}  # artifacts/<model stage>/
+ALIASES = {trainer: stage for stage, trainer in MODEL_STAGES.items() if trainer != stage}  # pretrain -> base
 
 
 @dataclass

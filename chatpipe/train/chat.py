@@ -18,7 +18,7 @@ from chatpipe import runtime, tracking
 from chatpipe.data.packing import ConversationLoader, fill_ratio, pack_rows, render_all
 from chatpipe.data.tasks import build_mixture
 from chatpipe.io import fingerprint, sha256_file
-from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -30,7 +30,6 @@ from chatpipe.train.checkpoint import (
     save_model_dir,
 )
 from chatpipe.train.loop import (
-    OBSERVABILITY_KEYS,
     evaluate_loss_bpb,
     fixed_batches,
     grad_accum_steps,
@@ -50,7 +49,6 @@ def train_chat(
     stage: str,
     init_dir: Path,
     out_dir: Path,
-    resume_ignores: frozenset[str] = frozenset(),
     finish: Finish | None = None,
 ) -> None:
     """Fine-tune the model in ``init_dir`` on ``cfg.mixture`` and save it to ``out_dir``.
@@ -58,7 +56,7 @@ def train_chat(
     Best-fit packed conversations, assistant-only loss, flat-then-decay LR, Muon momentum ramp,
     val loss/bpb, resumable checkpoints in ``checkpoints/<stage>/``, an MLflow run named ``stage``.
     ``finish(model, tokenizer, run)`` runs on rank 0 after training and adds to the summary;
-    settings in ``resume_ignores`` (like those of ``finish``) may change without invalidating checkpoints.
+    Settings marked resume-neutral (like those ``finish`` reads) may change without invalidating checkpoints.
     """
     work, tok_dir = WORK / stage, ARTIFACTS / "tokenizer"
 
@@ -112,8 +110,7 @@ def train_chat(
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
-    ignored = OBSERVABILITY_KEYS | resume_ignores
-    run_fp = fingerprint({"settings": {k: v for k, v in snapshot(cfg).items() if k not in ignored}, "inputs": inputs})
+    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     start_step, start_row = 0, 0
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:

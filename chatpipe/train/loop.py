@@ -18,20 +18,6 @@ from chatpipe.train.optim import apply_schedules, lr_multiplier, muon_momentum
 # Dense bf16 peak FLOP/s per GPU, for MFU (SPEC §6). Unknown devices report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
-# Settings that only change what is observed, not the trained weights: they may differ on resume.
-OBSERVABILITY_KEYS = frozenset(
-    {
-        "eval_every",
-        "eval_tokens",
-        "sample_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "log_every",
-        "compile",
-        "device",
-    }
-)
-
 
 def grad_accum_steps(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> int:
     """Micro-steps per optimizer step so that 1 GPU and N GPUs do the same math."""
