@@ -181,7 +181,7 @@ class DataSettings(StageSettings):
 
     section: ClassVar[str] = "data"
     removed: ClassVar[dict[str, str]] = {
-        "chat_examples": "nothing read it; chat examples per task are each mixture item's `limit` in midtrain/sft",
+        "chat_examples": "nothing read it; chat examples per task are each mixture item's `limit` in midtrain/sft"
     }
     source: Literal["synthetic", "hf", "local"] = "synthetic"
     seed: int = Field(42, ge=0)

@@ -33,13 +33,7 @@ from chatpipe.train.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
-from chatpipe.train.loop import (
-    evaluate_bpb,
-    fixed_batches,
-    grad_accum_steps,
-    peak_flops,
-    scheduled_train_step,
-)
+from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
 
 log = logging.getLogger("pretrain")

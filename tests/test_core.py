@@ -130,10 +130,7 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
 def test_row_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
     _write_jsonl(
         tmp_path / "schema.jsonl",
-        [
-            {"context_options": ["a", "b"], "continuation": "c", "gold": 1},
-            {"context_options": ["a", "b"], "gold": 0},
-        ],
+        [{"context_options": ["a", "b"], "continuation": "c", "gold": 1}, {"context_options": ["a", "b"], "gold": 0}],
     )
     with pytest.raises(ValueError, match=r"schema.jsonl:2: missing field\(s\) \['continuation'\]"):
         load_task_rows(tmp_path, _task("schema"))
