@@ -390,6 +390,19 @@ class ReportSettings(StageSettings):
     model_name: str = Field("chatpipe", min_length=1)
 
 
+class ExportSettings(StageSettings):
+    """Hugging Face transformers export of the final model (`export` stage, after `report`)."""
+
+    section: ClassVar[str] = "export"
+    model: str = Field("latest", description="stage (base|mid|sft|rl|latest), models:/<name>/<version> or a dir")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    on_unsupported: Literal["fail", "skip"] = Field(
+        "fail", description="a model option transformers' NanoChat lacks: fail the stage, or skip with the reason"
+    )
+    push_to_hub: str = Field("", description="Hub repo id to upload to ('' = do not upload)")
+    hub_private: bool = False
+
+
 class RLSettings(TrainSettings):
     """RL on verifiable rewards (`rl` stage, SPEC §8): GRPO-lite or PPO, chosen by `algorithm`."""
 
