@@ -104,6 +104,7 @@ def test_plain_text_ids_equal_ours(ours, theirs):
     for text in texts:
         assert tok(text, add_special_tokens=False)["input_ids"] == ours.tokenizer.encode(text)
         assert tok.decode(ours.tokenizer.encode(text)) == text
+    assert tok(texts[0])["input_ids"] == ours.tokenizer.encode(texts[0], prepend=ours.tokenizer.bos_id)
     # Special-token names inside text: ours encode them as ordinary text, HF does with split_special_tokens.
     text = "a <|bos|> b"
     assert tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == ours.tokenizer.encode(text)

@@ -209,7 +209,7 @@ def hf_tokenizer(tokenizer: Any):
     merged token's rank, makes the same choices. ``ignore_merges`` takes a whole pre-token that is
     itself in the vocabulary directly, as tiktoken does.
     """
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -234,6 +234,12 @@ def hf_tokenizer(tokenizer: Any):
         ]
     )
     raw.decoder = decoders.ByteLevel()
+    # tok(text) starts with <|bos|> like every document we train on (add_special_tokens=False: without);
+    # the chat template writes its own <|bos|> and is tokenized without special tokens added.
+    bos = tokenizer.bos_id
+    raw.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B:1", special_tokens=[("<|bos|>", bos)]
+    )
     specials = sorted(tokenizer.special_ids.items(), key=lambda kv: kv[1])
     raw.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])
     for name, want in specials:
