@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 
 from chatpipe import runtime, tracking
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
             if cfg.on_unsupported == "fail":
                 raise
             log.warning("export skipped: %s", e)
-            OUT.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(OUT, ignore_errors=True)  # no stale export next to the reason
+            OUT.mkdir(parents=True)
             (OUT / "SKIPPED.md").write_text(f"# export skipped\n\n{e}\n")
             return
 

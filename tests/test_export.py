@@ -193,3 +193,46 @@ def test_cli_exports_and_pushes_through_huggingface_hub(artifacts, tmp_path, mon
     assert calls[1][0] == "upload_folder" and "model.safetensors" in calls[1][2]
     assert json.loads((tmp_path / "out" / hf.LINEAGE_FILE).read_text())["stage"] == "base"
     assert cli.main(["export", "--model", "rl", "--out", "out2"]) == 2  # no rl model: a clear error, exit 2
+
+
+@pytest.mark.slow
+def test_export_stage_logs_the_dir_to_mlflow_and_the_registered_version(artifacts, tmp_path, monkeypatch, params_file):
+    import mlflow
+
+    from stages import export as export_stage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "artifacts").mkdir()
+    for name in ("tokenizer", "base", "sft", "report"):
+        (tmp_path / "artifacts" / name).symlink_to(artifacts / name)
+    monkeypatch.setenv("CHATPIPE_TRACKING__URI", f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    monkeypatch.setenv("CHATPIPE_TRACKING__ARTIFACT_ROOT", str(tmp_path / "mlruns" / "artifacts"))
+    monkeypatch.delenv("CHATPIPE_PARENT_RUN_ID", raising=False)
+    # what the report stage leaves behind: a run with the model dir, registered as a version
+    from chatpipe import tracking
+    from chatpipe.settings import TrackingSettings, load_section
+
+    experiment = tracking.configure(load_section(TrackingSettings))
+    client = mlflow.MlflowClient()
+    report_run = client.create_run(experiment, run_name="report")
+    client.log_artifacts(report_run.info.run_id, str(artifacts / "sft"), "model")
+    client.create_registered_model("chatpipe")
+    client.create_model_version("chatpipe", f"{report_run.info.artifact_uri}/model", run_id=report_run.info.run_id)
+
+    export_stage.main([])
+    assert json.loads((tmp_path / "artifacts/export/config.json").read_text())["model_type"] == "nanochat"
+    run = client.search_runs([experiment], "tags.stage = 'export'")[0]
+    assert "config.json" in {Path(f.path).name for f in client.list_artifacts(run.info.run_id, "hf")}
+    version = client.get_model_version("chatpipe", "1")
+    assert version.tags["hf_export"] == "model/hf"
+    files = {Path(f.path).name for f in client.list_artifacts(report_run.info.run_id, "model/hf")}
+    assert {"model.safetensors", "tokenizer.json", "README.md"} <= files
+
+    # a model with an option NanoChat lacks: the stage fails, or with on_unsupported=skip says why
+    monkeypatch.setattr(
+        export_stage, "export_by_name", lambda *a, **k: (_ for _ in ()).throw(hf.ExportError("smear=True"))
+    )
+    with pytest.raises(hf.ExportError):
+        export_stage.main([])
+    export_stage.main(["--on_unsupported=skip"])
+    assert "smear=True" in (tmp_path / "artifacts/export/SKIPPED.md").read_text()
