@@ -23,8 +23,8 @@ from pathlib import Path
 
 from chatpipe.settings import STAGES, LaunchSettings, ParamsError, load_section, validate_all
 
-# Stages whose work is inherently one process (data prep, tokenizer training, the report).
-SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report"})
+# Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
+SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
 
 
 def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -34,7 +34,7 @@ ROWS: list[tuple[str, str, str]] = [
 ]
 COLUMNS = list(MODEL_STAGES)
 # dvc.yaml stages whose MLflow runs report on (in pipeline order)
-PIPELINE_STAGES = [s for s in STAGES if s != "report"]  # the stages a report describes
+PIPELINE_STAGES = list(STAGES[: STAGES.index("report")])  # the stages a report describes
 # which curves go in which plot: metric-name fragment per plot
 CURVES = {"loss": "loss", "bpb": "bpb", "reward": "reward"}
 

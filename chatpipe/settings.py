@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 # The pipeline's stages in run order (dvc.yaml lists the same, in the same order; a test checks it),
 # and the model each training stage hands on: artifacts/<model stage>/, made by its training stage.
-STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report")
+STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report", "export")
 MODEL_STAGES = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
 ModelStage = Literal[tuple(MODEL_STAGES)]
 
@@ -426,6 +426,19 @@ class ReportSettings(StageSettings):
     cost_per_hour: float = Field(0.0, ge=0, description="USD per hour of the machine(s) that ran the stages")
     register_model: bool = True
     model_name: str = Field("chatpipe", min_length=1)
+
+
+class ExportSettings(StageSettings):
+    """Hugging Face transformers export of the final model (`export` stage, after `report`)."""
+
+    section: ClassVar[str] = "export"
+    model: str = Field("latest", description="stage (base|mid|sft|rl|latest), models:/<name>/<version> or a dir")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    on_unsupported: Literal["fail", "skip"] = Field(
+        "fail", description="a model option transformers' NanoChat lacks: fail the stage, or skip with the reason"
+    )
+    push_to_hub: str = Field("", description="Hub repo id to upload to ('' = do not upload)")
+    hub_private: bool = False
 
 
 _RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearly to 0; there is no other schedule"

@@ -39,9 +39,17 @@ class _Row:
 
 
 def sample_next(
-    logits: torch.Tensor, rng: torch.Generator, temperature: float = 1.0, top_k: int | None = None
+    logits: torch.Tensor,
+    rng: torch.Generator,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
-    """Next token per row from logits [B, V]: argmax when temperature is 0, else top-k sampling."""
+    """Next token per row from logits [B, V]: argmax when temperature is 0, else top-k / top-p sampling.
+
+    ``top_p`` (nucleus) keeps the most likely tokens whose probabilities, after top-k, sum to at
+    least ``top_p`` (the first token always stays).
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     if temperature < 0:
@@ -51,6 +59,11 @@ def sample_next(
         k = min(top_k, logits.size(-1))
         kth = torch.topk(logits, k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        p_sorted = torch.softmax(sorted_logits, dim=-1)
+        drop = p_sorted.cumsum(dim=-1) - p_sorted >= top_p  # the more likely tokens already hold top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
 
@@ -93,6 +106,7 @@ class Engine:
         top_k: int | None = None,
         seed: int = 42,
         stop_tokens: list[int] | None = None,
+        top_p: float | None = None,
     ) -> Iterator[tuple[list[int], list[int]]]:
         """Stream (tokens, masks), one column per step, until every row stopped or ``max_tokens``.
 
@@ -116,7 +130,7 @@ class Engine:
 
         rows = [_Row() for _ in range(num_samples)]
         for step in range(max_tokens):
-            sampled = sample_next(logits, rng, temperature, top_k).tolist()
+            sampled = sample_next(logits, rng, temperature, top_k, top_p).tolist()
             tokens, masks = [], []
             for row, tok in zip(rows, sampled):
                 if row.done:

@@ -17,6 +17,9 @@ Endpoints:
   "tokens": n, "finish_reason": ...}`` (or ``{"error": ...}``). Without it: one JSON object,
   ``{"message": {"role": "assistant", "content": ...}, "text": ..., "tokens": n, ...}``.
 
+- ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``: the OpenAI-compatible API
+  (chatpipe/serve/openai_api.py), so the official ``openai`` client works against this server.
+
 Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}``. At most
 ``num_engines`` replies are generated at once (worker threads over the one model: every
 generation has its own KV cache, so conversations never mix); up to ``max_queue`` more wait, then
@@ -44,6 +47,7 @@ from pydantic import BaseModel, Field
 
 from chatpipe.inference.engine import Engine
 from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for
+from chatpipe.serve.openai_api import openai_router
 from chatpipe.settings import ParamsError, ServeSettings, load_section
 
 log = logging.getLogger(__name__)
@@ -196,6 +200,8 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
             return JSONResponse({"error": f"request body is not valid JSON: {detail}"}, status_code=400)
         msgs = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors]
         return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
+
+    app.include_router(openai_router(loaded, cfg, pool))  # /v1/...: the OpenAI-compatible API
 
     @app.get("/")
     async def index() -> FileResponse:

@@ -1,0 +1,73 @@
+"""Export stage: the final model as a Hugging Face transformers directory, after the report.
+
+    python -m stages.export
+    python -m chatpipe.launch export            # as DVC does (one worker)
+    CHATPIPE_EXPORT__MODEL=sft python -m stages.export
+
+Writes ``artifacts/export/`` (safetensors, config, tokenizer, chat template, model card; see
+chatpipe/export/hf.py) from ``export.model`` (default: the most advanced stage), logs it as the
+``hf`` artifact of the pipeline's parent run (or of its own run without a parent) and adds it to
+the newest registered version of ``report.model_name`` under ``model/hf``. With
+``export.push_to_hub`` set it also uploads the directory to that Hub repo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+
+from chatpipe import runtime, tracking
+from chatpipe.export.hf import ExportError, export_by_name, log_to_mlflow, push_to_hub
+from chatpipe.settings import (
+    ExportSettings,
+    ReportSettings,
+    TrackingSettings,
+    active_profile,
+    load_section,
+    snapshot,
+    validate_all,
+)
+from chatpipe.train.checkpoint import ARTIFACTS
+
+log = logging.getLogger("export")
+OUT = ARTIFACTS / "export"
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_section(ExportSettings, sys.argv[1:] if argv is None else argv)
+    validate_all()
+    runtime.setup_logging()
+    track = load_section(TrackingSettings)
+    report = load_section(ReportSettings)
+
+    with tracking.stage_run("export", track, {"export": snapshot(cfg)}, profile=active_profile()) as run:
+        # --- the transformers directory (or, on request, the reason there is none)
+        try:
+            out = export_by_name(cfg.model, OUT, dtype=cfg.dtype, artifacts=ARTIFACTS)
+        except ExportError as e:
+            if cfg.on_unsupported == "fail":
+                raise
+            log.warning("export skipped: %s", e)
+            shutil.rmtree(OUT, ignore_errors=True)  # no stale export next to the reason
+            OUT.mkdir(parents=True)
+            (OUT / "SKIPPED.md").write_text(f"# export skipped\n\n{e}\n")
+            return
+
+        # --- MLflow: the pipeline run's artifact and the registered version's files
+        if run is not None:
+            import mlflow
+
+            client = mlflow.MlflowClient()
+            parent_id = os.environ.get(tracking.PARENT_ENV) or run.info.run_id
+            version = log_to_mlflow(client, parent_id, out, report.model_name if report.register_model else None)
+            log.info("logged %s as artifact 'hf' of run %s (registered version: %s)", out, parent_id, version)
+
+        # --- the Hub, when asked
+        if cfg.push_to_hub:
+            log.info("pushed to %s", push_to_hub(out, cfg.push_to_hub, private=cfg.hub_private))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""chatpipe export -> transformers: same logits, same greedy tokens, same tokenizer and chat ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatpipe import cli
+from chatpipe.data.synthetic import pretrain_documents
+from chatpipe.export import hf
+from chatpipe.inference.engine import Engine
+from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.model.loading import load_chat_model
+from tests.trained import train_artifacts
+
+transformers = pytest.importorskip("transformers")
+
+TOOL_CONVERSATION = {
+    "messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Mia has 12 apples and buys 7 more. How many now?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "She has 12 + 7 = "},
+                {"type": "python", "text": "12+7"},
+                {"type": "python_output", "text": "19"},
+                {"type": "text", "text": "19 apples.\n\n#### 19"},
+            ],
+        },
+        {"role": "user", "content": "And if she eats 3?  Ünïcode ✓"},
+        {"role": "assistant", "content": "16."},
+        {"role": "user", "content": "thanks"},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    root = train_artifacts(tmp_path_factory.mktemp("artifacts"))
+    report = {"summary": {"CORE": {"base": 0.1234, "sft": None}, "ChatCORE": {"sft": 0.0567}}, "git_commit": "abc"}
+    (root / "report").mkdir()
+    (root / "report" / "report.json").write_text(json.dumps(report))
+    return root
+
+
+@pytest.fixture(scope="module")
+def ours(artifacts):
+    return load_chat_model("sft", artifacts=artifacts, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def exported(artifacts, tmp_path_factory) -> Path:
+    return hf.export_by_name("sft", tmp_path_factory.mktemp("hf") / "sft", artifacts=artifacts)
+
+
+@pytest.fixture(scope="module")
+def theirs(exported):
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="sdpa").eval()
+    return model, transformers.AutoTokenizer.from_pretrained(exported)
+
+
+def test_directory_has_what_from_pretrained_needs(exported):
+    names = {p.name for p in exported.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"} <= names
+    config = json.loads((exported / "config.json").read_text())
+    assert config["model_type"] == "nanochat" and config["hidden_act"] == "relu2"
+    assert config["rms_norm_eps"] == pytest.approx(1.1920929e-07) and config["final_logit_softcapping"] == 15.0
+    assert config["num_key_value_heads"] == 1 and config["tie_word_embeddings"] is False
+
+
+def test_logits_equal_ours_in_fp32(ours, theirs):
+    model, _ = theirs
+    texts = pretrain_documents(7, 4)
+    for text in texts:
+        ids = torch.tensor([ours.tokenizer.encode(text, prepend=ours.tokenizer.bos_id)[:128]])
+        with torch.no_grad():
+            diff = (ours.model(ids) - model(ids).logits).abs().max().item()
+        assert diff <= 1e-4, f"max abs logit difference {diff}"
+
+
+def test_greedy_generation_matches_token_for_token(ours, theirs):
+    model, _ = theirs
+    prompt = ours.tokenizer.encode("Mia lives in", prepend=ours.tokenizer.bos_id)
+    # ours: the KV-cached engine at temperature 0, stopping where it stops (<|assistant_end|> or <|bos|>)
+    seqs, _ = Engine(ours.model, ours.tokenizer).generate_batch(prompt, max_tokens=32, temperature=0.0)
+    mine = seqs[0][len(prompt) :]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
+    assert out[0, len(prompt) :].tolist() == mine
+    assert len(mine) == 32  # the trained model writes on: the whole budget was compared
+
+
+def test_plain_text_ids_equal_ours(ours, theirs):
+    _, tok = theirs
+    texts = [
+        *pretrain_documents(11, 20),
+        "Numbers 1234567 and 3.14159, 'quotes' I'LL we've\n\n\n  tabs\tand   spaces   \r\n end",
+        "Ünïcödé ✓ 日本語 emoji 🙂 and mixed-case CamelCaseWords__underscores!!??",
+    ]
+    for text in texts:
+        assert tok(text, add_special_tokens=False)["input_ids"] == ours.tokenizer.encode(text)
+        assert tok.decode(ours.tokenizer.encode(text)) == text
+    assert tok(texts[0])["input_ids"] == ours.tokenizer.encode(texts[0], prepend=ours.tokenizer.bos_id)
+    # Special-token names inside text: ours encode them as ordinary text, HF does with split_special_tokens.
+    text = "a <|bos|> b"
+    assert tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == ours.tokenizer.encode(text)
+
+
+def test_chat_template_renders_the_tool_conversation_like_ours(ours, theirs):
+    _, tok = theirs
+    messages = TOOL_CONVERSATION["messages"]
+    ids, _ = ours.tokenizer.render_conversation(TOOL_CONVERSATION, max_tokens=1 << 20)
+    got = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert list(got) == ids
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert list(prompt) == ours.tokenizer.render_for_completion(TOOL_CONVERSATION)
+    with pytest.raises(Exception, match="alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}], tokenize=False)
+
+
+def test_model_card_has_report_numbers_and_lineage(exported):
+    card = (exported / "README.md").read_text()
+    assert "library_name: transformers" in card and "| CORE | 0.1234 |" in card and "0.0567" in card
+    lineage = json.loads((exported / hf.LINEAGE_FILE).read_text())
+    for key in ("git_commit", "dvc_lock", "model_pt_sha256", "safetensors_sha256"):
+        assert lineage[key] and f"`{lineage[key]}`" in card
+
+
+@dataclasses.dataclass
+class _NanochatConfig(GPTConfig):
+    """GPTConfig with the nanochat-2026 option fields, as another branch adds them."""
+
+    value_embeds: bool = False
+    lambdas: bool = False
+    smear: bool = False
+    backout: bool = False
+    qk_scale: float = 1.0
+    pad_vocab_to: int = 1
+
+
+def test_options_the_builtin_class_lacks_are_refused_by_name(artifacts, tmp_path):
+    sliding = GPTConfig(
+        sequence_len=64, vocab_size=512, n_layer=3, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"
+    )
+    with pytest.raises(hf.ExportError, match=r"window_pattern='SL'"):
+        hf.check_supported(sliding)
+    hf.check_supported(dataclasses.replace(sliding, window_pattern="L"))
+    hf.check_supported(_NanochatConfig())  # every option off: exportable
+    on = _NanochatConfig(value_embeds=True, smear=True, qk_scale=1.2, pad_vocab_to=64, vocab_size=500)
+    with pytest.raises(hf.ExportError) as e:
+        hf.check_supported(on)
+    for name in ("value_embeds=True", "smear=True", "qk_scale=1.2", "pad_vocab_to=64"):
+        assert name in str(e.value)
+    assert "lambdas" not in str(e.value) and "backout" not in str(e.value)
+
+    @dataclasses.dataclass
+    class Future(GPTConfig):
+        mystery: int = 3
+
+    with pytest.raises(hf.ExportError, match="mystery=3.*unknown to the exporter"):
+        hf.check_supported(Future())
+    # the exporter refuses before writing anything
+    model = GPT(sliding)
+    tok = load_chat_model("sft", artifacts=artifacts, device="cpu").tokenizer
+    with pytest.raises(hf.ExportError, match="window_pattern"):
+        hf.export_model(model, tok, {}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_exports_and_pushes_through_huggingface_hub(artifacts, tmp_path, monkeypatch):
+    calls = []
+
+    class FakeApi:  # the Hub is unreachable here: record what would be sent
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw["private"]))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir())))
+            return type("Info", (), {"commit_url": f"https://hf.co/{kw['repo_id']}/commit/1"})()
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "artifacts").symlink_to(artifacts)
+    assert cli.main(["export", "--model", "base", "--out", "out", "--push-to-hub", "me/tiny", "--private"]) == 0
+    assert calls[0] == ("create_repo", "me/tiny", True)
+    assert calls[1][0] == "upload_folder" and "model.safetensors" in calls[1][2]
+    assert json.loads((tmp_path / "out" / hf.LINEAGE_FILE).read_text())["stage"] == "base"
+    assert cli.main(["export", "--model", "rl", "--out", "out2"]) == 2  # no rl model: a clear error, exit 2
+
+
+@pytest.mark.slow
+def test_export_stage_logs_the_dir_to_mlflow_and_the_registered_version(artifacts, tmp_path, monkeypatch, params_file):
+    import mlflow
+
+    from stages import export as export_stage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "artifacts").mkdir()
+    for name in ("tokenizer", "base", "sft", "report"):
+        (tmp_path / "artifacts" / name).symlink_to(artifacts / name)
+    monkeypatch.setenv("CHATPIPE_TRACKING__URI", f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    monkeypatch.setenv("CHATPIPE_TRACKING__ARTIFACT_ROOT", str(tmp_path / "mlruns" / "artifacts"))
+    monkeypatch.delenv("CHATPIPE_PARENT_RUN_ID", raising=False)
+    # what the report stage leaves behind: a run with the model dir, registered as a version
+    from chatpipe import tracking
+    from chatpipe.settings import TrackingSettings, load_section
+
+    experiment = tracking.configure(load_section(TrackingSettings))
+    client = mlflow.MlflowClient()
+    report_run = client.create_run(experiment, run_name="report")
+    client.log_artifacts(report_run.info.run_id, str(artifacts / "sft"), "model")
+    client.create_registered_model("chatpipe")
+    client.create_model_version("chatpipe", f"{report_run.info.artifact_uri}/model", run_id=report_run.info.run_id)
+
+    export_stage.main([])
+    assert json.loads((tmp_path / "artifacts/export/config.json").read_text())["model_type"] == "nanochat"
+    run = client.search_runs([experiment], "tags.stage = 'export'")[0]
+    assert "config.json" in {Path(f.path).name for f in client.list_artifacts(run.info.run_id, "hf")}
+    version = client.get_model_version("chatpipe", "1")
+    assert version.tags["hf_export"] == "model/hf"
+    files = {Path(f.path).name for f in client.list_artifacts(report_run.info.run_id, "model/hf")}
+    assert {"model.safetensors", "tokenizer.json", "README.md"} <= files
+
+    # a model with an option NanoChat lacks: the stage fails, or with on_unsupported=skip says why
+    monkeypatch.setattr(
+        export_stage, "export_by_name", lambda *a, **k: (_ for _ in ()).throw(hf.ExportError("smear=True"))
+    )
+    with pytest.raises(hf.ExportError):
+        export_stage.main([])
+    export_stage.main(["--on_unsupported=skip"])
+    assert "smear=True" in (tmp_path / "artifacts/export/SKIPPED.md").read_text()
