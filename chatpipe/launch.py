@@ -31,9 +31,11 @@ STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "rep
 def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment handed to workers: chatpipe/MLflow/HF settings; locally also this Python's bin dir as PATH.
 
+    ``DVC_EXP_*`` (set by ``dvc exp run``) passes too, so the stage's MLflow run names its DVC experiment.
+
     Remote schedulers keep the node's own PATH (the image or cluster module provides torchrun).
     """
-    env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_", "DVC_EXP_"))}
     if scheduler == "local_cwd":
         env["PATH"] = str(Path(sys.executable).parent)
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
