@@ -15,7 +15,10 @@ Endpoints:
   reply comes as server-sent events, one JSON object per ``data:`` line: ``{"kind": "text" |
   "python" | "python_output", "text": ...}`` deltas, then ``{"done": true, "message": ...,
   "tokens": n, "finish_reason": ...}`` (or ``{"error": ...}``). Without it: one JSON object,
-  ``{"message": {"role": "assistant", "content": ...}, "text": ..., "tokens": n, ...}``.
+  ``{"message": {"role": "assistant", "content": ...}, "text": ..., "parts": [...], "tokens": n, ...}``;
+  ``text`` is the whole reply as ``chatpipe chat`` shows it (calculator calls inline as
+  ``[calc: 12+7 = 19]``), ``parts`` the typed pieces (``text`` / ``python`` / ``python_output``).
+- ``GET /docs``        the OpenAPI page (its script and style come from a CDN; offline, ``GET /openapi.json``)
 
 Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}``. At most
 ``num_engines`` replies are generated at once (worker threads over the one model: every
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import sys
@@ -39,11 +43,11 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from chatpipe.inference.engine import Engine
-from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for
+from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for, show_stream
 from chatpipe.settings import ParamsError, ServeSettings, load_section
 
 log = logging.getLogger(__name__)
@@ -175,7 +179,7 @@ def check_request(req: ChatRequest, cfg: ServeSettings) -> None:
 
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
-    app = FastAPI(title="chatpipe", docs_url="/api/docs", redoc_url=None)
+    app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None)
     engine = Engine(loaded.model, loaded.tokenizer)
     pool = EnginePool(engine, cfg.num_engines, cfg.max_queue)
     app.state.pool = pool
@@ -196,6 +200,10 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
             return JSONResponse({"error": f"request body is not valid JSON: {detail}"}, status_code=400)
         msgs = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors]
         return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
+
+    @app.get("/api/docs", include_in_schema=False)
+    async def old_docs() -> RedirectResponse:  # where the docs page used to be
+        return RedirectResponse("/docs")
 
     @app.get("/")
     async def index() -> FileResponse:
@@ -246,9 +254,12 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
         def summary(parts: list[dict[str, str]]) -> dict[str, Any]:
             text = all(p["type"] == "text" for p in parts)
             content = "".join(p["text"] for p in parts) if text else parts
+            shown = io.StringIO()
+            show_stream(((p["type"], p["text"]) for p in parts), shown)  # tool calls bracketed, as in the CLI
             return {
                 "message": {"role": "assistant", "content": content},
-                "text": "".join(p["text"] for p in parts if p["type"] == "text"),
+                "text": shown.getvalue().removesuffix("\n"),
+                "parts": parts,
                 "tokens": stats.get("tokens", 0),
                 "finish_reason": stats.get("finish_reason"),
                 "seconds": round(time.perf_counter() - t0, 4),
