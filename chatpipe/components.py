@@ -1,8 +1,8 @@
 """torchx component: a chatpipe stage for ``torchx run``, the same AppDef ``python -m chatpipe.launch`` builds.
 
-    torchx run --stage pretrain                                   # component and scheduler from .torchxconfig
+    torchx run -- --stage pretrain                                # component and scheduler from .torchxconfig
     torchx run chatpipe/components.py:app --stage pretrain --nproc_per_node 2 -- --max_steps=20
-    torchx run -s slurm --dryrun chatpipe/components.py:app --stage pretrain --scheduler slurm
+    torchx run -s kubernetes --dryrun -- --stage pretrain --scheduler kubernetes
 
 Topology, image and resources come from the ``launch`` section of params.yaml (profile included),
 overridden by the arguments below; arguments after ``--`` go to the stage (``--key=value``).

@@ -43,6 +43,11 @@ def test_torchx_run_uses_the_repo_config_and_the_component(tmp_path):
     out = proc.stdout
     assert "--nproc_per_node 2" in out and "stages.pretrain --max_steps=20" in out
     assert "'log_dir': 'logs/" in out  # the [local_cwd] section of .torchxconfig
+    # Kubernetes through torchx's CLI: no Docker daemon needed (no workspace), the job gets the volumes
+    cmd = [TORCHX, "run", "-s", "kubernetes", "--dryrun", "--", "--stage", "sft", "--scheduler", "kubernetes"]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "claimName: chatpipe-mlruns" in proc.stdout and "image: chatpipe:latest" in proc.stdout
 
 
 def test_component_rejects_a_bad_param_before_launching(tmp_path, params_file):
