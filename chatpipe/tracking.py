@@ -112,12 +112,16 @@ def relocate(settings, exp) -> bool:
     ``artifact_root`` as now but resolves elsewhere, every stored path under the old root is
     rewritten to the new one. A changed ``artifact_root`` setting is not a move: MLflow fixes an
     experiment's location at creation, so that gets a warning (use a new experiment name).
-    Only local sqlite stores are rewritten; a tracking server owns its own artifact locations.
+    Only a sqlite store inside the project (relative path) is rewritten; a tracking server owns its
+    own artifact locations.
     """
     import logging
 
     old = _local_path(exp.artifact_location or "")
-    if old is None or not settings.uri.startswith("sqlite:///"):
+    db = settings.uri.removeprefix("sqlite:///")
+    # only a store inside the project (a relative sqlite path) moves with it; a store at an absolute
+    # path may be shared by several checkouts, each with its own root: leave it alone
+    if old is None or not settings.uri.startswith("sqlite:///") or Path(db).is_absolute():
         return False
     new = Path(settings.artifact_root).resolve()
     if old == new:
@@ -136,7 +140,7 @@ def relocate(settings, exp) -> bool:
             old,
         )
         return False
-    rebase_store(Path(settings.uri.removeprefix("sqlite:///")), old, new)
+    rebase_store(Path(db), old, new)
     logging.getLogger(__name__).info("project moved: artifact locations rebased from %s to %s", old, new)
     return True
 

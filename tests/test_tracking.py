@@ -146,3 +146,15 @@ def test_rebase_store_rewrites_only_paths_under_the_old_root(tmp_path):
     with sqlite3.connect(db) as con:
         got = [r[0] for r in con.execute("select artifact_uri from runs")]
     assert got == ["file:///b/m/x/1/artifacts", "/b/m/x", "file:///a/mlruns-other/1", "s3://b/a/mlruns/1"]
+
+
+def test_a_store_at_an_absolute_path_is_not_rebased(clean_env, monkeypatch):
+    # an absolute sqlite path may be shared by several checkouts: none of them may claim it
+    settings = settings_at(clean_env)
+    exp_id = tracking.configure(settings)
+    elsewhere = clean_env / "other-checkout"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert tracking.configure(settings) == exp_id
+    location = mlflow.MlflowClient().get_experiment(exp_id).artifact_location
+    assert location == (clean_env / "mlruns/artifacts").as_uri()
