@@ -50,7 +50,10 @@ def project(tmp_path, monkeypatch):
     # an absolute URI: MLflow caches one store per URI string, so a relative one would reuse the
     # store (and directory) of the previous test
     settings = TrackingSettings.model_construct(
-        uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db", artifact_root="mlruns/artifacts", experiment="chatpipe", enabled=True
+        uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db",
+        artifact_root="mlruns/artifacts",
+        experiment="chatpipe",
+        enabled=True,
     )
     yield tmp_path, settings
     mlflow.set_tracking_uri(None)
