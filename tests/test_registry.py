@@ -73,6 +73,7 @@ def aliases(client) -> dict[str, str]:
     return {a: str(registry.alias_version(client, "chatpipe", a).version) for a in (registry.LATEST, registry.CHAMPION)}
 
 
+@pytest.mark.slow
 def test_latest_loads_as_pyfunc_and_answers_a_prompt(project):
     root, settings = project
     report_register(settings, chatcore=0.10, bpb=1.5)
@@ -90,6 +91,7 @@ def test_latest_loads_as_pyfunc_and_answers_a_prompt(project):
     assert load_chat_model("models:/chatpipe@latest", device="cpu", tracking_uri=settings.uri).stage == "sft"
 
 
+@pytest.mark.slow
 def test_same_sha256_is_registered_once_and_champion_moves_only_on_better_numbers(project):
     root, settings = project
     client = mlflow.MlflowClient(tracking_uri=settings.uri)
