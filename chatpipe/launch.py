@@ -25,14 +25,19 @@ from chatpipe.settings import STAGES, LaunchSettings, ParamsError, load_section,
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
+# what a stage reads and writes beside the code (relative to the repo): stage outputs, in-progress
+# checkpoints, the MLflow store. On Kubernetes they must outlive the pod, so each gets a volume.
+PERSISTENT_DIRS = ("artifacts", "checkpoints", "mlruns")
 
 
 def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment handed to workers: chatpipe/MLflow/HF settings; locally also this Python's bin dir as PATH.
 
+    ``DVC_EXP_*`` (set by ``dvc exp run``) passes too, so the stage's MLflow run names its DVC experiment.
+
     Remote schedulers keep the node's own PATH (the image or cluster module provides torchrun).
     """
-    env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_", "DVC_EXP_"))}
     if scheduler == "local_cwd":
         env["PATH"] = str(Path(sys.executable).parent)
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
@@ -66,8 +71,9 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         )
         app.roles[0].env.update(stage_env(launch.scheduler, env))
         app.roles[0].max_retries = launch.max_retries
+        app.roles[0].mounts = volume_mounts(launch)
         return app
-    return ddp(
+    app = ddp(
         *stage_args,
         m=f"stages.{stage}",
         name=f"chatpipe/{stage}",
@@ -81,6 +87,24 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         rdzv_port=launch.rdzv_port,
         rdzv_backend=launch.rdzv_backend,
     )
+    app.roles[0].mounts = volume_mounts(launch)
+    return app
+
+
+def volume_mounts(launch: LaunchSettings) -> list:
+    """Kubernetes mounts for :data:`PERSISTENT_DIRS` under ``launch.workdir`` (none elsewhere or without a volume).
+
+    ``launch.volume`` is a PVC name prefix (claims ``<volume>-artifacts`` etc.; ReadWriteMany for
+    more than one node) or an absolute hostPath directory holding the three folders.
+    """
+    from torchx.specs import BindMount, VolumeMount
+
+    if launch.scheduler != "kubernetes" or not launch.volume:
+        return []
+    dst = launch.workdir.rstrip("/")
+    if launch.volume.startswith("/"):
+        return [BindMount(f"{launch.volume.rstrip('/')}/{d}", f"{dst}/{d}") for d in PERSISTENT_DIRS]
+    return [VolumeMount(f"{launch.volume}-{d}", f"{dst}/{d}") for d in PERSISTENT_DIRS]
 
 
 def scheduler_cfg(launch: LaunchSettings) -> dict[str, object]:

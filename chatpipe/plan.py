@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -170,8 +171,11 @@ def format_plan(plan: Plan) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """CLI: ``chatpipe plan --profile speedrun [--gpu H100 --mfu 0.4 --usd-per-gpu-hour 3 --json]``."""
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``chatpipe plan --profile speedrun [--gpu H100 --mfu 0.4 --usd-per-gpu-hour 3 --json]``.
+
+    Returns 2 with a one-line error (no traceback) for an unknown profile or bad params.
+    """
     p = argparse.ArgumentParser(prog="chatpipe plan", description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=None, help="params profile (default: params.yaml's)")
     p.add_argument("--gpu", default="H100", choices=sorted(PEAK_FLOPS))
@@ -179,16 +183,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from chatpipe.settings import active_profile
+    from chatpipe.settings import ParamsError, active_profile
 
-    plan = make_plan(args.profile or active_profile(), args.gpu, args.mfu, args.usd_per_gpu_hour)
+    try:
+        plan = make_plan(args.profile or active_profile(), args.gpu, args.mfu, args.usd_per_gpu_hour)
+    except ParamsError as e:  # names the file, the profile and the allowed ones
+        print(f"chatpipe plan: {e}", file=sys.stderr)
+        return 2
     if args.json:
         import json
 
         print(json.dumps(asdict(plan), indent=2))
     else:
         print(format_plan(plan))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

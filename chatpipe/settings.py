@@ -333,6 +333,13 @@ class LaunchSettings(StageSettings):
     rdzv_port: int = Field(29500, ge=1, le=65535)
     max_retries: int = Field(0, ge=0)
     log_dir: str = "logs"
+    volume: str = Field(
+        "chatpipe",
+        description="kubernetes: where artifacts/, checkpoints/ and mlruns/ persist: a PVC name prefix "
+        "(claims <name>-artifacts, <name>-checkpoints, <name>-mlruns) or an absolute hostPath dir; "
+        "empty: none (outputs are lost with the pod)",
+    )
+    workdir: str = Field("/workspace", description="kubernetes: the repo's path inside the image (its WORKDIR)")
 
 
 class TrackingSettings(StageSettings):

@@ -4,6 +4,18 @@ The flow creates the parent run and passes its id to stages in ``CHATPIPE_PARENT
 a stage started without it (plain ``dvc repro``) gets a top-level run. Only rank 0 logs.
 Per-step metrics go through :class:`MetricBuffer`, which sends them in batches so the training
 loop never waits on the store for each metric.
+
+Run names say what ran: ``pretrain · tiny`` under a pipeline run named ``pipeline · tiny · <time>``;
+a stage that ``dvc exp run`` started (DVC sets ``DVC_EXP_NAME``) is named ``pretrain · tiny · exp
+<name>`` and nested under one parent run per DVC experiment, so every experiment reads as one run.
+
+The experiment is tagged ``mlflow.experimentKind = custom_model_development`` so the MLflow UI opens
+it as model training (runs, metrics, models), not in its GenAI view (traces, evaluations).
+
+Artifact locations: MLflow stores them as absolute paths. When the whole project (store and
+artifacts) is moved or copied, :func:`configure` notices that the experiment's artifact location is
+no longer this project's ``tracking.artifact_root`` and rebases the stored locations, so the copy
+never writes into the original's ``mlruns/``.
 """
 
 from __future__ import annotations
@@ -18,6 +30,14 @@ from pathlib import Path
 from typing import Any
 
 PARENT_ENV = "CHATPIPE_PARENT_RUN_ID"
+# MLflow 3.x UI: the experiment tag that picks its view; "custom_model_development" is model training
+# (the other values it knows include "genai_development", "finetuning", "forecasting").
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# the configured (usually relative) artifact root an experiment was created with
+ARTIFACT_ROOT_TAG = "chatpipe.artifact_root"
+DVC_EXP_ENV, DVC_BASELINE_ENV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
+SEP = " · "
 
 
 def git_commit() -> str:
@@ -48,21 +68,112 @@ def dvc_stage_hash(stage: str, path: Path = Path("dvc.lock")) -> str:
 
 
 def configure(settings) -> str:
-    """Point MLflow at the store in ``settings`` (a TrackingSettings) and return the experiment id."""
+    """Point MLflow at the store in ``settings`` (a TrackingSettings) and return the experiment id.
+
+    Creates the experiment on first use (tagged as model training); on later uses makes sure the
+    tag is there and that the stored artifact location is this project's (see :func:`relocate`).
+    """
     import mlflow
 
     if settings.uri.startswith("sqlite:///"):
         Path(settings.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(settings.uri)
     exp = mlflow.get_experiment_by_name(settings.experiment)
-    if exp is not None:
-        return exp.experiment_id
     artifacts = Path(settings.artifact_root).resolve()
-    artifacts.mkdir(parents=True, exist_ok=True)
-    try:
-        return mlflow.create_experiment(settings.experiment, artifact_location=artifacts.as_uri())
-    except Exception:  # another process created it first
-        return mlflow.get_experiment_by_name(settings.experiment).experiment_id
+    if exp is None:
+        artifacts.mkdir(parents=True, exist_ok=True)
+        tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, ARTIFACT_ROOT_TAG: settings.artifact_root}
+        try:
+            return mlflow.create_experiment(settings.experiment, artifact_location=artifacts.as_uri(), tags=tags)
+        except Exception:  # another process created it first
+            exp = mlflow.get_experiment_by_name(settings.experiment)
+    client = mlflow.MlflowClient()
+    if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # experiments made before the tag existed
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    relocate(settings, exp)
+    return exp.experiment_id
+
+
+def _local_path(location: str) -> Path | None:
+    """The filesystem path of a ``file://`` URI or plain path; None for remote locations."""
+    from urllib.parse import unquote, urlparse
+
+    if location.startswith("file://"):
+        return Path(unquote(urlparse(location).path))
+    return Path(location) if location.startswith("/") else None
+
+
+def relocate(settings, exp) -> bool:
+    """Rebase the stored artifact locations when the project has moved; True when it did.
+
+    MLflow writes absolute artifact paths into the store (experiment, runs, logged models, model
+    versions). After ``mv``/``cp -r`` of the project, the copied sqlite store still points at the
+    original's ``mlruns/``. When the experiment was created with the same configured
+    ``artifact_root`` as now but resolves elsewhere, every stored path under the old root is
+    rewritten to the new one. A changed ``artifact_root`` setting is not a move: MLflow fixes an
+    experiment's location at creation, so that gets a warning (use a new experiment name).
+    Only a sqlite store inside the project (relative path) is rewritten; a tracking server owns its
+    own artifact locations.
+    """
+    import logging
+
+    old = _local_path(exp.artifact_location or "")
+    db = settings.uri.removeprefix("sqlite:///")
+    # only a store inside the project (a relative sqlite path) moves with it; a store at an absolute
+    # path may be shared by several checkouts, each with its own root: leave it alone
+    if old is None or not settings.uri.startswith("sqlite:///") or Path(db).is_absolute():
+        return False
+    new = Path(settings.artifact_root).resolve()
+    if old == new:
+        return False
+    root = Path(settings.artifact_root)
+    configured = exp.tags.get(ARTIFACT_ROOT_TAG)
+    # experiments created before the tag: the same relative root at the end of the old path
+    same_setting = configured == settings.artifact_root if configured else old.parts[-len(root.parts) :] == root.parts
+    if not same_setting or root.is_absolute():
+        logging.getLogger(__name__).warning(
+            "tracking.artifact_root = %r but experiment %r keeps its artifacts in %s (MLflow fixes an "
+            "experiment's artifact location when it is created): set tracking.experiment to a new name "
+            "to use the new root",
+            settings.artifact_root,
+            settings.experiment,
+            old,
+        )
+        return False
+    rebase_store(Path(db), old, new)
+    logging.getLogger(__name__).info("project moved: artifact locations rebased from %s to %s", old, new)
+    return True
+
+
+# (table, column) pairs of an MLflow 3.x sqlite store that hold artifact locations
+_LOCATION_COLUMNS = [
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+]
+
+
+def rebase_store(db: Path, old: Path, new: Path) -> int:
+    """Rewrite every stored location under ``old`` (path or file URI) to sit under ``new``; returns rows changed."""
+    import sqlite3
+
+    changed = 0
+    with sqlite3.connect(db) as con:
+        tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
+        for table, column in _LOCATION_COLUMNS:
+            if table not in tables:
+                continue
+            for before, after in ((old.as_uri(), new.as_uri()), (str(old), str(new))):
+                # exactly the old root, or something below it (not a sibling that shares the prefix)
+                cur = con.execute(
+                    f"update {table} set {column} = ? || substr({column}, ?) "
+                    f"where {column} = ? or substr({column}, 1, ?) = ?",
+                    (after, len(before) + 1, before, len(before) + 1, before + "/"),
+                )
+                changed += cur.rowcount
+    return changed
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -84,7 +195,52 @@ def numeric_leaves(d: dict[str, Any]) -> dict[str, float]:
 
 def base_tags(stage: str, profile: str) -> dict[str, str]:
     """Tags that trace a number back to what produced it."""
-    return {"stage": stage, "profile": profile, "git_commit": git_commit(), "dvc_lock": dvc_lock_hash()}
+    tags = {"stage": stage, "profile": profile, "git_commit": git_commit(), "dvc_lock": dvc_lock_hash()}
+    if os.environ.get(DVC_EXP_ENV):
+        tags["dvc_exp"] = os.environ[DVC_EXP_ENV]
+    return tags
+
+
+def stage_run_name(stage: str, profile: str) -> str:
+    """``pretrain · tiny``, or ``pretrain · tiny · exp <name>`` inside ``dvc exp run``."""
+    exp = os.environ.get(DVC_EXP_ENV)
+    return SEP.join([stage, profile, *([f"exp {exp}"] if exp else [])])
+
+
+def pipeline_run_name(profile: str) -> str:
+    """The flow's parent run: ``pipeline · tiny · 2026-11-23 21:17``."""
+    return SEP.join(["pipeline", profile, time.strftime("%Y-%m-%d %H:%M")])
+
+
+def dvc_exp_parent(experiment_id: str, profile: str) -> str | None:
+    """Inside ``dvc exp run``: the id of the parent run of this DVC experiment (created by its first stage).
+
+    DVC runs an experiment's stages one after another, each in its own process, with the same
+    ``DVC_EXP_NAME``; finding the parent by that tag groups them into one run. None outside DVC.
+    """
+    name = os.environ.get(DVC_EXP_ENV)
+    if not name:
+        return None
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    baseline = os.environ.get(DVC_BASELINE_ENV, "")
+    found = client.search_runs(
+        [experiment_id],
+        f"tags.dvc_exp = '{name}' and tags.stage = 'dvc exp'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1,
+    )
+    if found:
+        return found[0].info.run_id
+    tags = {
+        **base_tags("dvc exp", profile),
+        "dvc_exp": name,
+        "dvc_exp_baseline": baseline,
+        "mlflow.note.content": f"`dvc exp run` experiment **{name}** (baseline {baseline[:7] or '?'}): "
+        "one nested run per stage it ran.",
+    }
+    return client.create_run(experiment_id, run_name=SEP.join([f"exp {name}", profile]), tags=tags).info.run_id
 
 
 @contextmanager
@@ -99,16 +255,23 @@ def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, ena
     import mlflow
 
     experiment_id = configure(settings)
-    parent = os.environ.get(PARENT_ENV) or None
+    exp_parent = None if os.environ.get(PARENT_ENV) else dvc_exp_parent(experiment_id, profile)
+    parent = os.environ.get(PARENT_ENV) or exp_parent
     tags = base_tags(stage, profile)
     if parent:
         tags["mlflow.parentRunId"] = parent
-    with mlflow.start_run(experiment_id=experiment_id, run_name=stage, tags=tags) as run:
+    with mlflow.start_run(experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags) as run:
         flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
         items = list(flat.items())
         for i in range(0, len(items), 100):  # log_params takes at most 100 per call
             mlflow.log_params(dict(items[i : i + 100]))
-        yield run
+        status = "FAILED"
+        try:
+            yield run
+            status = "FINISHED"
+        finally:
+            if exp_parent:  # the DVC experiment's run ends (for now) with its latest stage
+                mlflow.MlflowClient().set_terminated(exp_parent, status=status)
 
 
 def tag_stage_runs(parent_run_id: str, stage: str, tags: dict[str, str]) -> int:

@@ -100,7 +100,8 @@ def pipeline(profile: str | None = None, stages: list[str] | None = None, resume
 
         experiment_id = tracking.configure(track)
         tags = {**tracking.base_tags("pipeline", active_profile()), "stages": ",".join(selected)}
-        parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name="pipeline", tags=tags).info.run_id
+        name = tracking.pipeline_run_name(active_profile())
+        parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name=name, tags=tags).info.run_id
     results: dict[str, str] = {}
     status = "FAILED"
     try:

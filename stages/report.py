@@ -7,7 +7,9 @@ Reads ``artifacts/eval/results.json``, ``dvc.lock``, params.yaml and the MLflow 
 (nested under the flow's parent run ``CHATPIPE_PARENT_RUN_ID`` when there is one, else the newest
 run of each stage). Writes ``artifacts/report/`` (report.md, report.json, loss/bpb/reward PNGs),
 logs it as artifacts of the parent run (or of its own run without a parent), and registers the
-last model stage that exists (rl > sft > mid > base) in the MLflow model registry with its metrics.
+last model stage that exists (rl > sft > mid > base) in the MLflow model registry as a pyfunc model
+(chatpipe/serve/pyfunc.py) with its metrics as tags: once per model sha256, aliased ``@latest``, and
+``@champion`` when its numbers beat the champion's.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import logging
 import os
 import sys
 
-from chatpipe import runtime, tracking
-from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe import registry, runtime, tracking
+from chatpipe.io import replace_dir, sha256_file, write_json_atomic
 from chatpipe.report import (
     COLUMNS,
     CURVES,
@@ -110,25 +112,47 @@ def report(cfg: ReportSettings) -> None:
 
 
 def register_final_model(client, run, name: str, results: dict, values: dict) -> None:
-    """Log the last model stage's files on ``run`` and register them as a new version of ``name``."""
+    """Log the last model stage as a pyfunc model on ``run`` and register it, once per model sha256.
+
+    Re-running the report on the same weights registers nothing new; a new model becomes a new
+    version, ``@latest``, and ``@champion`` when its numbers beat the champion's.
+    """
     final = next((s for s in reversed(COLUMNS) if (ARTIFACTS / s / "model.pt").exists()), None)
     if final is None:
         log.warning("no model dir to register")
         return
-    client.log_artifacts(run.info.run_id, str(ARTIFACTS / final), "model")
-    if not client.search_registered_models(f"name = '{name}'"):
-        client.create_registered_model(name, description="chatpipe chat model (final stage of the pipeline)")
     r = results.get("stages", {}).get(final, {})
-    tags = {
-        "stage": final,
-        "git_commit": str(r.get("git_commit")),
-        "dvc_lock": str(r.get("dvc_lock")),
-        "model_sha256": str(r.get("model_sha256")),
-        "bpb": f"{r.get('bpb', float('nan')):.4f}",
-        **{row: f"{cols[final]:.4f}" for row, cols in values.items() if cols.get(final) is not None},
-    }
-    version = client.create_model_version(name, f"{run.info.artifact_uri}/model", run_id=run.info.run_id, tags=tags)
-    log.info("registered %s version %s from artifacts/%s", name, version.version, final)
+    sha = sha256_file(ARTIFACTS / final / "model.pt")
+    if r.get("model_sha256") not in (None, sha):
+        log.warning(
+            "artifacts/%s/model.pt changed since eval (sha256 %s != %s)", final, sha[:12], r["model_sha256"][:12]
+        )
+    version = registry.find_version(client, name, sha)
+    if version is not None:
+        log.info(
+            "%s version %s already holds this %s model (sha256 %s): not registered again",
+            name,
+            version.version,
+            final,
+            sha[:12],
+        )
+    else:
+        from chatpipe.serve.pyfunc import log_chat_model  # imports mlflow.pyfunc: only when registering
+
+        info = log_chat_model(ARTIFACTS / final, ARTIFACTS / "tokenizer")
+        tags = {
+            "stage": final,
+            "git_commit": str(r.get("git_commit")),
+            "dvc_lock": str(r.get("dvc_lock")),
+            registry.SHA_TAG: sha,
+            "bpb": f"{r.get('bpb', float('nan')):.4f}",
+            **{row: f"{cols[final]:.4f}" for row, cols in values.items() if cols.get(final) is not None},
+        }
+        version = registry.register(client, name, info.model_uri, run.info.run_id, tags)
+        log.info("registered %s version %s from artifacts/%s (sha256 %s)", name, version.version, final, sha[:12])
+    held = registry.update_aliases(client, name, version)
+    client.set_tag(run.info.run_id, "registered_model", f"models:/{name}/{version.version}")
+    client.set_tag(run.info.run_id, "model_aliases", ",".join(held) or "none")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
         "python",
         "-c",
         (
-            "import mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
+            "import json, mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
             "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
             f"print(sorted(a.path for a in c.list_artifacts('{parent}', 'report')));"
             "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['CORE'])"
@@ -110,6 +110,25 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     # nothing changed: a second repro skips both stages
     again = dvc(project, "repro", "report")
     assert "didn't change, skipping" in again.stdout and "Running stage 'eval'" not in again.stdout
+
+    # the report forced to run again: same weights, so no second version; @latest answers a prompt
+    dvc(project, "repro", "--force", "--single-item", "report")
+    served = run(
+        project,
+        "python",
+        "-c",
+        (
+            "import json, mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
+            "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
+            "print(len(c.search_model_versions(\"name = 'chatpipe'\")), c.get_model_version_by_alias('chatpipe', 'champion').version);"
+            "m = mlflow.pyfunc.load_model('models:/chatpipe@latest');"
+            "print(json.dumps(m.predict(['What is 2 + 3?'], params={'max_tokens': 8})))"
+        ),
+    )
+    counts, reply = served.stdout.strip().splitlines()[-2:]
+    assert counts == "1 1"
+    (text,) = json.loads(reply)
+    assert isinstance(text, str) and text.strip()
 
 
 def test_core_tasks_named_in_params_must_exist(tmp_path: Path, params_file: Path) -> None:

@@ -90,7 +90,7 @@ def finished(tmp_path_factory) -> Path:
 
 def test_flow_trains_and_val_bpb_falls(finished):
     meta = json.loads((finished / "artifacts" / "base" / "meta.json").read_text())
-    runs = {r["name"]: r for r in mlflow_runs(finished)}
+    runs = {r["tags"].get("stage"): r for r in mlflow_runs(finished)}
     history = runs["pretrain"]["metrics"]
     assert meta["summary"]["val_bpb"] == pytest.approx(history["final/val_bpb"])
     # step-0 bpb from the metric history
@@ -105,18 +105,19 @@ def test_flow_trains_and_val_bpb_falls(finished):
 
 def test_mlflow_parent_run_with_nested_stage_runs(finished):
     runs = mlflow_runs(finished)
-    parents = [r for r in runs if r["name"] == "pipeline"]
+    parents = [r for r in runs if r["tags"].get("stage") == "pipeline"]
     assert len(parents) == 1 and parents[0]["status"] == "FINISHED"
     parent = parents[0]
+    assert parent["name"].startswith("pipeline · tiny · ")  # readable: what, which profile, when
     assert parent["tags"]["dvc_lock"] not in ("", "none")
     for stage in FOUNDATION:
-        child = next(r for r in runs if r["name"] == stage)
-        assert child["tags"]["mlflow.parentRunId"] == parent["id"]
+        child = next(r for r in runs if r["tags"].get("stage") == stage)
+        assert child["tags"]["mlflow.parentRunId"] == parent["id"] and child["name"] == f"{stage} · tiny"
         assert child["tags"]["git_commit"] and child["tags"]["profile"] == "tiny"
-    pretrain = next(r for r in runs if r["name"] == "pretrain")
+    pretrain = next(r for r in runs if r["tags"].get("stage") == "pretrain")
     assert {"train/loss", "tokens_per_s", "lr_mult", "val/bpb"} <= set(pretrain["metrics"])
     assert "pretrain.depth" in pretrain["params"] and "pretrain.matrix_lr" in pretrain["params"]
-    tokenizer = next(r for r in runs if r["name"] == "tokenizer")
+    tokenizer = next(r for r in runs if r["tags"].get("stage") == "tokenizer")
     assert tokenizer["metrics"]["ours.bytes_per_token"] > 1.5
 
 
@@ -257,3 +258,9 @@ def test_dvc_experiment_shows_up_with_its_params(finished):
     assert "shorter" in text and '"max_steps": 8' in text
     diff = dvc(finished, "params", "diff", "HEAD").stdout
     assert "pretrain.max_steps" in diff
+    # its MLflow run is named after the DVC experiment and nested under one run for the experiment
+    runs = mlflow_runs(finished)
+    (exp_run,) = [r for r in runs if r["tags"].get("dvc_exp") == "shorter" and r["tags"]["stage"] == "pretrain"]
+    assert exp_run["name"] == "pretrain · tiny · exp shorter"
+    parent = next(r for r in runs if r["id"] == exp_run["tags"]["mlflow.parentRunId"])
+    assert parent["name"] == "exp shorter · tiny" and parent["status"] == "FINISHED"

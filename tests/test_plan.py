@@ -58,3 +58,18 @@ def test_cli_prints_plan(params_file, capsys):
 def test_unknown_gpu_is_rejected(params_file):
     with pytest.raises(ValueError, match="allowed: H100"):
         make_plan("speedrun", gpu="TPU")
+
+
+def test_misspelt_profile_is_a_one_line_error_naming_the_allowed_ones(params_file, capsys):
+    # before: the ParamsError escaped as a traceback
+    assert main(["--profile", "speedrn"]) == 2
+    err = capsys.readouterr().err
+    assert "speedrn" in err and "allowed:" in err and "speedrun" in err and "tiny" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_script_exit_status_for_a_misspelt_profile(params_file, capsys):
+    from chatpipe.cli import main as cli_main
+
+    assert cli_main(["plan", "--profile", "speedrn"]) == 2
+    assert "allowed:" in capsys.readouterr().err

@@ -106,7 +106,8 @@ def download_registered(uri: str, tracking_uri: str | None = None) -> Path:
         raise FileNotFoundError(
             f"{uri}: cannot download from the MLflow registry at {mlflow.get_tracking_uri()}: {e}"
         ) from None
-    for candidate in (local, local / "model"):  # the version's source may be the run or its "model" dir
+    # the version source may be the run, its "model" dir, or a pyfunc model (model files under artifacts/model)
+    for candidate in (local, local / "model", local / "artifacts" / "model"):
         if (candidate / "meta.json").exists():
             return candidate
     raise FileNotFoundError(

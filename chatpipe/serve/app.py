@@ -15,7 +15,10 @@ Endpoints:
   reply comes as server-sent events, one JSON object per ``data:`` line: ``{"kind": "text" |
   "python" | "python_output", "text": ...}`` deltas, then ``{"done": true, "message": ...,
   "tokens": n, "finish_reason": ...}`` (or ``{"error": ...}``). Without it: one JSON object,
-  ``{"message": {"role": "assistant", "content": ...}, "text": ..., "tokens": n, ...}``.
+  ``{"message": {"role": "assistant", "content": ...}, "text": ..., "parts": [...], "tokens": n, ...}``;
+  ``text`` is the whole reply as ``chatpipe chat`` shows it (calculator calls inline as
+  ``[calc: 12+7 = 19]``), ``parts`` the typed pieces (``text`` / ``python`` / ``python_output``).
+- ``GET /docs``        the OpenAPI page (its script and style come from a CDN; offline, ``GET /openapi.json``)
 
 - ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``: the OpenAI-compatible API
   (chatpipe/serve/openai_api.py), so the official ``openai`` client works against this server.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import sys
@@ -42,11 +46,11 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from chatpipe.inference.engine import Engine
-from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for
+from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for, show_stream
 from chatpipe.serve.openai_api import openai_router
 from chatpipe.settings import ParamsError, ServeSettings, load_section
 
@@ -179,7 +183,7 @@ def check_request(req: ChatRequest, cfg: ServeSettings) -> None:
 
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
-    app = FastAPI(title="chatpipe", docs_url="/api/docs", redoc_url=None)
+    app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None)
     engine = Engine(loaded.model, loaded.tokenizer)
     pool = EnginePool(engine, cfg.num_engines, cfg.max_queue)
     app.state.pool = pool
@@ -202,6 +206,10 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
         return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
 
     app.include_router(openai_router(loaded, cfg, pool))  # /v1/...: the OpenAI-compatible API
+
+    @app.get("/api/docs", include_in_schema=False)
+    async def old_docs() -> RedirectResponse:  # where the docs page used to be
+        return RedirectResponse("/docs")
 
     @app.get("/")
     async def index() -> FileResponse:
@@ -252,9 +260,12 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
         def summary(parts: list[dict[str, str]]) -> dict[str, Any]:
             text = all(p["type"] == "text" for p in parts)
             content = "".join(p["text"] for p in parts) if text else parts
+            shown = io.StringIO()
+            show_stream(((p["type"], p["text"]) for p in parts), shown)  # tool calls bracketed, as in the CLI
             return {
                 "message": {"role": "assistant", "content": content},
-                "text": "".join(p["text"] for p in parts if p["type"] == "text"),
+                "text": shown.getvalue().removesuffix("\n"),
+                "parts": parts,
                 "tokens": stats.get("tokens", 0),
                 "finish_reason": stats.get("finish_reason"),
                 "seconds": round(time.perf_counter() - t0, 4),

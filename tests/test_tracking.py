@@ -1,0 +1,160 @@
+"""MLflow tracking: the experiment opens as model training, runs have readable names, a ``dvc exp run``
+groups its stage runs, and a moved or copied project writes artifacts into its own ``mlruns/``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from chatpipe import tracking
+from chatpipe.settings import TrackingSettings
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def settings_at(root: Path, **kw) -> TrackingSettings:
+    # absolute URI: MLflow caches one store per URI string across tests in this process
+    return TrackingSettings.model_construct(
+        uri=f"sqlite:///{root}/mlruns/mlflow.db",
+        artifact_root=kw.pop("artifact_root", "mlruns/artifacts"),
+        experiment="chatpipe",
+        enabled=True,
+    )
+
+
+@pytest.fixture()
+def clean_env(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith(("CHATPIPE_", "DVC_EXP_", "MLFLOW_"))]:
+        monkeypatch.delenv(key)
+    yield tmp_path
+    mlflow.set_tracking_uri(None)
+
+
+def test_experiment_is_tagged_as_model_training_even_if_it_existed_before(clean_env):
+    settings = settings_at(clean_env)
+    mlflow.set_tracking_uri(settings.uri)
+    old = mlflow.create_experiment("chatpipe")  # as the code before the tag made it
+    assert tracking.configure(settings) == old
+    tags = mlflow.MlflowClient().get_experiment(old).tags
+    assert tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
+def test_new_experiment_gets_kind_tag_and_configured_root(clean_env):
+    exp_id = tracking.configure(settings_at(clean_env))
+    exp = mlflow.MlflowClient().get_experiment(exp_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert exp.tags[tracking.ARTIFACT_ROOT_TAG] == "mlruns/artifacts"
+    assert exp.artifact_location == (clean_env / "mlruns/artifacts").as_uri()
+
+
+def test_stage_runs_of_a_dvc_experiment_share_a_named_parent(clean_env, monkeypatch):
+    settings = settings_at(clean_env)
+    monkeypatch.setenv("DVC_EXP_NAME", "flabby-bass")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "0123456789abcdef")
+    ids = []
+    for stage in ("data", "pretrain"):
+        with tracking.stage_run(stage, settings, {"x": 1}, profile="tiny") as run:
+            ids.append(run.info.run_id)
+    client = mlflow.MlflowClient()
+    runs = [client.get_run(i) for i in ids]
+    assert [r.info.run_name for r in runs] == ["data · tiny · exp flabby-bass", "pretrain · tiny · exp flabby-bass"]
+    parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
+    assert len(parents) == 1
+    parent = client.get_run(parents.pop())
+    assert parent.info.run_name == "exp flabby-bass · tiny"
+    assert parent.data.tags["dvc_exp"] == "flabby-bass" and parent.data.tags["dvc_exp_baseline"] == "0123456789abcdef"
+    assert parent.info.status == "FINISHED" and all(r.data.tags["dvc_exp"] == "flabby-bass" for r in runs)
+
+
+def test_run_names_outside_dvc_and_under_a_pipeline(clean_env, monkeypatch):
+    settings = settings_at(clean_env)
+    with tracking.stage_run("sft", settings, {}, profile="tiny") as run:
+        pass
+    run = mlflow.MlflowClient().get_run(run.info.run_id)
+    assert run.info.run_name == "sft · tiny" and "mlflow.parentRunId" not in run.data.tags
+    assert tracking.pipeline_run_name("speedrun").startswith("pipeline · speedrun · 20")
+
+
+# One process of a project: log an artifact on a new run and read back every run's artifacts.
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import mlflow
+    from chatpipe import tracking
+    from chatpipe.settings import TrackingSettings
+
+    settings = TrackingSettings.model_construct(
+        uri="sqlite:///mlruns/mlflow.db", artifact_root="mlruns/artifacts", experiment="chatpipe", enabled=True
+    )
+    with tracking.stage_run("data", settings, {}, profile="tiny") as run:
+        mlflow.log_text(sys.argv[1], "note.txt")
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([run.info.experiment_id])
+    notes = {r.info.run_id: mlflow.artifacts.load_text(r.info.artifact_uri + "/note.txt") for r in runs}
+    print(json.dumps({"run": run.info.run_id, "artifact_uri": run.info.artifact_uri, "notes": notes}))
+    """
+)
+
+
+def run_in(project: Path, note: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATPIPE_", "DVC_EXP_", "MLFLOW_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, note], cwd=project, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_moved_project_writes_and_reads_its_own_mlruns(tmp_path):
+    original, moved = tmp_path / "original", tmp_path / "moved"
+    original.mkdir()
+    first = run_in(original, "one")
+    assert first["artifact_uri"].startswith((original / "mlruns/artifacts").as_uri())
+
+    shutil.copytree(original, moved)  # cp -r: the original stays, untouched from now on
+    before = sorted(p.relative_to(original) for p in original.rglob("*") if p.suffix != ".db")
+    second = run_in(moved, "two")
+    assert second["artifact_uri"].startswith((moved / "mlruns/artifacts").as_uri())
+    assert (tracking._local_path(second["artifact_uri"]) / "note.txt").read_text() == "two"
+    assert sorted(p.relative_to(original) for p in original.rglob("*") if p.suffix != ".db") == before
+    # the copy reads the earlier run's artifacts from its own mlruns/, even with the original gone
+    shutil.rmtree(original)
+    third = run_in(moved, "three")
+    assert third["notes"] == {first["run"]: "one", second["run"]: "two", third["run"]: "three"}
+    assert not original.exists()
+
+
+def test_rebase_store_rewrites_only_paths_under_the_old_root(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "s.db"
+    with sqlite3.connect(db) as con:
+        con.execute("create table runs (artifact_uri text)")
+        rows = ["file:///a/mlruns/x/1/artifacts", "/a/mlruns/x", "file:///a/mlruns-other/1", "s3://b/a/mlruns/1"]
+        con.executemany("insert into runs values (?)", [(r,) for r in rows])
+    assert tracking.rebase_store(db, Path("/a/mlruns"), Path("/b/m")) == 2
+    with sqlite3.connect(db) as con:
+        got = [r[0] for r in con.execute("select artifact_uri from runs")]
+    assert got == ["file:///b/m/x/1/artifacts", "/b/m/x", "file:///a/mlruns-other/1", "s3://b/a/mlruns/1"]
+
+
+def test_a_store_at_an_absolute_path_is_not_rebased(clean_env, monkeypatch):
+    # an absolute sqlite path may be shared by several checkouts: none of them may claim it
+    settings = settings_at(clean_env)
+    exp_id = tracking.configure(settings)
+    elsewhere = clean_env / "other-checkout"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert tracking.configure(settings) == exp_id
+    location = mlflow.MlflowClient().get_experiment(exp_id).artifact_location
+    assert location == (clean_env / "mlruns/artifacts").as_uri()
