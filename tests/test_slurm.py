@@ -52,6 +52,9 @@ PIPELINE_PARAMS = {  # tests/project.py SMALL_PARAMS plus small rl/eval, on the 
         "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}},
     },
     "pretrain": {"dtype": "float32"},
+    # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
+    "midtrain": {"total_batch_size": 1024},
+    "sft": {"total_batch_size": 1024},
 }
 
 
