@@ -153,6 +153,9 @@ def prepare(runner, app, cfg: dict, stage: str, log_dir: Path, repo: Path):
     """
     from torchx.specs import macros
 
+    for role in app.roles:  # one-process stages run torchx's utils.python, whose role is "python"
+        if role.name == "python":
+            role.name = stage  # job names (sacct, squeue) and log names then say which stage
     info = runner.dryrun(app, "slurm", cfg=cfg)
     req = info.request
     log_dir = log_dir.resolve() / "slurm"
