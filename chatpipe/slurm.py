@@ -322,6 +322,9 @@ def run(runner, app, cfg: dict, stage: str, log_dir: Path, poll_s: float = 1.0) 
     except KeyboardInterrupt:
         if job_id is None:
             return 130
+        # DVC, signalled with this process, exits and its death signals here again: let nothing cut the cancel short.
+        for sig in blocked:
+            signal.signal(sig, signal.SIG_IGN)
         print(f"[launch] {stage}: interrupted, cancelling slurm job {job_id}", flush=True)
         status = cancel(job_id)
         print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'} slurm job {job_id}", flush=True)
