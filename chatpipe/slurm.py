@@ -208,7 +208,8 @@ def tail(path: Path, n: int = TAIL_LINES) -> list[str]:
         return []
 
 
-_ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+# torchrun's failure summary: "  rank      : 1 (local_rank: 0)" then "  exitcode  : -9 (pid: 123)".
+_ROOT_CAUSE = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
 def describe_failure(status: JobStatus, logs: list[tuple[Path, Path]], repo: Path) -> list[str]:

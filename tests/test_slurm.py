@@ -419,4 +419,22 @@ def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, tmp_pat
         time.sleep(0.5)
     assert not queued(project), (queued(project), out[-3000:])
     assert not workers(project), out[-3000:]
-    assert "cancelling slurm job" in out, out[-3000:]
+    states = {j["state"].split()[0] for j in project_jobs(project)}
+    assert states == {"CANCELLED"}, (states, out[-3000:])  # scancelled: it could never have finished
+
+
+def test_failure_report_names_the_worker_that_failed(tmp_path):
+    """The launcher's last words on a failed job: node, exit code and the failed worker's rank and signal."""
+    from chatpipe.slurm import Component, JobStatus, describe_failure
+
+    err = tmp_path / "pretrain-7-pretrain-1.err"
+    err.write_text(  # what torchrun 2.13 writes when a worker is SIGKILLed (abridged)
+        "E1123 22:01:49 api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 16529) of binary: python3\n"
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-23_22:01:49\n  host      : localhost\n"
+        "  rank      : 1 (local_rank: 0)\n  exitcode  : -9 (pid: 16529)  (SIGKILL)\n"
+    )
+    status = JobStatus("7", [Component(0, "FAILED", 0, 15, "n1"), Component(1, "FAILED", 1, 0, "n2")])
+    lines = describe_failure(status, [(tmp_path / "a.out", tmp_path / "a.err"), (tmp_path / "b.out", err)], tmp_path)
+    assert lines[1] == "component 1 on node n2: FAILED, exit code 1; worker rank 1 killed by signal 9 (SIGKILL)"
+    assert lines[0].startswith("component 0 on node n1: FAILED, exit code 0, signal 15 (SIGTERM)")
+    assert status.state == "FAILED" and JobStatus("8", [Component(0, "CANCELLED by 0")]).state == "CANCELLED"
