@@ -145,6 +145,8 @@ def run_stage(
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
+        if launch.scheduler == "slurm":  # own job watching, logs, cancel (chatpipe/slurm.py)
+            return run_slurm_stage(runner, app, cfg, stage, launch, dryrun)
         if dryrun:
             print(runner.dryrun(app, launch.scheduler, cfg=cfg))
             return 0
@@ -170,6 +172,17 @@ def run_stage(
         return 130  # the conventional exit status of an interrupted command
     finally:
         runner.close()
+
+
+def run_slurm_stage(runner, app, cfg: dict[str, object], stage: str, launch: LaunchSettings, dryrun: bool) -> int:
+    """The Slurm path: submit, stream the rank-0 log, report the failed worker, scancel when interrupted."""
+    from chatpipe import slurm
+
+    if dryrun:
+        info, *_ = slurm.prepare(runner, app, cfg, stage, Path(launch.log_dir), Path.cwd().resolve())
+        print(info)
+        return 0
+    return slurm.run(runner, app, cfg, stage, Path(launch.log_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

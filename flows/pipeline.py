@@ -44,6 +44,19 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def _stop_group(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
+    """SIGTERM ``proc``'s process group, wait for it, SIGKILL the group after ``grace_s``."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 @task(name="stage", retries=2, retry_delay_seconds=[1, 5], task_run_name="{stage}")
 def run_stage(stage: str, parent_run_id: str | None) -> str:
     """Bring one DVC stage up to date; raises when its workers fail (Prefect then retries)."""
@@ -58,12 +71,19 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # a group of its own, so a stop below reaches the launcher under DVC too
     )
     skipped = False
-    for line in proc.stdout:
-        line = line.rstrip()
-        skipped |= "didn't change, skipping" in line
-        logger.info(line)
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            skipped |= "didn't change, skipping" in line
+            logger.info(line)
+    except BaseException:
+        # The flow is being stopped (SIGTERM/SIGINT raise here): DVC does not pass a SIGTERM on to its
+        # command, so signal the whole group; the launcher then cancels its workers or Slurm job.
+        _stop_group(proc)
+        raise
     if proc.wait() != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
     if parent_run_id and not skipped:

@@ -1,0 +1,92 @@
+"""Per-stage launch overhead: every stage of the tiny pipeline as a Slurm job vs torchx ``local_cwd``.
+
+    bash scripts/slurm-local.sh up && export SLURM_CONF=/tmp/chatpipe-slurm/etc/slurm.conf
+    python bench/slurm_overhead.py [--stages data tokenizer pretrain] [--small]
+
+Two fresh copies of this repo (tests/project.py), the same params and the same math:
+- local: ``python -m chatpipe.launch <stage>`` on ``local_cwd``, multi-process stages as 1 node x 2
+  gloo processes;
+- slurm: the same command under the ``slurm`` profile, multi-process stages as 2 nodes x 1 process
+  (a heterogeneous job), one-process stages as one-node jobs.
+Stages run in pipeline order, one after the other; each is timed from the launcher's start to its exit
+(submission, scheduling, rendezvous, the work, accounting). Printed per stage: both wall times, the
+difference (Slurm's launch overhead) and their ratio; the total ratio comes last. Logs go to
+bench/out/slurm/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+OUT = REPO / "bench" / "out" / "slurm"
+STAGES = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+
+from tests.project import make_project, project_env  # noqa: E402
+from tests.test_slurm import PIPELINE_PARAMS  # noqa: E402  (small rl/eval that divide over 2 ranks)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_stages(project: Path, stages: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
+    """Wall seconds of ``python -m chatpipe.launch <stage>`` for each stage, in order (a failure aborts)."""
+    seconds = {}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        for stage in stages:
+            t0 = time.perf_counter()
+            cmd = [sys.executable, "-m", "chatpipe.launch", stage]
+            if subprocess.run(cmd, cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"{stage} failed; see {log}")
+            seconds[stage] = time.perf_counter() - t0
+            print(f"  {log.stem} {stage}: {seconds[stage]:.1f} s", flush=True)
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES)
+    p.add_argument("--small", action="store_true", help="the test suite's small params instead of tiny's")
+    args = p.parse_args()
+    if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
+        raise SystemExit("no Slurm cluster: run `bash scripts/slurm-local.sh up` and export SLURM_CONF")
+    params = (
+        dict(PIPELINE_PARAMS) if args.small else {k: v for k, v in PIPELINE_PARAMS.items() if k in ("midtrain", "sft")}
+    )
+    params["profile"] = "tiny"
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for name, launch_env in (
+            ("local", {"CHATPIPE_LAUNCH__NPROC_PER_NODE": "2"}),
+            ("slurm", {"CHATPIPE_PROFILE": "slurm", "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port())}),
+        ):
+            project = make_project(Path(tmp) / name, params, small=args.small)
+            env = project_env(project, **launch_env)
+            env.pop("OMP_NUM_THREADS")  # every core, as a user would
+            print(f"{name}: {' '.join(args.stages)}", flush=True)
+            results[name] = time_stages(project, args.stages, env, OUT / f"{name}.log")
+    print(f"{'stage':<10} {'local s':>8} {'slurm s':>8} {'overhead s':>10} {'ratio':>6}")
+    for stage in args.stages:
+        lo, sl = results["local"][stage], results["slurm"][stage]
+        print(f"{stage:<10} {lo:8.1f} {sl:8.1f} {sl - lo:10.1f} {sl / lo:6.2f}")
+    total_local, total_slurm = sum(results["local"].values()), sum(results["slurm"].values())
+    print(f"{'total':<10} {total_local:8.1f} {total_slurm:8.1f} {total_slurm - total_local:10.1f}")
+    print(f"slurm / local_cwd wall time over the pipeline: {total_slurm / total_local:.2f}")
+
+
+if __name__ == "__main__":
+    main()

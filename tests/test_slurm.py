@@ -1,0 +1,440 @@
+"""Stages as jobs on a real two-node Slurm cluster (scripts/slurm-local.sh), faults included.
+
+The cluster is the one `scripts/slurm-local.sh up` starts (CI runs it before pytest); when it is not
+up, the first test here starts it and the session stops it at the end. Where it cannot start (not
+root, packages missing) every test skips with the script's reason; with CHATPIPE_REQUIRE_SLURM=1
+(CI) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.project import REPO, make_project, project_env, run
+
+SCRIPT = REPO / "scripts" / "slurm-local.sh"
+MULTI = ("pretrain", "midtrain", "sft", "rl", "eval")  # stages that run as 2 nodes x 1 process
+PIPELINE_PARAMS = {  # tests/project.py SMALL_PARAMS plus small rl/eval, on the `slurm` profile
+    "profile": "slurm",
+    "rl": {
+        "num_train_problems": 16,
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "max_new_tokens": 12,
+        "max_steps": 4,
+        "eval_every": 2,
+        "eval_problems": 4,
+        "eval_samples": 2,
+        "checkpoint_every": 2,
+        "device_batch_size": 8,
+        "log_every": 1,
+    },
+    "eval": {
+        "max_per_task": 6,
+        "generative_max_per_task": 2,
+        "max_new_tokens": 12,
+        "bpb_tokens": 1024,
+        "device_batch_size": 4,
+        "tinyworld_examples": 20,
+        "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}},
+    },
+    "pretrain": {"dtype": "float32"},
+    # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
+    "midtrain": {"total_batch_size": 1024},
+    "sft": {"total_batch_size": 1024},
+}
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """SLURM_CONF of the running local cluster; started here (and stopped after) when it was not up."""
+    status = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
+    started = False
+    if status.returncode != 0:
+        up = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True, timeout=600)
+        if up.returncode != 0:
+            reason = f"local Slurm cluster cannot start: {up.stderr.strip() or up.stdout.strip()}"
+            print(reason)
+            if os.environ.get("CHATPIPE_REQUIRE_SLURM"):
+                pytest.fail(reason)
+            pytest.skip(reason)
+        started = True
+    conf = subprocess.run(["bash", str(SCRIPT), "env"], capture_output=True, text=True, check=True).stdout
+    conf = conf.strip().split("=", 1)[1]
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    try:
+        yield conf
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+        if started:
+            subprocess.run(["bash", str(SCRIPT), "down"], check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_env(project: Path, **extra: str) -> dict[str, str]:
+    """The project's environment plus the cluster's config and a rendezvous port no one else uses."""
+    return {"SLURM_CONF": os.environ["SLURM_CONF"], "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port()), **extra}
+
+
+def project_jobs(project: Path) -> list[dict[str, str]]:
+    """Every Slurm job component submitted from ``project``, from accounting (sacct -X)."""
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-S", "now-6hours", "--format=JobID,JobName,State,NodeList,WorkDir"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [dict(zip(("id", "name", "state", "nodes", "workdir"), r.split("|"))) for r in out.splitlines()]
+    return [r for r in rows if r.get("workdir") == str(project)]
+
+
+def queued(project: Path) -> list[str]:
+    """Jobs of ``project`` the controller still has (pending, running or completing)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%T|%Z"], capture_output=True, text=True, check=True).stdout
+    return [r for r in out.splitlines() if r.endswith(f"|{project}")]
+
+
+def workers(project: Path, stage: str = "pretrain") -> list[psutil.Process]:
+    """The stage's worker processes (not torchrun) running in ``project``."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if (
+            f"stages.{stage}" in cmd
+            and "torchrun" not in cmd
+            and "bash -c" not in cmd
+            and p.info["cwd"] == str(project)
+        ):
+            found.append(p)
+    return found
+
+
+def weights(project: Path) -> dict[str, torch.Tensor]:
+    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+def copy_project(src: Path, dest: Path, forget: tuple[str, ...] = ()) -> Path:
+    """A copy of a finished project; the stages in ``forget`` lose outputs, checkpoints and cache, so they re-run."""
+    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns("logs"))
+    shutil.rmtree(dest / ".dvc" / "cache", ignore_errors=True)  # or DVC restores instead of running
+    outs = {"pretrain": "base", "midtrain": "mid", "sft": "sft", "rl": "rl", "eval": "eval", "report": "report"}
+    for stage in forget:
+        shutil.rmtree(dest / "artifacts" / outs[stage], ignore_errors=True)
+        shutil.rmtree(dest / "checkpoints" / stage, ignore_errors=True)
+    return dest
+
+
+# --------------------------------------------------------------------------- fast: cluster pieces
+
+
+def test_worker_without_the_repository_names_path_and_node(slurm_cluster, tmp_path):
+    """The shared-filesystem guard every worker runs first, on node n2 with a path it cannot see."""
+    from chatpipe.slurm import NO_SHARED_FS_EXIT, shared_fs_guard
+
+    missing = tmp_path / "not-mounted" / "repo"
+    guard = shared_fs_guard(missing, missing / "logs" / "slurm" / ".repo-x", "x")
+    proc = subprocess.run(
+        ["srun", "-w", "n2", "-N1", "-n1", "--chdir=/tmp", "bash", "-c", guard + "echo reached"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == NO_SHARED_FS_EXIT, (proc.returncode, proc.stdout, proc.stderr)
+    assert "reached" not in proc.stdout
+    assert f"node n2 cannot see the repository at {missing}" in proc.stderr, proc.stderr
+    # and the guard lets a worker that sees the repository through, in the repository
+    marker = tmp_path / ".repo-y"
+    marker.write_text("y")
+    ok = subprocess.run(
+        [
+            "srun",
+            "-w",
+            "n1",
+            "-N1",
+            "-n1",
+            "--chdir=/tmp",
+            "bash",
+            "-c",
+            shared_fs_guard(tmp_path, marker, "y") + "pwd",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path), (ok.stdout, ok.stderr)
+
+
+def test_cancelled_by_uid_is_a_state_here_not_an_assertion(slurm_cluster, tmp_path):
+    """sacct says ``CANCELLED by 0`` after scancel: torchx 0.7's describe asserts, job_status reports it."""
+    from torchx.schedulers.slurm_scheduler import SlurmScheduler
+
+    from chatpipe.slurm import cancel, job_status
+
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/out", "--wrap", "sleep 300"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    deadline = time.monotonic() + 60
+    while (st := job_status(job)) is None or st.state not in ("RUNNING",):
+        assert time.monotonic() < deadline, f"job {job} never ran: {st}"
+        time.sleep(0.5)
+    status = cancel(job)
+    deadline = time.monotonic() + 30
+    while not (status and status.done and status.components[0].state.startswith("CANCELLED by")):
+        assert time.monotonic() < deadline, f"accounting never recorded the cancel: {status}"
+        time.sleep(0.5)
+        status = job_status(job)
+    assert status.state == "CANCELLED"
+    with pytest.raises(AssertionError, match="CANCELLED by"):
+        SlurmScheduler("t").describe(job)  # the torchx 0.7 bug worked around by job_status
+
+
+# --------------------------------------------------------------------------- the pipeline on Slurm
+
+
+@pytest.fixture(scope="module")
+def slurm_pipeline(slurm_cluster, tmp_path_factory) -> Path:
+    """A project on which `python -m flows.pipeline --profile slurm` has run every stage."""
+    project = make_project(tmp_path_factory.mktemp("slurm") / "proj", PIPELINE_PARAMS)
+    t0 = time.perf_counter()
+    out = run(project, "python", "-m", "flows.pipeline", "--profile", "slurm", **slurm_env(project))
+    print(f"slurm pipeline: {time.perf_counter() - t0:.1f} s")
+    assert "'report': 'ran'" in out.stdout, out.stdout[-3000:]
+    return project
+
+
+@pytest.mark.slow
+def test_pipeline_runs_every_stage_as_slurm_jobs_and_matches_local(slurm_pipeline, tmp_path):
+    project = slurm_pipeline
+    jobs = project_jobs(project)
+    by_stage: dict[str, set[str]] = {}
+    for j in jobs:
+        stage = j["name"].rpartition("-")[0]
+        by_stage.setdefault(stage, set()).add(j["id"].partition("+")[0])
+    stages = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report")
+    assert {s: len(by_stage.get(s, ())) for s in stages} == dict.fromkeys(stages, 1), jobs  # one job per stage run
+    for stage in MULTI:
+        nodes = sorted(j["nodes"] for j in jobs if j["name"].startswith(f"{stage}-"))
+        assert nodes == ["n1", "n2"], (stage, nodes)  # both nodes used
+    assert all(j["state"] == "COMPLETED" for j in jobs), jobs
+
+    # The same math locally: one node with 2 gloo processes (same world size, same data shards, same
+    # all-reduce of 2 addends, which is commutative in floating point), so every metric is bitwise equal.
+    local = copy_project(project, tmp_path / "local", forget=MULTI + ("report",))
+    env = {"CHATPIPE_PROFILE": "tiny", "CHATPIPE_LAUNCH__NPROC_PER_NODE": "2"}
+    for stage in (*MULTI, "report"):
+        run(local, "python", "-m", "chatpipe.launch", stage, **env)
+    slurm_report = json.loads((project / "artifacts" / "report" / "report.json").read_text())["summary"]
+    local_report = json.loads((local / "artifacts" / "report" / "report.json").read_text())["summary"]
+    assert slurm_report == local_report
+    assert any(v is not None for cols in slurm_report.values() for v in cols.values())
+    assert_bitwise_equal(weights(local), weights(project))
+
+
+@pytest.mark.slow
+def test_two_slurm_nodes_match_one_local_process_with_grad_accum(slurm_pipeline, tmp_path):
+    """2 nodes x 1 gloo process as a Slurm job == 1 local process accumulating 2 micro-batches."""
+    project = copy_project(slurm_pipeline, tmp_path / "accum", forget=("pretrain",))
+    args = ["--", "--max_steps=8", "--eval_every=0", "--checkpoint_every=0", "--log_every=1"]
+    curves = {}
+    for name, launch in (
+        ("slurm", []),
+        ("local", ["--scheduler", "local_cwd", "--nnodes", "1", "--nproc_per_node", "1"]),
+    ):
+        shutil.rmtree(project / "checkpoints", ignore_errors=True)
+        out = run(project, "python", "-m", "chatpipe.launch", "pretrain", *launch, *args, **slurm_env(project))
+        assert "SUCCEEDED" in out.stdout, out.stdout[-3000:]
+        world = "world 2" if name == "slurm" else "world 1"
+        assert world in out.stdout and ("grad accum 2" in out.stdout) == (name == "local"), out.stdout[-2000:]
+        curves[name] = loss_curve(project)
+    assert len(curves["slurm"]) == len(curves["local"]) == 8
+    for a, b in zip(curves["local"], curves["slurm"]):
+        assert abs(a - b) <= 1e-4 * abs(a), curves
+    assert curves["local"][-1] < curves["local"][0]
+
+
+def loss_curve(project: Path) -> list[float]:
+    """train/loss per step of the newest pretrain run in the project's MLflow store."""
+    script = (
+        "import json, mlflow\n"
+        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
+        "c = mlflow.MlflowClient()\n"
+        "exp = c.get_experiment_by_name('chatpipe')\n"
+        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
+        "h = sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)\n"
+        "print(json.dumps([m.value for m in h]))\n"
+    )
+    return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- faults, from the Prefect flow
+
+
+def wait_for_checkpoint(project: Path, stage: str = "pretrain", timeout_s: float = 600) -> int:
+    """Block until the stage's first complete checkpoint exists; its step."""
+    deadline = time.monotonic() + timeout_s
+    ckpt = project / "checkpoints" / stage
+    while time.monotonic() < deadline:
+        steps = [p for p in sorted(ckpt.glob("step_*")) if (p / "meta.json").exists()] if ckpt.exists() else []
+        if steps:
+            return int(steps[-1].name.split("_")[1])
+        time.sleep(0.05)
+    raise AssertionError(f"no {stage} checkpoint within {timeout_s}s")
+
+
+def running_job(project: Path, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = [r.split("|") for r in queued(project)]
+        ids = {jid.partition("+")[0] for jid, state, _ in rows if state == "RUNNING"}
+        if ids:
+            return ids.pop()
+        time.sleep(0.2)
+    raise AssertionError(f"no running job from {project}")
+
+
+def scancel_job(project: Path) -> str:
+    wait_for_checkpoint(project)
+    job = running_job(project)
+    subprocess.run(["scancel", job], check=True)
+    return f"scancel {job}"
+
+
+def kill_node2_worker(project: Path) -> str:
+    wait_for_checkpoint(project)
+    for p in workers(project):
+        try:
+            node = dict(kv.split("=", 1) for kv in open(f"/proc/{p.pid}/environ").read().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if node.get("SLURMD_NODENAME") == "n2":
+            p.send_signal(signal.SIGKILL)
+            return f"kill -9 {p.pid} on n2"
+    raise AssertionError("no pretrain worker on n2 found")
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [scancel_job, kill_node2_worker], ids=["scancel", "kill-9-node2-worker"])
+def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
+    fault, slurm_pipeline, prefect_api, tmp_path, monkeypatch
+):
+    """The fault fails the task, Prefect retries it, the retry resumes from the newest checkpoint."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    from flows.pipeline import pipeline
+
+    reference = weights(slurm_pipeline)  # the uninterrupted Slurm run
+    project = copy_project(slurm_pipeline, tmp_path / "fault", forget=("pretrain",))
+    for key, value in {**project_env(project), **slurm_env(project)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(project)
+    done: list[str] = []
+    thread = threading.Thread(target=lambda: done.append(fault(project)), daemon=True)
+    thread.start()
+    state = pipeline(stages=["pretrain"], return_state=True)
+    thread.join(timeout=5)
+    assert done, "the fault was never injected"
+    assert state.is_completed(), state
+
+    async def pretrain_runs():
+        async with get_client() as client:
+            runs = await client.read_task_runs(limit=200, sort=TaskRunSort.ID_DESC)
+            return [r for r in runs if r.name == "pretrain"]
+
+    runs = asyncio.run(pretrain_runs())
+    assert runs and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]
+    jobs = sorted({j["id"].partition("+")[0] for j in project_jobs(project)}, key=int)
+    assert len(jobs) == 2, jobs  # the faulted job and the retry's
+    first = {j["state"].split()[0] for j in project_jobs(project) if j["id"].startswith(f"{jobs[0]}+")}
+    assert first & {"CANCELLED", "FAILED"}, first
+    retry_log = (project / "logs" / "slurm" / f"pretrain-{jobs[1]}-pretrain-0.out").read_text()
+    assert re.search(r"resuming from checkpoints/pretrain/step_\d+", retry_log), retry_log[-2000:]
+    assert_bitwise_equal(weights(project), reference)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, tmp_path):
+    project = copy_project(slurm_pipeline, tmp_path / "term", forget=("pretrain",))
+    env = project_env(project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000")
+    proc = subprocess.Popen(
+        ["python", "-m", "flows.pipeline", "--stages", "pretrain"],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_checkpoint(project)
+        running_job(project)
+        assert workers(project), "no worker running"
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while (queued(project) or workers(project)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not queued(project), (queued(project), out[-3000:])
+    assert not workers(project), out[-3000:]
+    states = {j["state"].split()[0] for j in project_jobs(project)}
+    assert states == {"CANCELLED"}, (states, out[-3000:])  # scancelled: it could never have finished
+
+
+def test_failure_report_names_the_worker_that_failed(tmp_path):
+    """The launcher's last words on a failed job: node, exit code and the failed worker's rank and signal."""
+    from chatpipe.slurm import Component, JobStatus, describe_failure
+
+    err = tmp_path / "pretrain-7-pretrain-1.err"
+    err.write_text(  # what torchrun 2.13 writes when a worker is SIGKILLed (abridged)
+        "E1123 22:01:49 api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 16529) of binary: python3\n"
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-23_22:01:49\n  host      : localhost\n"
+        "  rank      : 1 (local_rank: 0)\n  exitcode  : -9 (pid: 16529)  (SIGKILL)\n"
+    )
+    status = JobStatus("7", [Component(0, "FAILED", 0, 15, "n1"), Component(1, "FAILED", 1, 0, "n2")])
+    lines = describe_failure(status, [(tmp_path / "a.out", tmp_path / "a.err"), (tmp_path / "b.out", err)], tmp_path)
+    assert lines[1] == "component 1 on node n2: FAILED, exit code 1; worker rank 1 killed by signal 9 (SIGKILL)"
+    assert lines[0].startswith("component 0 on node n1: FAILED, exit code 0, signal 15 (SIGTERM)")
+    assert status.state == "FAILED" and JobStatus("8", [Component(0, "CANCELLED by 0")]).state == "CANCELLED"
