@@ -125,10 +125,7 @@ def job_status(job_id: str) -> JobStatus | None:
     rows = [r.split("|") for r in out.stdout.splitlines() if r.count("|") == 2] if out.returncode == 0 else []
     if not rows:
         return None
-    return JobStatus(
-        job_id,
-        [Component(int(jid.partition("+")[2] or 0), st, node=n) for jid, st, n in rows],
-    )
+    return JobStatus(job_id, [Component(int(jid.partition("+")[2] or 0), st, node=n) for jid, st, n in rows])
 
 
 def shared_fs_guard(repo: Path, marker: Path, token: str) -> str:
