@@ -21,6 +21,7 @@ COMMANDS = {
     "chat": ("chatpipe.serve.chat", "talk to a trained model in the terminal"),
     "serve": ("chatpipe.serve.app", "web UI and JSON API for a trained model"),
     "plan": ("chatpipe.plan", "parameters, tokens, steps, time, cost and memory of a profile"),
+    "import-nanochat": ("chatpipe.model.nanochat_import", "turn a nanochat checkpoint into a chatpipe model dir"),
 }
 
 
