@@ -127,3 +127,93 @@ def test_old_model_config_without_new_keys_loads():
         for i in range(2)
         for m in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     }
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _optim_case():
+    from chatpipe.model.nanochat_import import config_for, convert_state_dict
+
+    state = convert_state_dict(torch.load(REF / "d2_optim" / "model.pt", weights_only=True))
+    model = GPT(config_for(json.loads((REF / "d2_optim" / "config.json").read_text()), state))
+    model.load_state_dict(state)
+    ref = torch.load(REF / "d2_optim" / "optim.pt", weights_only=True)
+    grads = [convert_state_dict(g) for g in ref["grads"]]
+    after = [convert_state_dict(p) for p in ref["params"]]  # after step 1, after step 3
+    return model, ref, grads, after
+
+
+def _worst_relative(model: GPT, expected: dict[str, torch.Tensor]) -> float:
+    params = dict(model.named_parameters())
+    assert set(params) == set(expected)
+    return max(((params[k] - v).abs().max() / v.abs().max()).item() for k, v in expected.items())
+
+
+def _run_reference_steps(model, ref, grads, rank: int = 0, world: int = 1, reduce_grads: bool = False):
+    """Three steps on the reference gradients; with ``world`` > 1 each rank gets a different share
+    whose mean is the reference gradient. Returns the params after step 1 and step 3.
+
+    The shares are 2*g on a random half of the entries (rank 0) and on the other half (rank 1), so
+    their mean is g exactly: cautious weight decay's sign mask would turn a last-bit rounding
+    difference of the averaged gradient into a full lr*wd*p difference in one entry.
+    """
+    from chatpipe.train.optim import build_optimizers
+
+    [opt] = build_optimizers(model, optimizer="muon_adamw", reduce_grads=reduce_grads, **ref["setup_optimizer_kwargs"])
+    params = dict(model.named_parameters())
+    snapshots = []
+    for step, g in enumerate(grads):
+        for name, grad in g.items():
+            share = grad
+            if world > 1:
+                mine = torch.rand(grad.shape, generator=torch.Generator().manual_seed(step * 1000 + len(name))) < 0.5
+                share = torch.where(mine if rank == 0 else ~mine, 2 * grad, torch.zeros_like(grad))
+            params[name].grad = share.clone()
+        opt.step()
+        if step in (0, 2):
+            snapshots.append({k: v.detach().clone() for k, v in params.items()})
+    return snapshots, [g["lr"] for g in opt.param_groups]
+
+
+def test_muon_adamw_equals_reference_after_steps_1_and_3():
+    model, ref, grads, after = _optim_case()
+    snapshots, lrs = _run_reference_steps(model, ref, grads)
+    assert lrs == pytest.approx(ref["lrs"][0], rel=1e-12)
+    for snap, expected in zip(snapshots, after):
+        model.load_state_dict(snap)
+        assert _worst_relative(model, expected) <= 1e-6
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, ref, grads, _ = _optim_case()
+        snapshots, _ = _run_reference_steps(model, ref, grads, rank=rank, world=world, reduce_grads=True)
+        torch.save(snapshots, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    model, ref, grads, after = _optim_case()
+    single, _ = _run_reference_steps(model, ref, grads)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in ranks:
+        for snap, one, expected in zip(r, single, after):
+            for k in one:
+                assert (snap[k] - one[k]).abs().max() <= 1e-6 * one[k].abs().max(), k
+            model.load_state_dict(snap)
+            assert _worst_relative(model, expected) <= 1e-6
