@@ -217,3 +217,59 @@ def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(tmp_path):
                 assert (snap[k] - one[k]).abs().max() <= 1e-6 * one[k].abs().max(), k
             model.load_state_dict(snap)
             assert _worst_relative(model, expected) <= 1e-6
+
+
+# --------------------------------------------------------------------------- recipe plumbing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_fp8_errors_clearly_on_cpu():
+    from chatpipe.model.gpt import enable_fp8
+
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    with pytest.raises(RuntimeError, match=r"fp8 needs CUDA with compute capability >= 8\.9"):
+        enable_fp8(model)
+
+
+def test_compile_auto_follows_step_count_and_auto_batch_is_a_power_of_two():
+    from chatpipe.plan import COMPILE_MIN_STEPS_CPU, auto_total_batch_size, compile_pays
+
+    cpu = torch.device("cpu")
+    assert not compile_pays("auto", COMPILE_MIN_STEPS_CPU - 1, cpu) and compile_pays("auto", COMPILE_MIN_STEPS_CPU, cpu)
+    assert compile_pays(True, 1, cpu) and not compile_pays(False, 10**6, cpu)
+    assert auto_total_batch_size(5e9, 32768) == 1 << 19
+    assert auto_total_batch_size(4 * 5e9, 32768) == 1 << 20  # 4**0.383 = 1.7 -> next power of two
+    assert auto_total_batch_size(1e3, 4096) == 4096  # never below one micro-batch per rank
+
+
+def test_every_option_changes_the_function_and_trains_with_both_optimizers():
+    """Each option alone changes the logits of a perturbed model; both recipes take a step."""
+    from chatpipe.model.gpt import nanochat_options
+    from chatpipe.train.optim import build_optimizers
+
+    base = dict(sequence_len=32, vocab_size=97, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def logits(**opts):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**base, **opts))
+        model.init_weights()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            return model(idx), model
+
+    plain, _ = logits()
+    for key, value in nanochat_options(32).items():
+        changed, _ = logits(**{key: value})
+        assert not torch.allclose(plain, changed), key
+    for optimizer in ("muon", "muon_adamw"):
+        _, model = logits(**nanochat_options(32))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(idx, idx).backward()
+        for opt in build_optimizers(model, optimizer=optimizer):
+            opt.step()
+        assert all(p.grad is not None for p in model.parameters())
+        # a gradient below AdamW's eps (1e-10) may leave a scalar unchanged in fp32
+        same = [n for n, p in model.named_parameters() if torch.equal(before[n], p) and p.grad.abs().max() > 1e-8]
+        assert not same, (optimizer, same)
