@@ -7,7 +7,7 @@ Data as the tiny profile makes it: the synthetic tiny-world documents (seed 42, 
 200 held out) and a 1024-id BPE tokenizer trained on them. Model: depth 4, seq 256, batch 16 x 256.
 The budget is *process CPU time* (``time.process_time``), so the result does not depend on what
 else runs on a shared machine; the LR schedule (flat, then linear warmdown over the last 65% to 5%)
-follows the fraction of the budget spent. Val bpb over 16 fixed batches at the end.
+follows the fraction of the budget spent. Val bpb over every full row of the held-out documents at the end.
 
 - ``old``: tiny's model and torch AdamW + Muon (matrix 0.02, embedding 0.2, unembedding 0.004);
 - ``new``: every nanochat option (SSSL quarter windows) and MuonAdamW (its speedrun lrs, wd 0.2).
@@ -82,9 +82,11 @@ def main() -> None:
     model.eval()
     nats = nbytes = 0.0
     with torch.no_grad():
-        for i in range(16):
-            rows = val[i * BATCH * SEQ : (i + 1) * BATCH * SEQ + 1]
-            x, y = rows[:-1].view(BATCH, SEQ), rows[1:].view(BATCH, SEQ)
+        n_rows = (val.numel() - 1) // SEQ  # every full row of the held-out documents
+        for i in range(0, n_rows, BATCH):
+            rows = min(BATCH, n_rows - i)
+            chunk = val[i * SEQ : (i + rows) * SEQ + 1]
+            x, y = chunk[:-1].view(rows, SEQ), chunk[1:].view(rows, SEQ)
             loss = model(x, y, loss_reduction="none")
             b = token_bytes[y]
             nats += (loss * (b > 0)).sum().item()
