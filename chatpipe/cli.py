@@ -24,6 +24,7 @@ COMMANDS = {
     "plan": ("chatpipe.plan", "parameters, tokens, steps, time, cost and memory of a profile"),
     "lineage": ("chatpipe.lineage", "rewrite (or --check) dvc.yaml's code deps from each stage's imports"),
     "export": ("chatpipe.export.hf", "write a model as a Hugging Face transformers directory (optionally push it)"),
+    "import-nanochat": ("chatpipe.model.nanochat_import", "turn a nanochat checkpoint into a chatpipe model dir"),
 }
 
 

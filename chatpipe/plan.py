@@ -8,17 +8,81 @@ the ``meta`` device, so planning a 1B-parameter model allocates nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
-from chatpipe.model.gpt import GPT, config_from_depth
+from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, quarter_window
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
 from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
 
 GIB = 1024**3
+
+# Automatic total batch: a power of two growing as tokens**0.383 (the optimal-batch exponent
+# nanochat's 2026 recipe uses), anchored at 2**19 tokens per step for 5e9 training tokens.
+AUTO_BATCH_REF_TOKENS = 5e9
+AUTO_BATCH_REF_SIZE = 1 << 19
+AUTO_BATCH_EXPONENT = 0.383
+
+# torch.compile on the project's 2-core CPU, tiny model (issue 18's measurements): eager 4,143
+# tok/s, compiled 5,500 steady, 3,340 over a 40-step run. So compiling costs ~19 s and saves
+# ~0.24 s per 4096-token step: break-even ~80 steps for the train step, about twice that with the
+# separately compiled eval model. bench/pretrain_vs_nanochat.py re-measures both numbers.
+COMPILE_MIN_STEPS_CPU = 150
+
+
+def model_config_for(cfg: PretrainSettings, vocab_size: int) -> GPTConfig:
+    """The GPTConfig a pretrain settings section asks for (shape from depth, plus the recipe options)."""
+    window = quarter_window(cfg.sequence_len) if cfg.short_window == "quarter" else 0
+    return config_from_depth(
+        cfg.depth,
+        vocab_size,
+        cfg.sequence_len,
+        head_dim=cfg.head_dim,
+        n_kv_head=cfg.n_kv_head or None,
+        window_pattern=cfg.window_pattern,
+        short_window=window,
+        value_embeds=cfg.value_embeds,
+        lambdas=cfg.lambdas,
+        smear=cfg.smear,
+        backout=cfg.backout,
+        rotary_base=cfg.rotary_base,
+        qk_scale=cfg.qk_scale,
+        pad_vocab_to=cfg.pad_vocab_to,
+    )
+
+
+def scaling_params(model: GPT) -> int:
+    """Parameters the data:param ratio counts: all of them, minus the lookup tables when the model
+    has value embeddings (they add n_layer/2 vocab-sized tables that cost no FLOPs)."""
+    n = model.num_params()
+    return n - model.num_embedding_params() if model.config.value_embeds else n
+
+
+def auto_total_batch_size(tokens: float, unit: int) -> int:
+    """Tokens per step for a run of ``tokens`` tokens: see AUTO_BATCH_*; a multiple of ``unit``."""
+    ideal = AUTO_BATCH_REF_SIZE * (tokens / AUTO_BATCH_REF_TOKENS) ** AUTO_BATCH_EXPONENT
+    size = 1 << max(0, round(math.log2(max(ideal, 1.0))))
+    return max(unit, size // unit * unit)
+
+
+def batch_and_steps(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[int, int]:
+    """(total_batch_size, total steps) of a pretrain run, resolving the automatic values (-1)."""
+    unit = cfg.device_batch_size * cfg.sequence_len * world_size
+    tokens = cfg.target_param_data_ratio * scaling_params(model)
+    batch = cfg.total_batch_size if cfg.total_batch_size > 0 else auto_total_batch_size(tokens, unit)
+    steps = cfg.max_steps if cfg.max_steps > 0 else int(tokens // batch)
+    return batch, steps
+
+
+def compile_pays(setting: bool | str, total_steps: int, device: torch.device) -> bool:
+    """Resolve ``compile: auto``: always on CUDA, on CPU only for runs of COMPILE_MIN_STEPS_CPU+ steps."""
+    if setting != "auto":
+        return bool(setting)
+    return device.type == "cuda" or total_steps >= COMPILE_MIN_STEPS_CPU
 
 
 @dataclass
@@ -26,6 +90,7 @@ class Plan:
     """Pretraining budget of one profile on one kind of GPU."""
 
     profile: str
+    recipe: str  # model options and optimizer, e.g. "nanochat-2026 (muon_adamw, fp8)"
     depth: int
     n_embd: int
     n_layer: int
@@ -98,24 +163,12 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         else:
             os.environ["CHATPIPE_PROFILE"] = previous
     with torch.device("meta"):
-        model = GPT(
-            config_from_depth(
-                cfg.depth,
-                vocab,
-                cfg.sequence_len,
-                head_dim=cfg.head_dim,
-                n_kv_head=cfg.n_kv_head or None,
-                window_pattern=cfg.window_pattern,
-            )
-        )
+        model = GPT(model_config_for(cfg, vocab))
     num_params, fpt = model.num_params(), model.flops_per_token()
-    if cfg.max_steps > 0:
-        steps = cfg.max_steps
-    else:
-        steps = int(cfg.target_param_data_ratio * num_params // cfg.total_batch_size)
-    tokens = steps * cfg.total_batch_size
     world = launch.nnodes * launch.nproc_per_node
-    accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, world)
+    batch, steps = batch_and_steps(cfg, model, world)
+    tokens = steps * batch
+    accum = grad_accum_steps(batch, cfg.device_batch_size, cfg.sequence_len, world)
     total_flops = float(fpt) * tokens
     gpus = max(1, launch.nnodes * launch.gpus_per_node)
     hours = total_flops / (PEAK_FLOPS[gpu] * gpus * mfu) / 3600
@@ -128,8 +181,12 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         cfg.device_batch_size,
         cfg.sequence_len,
     )
+    on = [k for k in ("value_embeds", "lambdas", "smear", "backout") if getattr(cfg, k)]
+    recipe = f"{cfg.optimizer}; model options: {', '.join(on) or 'none'}; windows {cfg.window_pattern}"
+    recipe += f" ({cfg.short_window})" + (", fp8" if cfg.fp8 else "")
     return Plan(
         profile,
+        recipe,
         cfg.depth,
         model.config.n_embd,
         model.config.n_layer,
@@ -138,7 +195,7 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         fpt,
         tokens,
         steps,
-        cfg.total_batch_size,
+        batch,
         world,
         accum,
         total_flops,
@@ -157,6 +214,7 @@ def format_plan(plan: Plan) -> str:
         [
             f"profile {plan.profile}: depth {plan.depth} (n_embd {plan.n_embd}, {plan.n_layer} layers), "
             f"vocab {plan.vocab_size:,}",
+            f"  recipe           {plan.recipe}",
             f"  parameters       {plan.num_params:,} ({plan.num_params / 1e6:.1f}M)",
             f"  FLOPs per token  {plan.flops_per_token:.4g}",
             f"  tokens to train  {plan.tokens:,} ({plan.tokens / plan.num_params:.1f} tokens/param)",
@@ -177,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns 2 with a one-line error (no traceback) for an unknown profile or bad params.
     """
     p = argparse.ArgumentParser(prog="chatpipe plan", description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default=None, help="params profile (default: params.yaml's)")
+    p.add_argument(
+        "--profile", default=None, help="params profile, or several comma-separated (default: params.yaml's)"
+    )
     p.add_argument("--gpu", default="H100", choices=sorted(PEAK_FLOPS))
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     p.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
@@ -185,17 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from chatpipe.settings import ParamsError, active_profile
 
+    names = (args.profile or active_profile()).split(",")
     try:
-        plan = make_plan(args.profile or active_profile(), args.gpu, args.mfu, args.usd_per_gpu_hour)
+        plans = [make_plan(name, args.gpu, args.mfu, args.usd_per_gpu_hour) for name in names]
     except ParamsError as e:  # names the file, the profile and the allowed ones
         print(f"chatpipe plan: {e}", file=sys.stderr)
         return 2
     if args.json:
         import json
 
-        print(json.dumps(asdict(plan), indent=2))
+        out = [asdict(plan) for plan in plans]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
-        print(format_plan(plan))
+        print("\n\n".join(format_plan(plan) for plan in plans))
     return 0
 
 

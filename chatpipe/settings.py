@@ -248,6 +248,28 @@ class PretrainSettings(TrainSettings):
     target_param_data_ratio: float = Field(20.0, gt=0)
     sample_every: int = resume_neutral(100, ge=0)
     embedding_lr: float = Field(0.2, gt=0)
+    total_batch_size: int = Field(
+        4096, ge=-1, description="tokens per optimizer step, all ranks; -1: automatic from the tokens to train"
+    )
+    compile: bool | Literal["auto"] = resume_neutral(
+        "auto", description="torch.compile the model; auto: when the run has enough steps to amortise compiling"
+    )
+    # nanochat 2026 recipe options (chatpipe.model.gpt.GPTConfig documents each); all off = the 2025 model
+    value_embeds: bool = False
+    lambdas: bool = Field(False, description="per-layer residual and x0 lambdas")
+    smear: bool = False
+    backout: bool = False
+    short_window: Literal["half", "quarter"] = Field(
+        "half", description="'S' layers: half the context, or nanochat's ceil(seq/4/128)*128 tokens"
+    )
+    rotary_base: float = Field(10000.0, gt=0)
+    qk_scale: float = Field(1.0, gt=0)
+    pad_vocab_to: int = Field(1, ge=1, description="round wte/lm_head rows up to a multiple of this (nanochat: 64)")
+    optimizer: Literal["muon", "muon_adamw"] = Field(
+        "muon", description="muon: torch AdamW + Muon; muon_adamw: nanochat's MuonAdamW"
+    )
+    scalar_lr: float = Field(0.5, gt=0, description="muon_adamw: lr of the x0 lambdas (resid lambdas: x0.01)")
+    fp8: bool = Field(False, description="FP8 matmuls via torchao; needs CUDA with compute capability >= 8.9")
 
 
 TaskName = Literal[

@@ -21,8 +21,8 @@ from chatpipe import runtime, tracking
 from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
-from chatpipe.model.gpt import GPT, config_from_depth
-from chatpipe.plan import check_memory_fits, estimate_memory_bytes
+from chatpipe.model.gpt import GPT, enable_fp8
+from chatpipe.plan import batch_and_steps, check_memory_fits, compile_pays, estimate_memory_bytes, model_config_for
 from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
@@ -62,17 +62,12 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- model
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    model_config = config_from_depth(
-        cfg.depth,
-        tok.vocab_size,
-        cfg.sequence_len,
-        head_dim=cfg.head_dim,
-        n_kv_head=cfg.n_kv_head or None,
-        window_pattern=cfg.window_pattern,
-    )
+    model_config = model_config_for(cfg, tok.vocab_size)
     with torch.device(rt.device):
         model = GPT(model_config)
     model.init_weights()
+    if cfg.fp8:
+        enable_fp8(model)  # a clear error where FP8 is unsupported (CPU, GPUs before compute capability 8.9)
     num_params, flops_per_token = model.num_params(), model.flops_per_token()
     check_memory_fits(
         estimate_memory_bytes(
@@ -89,10 +84,11 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     )
 
     # --- batch math and schedule length
+    total_batch_size, total_steps = batch_and_steps(cfg, model, rt.world_size)
+    if total_batch_size != cfg.total_batch_size:
+        cfg = cfg.model_copy(update={"total_batch_size": total_batch_size})  # automatic (-1) resolved
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
-    total_steps = (
-        cfg.max_steps if cfg.max_steps > 0 else int(cfg.target_param_data_ratio * num_params // cfg.total_batch_size)
-    )
+    use_compile = compile_pays(cfg.compile, total_steps, rt.device)
     log.info(
         "model %s | %.2fM params | %.3g FLOPs/token | %d steps x %d tokens (grad accum %d, world %d)",
         model_config,
@@ -112,6 +108,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         unembedding_lr=cfg.unembedding_lr,
         weight_decay=cfg.weight_decay,
         fused=rt.device.type == "cuda",
+        optimizer=cfg.optimizer,
+        scalar_lr=cfg.scalar_lr,
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
@@ -133,8 +131,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         start_row=start_row,
     )
     ddp_model = DDP(model) if rt.world_size > 1 else model
-    step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
-    eval_model = torch.compile(model) if cfg.compile else model
+    step_model = torch.compile(ddp_model) if use_compile else ddp_model
+    eval_model = torch.compile(model) if use_compile else model
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
 
     def val_bpb() -> float:

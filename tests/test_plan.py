@@ -14,8 +14,8 @@ D20_PARAMS = WTE + LM_HEAD + 20 * PER_LAYER
 D20_FLOPS = 6 * (D20_PARAMS - WTE) + 12 * 10 * 128 * 2048 * 20  # matmuls + causal attention per layer
 
 
-def test_speedrun_plan_matches_hand_computation(params_file):
-    plan = make_plan("speedrun", gpu="H100", mfu=0.5, usd_per_gpu_hour=2.0)
+def test_d20_plan_matches_hand_computation(params_file):
+    plan = make_plan("d20", gpu="H100", mfu=0.5, usd_per_gpu_hour=2.0)
     assert D20_PARAMS == 560_988_160 and plan.num_params == D20_PARAMS  # SPEC: d20 ~ 561M
     assert plan.flops_per_token == D20_FLOPS
     assert plan.steps == 20 * D20_PARAMS // 524_288 == 21_400
@@ -28,12 +28,12 @@ def test_speedrun_plan_matches_hand_computation(params_file):
 
 def test_one_gpu_variant_keeps_the_math_by_accumulating(params_file):
     one, eight = make_plan("speedrun_1gpu"), make_plan("speedrun")
-    assert one.world_size == 1 and one.grad_accum == 8
+    assert one.world_size == 1 and one.grad_accum == 8 * eight.grad_accum
     assert (one.num_params, one.steps, one.tokens) == (eight.num_params, eight.steps, eight.tokens)
     assert one.hours == pytest.approx(8 * eight.hours)
 
 
-def test_d26_profile_extends_speedrun(params_file):
+def test_d26_profile_extends_d20(params_file):
     plan = make_plan("d26")
     assert plan.depth == 26 and plan.n_embd == 26 * 64 and plan.vocab_size == 65_536
     assert plan.grad_accum == 2  # device batch 16 on 8 GPUs
@@ -49,9 +49,20 @@ def test_memory_check_names_the_setting(monkeypatch):
 
 
 def test_cli_prints_plan(params_file, capsys):
-    main(["--profile", "speedrun"])
+    main(["--profile", "d20"])
     out = capsys.readouterr().out
     assert "560,988,160" in out and "21,400" in out and "grad accumulation 1" in out
+
+
+def test_speedrun_is_nanochat_d24_recipe_and_plan_shows_both(params_file, capsys):
+    plan = make_plan("speedrun")
+    assert plan.depth == 24 and plan.n_embd == 1536 and plan.vocab_size == 32_768
+    assert "muon_adamw" in plan.recipe and "value_embeds" in plan.recipe and "fp8" in plan.recipe
+    # ratio 8 over the params that cost FLOPs (value embeddings and wte are lookups)
+    assert plan.total_batch_size == 524_288 and plan.tokens <= 8 * plan.num_params
+    main(["--profile", "speedrun,d20"])
+    out = capsys.readouterr().out
+    assert "profile speedrun: depth 24" in out and "profile d20: depth 20" in out
     assert format_plan(make_plan("tiny")).startswith("profile tiny")
 
 

@@ -32,7 +32,7 @@ def test_defaults_come_from_params_yaml(params_file):
 
 def test_priority_cli_over_env_over_profile_over_file(params_file, monkeypatch):
     monkeypatch.setenv("CHATPIPE_PROFILE", "speedrun")
-    assert load_section(PretrainSettings).depth == 20  # profile overlay beats the file
+    assert load_section(PretrainSettings).depth == 24  # profile overlay beats the file
     monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH", "12")
     assert load_section(PretrainSettings).depth == 12  # env beats the profile
     assert load_section(PretrainSettings, ["--depth=6"]).depth == 6  # CLI beats env

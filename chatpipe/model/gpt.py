@@ -3,6 +3,12 @@
 Rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, no biases, untied embedding and
 lm_head, logit soft-capping, grouped-query attention and an optional sliding-window pattern.
 
+Options from nanochat's 2026 recipe, each a :class:`GPTConfig` field that defaults off (so every
+checkpoint written before they existed loads and computes what it did): value embeddings with
+per-head gates, per-layer residual and x0 lambdas, smear, backout, quarter-context sliding windows,
+rotary base, q/k scale and vocab padding. :func:`nanochat_options` turns all of them on, the way
+nanochat's own ``GPT`` computes (``chatpipe import-nanochat`` relies on it).
+
 Usage::
 
     from chatpipe.model.gpt import GPT, config_from_depth
@@ -36,7 +42,34 @@ ROTARY_LEN_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can
 
 @dataclass
 class GPTConfig:
-    """Model shape; exactly the keys a checkpoint's ``model_config`` holds (SPEC §5)."""
+    """Model shape and options; exactly the keys a checkpoint's ``model_config`` holds.
+
+    Fields (names are stable: exports to other frameworks read them):
+
+    - ``sequence_len``: training context; rotary tables cover 10x this.
+    - ``vocab_size``: real vocabulary (logits have this many entries).
+    - ``n_layer``, ``n_head``, ``n_kv_head`` (grouped-query attention when < n_head), ``n_embd``.
+    - ``window_pattern``: per-layer 'S' (sliding window) / 'L' (full) string, tiled over the
+      layers; the last layer is always 'L'.
+    - ``short_window``: 0 = an 'S' layer's query sees the last ``sequence_len // 2`` positions
+      (itself included; the original chatpipe window). > 0 = it sees itself and ``short_window``
+      positions to its left (nanochat: ``ceil(sequence_len / 4 / 128) * 128``, see
+      :func:`quarter_window`).
+    - ``value_embeds``: value embeddings on alternating layers (those with
+      ``i % 2 == (n_layer - 1) % 2``): a second token embedding of width n_kv_head*head_dim added
+      to v, gated per kv head by ``3 * sigmoid(ve_gate(x[..., :12]))``.
+    - ``lambdas``: learnable per-layer scalars; before block i,
+      ``x = resid_lambdas[i] * x + x0_lambdas[i] * x0`` (x0 = the normed, smeared embedding).
+    - ``smear``: ``x[t] += smear_lambda * sigmoid(smear_gate(x[t, :24])) * x[t-1]`` on the normed
+      embedding (a cheap bigram path); the KV cache keeps the previous position's embedding.
+    - ``backout``: subtract ``backout_lambda`` x the residual after block ``n_layer // 2`` from the
+      final residual before the last norm.
+    - ``rotary_base``: rotary frequency base (10000 original, 100000 nanochat).
+    - ``qk_scale``: q and k are multiplied by this after QK-norm (1.0 original, 1.2 nanochat);
+      attention still scales by 1/sqrt(head_dim).
+    - ``pad_vocab_to``: wte, lm_head and value embeddings get ``vocab_size`` rounded up to a multiple
+      of this (1 = no padding, 64 nanochat); padded logits are sliced off.
+    """
 
     sequence_len: int = 2048
     vocab_size: int = 65536
@@ -45,6 +78,25 @@ class GPTConfig:
     n_kv_head: int = 10
     n_embd: int = 1280
     window_pattern: str = "L"
+    short_window: int = 0
+    value_embeds: bool = False
+    lambdas: bool = False
+    smear: bool = False
+    backout: bool = False
+    rotary_base: float = ROTARY_BASE
+    qk_scale: float = 1.0
+    pad_vocab_to: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of wte / lm_head: vocab_size rounded up to a multiple of ``pad_vocab_to``."""
+        m = max(1, self.pad_vocab_to)
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.n_embd // self.n_head
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for JSON sidecars and MLflow params."""
@@ -60,6 +112,45 @@ class GPTConfig:
         return cls(**d)
 
 
+# names of the nanochat-recipe options in GPTConfig and the value each takes in nanochat
+MODEL_OPTIONS = (
+    "value_embeds",
+    "lambdas",
+    "smear",
+    "backout",
+    "short_window",
+    "rotary_base",
+    "qk_scale",
+    "pad_vocab_to",
+)
+VE_GATE_CHANNELS = 12  # input channels of a value-embedding gate
+SMEAR_GATE_CHANNELS = 24  # input channels of the smear gate
+
+
+def quarter_window(sequence_len: int) -> int:
+    """nanochat's short window: a quarter of the context, rounded up to a multiple of 128 tokens."""
+    return math.ceil(sequence_len / 4 / 128) * 128
+
+
+def nanochat_options(sequence_len: int) -> dict[str, Any]:
+    """GPTConfig keyword arguments that make the model compute what nanochat's 2026 ``GPT`` does."""
+    return dict(
+        short_window=quarter_window(sequence_len),
+        value_embeds=True,
+        lambdas=True,
+        smear=True,
+        backout=True,
+        rotary_base=100000.0,
+        qk_scale=1.2,
+        pad_vocab_to=64,
+    )
+
+
+def has_value_embed(layer_idx: int, n_layer: int) -> bool:
+    """Whether layer ``layer_idx`` gets a value embedding (alternating, the last layer always does)."""
+    return layer_idx % 2 == (n_layer - 1) % 2
+
+
 def config_from_depth(
     depth: int,
     vocab_size: int,
@@ -67,8 +158,15 @@ def config_from_depth(
     head_dim: int = 128,
     n_kv_head: int | None = None,
     window_pattern: str = "L",
+    **options: Any,
 ) -> GPTConfig:
-    """Derive the whole shape from one dial: n_embd = 64*depth, n_head = n_embd // head_dim (>= 1)."""
+    """Derive the whole shape from one dial: n_embd = 64*depth, n_head = n_embd // head_dim (>= 1).
+
+    ``options`` are the other GPTConfig fields (``value_embeds=True``, ...; see :data:`MODEL_OPTIONS`).
+    """
+    unknown = set(options) - set(MODEL_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown model options {sorted(unknown)}; allowed: {', '.join(MODEL_OPTIONS)}")
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     n_embd = depth * 64
@@ -87,17 +185,21 @@ def config_from_depth(
         n_kv_head=n_kv_head,
         n_embd=n_embd,
         window_pattern=window_pattern,
+        **options,
     )
 
 
 def layer_windows(config: GPTConfig) -> list[int | None]:
-    """Attention window per layer: None = full causal ('L'), else sequence_len // 2 tokens ('S')."""
+    """Keys a query may see per layer (itself included): None = full causal ('L').
+
+    'S' layers see ``sequence_len // 2`` keys, or ``short_window + 1`` when ``short_window`` is set.
+    """
     pattern = config.window_pattern.upper()
     if not pattern or set(pattern) - {"S", "L"}:
         raise ValueError(f"window_pattern={config.window_pattern!r} must be a non-empty string of 'S'/'L'")
     chars = [pattern[i % len(pattern)] for i in range(config.n_layer)]
     chars[-1] = "L"  # the last layer always sees the whole context
-    short = max(1, config.sequence_len // 2)
+    short = config.short_window + 1 if config.short_window > 0 else max(1, config.sequence_len // 2)
     return [short if c == "S" else None for c in chars]
 
 
@@ -119,7 +221,8 @@ class KVCache:
 
     Storage is allocated on the first write (or :meth:`prefill`) with the dtype and device of the
     incoming keys, so the same cache works under fp32 and bf16 autocast. ``pos`` is the number of
-    positions already filled; the model advances it after each forward.
+    positions already filled; the model advances it after each forward. ``prev_embed`` [batch, 1,
+    n_embd] is the last filled position's normed token embedding (used by the smear option).
     """
 
     def __init__(self, batch_size: int, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
@@ -127,6 +230,7 @@ class KVCache:
         self.batch_size, self.max_len = batch_size, max_len
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.prev_embed: torch.Tensor | None = None
         self.pos = 0
 
     @classmethod
@@ -138,6 +242,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget all positions (storage is kept for reuse)."""
         self.pos = 0
+        self.prev_embed = None
 
     def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
         if self.k is None or self.k.dtype != dtype or self.k.device != device:
@@ -174,6 +279,8 @@ class KVCache:
             self._allocate(other.k.dtype, other.k.device)
             self.k[:, :, :, : other.pos] = other.k[:, :, :, : other.pos]
             self.v[:, :, :, : other.pos] = other.v[:, :, :, : other.pos]
+        if other.prev_embed is not None:
+            self.prev_embed = other.prev_embed.expand(self.batch_size, -1, -1).clone()
         self.pos = other.pos
 
 
@@ -198,17 +305,23 @@ def _attention_mask(t0: int, t: int, window: int | None, device: torch.device) -
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with rotary, QK-norm and grouped-query k/v heads."""
+    """Multi-head attention with rotary, QK-norm, grouped-query k/v heads and an optional value embedding gate."""
 
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
+        self.qk_scale = config.qk_scale
         self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        self.ve_gate = (
+            nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False)
+            if config.value_embeds and has_value_embed(layer_idx, config.n_layer)
+            else None
+        )
 
     def forward(
         self,
@@ -217,12 +330,19 @@ class CausalSelfAttention(nn.Module):
         sin: torch.Tensor,
         mask: tuple[torch.Tensor | None, bool],
         kv_cache: KVCache | None,
+        ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.c_q(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(b, t, self.n_kv_head, self.head_dim)
+        if ve is not None:  # value embedding, gated per kv head by the first channels of the input
+            gate = 3.0 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * ve.view(b, t, self.n_kv_head, self.head_dim)
+        v = v.transpose(1, 2)
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
+        if self.qk_scale != 1.0:
+            q, k = q * self.qk_scale, k * self.qk_scale
         if kv_cache is not None:
             k, v = kv_cache.insert(self.layer_idx, k, v)
         attn_mask, is_causal = mask
@@ -259,8 +379,9 @@ class Block(nn.Module):
         sin: torch.Tensor,
         mask: tuple[torch.Tensor | None, bool],
         kv_cache: KVCache | None,
+        ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(norm(x), cos, sin, mask, kv_cache)
+        x = x + self.attn(norm(x), cos, sin, mask, kv_cache, ve)
         return x + self.mlp(norm(x))
 
 
@@ -275,11 +396,33 @@ class GPT(nn.Module):
             raise ValueError(f"n_kv_head={config.n_kv_head} must divide n_head={config.n_head}")
         if (config.n_embd // config.n_head) % 2:
             raise ValueError(f"head_dim={config.n_embd // config.n_head} must be even for rotary embeddings")
+        if config.smear and config.n_embd < SMEAR_GATE_CHANNELS:
+            raise ValueError(f"smear needs n_embd >= {SMEAR_GATE_CHANNELS}, got {config.n_embd}")
+        if config.value_embeds and config.n_embd < VE_GATE_CHANNELS:
+            raise ValueError(f"value_embeds needs n_embd >= {VE_GATE_CHANNELS}, got {config.n_embd}")
         self.config = config
         self.windows = layer_windows(config)
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        vocab = config.padded_vocab_size
+        self.wte = nn.Embedding(vocab, config.n_embd)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, vocab, bias=False)
+        kv_dim = config.n_kv_head * config.head_dim
+        # keys are layer indices; only layers with a value embedding have one
+        self.value_embeds = nn.ModuleDict(
+            {
+                str(i): nn.Embedding(vocab, kv_dim)
+                for i in range(config.n_layer)
+                if config.value_embeds and has_value_embed(i, config.n_layer)
+            }
+        )
+        if config.lambdas:
+            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+        if config.smear:
+            self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
+        if config.backout:
+            self.backout_lambda = nn.Parameter(torch.zeros(1))
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -287,7 +430,9 @@ class GPT(nn.Module):
     def _rotary_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = self.config.n_embd // self.config.n_head
         length = ROTARY_LEN_FACTOR * self.config.sequence_len
-        inv_freq = 1.0 / ROTARY_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        inv_freq = 1.0 / self.config.rotary_base ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        )
         angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
         return angles.cos()[None, None], angles.sin()[None, None]  # [1, 1, length, head_dim/2]
 
@@ -303,6 +448,18 @@ class GPT(nn.Module):
             # zero output projections: every block starts as the identity on the residual stream
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+            if block.attn.ve_gate is not None:
+                nn.init.zeros_(block.attn.ve_gate.weight)  # every gate starts at 3 * sigmoid(0) = 1.5
+        for ve in self.value_embeds.values():
+            nn.init.uniform_(ve.weight, -s, s)  # like c_v: the two sums start at similar scale
+        if self.config.lambdas:
+            nn.init.ones_(self.resid_lambdas)
+            nn.init.constant_(self.x0_lambdas, 0.1)
+        if self.config.smear:
+            nn.init.zeros_(self.smear_gate.weight)
+            nn.init.zeros_(self.smear_lambda)  # smear starts off; training opens it
+        if self.config.backout:
+            nn.init.constant_(self.backout_lambda, 0.2)
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.cos, self.sin = cos, sin
 
@@ -314,12 +471,40 @@ class GPT(nn.Module):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
         cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
         masks = {w: _attention_mask(t0, t, w, idx.device) for w in set(self.windows)}  # one per distinct window
+        config = self.config
         x = norm(self.wte(idx))
-        for block, window in zip(self.blocks, self.windows):
-            x = block(x, cos, sin, masks[window], kv_cache)
+        if config.smear:
+            x = self._smear(x, kv_cache)
+        x0 = x
+        backout_at = config.n_layer // 2 if config.backout else -1
+        x_mid = None
+        for i, (block, window) in enumerate(zip(self.blocks, self.windows)):
+            if config.lambdas:
+                x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](idx) if block.attn.ve_gate is not None else None
+            x = block(x, cos, sin, masks[window], kv_cache, ve)
+            if i == backout_at:
+                x_mid = x
+        if x_mid is not None:
+            x = x - self.backout_lambda * x_mid
         if kv_cache is not None:
             kv_cache.advance(t)
         return norm(x)
+
+    def _smear(self, x: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+        """Mix each position's embedding with the previous one's, gated by its first channels."""
+        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
+        prev = x[:, :-1]
+        if kv_cache is not None and kv_cache.pos > 0:
+            if kv_cache.prev_embed is None:
+                raise ValueError("smear: the KV cache holds positions but no previous embedding")
+            prev = torch.cat([kv_cache.prev_embed.to(x.dtype), prev], dim=1)
+            smeared = x + gate * prev
+        else:  # the first position has no predecessor
+            smeared = torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
+        if kv_cache is not None:
+            kv_cache.prev_embed = x[:, -1:].detach()
+        return smeared
 
     def forward(
         self,
@@ -334,7 +519,10 @@ class GPT(nn.Module):
         ``kv_cache``, positions continue from ``kv_cache.pos`` and the new keys/values are appended.
         """
         b, t = idx.shape
-        logits = self.lm_head(self.hidden(idx, kv_cache)).float()
+        logits = self.lm_head(self.hidden(idx, kv_cache))
+        if self.config.padded_vocab_size != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]
+        logits = logits.float()
         logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         if targets is None:
             return logits
@@ -345,13 +533,49 @@ class GPT(nn.Module):
         )
         return loss if loss_reduction == "mean" else loss.view(b, t)
 
+    @torch.inference_mode()
+    def generate(
+        self,
+        tokens: list[int],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int = 42,
+        use_cache: bool = True,
+    ):
+        """Yield ``max_tokens`` next ids after ``tokens`` (batch 1; argmax at temperature 0).
+
+        ``use_cache=False`` re-runs the whole sequence every step (nanochat's ``GPT.generate``);
+        with the cache each step feeds one token. Both must give the same ids.
+        """
+        device = self.wte.weight.device
+        rng = torch.Generator(device=device)
+        rng.manual_seed(seed)
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        cache = KVCache.from_config(self.config, 1, len(tokens) + max_tokens) if use_cache else None
+        feed = ids
+        for _ in range(max_tokens):
+            logits = self(feed, kv_cache=cache)[:, -1, :]
+            if temperature == 0.0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=rng)
+            ids = torch.cat([ids, nxt], dim=1)
+            feed = nxt if use_cache else ids
+            yield int(nxt.item())
+
     def num_params(self) -> int:
         """All parameters."""
         return sum(p.numel() for p in self.parameters())
 
     def num_embedding_params(self) -> int:
-        """Token embedding (wte) only; lm_head is a real matmul and counts as compute."""
-        return self.wte.weight.numel()
+        """Lookup tables (wte and value embeddings); lm_head is a real matmul and counts as compute."""
+        return self.wte.weight.numel() + sum(ve.weight.numel() for ve in self.value_embeds.values())
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 * non-embedding params + attention (window-limited per layer)."""
@@ -363,9 +587,45 @@ class GPT(nn.Module):
         return 6 * (self.num_params() - self.num_embedding_params()) + attn
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """Parameters by optimizer: ``matrix`` (Muon), ``embedding`` and ``lm_head`` (AdamW)."""
+        """Parameters by optimizer role: ``matrix`` (Muon: every block matrix, gates included);
+        ``embedding``, ``lm_head``, ``value_embeds``, ``resid_lambdas``, ``x0_lambdas`` and
+        ``gates`` (smear gate and lambda, backout lambda) for AdamW. Groups of options that are
+        off are empty lists."""
+        config = self.config
+        gates = [self.smear_gate.weight, self.smear_lambda] if config.smear else []
+        gates += [self.backout_lambda] if config.backout else []
         return {
             "matrix": [p for p in self.blocks.parameters() if p.dim() == 2],
             "embedding": [self.wte.weight],
             "lm_head": [self.lm_head.weight],
+            "value_embeds": [ve.weight for ve in self.value_embeds.values()],
+            "resid_lambdas": [self.resid_lambdas] if config.lambdas else [],
+            "x0_lambdas": [self.x0_lambdas] if config.lambdas else [],
+            "gates": gates,
         }
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
+
+
+def enable_fp8(model: GPT) -> GPT:
+    """Swap the block matrices' matmuls to FP8 (torchao's float8 training), in place.
+
+    Raises RuntimeError with the reason when this machine cannot: no CUDA, a GPU older than
+    compute capability 8.9, or torchao not installed. lm_head and embeddings stay in bf16/fp32.
+    """
+    device = model.wte.weight.device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        where = "CPU" if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
+        raise RuntimeError(f"fp8 needs CUDA with compute capability >= 8.9 (this run is on {where}); set fp8: false")
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise RuntimeError("fp8 needs torchao (pip install torchao); set fp8: false") from None
+
+    def in_blocks(module: nn.Module, fqn: str) -> bool:
+        # FP8 needs both dims divisible by 16; tiny gates stay in higher precision
+        return fqn.startswith("blocks.") and isinstance(module, nn.Linear) and min(module.weight.shape) % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=in_blocks)
+    return model

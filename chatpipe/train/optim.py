@@ -1,5 +1,11 @@
 """Optimizers and schedules: AdamW for embedding/lm_head, Muon for the hidden matrices (SPEC §6).
 
+Two recipes (``optimizer`` argument of :func:`build_optimizers`, params ``pretrain.optimizer``):
+
+- ``muon``: torch's AdamW + Muon (Newton-Schulz), the late-2025 nanochat recipe;
+- ``muon_adamw``: nanochat's 2026 ``MuonAdamW`` (:class:`MuonAdamW`): MuonEq, Polar Express,
+  Muon+, NorMuon variance reduction, cautious weight decay, and its per-group lrs/betas/decays.
+
 Usage in a stage loop::
 
     optimizers = build_optimizers(model, matrix_lr=0.02, embedding_lr=0.2, weight_decay=0.0)
@@ -20,6 +26,7 @@ import torch
 import torch.optim._muon as _torch_muon
 
 SCHEDULES = ("warmdown", "cosine")
+OPTIMIZERS = ("muon", "muon_adamw")
 
 
 def build_optimizers(
@@ -32,18 +39,44 @@ def build_optimizers(
     adam_betas: tuple[float, float] = (0.8, 0.95),
     adam_eps: float = 1e-10,
     fused: bool | None = None,
+    optimizer: str = "muon",
+    scalar_lr: float = 0.5,
+    reduce_grads: bool = False,
 ) -> list[torch.optim.Optimizer]:
-    """Return ``[adamw, muon]`` over ``model.param_groups()`` (a :class:`chatpipe.model.gpt.GPT`).
+    """Return ``[adamw, muon]`` (``optimizer="muon"``) or ``[MuonAdamW]`` (``"muon_adamw"``).
 
-    AdamW lrs are scaled by (n_embd / 768) ** -0.5 so wider models take smaller embedding steps;
-    Muon's lr is used as given (its update is already shape-normalised).
+    Built over ``model.param_groups()`` (a :class:`chatpipe.model.gpt.GPT`). AdamW lrs are scaled
+    by (n_embd / 768) ** -0.5 so wider models take smaller embedding steps; Muon's lr is used as
+    given (its update is already shape-normalised). ``scalar_lr`` is the lambdas' lr.
+    ``reduce_grads``: see :class:`MuonAdamW` (only that recipe).
     """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon_adamw":
+        return [
+            build_muon_adamw(
+                model,
+                unembedding_lr=unembedding_lr,
+                embedding_lr=embedding_lr,
+                matrix_lr=matrix_lr,
+                weight_decay=weight_decay,
+                scalar_lr=scalar_lr,
+                reduce_grads=reduce_grads,
+            )
+        ]
     groups = model.param_groups()
     scale = (model.config.n_embd / 768) ** -0.5
+    extra = [  # the nanochat model options' parameters, when the model has them
+        {"params": groups.get("value_embeds", []), "lr": embedding_lr * scale * 0.5},
+        {"params": groups.get("resid_lambdas", []), "lr": scalar_lr * 0.01},
+        {"params": groups.get("x0_lambdas", []), "lr": scalar_lr},
+        {"params": groups.get("gates", []), "lr": 0.2},
+    ]
     adamw = torch.optim.AdamW(
         [
             {"params": groups["lm_head"], "lr": unembedding_lr * scale},
             {"params": groups["embedding"], "lr": embedding_lr * scale},
+            *(g for g in extra if g["params"]),
         ],
         betas=adam_betas,
         eps=adam_eps,
@@ -144,5 +177,230 @@ def apply_schedules(optimizers: list[torch.optim.Optimizer], lr_mult: float, mom
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lr_mult
-            if momentum is not None and isinstance(opt, torch.optim.Muon):
+            if momentum is not None and (isinstance(opt, torch.optim.Muon) or group.get("kind") == "muon"):
                 group["momentum"] = momentum
+
+
+# --------------------------------------------------------------------------- nanochat's MuonAdamW
+
+# Polar Express coefficients (arXiv 2505.16932) for 5 iterations, safety factor 2e-2, cushion 2:
+# each iteration maps X -> a X + b (X X^T) X + c (X X^T)^2 X.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def polar_express(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Approximate orthogonalisation of a stack of matrices [N, rows, cols] (Polar Express).
+
+    The input should already have spectral norm <= 1. The Gram matrix is taken on the smaller
+    side: ``X^T X`` for tall matrices, ``X X^T`` for wide and square ones.
+    """
+    if steps > len(POLAR_EXPRESS_COEFFS):
+        raise ValueError(f"polar_express: steps={steps}; at most {len(POLAR_EXPRESS_COEFFS)} coefficients")
+    tall = x.size(-2) > x.size(-1)
+    for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
+        if tall:
+            gram = x.mT @ x
+            x = a * x + x @ (b * gram + c * (gram @ gram))
+        else:
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x
+
+
+def muon_update(
+    grads: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    second_moment: torch.Tensor,
+    *,
+    momentum: float,
+    beta2: float,
+    ns_steps: int,
+) -> torch.Tensor:
+    """The orthogonalised, variance-normalised update of a stack of same-shaped matrices [N, r, c].
+
+    Nesterov momentum; MuonEq (every row scaled to the mean row norm); Frobenius normalisation;
+    Polar Express; Muon+ (Frobenius norm reset to sqrt(min(r, c))); NorMuon-style variance
+    reduction: a running second moment per row (tall or square) or per column (wide) rescales the
+    update, which then gets its pre-rescaling Frobenius norm back. Updates the two buffers in place.
+    """
+    rows, cols = grads.shape[-2:]
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    g = grads.lerp(momentum_buffer, momentum)
+    # MuonEq: equalise row norms so no row dominates the orthogonalisation
+    row_norm = g.norm(dim=-1, keepdim=True)
+    target = g.norm(dim=(-2, -1), keepdim=True) / rows**0.5
+    g = g * (target / row_norm.clamp_min(1e-10))
+    x = g / (1.01 * g.norm(dim=(-2, -1), keepdim=True) + 1e-6)
+    x = polar_express(x, ns_steps)
+    # Muon+: a semi-orthogonal matrix has Frobenius norm sqrt(min(r, c)); restore it exactly
+    x = x * (min(rows, cols) ** 0.5 / x.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    # NorMuon: normalise by a running per-row (or per-column) second moment, keep the overall norm
+    red_dim = -1 if rows >= cols else -2
+    v_mean = x.square().mean(dim=red_dim, keepdim=True)
+    red_size = x.size(red_dim)
+    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * red_size).sqrt()
+    second_moment.lerp_(v_mean, 1 - beta2)
+    step_size = second_moment.clamp_min(1e-10).rsqrt()
+    v_norm_new = ((v_mean * red_size) * step_size.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return x * (step_size * (v_norm / v_norm_new.clamp_min(1e-10)))
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """nanochat's combined optimizer: AdamW groups and Muon groups (``kind`` = "adamw" | "muon").
+
+    AdamW group keys: ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, applied first as
+    ``p *= 1 - lr*wd``). Muon group keys: ``lr``, ``momentum``, ``ns_steps``, ``beta2``,
+    ``weight_decay``; every param of a Muon group has the same shape (they are stacked), the
+    effective lr is ``lr * sqrt(max(1, rows/cols))`` and weight decay is cautious: applied only
+    where the update and the parameter agree in sign, ``p -= lr*u + lr*wd*p*[u*p >= 0]``.
+
+    ``reduce_grads=True`` averages gradients over the default process group before stepping (for
+    callers without DDP); under DDP leave it False, gradients arrive averaged already. State is
+    replicated on every rank (nanochat shards it, ZeRO-2 style; same arithmetic).
+    """
+
+    def __init__(self, param_groups: list[dict], *, reduce_grads: bool = False) -> None:
+        for g in param_groups:
+            if g.get("kind") not in ("adamw", "muon"):
+                raise ValueError(f"MuonAdamW group needs kind 'adamw' or 'muon', got {g.get('kind')!r}")
+            if g["kind"] == "muon" and len({tuple(p.shape) for p in g["params"]}) > 1:
+                raise ValueError("MuonAdamW: a muon group's params must share one shape (they are stacked)")
+        super().__init__(param_groups, {})
+        self.reduce_grads = reduce_grads
+
+    def _reduce(self) -> None:
+        import torch.distributed as dist
+
+        if not (self.reduce_grads and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        flat = torch.cat([t.reshape(-1) for t in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM)
+        if dist.get_backend() != "nccl":
+            flat /= dist.get_world_size()  # gloo has no AVG
+        offset = 0
+        for t in grads:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every group (closure, if given, is evaluated first and its loss returned)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._reduce()
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw(group)
+            else:
+                self._muon(group)
+        return loss
+
+    def _adamw(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            step = state["step"]
+            # scalars as fp32 0-d tensors: the same rounding as nanochat's fused step
+            lr_t, wd_t, b1, b2 = (torch.tensor(v, dtype=torch.float32) for v in (lr, wd, beta1, beta2))
+            p.mul_(1 - lr_t * wd_t)
+            state["exp_avg"].lerp_(p.grad, 1 - b1)
+            state["exp_avg_sq"].lerp_(p.grad.square(), 1 - b2)
+            bias1, bias2 = 1 - b1**step, 1 - b2**step
+            denom = (state["exp_avg_sq"] / bias2).sqrt() + eps
+            p.add_(state["exp_avg"] / denom * -(lr_t / bias1))
+
+    def _muon(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        rows, cols = params[0].shape
+        state = self.state[group["params"][0]]  # the stacked buffers live with the group's first param
+        n = len(group["params"])
+        if not state:
+            state["momentum_buffer"] = torch.zeros(n, rows, cols, dtype=torch.float32, device=params[0].device)
+            vshape = (n, rows, 1) if rows >= cols else (n, 1, cols)
+            state["second_momentum_buffer"] = torch.zeros(vshape, dtype=torch.float32, device=params[0].device)
+        if len(params) != n:
+            raise RuntimeError("MuonAdamW: every param of a muon group needs a gradient (or none of them)")
+        stacked = torch.stack([p.grad.float() for p in params])
+        update = muon_update(
+            stacked,
+            state["momentum_buffer"],
+            state["second_momentum_buffer"],
+            momentum=group["momentum"],
+            beta2=group["beta2"],
+            ns_steps=group["ns_steps"],
+        )
+        lr = torch.tensor(group["lr"] * max(1.0, rows / cols) ** 0.5, dtype=torch.float32)
+        wd = torch.tensor(group["weight_decay"], dtype=torch.float32)
+        for p, u in zip(params, update.unbind(0)):
+            u = u.to(p.dtype)
+            mask = (u * p) >= 0  # cautious: decay only where the update pulls the same way
+            p.sub_(lr * u + lr * wd * p * mask)
+
+
+def build_muon_adamw(
+    model: torch.nn.Module,
+    *,
+    unembedding_lr: float = 0.004,
+    embedding_lr: float = 0.2,
+    matrix_lr: float = 0.02,
+    weight_decay: float = 0.0,
+    scalar_lr: float = 0.5,
+    reduce_grads: bool = False,
+) -> MuonAdamW:
+    """nanochat's ``setup_optimizer``: the groups, betas, weight decays and lr scalings of its recipe.
+
+    AdamW lrs of the embedding-like groups scale by (n_embd / 768) ** -0.5. Groups whose option is
+    off in the model are left out. Every group stores ``initial_lr`` for the schedules.
+    """
+    groups = model.param_groups()
+    s = (model.config.n_embd / 768) ** -0.5
+
+    def adamw(params, lr, betas, wd):
+        return {"kind": "adamw", "params": params, "lr": lr, "betas": betas, "eps": 1e-10, "weight_decay": wd}
+
+    adam_groups = [
+        adamw(groups["lm_head"], unembedding_lr * s, (0.8, 0.96), 0.01),
+        adamw(groups["embedding"], embedding_lr * s, (0.8, 0.995), 0.001),
+        adamw(groups.get("value_embeds", []), embedding_lr * s * 0.5, (0.8, 0.995), 0.01),
+        adamw(groups.get("resid_lambdas", []), scalar_lr * 0.01, (0.8, 0.95), 0.05),
+        adamw(groups.get("x0_lambdas", []), scalar_lr, (0.96, 0.95), 0.0),
+        adamw(groups.get("gates", []), 0.2, (0.8, 0.95), 0.0),
+    ]
+    by_shape: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+    for p in groups["matrix"]:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    muon_groups = [
+        {
+            "kind": "muon",
+            "params": ps,
+            "lr": matrix_lr,
+            "momentum": 0.95,
+            "ns_steps": 5,
+            "beta2": 0.9,
+            "weight_decay": weight_decay,
+        }
+        for _, ps in by_shape.items()
+    ]
+    opt = MuonAdamW([g for g in adam_groups if g["params"]] + muon_groups, reduce_grads=reduce_grads)
+    for group in opt.param_groups:
+        group["initial_lr"] = group["lr"]
+    return opt

@@ -1,0 +1,275 @@
+"""chatpipe's GPT and optimizer against vectors produced by nanochat's own code (CPU, fp32).
+
+The vectors live in ``../shared/reference/nanochat`` (override with ``CHATPIPE_NANOCHAT_REF``);
+see its README for what each case holds. Every model check goes through ``import-nanochat``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatpipe.inference.engine import Engine
+from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.model.loading import load_chat_model
+from chatpipe.model.nanochat_import import import_nanochat
+from chatpipe.train.checkpoint import load_model
+
+REPO = Path(__file__).resolve().parents[1]
+REF = Path(os.environ.get("CHATPIPE_NANOCHAT_REF", REPO.parent / "shared" / "reference" / "nanochat"))
+CASES = ["d4_L_mha", "d4_SSSL_gqa"]
+
+pytestmark = pytest.mark.skipif(not (REF / "README.md").exists(), reason=f"nanochat reference vectors not at {REF}")
+
+
+@pytest.fixture(scope="module", params=CASES)
+def imported(request, tmp_path_factory):
+    """(case, model dir written by import-nanochat, loaded model, io vectors)."""
+    case = request.param
+    out = import_nanochat(REF / case, tmp_path_factory.mktemp(case) / "model")
+    model, _ = load_model(out)
+    return case, out, model, torch.load(REF / case / "io.pt", weights_only=True)
+
+
+def test_logits_and_loss_equal_reference(imported):
+    _, _, model, io = imported
+    with torch.no_grad():
+        logits = model(io["idx"])
+        loss = model(io["idx"], io["targets"])
+    assert logits.shape == io["logits"].shape
+    assert (logits - io["logits"]).abs().max().item() <= 1e-5
+    assert abs(loss.item() - io["loss"].item()) <= 1e-6
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "kv_cache"])
+def test_greedy_continuation_equals_reference(imported, use_cache):
+    _, _, model, io = imported
+    assert list(model.generate(io["prompt"], len(io["greedy"]), use_cache=use_cache)) == io["greedy"]
+
+
+def test_engine_greedy_with_kv_cache_and_prefill_broadcast(imported):
+    """The inference engine (prefill at batch 1, cache copied to 2 rows, then one token per step)."""
+    _, out, _, io = imported
+    loaded = load_chat_model(str(out), device="cpu")
+    seqs, _ = Engine(loaded.model, loaded.tokenizer).generate_batch(
+        io["prompt"], num_samples=2, max_tokens=len(io["greedy"]), temperature=0.0
+    )
+    assert [s[len(io["prompt"]) :] for s in seqs] == [io["greedy"]] * 2
+
+
+def test_imported_dir_is_a_model_dir(imported):
+    case, out, model, _ = imported
+    meta = json.loads((out / "meta.json").read_text())
+    cfg = json.loads((REF / case / "config.json").read_text())
+    assert {k: meta["model_config"][k] for k in cfg} == cfg
+    assert meta["stage"] == "pretrain" and meta["source_stage"] == "nanochat"
+    assert set(meta["settings"]) == {"matrix_lr", "embedding_lr", "unembedding_lr"}
+    assert (out / "tokenizer" / "tokenizer.json").exists()
+    assert model.wte.weight.shape[0] % 64 == 0  # padded rows kept
+
+
+def test_chat_cli_runs_on_imported_reference(imported):
+    _, out, _, _ = imported
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "chatpipe.cli", "chat", "--model", str(out), "--device", "cpu"]
+        + ["-p", "hello", "--max-tokens", "8", "-t", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_import_cli_and_nanochat_layout(tmp_path):
+    """nanochat's own layout (model_<step>.pt + meta_<step>.json, compiled-module prefixes, bf16)."""
+    src = tmp_path / "base_checkpoints" / "d4"
+    src.mkdir(parents=True)
+    state = torch.load(REF / "d4_L_mha" / "model.pt", weights_only=True)
+    torch.save({f"_orig_mod.{k}": v.bfloat16() for k, v in state.items()}, src / "model_000700.pt")
+    cfg = json.loads((REF / "d4_L_mha" / "config.json").read_text())
+    (src / "meta_000700.json").write_text(json.dumps({"step": 700, "model_config": cfg, "user_config": {}}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "chatpipe.cli", "import-nanochat", str(src), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    model, meta = load_model(tmp_path / "out")
+    assert meta["step"] == 700 and meta["stage"] == "pretrain"
+    assert torch.equal(model.wte.weight, state["transformer.wte.weight"].bfloat16().float())
+
+
+def test_import_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_<step>.pt"):
+        import_nanochat(tmp_path, tmp_path / "out")
+
+
+def test_old_model_config_without_new_keys_loads():
+    """A model_config written before the nanochat options existed: every option is off."""
+    old = dict(sequence_len=32, vocab_size=97, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="L")
+    config = GPTConfig.from_dict(old)
+    assert not (config.value_embeds or config.lambdas or config.smear or config.backout)
+    assert config.padded_vocab_size == 97 and config.rotary_base == 10000.0 and config.qk_scale == 1.0
+    keys = set(GPT(config).state_dict())
+    assert keys == {"wte.weight", "lm_head.weight"} | {
+        f"blocks.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _optim_case():
+    from chatpipe.model.nanochat_import import config_for, convert_state_dict
+
+    state = convert_state_dict(torch.load(REF / "d2_optim" / "model.pt", weights_only=True))
+    model = GPT(config_for(json.loads((REF / "d2_optim" / "config.json").read_text()), state))
+    model.load_state_dict(state)
+    ref = torch.load(REF / "d2_optim" / "optim.pt", weights_only=True)
+    grads = [convert_state_dict(g) for g in ref["grads"]]
+    after = [convert_state_dict(p) for p in ref["params"]]  # after step 1, after step 3
+    return model, ref, grads, after
+
+
+def _worst_relative(model: GPT, expected: dict[str, torch.Tensor]) -> float:
+    params = dict(model.named_parameters())
+    assert set(params) == set(expected)
+    return max(((params[k] - v).abs().max() / v.abs().max()).item() for k, v in expected.items())
+
+
+def _run_reference_steps(model, ref, grads, rank: int = 0, world: int = 1, reduce_grads: bool = False):
+    """Three steps on the reference gradients; with ``world`` > 1 each rank gets a different share
+    whose mean is the reference gradient. Returns the params after step 1 and step 3.
+
+    The shares are 2*g on a random half of the entries (rank 0) and on the other half (rank 1), so
+    their mean is g exactly: cautious weight decay's sign mask would turn a last-bit rounding
+    difference of the averaged gradient into a full lr*wd*p difference in one entry.
+    """
+    from chatpipe.train.optim import build_optimizers
+
+    [opt] = build_optimizers(model, optimizer="muon_adamw", reduce_grads=reduce_grads, **ref["setup_optimizer_kwargs"])
+    params = dict(model.named_parameters())
+    snapshots = []
+    for step, g in enumerate(grads):
+        for name, grad in g.items():
+            share = grad
+            if world > 1:
+                mine = torch.rand(grad.shape, generator=torch.Generator().manual_seed(step * 1000 + len(name))) < 0.5
+                share = torch.where(mine if rank == 0 else ~mine, 2 * grad, torch.zeros_like(grad))
+            params[name].grad = share.clone()
+        opt.step()
+        if step in (0, 2):
+            snapshots.append({k: v.detach().clone() for k, v in params.items()})
+    return snapshots, [g["lr"] for g in opt.param_groups]
+
+
+def test_muon_adamw_equals_reference_after_steps_1_and_3():
+    model, ref, grads, after = _optim_case()
+    snapshots, lrs = _run_reference_steps(model, ref, grads)
+    assert lrs == pytest.approx(ref["lrs"][0], rel=1e-12)
+    for snap, expected in zip(snapshots, after):
+        model.load_state_dict(snap)
+        assert _worst_relative(model, expected) <= 1e-6
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, ref, grads, _ = _optim_case()
+        snapshots, _ = _run_reference_steps(model, ref, grads, rank=rank, world=world, reduce_grads=True)
+        torch.save(snapshots, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    model, ref, grads, after = _optim_case()
+    single, _ = _run_reference_steps(model, ref, grads)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in ranks:
+        for snap, one, expected in zip(r, single, after):
+            for k in one:
+                assert (snap[k] - one[k]).abs().max() <= 1e-6 * one[k].abs().max(), k
+            model.load_state_dict(snap)
+            assert _worst_relative(model, expected) <= 1e-6
+
+
+# --------------------------------------------------------------------------- recipe plumbing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_fp8_errors_clearly_on_cpu():
+    from chatpipe.model.gpt import enable_fp8
+
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    with pytest.raises(RuntimeError, match=r"fp8 needs CUDA with compute capability >= 8\.9"):
+        enable_fp8(model)
+
+
+def test_compile_auto_follows_step_count_and_auto_batch_is_a_power_of_two():
+    from chatpipe.plan import COMPILE_MIN_STEPS_CPU, auto_total_batch_size, compile_pays
+
+    cpu = torch.device("cpu")
+    assert not compile_pays("auto", COMPILE_MIN_STEPS_CPU - 1, cpu) and compile_pays("auto", COMPILE_MIN_STEPS_CPU, cpu)
+    assert compile_pays(True, 1, cpu) and not compile_pays(False, 10**6, cpu)
+    assert auto_total_batch_size(5e9, 32768) == 1 << 19
+    assert auto_total_batch_size(4 * 5e9, 32768) == 1 << 20  # 4**0.383 = 1.7 -> next power of two
+    assert auto_total_batch_size(1e3, 4096) == 4096  # never below one micro-batch per rank
+
+
+def test_every_option_changes_the_function_and_trains_with_both_optimizers():
+    """Each option alone changes the logits of a perturbed model; both recipes take a step."""
+    from chatpipe.model.gpt import nanochat_options
+    from chatpipe.train.optim import build_optimizers
+
+    base = dict(sequence_len=32, vocab_size=97, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, window_pattern="SL")
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def logits(**opts):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**base, **opts))
+        model.init_weights()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            return model(idx), model
+
+    plain, _ = logits()
+    for key, value in nanochat_options(32).items():
+        changed, _ = logits(**{key: value})
+        assert not torch.allclose(plain, changed), key
+    for optimizer in ("muon", "muon_adamw"):
+        _, model = logits(**nanochat_options(32))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(idx, idx).backward()
+        for opt in build_optimizers(model, optimizer=optimizer):
+            opt.step()
+        assert all(p.grad is not None for p in model.parameters())
+        # a gradient below AdamW's eps (1e-10) may leave a scalar unchanged in fp32
+        same = [n for n, p in model.named_parameters() if torch.equal(before[n], p) and p.grad.abs().max() > 1e-8]
+        assert not same, (optimizer, same)
