@@ -271,6 +271,7 @@ _LAUNCH = re.compile(r"\[launch\] (\w+): (?:(SUCCEEDED|FAILED|CANCELLED|UNKNOWN)
 def run_flow(project: Path, hub: Hub, *args: str) -> tuple[int, str, dict[str, dict]]:
     """Run the Prefect flow; per stage: wall seconds (launcher) and body bytes the proxy sent meanwhile."""
     env = project_env(project, HF_ENDPOINT=hub.url, HF_HOME=str(project / ".hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
+    env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the stages' output, with the launcher's "[launch] <stage>" lines
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.pipeline", *args],
         cwd=project,
