@@ -76,16 +76,18 @@ def hub(tmp_path_factory) -> Hub:
 def client_env(hub: Hub, workdir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATPIPE_", "HF_"))}
     env.update(
-        HF_ENDPOINT=hub.url,
-        HF_HOME=str(workdir / "hf_home"),  # nothing read from or written to the user's hub cache
-        HF_HUB_DISABLE_TELEMETRY="1",
-        CHATPIPE_HUB_CACHE="cache",
-        CHATPIPE_HUB_RETRIES="3",
-        CHATPIPE_HUB_BACKOFF_S="0.05",
-        PYTHONPATH=str(REPO),
-        OMP_NUM_THREADS="1",
-        **extra,
+        {
+            "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(workdir / "hf_home"),  # nothing read from or written to the user's hub cache
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "CHATPIPE_HUB_CACHE": "cache",
+            "CHATPIPE_HUB_RETRIES": "3",
+            "CHATPIPE_HUB_BACKOFF_S": "0.05",
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+        }
     )
+    env.update(extra)
     return env
 
 
@@ -205,9 +207,8 @@ def test_fault_burst_is_retried_and_artifacts_match(hub, clean_run, tmp_path, ki
     assert sum(e.fault == kind for e in log) >= 2, "the fault was never injected"
     assert digests(tmp_path / "out") == clean_run
     assert_no_partial_files(tmp_path)
-    if kind == "drop":
-        # The client resumes with a Range request; olah answers 200 with the whole file (no Range support).
-        assert any(e.range for e in log), "no resume attempted after the dropped connection"
+    # No Range resume is asserted for "drop": huggingface_hub writes the body in 10 MB chunks, so a drop
+    # inside a smaller file leaves nothing to resume from, and olah ignores Range anyway (answers 200).
 
 
 @pytest.mark.slow
@@ -348,3 +349,77 @@ def test_rehearsal_pipeline_against_the_mirror(hub, tmp_path):
     )
     run(project, sys.executable, "-c", reload, HF_ENDPOINT=hub.url)
     assert hub.proxy.log == [], f"forced re-run made requests: {hub.proxy.log[:5]}"
+
+
+# ---------------------------------------------------------------------- unit logic (no server)
+
+
+def _http_error(status: int, **headers: str):
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    response = httpx.Response(status, headers=headers, request=httpx.Request("GET", "http://hub.invalid/x"))
+    return HfHubHTTPError(f"{status}", response=response)
+
+
+def test_transient_errors_are_told_from_permanent_ones():
+    import httpx
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from chatpipe.data import hub
+
+    for status in (408, 429, 500, 502, 503, 504):
+        assert hub.is_transient(_http_error(status))
+    for status in (400, 401, 403, 404):
+        assert not hub.is_transient(_http_error(status))
+    assert hub.is_transient(httpx.RemoteProtocolError("peer closed connection"))
+    assert hub.is_transient(hub.ChecksumMismatch("sha256 differs"))
+    assert hub.is_transient(OSError("Consistency check failed: file should be of size 10 but has size 5"))
+    assert not hub.is_transient(ValueError("bad"))
+    wrapped = LocalEntryNotFoundError("cannot find the requested files")  # how the client reports a failed HEAD
+    wrapped.__cause__ = _http_error(503)
+    assert hub.is_transient(wrapped)
+    assert hub._delay(_http_error(429, **{"Retry-After": "3"}), attempt=0, backoff=0.1) == 3
+    assert hub._delay(_http_error(500), attempt=3, backoff=1.0) == 8
+    assert hub._delay(_http_error(500), attempt=20, backoff=1.0) == hub.MAX_BACKOFF_S
+
+
+def test_retries_then_names_repo_file_revision(monkeypatch):
+    from chatpipe.data import hub
+
+    monkeypatch.setenv("CHATPIPE_HUB_RETRIES", "2")
+    monkeypatch.setenv("CHATPIPE_HUB_BACKOFF_S", "0")
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        raise _http_error(503)
+
+    with pytest.raises(hub.HubError, match=r"hub dataset 'org/x', file 'a.parquet', revision 'main': gave up after 3"):
+        hub.with_retries(flaky, repo="org/x", file="a.parquet", revision="main")
+    assert len(calls) == 3
+    calls.clear()
+
+    def missing():
+        calls.append(1)
+        raise _http_error(404)
+
+    with pytest.raises(hub.HubError, match="404"):
+        hub.with_retries(missing, repo="org/x", file="a.parquet", revision="main")
+    assert len(calls) == 1  # permanent: no retry
+
+
+def test_dataset_card_configs_pick_split_files():
+    from chatpipe.data.hub import _config_patterns
+
+    card = (
+        "---\nconfigs:\n- config_name: all\n  data_files:\n  - split: test\n    path: all/test-*\n"
+        "  - split: auxiliary_train\n    path: [all/auxiliary_train-*]\n- config_name: plain\n  data_files: d/*.parquet\n"
+        "---\n# MMLU\n"
+    )
+    assert _config_patterns(card, "all", "test") == ["all/test-*"]
+    assert _config_patterns(card, "all", "auxiliary_train") == ["all/auxiliary_train-*"]
+    assert _config_patterns(card, "all", "validation") == []
+    assert _config_patterns(card, "plain", "train") == ["d/*.parquet"]
+    assert _config_patterns(card, "other", "train") is None
+    assert _config_patterns("# no header\n", "all", "test") is None

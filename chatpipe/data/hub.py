@@ -168,6 +168,8 @@ def with_retries(fn: Callable[[], T], *, repo: str, file: str, revision: str, re
     for attempt in range(retries + 1):
         try:
             return fn()
+        except HubError:
+            raise  # from a nested call: already names its file
         except Exception as e:  # classified below; anything permanent is re-raised as HubError at once
             if not is_transient(e):
                 raise HubError(repo, file, revision, f"{type(e).__name__}: {e}", repo_type) from e
