@@ -423,3 +423,25 @@ def test_dataset_card_configs_pick_split_files():
     assert _config_patterns(card, "plain", "train") == ["d/*.parquet"]
     assert _config_patterns(card, "other", "train") is None
     assert _config_patterns("# no header\n", "all", "test") is None
+
+
+@pytest.mark.slow
+def test_datasets_load_dataset_reads_the_mirror_like_load_hf(hub, tmp_path):
+    """Unmodified ``datasets.load_dataset`` accepts the mirror's repos and picks the same rows as load_hf."""
+    code = """
+import json
+from datasets import load_dataset
+from chatpipe.data.tasks.base import load_hf
+for repo, config, split in [("cais/mmlu", "auxiliary_train", "train"), ("cais/mmlu", "all", "test"),
+                            ("allenai/ai2_arc", "ARC-Challenge", "validation"), ("openai/gsm8k", "main", "test"),
+                            ("HuggingFaceTB/smoltalk", "all", "test")]:
+    ours = load_hf(repo, config, split)
+    theirs = [dict(r) for r in load_dataset(repo, config, split=split, cache_dir="ds_cache")]
+    print(repo, config, split, len(ours), ours == theirs)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=client_env(hub, tmp_path), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(line.endswith(" True") for line in lines), proc.stdout
