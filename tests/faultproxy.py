@@ -15,6 +15,10 @@ Faults (each hits the next ``times`` requests whose method is ``method`` and pat
 
 Upstream bodies are read whole before answering (the test files are a few MB), so the proxy can
 set a Content-Length the upstream's chunked answers lack.
+
+``ranges=True`` makes the proxy answer ``Range: bytes=N-`` GETs itself with 206 and the slice, as the
+real hub's file servers do; olah 0.5.4 ignores Range (always 200 and the whole file), so without it
+no download can resume.
 """
 
 from __future__ import annotations
@@ -59,10 +63,11 @@ class _State:
 class FaultProxy:
     """Forward every request to ``upstream``; inject faults; log status and body bytes sent."""
 
-    def __init__(self, upstream: str, port: int = 0) -> None:
+    def __init__(self, upstream: str, port: int = 0, ranges: bool = False) -> None:
         self.upstream = urlsplit(upstream)
+        self.ranges = ranges
         self.state = _State()
-        state, up = self.state, self.upstream
+        state, up, proxy = self.state, self.upstream, self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -81,7 +86,8 @@ class FaultProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 req_body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "host"}
+                skip = _HOP | {"host"} | ({"range"} if proxy.ranges else set())
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=req_body, headers=headers)
@@ -90,6 +96,15 @@ class FaultProxy:
                     status, resp_headers = resp.status, resp.getheaders()
                 finally:
                     conn.close()
+                wanted = self.headers.get("Range", "")
+                if proxy.ranges and self.command == "GET" and status == 200 and wanted.startswith("bytes="):
+                    start_s, _, end_s = wanted[len("bytes=") :].partition("-")
+                    start, end = int(start_s), int(end_s) if end_s else len(body) - 1
+                    total = len(body)
+                    body = body[start : end + 1]
+                    status = 206
+                    resp_headers = [(k, v) for k, v in resp_headers if k.lower() != "content-range"]
+                    resp_headers.append(("Content-Range", f"bytes {start}-{start + len(body) - 1}/{total}"))
                 fault = self._fault()
                 kind = fault.kind if fault else None
                 if kind in ("500", "429"):

@@ -221,6 +221,7 @@ def test_persistent_fault_fails_naming_file_and_leaves_nothing_partial(hub, tmp_
     assert proc.returncode != 0
     want = re.escape(f"HubError: hub dataset '{PRETRAIN_REPO}', file '") + r"[^']+" + re.escape("', revision 'main'")
     assert re.search(want, proc.stderr), proc.stderr[-3000:]
+    assert "gave up after 2 attempts" in proc.stderr, proc.stderr[-3000:]  # retried, not failed at once
     assert not (tmp_path / "out" / "data").exists()
     assert_no_partial_files(tmp_path)
 
@@ -373,6 +374,10 @@ def test_transient_errors_are_told_from_permanent_ones():
     for status in (400, 401, 403, 404):
         assert not hub.is_transient(_http_error(status))
     assert hub.is_transient(httpx.RemoteProtocolError("peer closed connection"))
+    import httpx2  # what huggingface_hub 2.4 actually raises with (not httpx)
+
+    assert hub.is_transient(httpx2.RemoteProtocolError("peer closed connection"))
+    assert hub.is_transient(httpx2.ReadError("connection reset"))
     assert hub.is_transient(hub.ChecksumMismatch("sha256 differs"))
     assert hub.is_transient(OSError("Consistency check failed: file should be of size 10 but has size 5"))
     assert not hub.is_transient(ValueError("bad"))
@@ -445,3 +450,44 @@ for repo, config, split in [("cais/mmlu", "auxiliary_train", "train"), ("cais/mm
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 5 and all(line.endswith(" True") for line in lines), proc.stdout
+
+
+@pytest.mark.slow
+def test_dropped_download_resumes_with_range_where_the_server_allows(hub, tmp_path):
+    """Against a Range-capable server (the proxy slicing olah's answers, as the hub's file servers do),
+    a body dropped midway is resumed from the bytes already on disk, and the file still verifies."""
+    import random
+
+    from scripts.hub_mirror import _git
+
+    size = 24 << 20  # past huggingface_hub's 10 MB write chunk, so the drop leaves bytes to resume from
+    content = random.Random(0).randbytes(size)
+    repo = hub.root / "datasets" / "chatpipe" / "resume_probe"
+    if not repo.exists():
+        repo.mkdir(parents=True)
+        (repo / "big.bin").write_bytes(content)
+        _git(repo, "init", "-q", "-b", "main")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-qm", "resume probe")
+    code = (
+        "from pathlib import Path\nfrom chatpipe.data import hub\n"
+        "(f,) = hub.fetch_files('chatpipe/resume_probe', ['big.bin'], cache_dir=Path('cache'))\nprint(f.sha256)\n"
+    )
+    with FaultProxy(hub.mirror.url, ranges=True) as proxy:
+        proxy.inject("drop", times=1, match="big.bin")
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=client_env(hub, tmp_path, HF_ENDPOINT=proxy.url),
+            capture_output=True,
+            text=True,
+        )
+        gets = [e for e in proxy.log if e.method == "GET" and "big.bin" in e.path]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == hashlib.sha256(content).hexdigest()
+    assert gets[0].fault == "drop" and gets[0].range is None
+    resumed = gets[1]
+    assert resumed.status == 206 and resumed.range and resumed.range.startswith("bytes=")
+    start = int(resumed.range[len("bytes=") :].split("-")[0])
+    assert 0 < start <= size // 2 and resumed.body_bytes == size - start  # only the missing tail came again
+    assert_no_partial_files(tmp_path)

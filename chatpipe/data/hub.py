@@ -116,7 +116,6 @@ def is_transient(exc: BaseException) -> bool:
     failed metadata request as "not found locally" with the real error as its cause, so causes
     are followed.
     """
-    import httpx
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HfHubHTTPError,
@@ -139,12 +138,23 @@ def is_transient(exc: BaseException) -> bool:
             continue
         if isinstance(exc, EntryNotFoundError):
             return False
-        if isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError)):
+        if isinstance(exc, (*_transport_errors(), ConnectionError, TimeoutError)):
             return True
         if isinstance(exc, OSError) and "Consistency check failed" in str(exc):
             return True  # the body was shorter than the size the hub announced
         exc = exc.__cause__
     return False
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level error bases of the HTTP clients in use: huggingface_hub 2.4 uses httpx2, older ones httpx."""
+    found = []
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(__import__(name).TransportError)
+        except ImportError:
+            pass
+    return tuple(found)
 
 
 def _delay(exc: BaseException, attempt: int, backoff: float) -> float:
