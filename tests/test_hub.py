@@ -491,3 +491,34 @@ def test_dropped_download_resumes_with_range_where_the_server_allows(hub, tmp_pa
     start = int(resumed.range[len("bytes=") :].split("-")[0])
     assert 0 < start <= size // 2 and resumed.body_bytes == size - start  # only the missing tail came again
     assert_no_partial_files(tmp_path)
+
+
+@pytest.mark.slow
+def test_bundle_over_plain_https_style_url_is_retried_and_checked(hub, tmp_path):
+    """The speedrun's bundle path (an http(s) URL read by fsspec): a corrupt burst is retried, a
+    persistent one fails naming the URL and leaves no bundle dir."""
+    url = f"{hub.url}/datasets/chatpipe/eval_bundle/resolve/main/eval_bundle.zip"
+    code = "import sys\nfrom pathlib import Path\nfrom chatpipe.data.fetch import fetch_zip\nfetch_zip(sys.argv[1], Path(sys.argv[2]))\n"
+
+    def fetch(dest: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code, url, dest],
+            cwd=tmp_path,
+            env=client_env(hub, tmp_path, **env),
+            capture_output=True,
+            text=True,
+        )
+
+    hub.proxy.clear()
+    assert fetch("clean").returncode == 0
+    hub.proxy.inject("corrupt", 2, match="eval_bundle.zip")
+    proc = fetch("after_faults")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum(e.fault == "corrupt" for e in hub.proxy.log) == 2, "the faults were never served"
+    assert digests(tmp_path / "after_faults") == digests(tmp_path / "clean")
+    hub.proxy.inject("truncate", 10_000, match="eval_bundle.zip")
+    proc = fetch("never", CHATPIPE_HUB_RETRIES="1")
+    hub.proxy.clear()
+    assert proc.returncode != 0 and f"{url}: gave up after 2 attempts" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "never").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp dirs left
