@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"built {repo} @ {sha[:10]}")
     if args.build_only:
         return
+    # SIGTERM unwinds like Ctrl-C, so the `with` below stops olah (it runs in its own session).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with Mirror(args.root, args.port) as mirror:
         print(
             f"serving on {mirror.url} (olah log: {mirror.log_path}); Ctrl-C stops it\n  export HF_ENDPOINT={mirror.url}"
