@@ -117,41 +117,60 @@ def test_txt_without_blank_lines_is_cut_at_line_boundaries(tmp_path: Path) -> No
     assert "\n".join(train).split("\n") == lines[:300]
 
 
-def test_hf_from_prefilled_cache(tmp_path: Path, paragraphs: list[str], monkeypatch) -> None:
+def prefill_hub_cache(cache_dir: Path, repo: str, files: dict[str, Path]) -> None:
+    """Record files as chatpipe.data.hub's manifest does, as a finished earlier fetch leaves them."""
+    import hashlib
+
+    records = {}
+    for name, path in files.items():
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        records[f"dataset:{repo}@main:{name}"] = {
+            "repo": repo,
+            "revision": "0" * 40,
+            "file": name,
+            "size": path.stat().st_size,
+            "sha256": digest,
+            "requested_revision": "main",
+            "repo_type": "dataset",
+        }
+    (cache_dir / "hub_manifest.json").write_text(json.dumps({"files": records, "splits": {}}))
+
+
+def forbid_hub(monkeypatch) -> None:
     import huggingface_hub
 
     def no_network(*args, **kwargs):
-        raise AssertionError("tried to download")
+        raise AssertionError("tried to reach the hub")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", no_network)
+
+
+# Downloads themselves (retries, checksums, faults) run against a real mirror in tests/test_hub.py.
+def test_hf_from_cache_recorded_in_the_hub_manifest(tmp_path: Path, paragraphs: list[str], monkeypatch) -> None:
+    forbid_hub(monkeypatch)
     cache = tmp_path / "cache" / "karpathy__fineweb-edu-100b-shuffle"
     cache.mkdir(parents=True)
     write_parquet(cache / "shard_00000.parquet", paragraphs[:200])
     write_parquet(cache / "shard_00001.parquet", paragraphs[200:300])
     write_parquet(cache / "shard_00002.parquet", paragraphs[300:400])
+    prefill_hub_cache(tmp_path / "cache", "karpathy/fineweb-edu-100b-shuffle", {p.name: p for p in cache.iterdir()})
     manifest = prepare(tmp_path / "data", source="hf", hf_num_shards=3)
     assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"], "val": ["val_00000.parquet"]}
     assert manifest["num_chars"]["val"] == sum(map(len, paragraphs[300:400]))
+    assert [h["file"] for h in manifest["hub_files"]] == [f"shard_0000{i}.parquet" for i in range(3)]
     assert list(iter_documents(tmp_path / "data", "train")) == paragraphs[:300]
     assert (cache / "shard_00000.parquet").is_file()  # the cache outlives the data dir
 
 
-def test_hf_downloads_missing_shards_once(tmp_path: Path, monkeypatch) -> None:
-    import huggingface_hub
-
-    calls = []
-
-    def fake_download(repo_id: str, filename: str, *, repo_type: str, local_dir: Path) -> str:
-        calls.append(filename)
-        assert repo_type == "dataset" and repo_id == "me/corpus"
-        Path(local_dir).mkdir(parents=True, exist_ok=True)
-        write_parquet(Path(local_dir) / filename, [f"{filename} doc {i}" for i in range(5)], column="body", extra=True)
-        return str(Path(local_dir) / filename)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    for _ in range(2):
-        prepare(tmp_path / "data", source="hf", hf_repo="me/corpus", hf_text_column="body")
-    assert calls == ["shard_00000.parquet", "shard_00001.parquet"]
+def test_hf_text_column_is_renamed(tmp_path: Path, monkeypatch) -> None:
+    forbid_hub(monkeypatch)
+    cache = tmp_path / "cache" / "me__corpus"
+    cache.mkdir(parents=True)
+    for name in ("shard_00000.parquet", "shard_00001.parquet"):
+        write_parquet(cache / name, [f"{name} doc {i}" for i in range(5)], column="body", extra=True)
+    prefill_hub_cache(tmp_path / "cache", "me/corpus", {p.name: p for p in cache.iterdir()})
+    prepare(tmp_path / "data", source="hf", hf_repo="me/corpus", hf_text_column="body")
     assert pq.read_schema(tmp_path / "data" / "val_00000.parquet").names == ["text"]  # column renamed
     assert list(iter_documents(tmp_path / "data", "val"))[0] == "shard_00001.parquet doc 0"
 

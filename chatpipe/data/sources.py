@@ -32,7 +32,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from chatpipe.data import synthetic
 from chatpipe.data.jsonl import iter_jsonl
@@ -234,28 +233,20 @@ def _read_parquet_column(path: Path, column: str) -> Iterator[str]:
 # ---------------------------------------------------------------------- Hugging Face hub
 
 
-def _download_shard(repo: str, name: str, cache_dir: Path) -> Path:
-    """``cache_dir/<repo>/<name>``, downloaded once (a file already there is trusted)."""
-    local = cache_dir / repo.replace("/", "__")
-    path = local / name
-    if path.is_file():
-        return path
-    from huggingface_hub import hf_hub_download  # imported here: only the hf source needs the hub
-
-    return Path(hf_hub_download(repo_id=repo, filename=name, repo_type="dataset", local_dir=local))
-
-
 def _prepare_hf(out_dir: Path, repo: str, num_shards: int, column: str, cache_dir: Path) -> dict[str, Any]:
     if num_shards < 2:
         raise ValueError(f"hf_num_shards = {num_shards}: need at least 2 (train + val)")
+    from chatpipe.data import hub  # imported here: only the hf source needs the hub client
+
     names = [f"shard_{i:05d}.parquet" for i in range(num_shards)]
-    paths = [_download_shard(repo, n, cache_dir) for n in tqdm(names, desc=f"{repo} shards", unit="shard")]
+    fetched = hub.fetch_files(repo, names, cache_dir=Path(cache_dir), desc=f"{repo} shards")
+    paths = [Path(f.path) for f in fetched]
     manifest: dict[str, Any] = {
         "shards": {"train": [], "val": []},
         "num_docs": {"train": 0, "val": 0},
         "num_chars": {"train": 0, "val": 0},
         "hf_repo": repo,
-        "hub_files": names,
+        "hub_files": [f.record() for f in fetched],  # repo, revision (commit), file, size, sha256
     }
     for i, src in enumerate(paths):
         split = "val" if i == len(paths) - 1 else "train"

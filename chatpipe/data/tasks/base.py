@@ -111,11 +111,22 @@ def limit_rows(rows: Sequence[Any], limit: int | None) -> Sequence[Any]:
     return rows if limit is None else rows[:limit]
 
 
-def load_hf(repo: str, config: str | None, split: str):
-    """A Hugging Face dataset split (downloads on first use; never called by tests)."""
-    from datasets import load_dataset
+def load_hf(repo: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    """Rows of one split of a Hugging Face dataset config (hub or ``HF_ENDPOINT`` mirror), as dicts.
 
-    return load_dataset(repo, config, split=split)
+    The parquet files are fetched once into the hub cache (``chatpipe.data.hub``: retried, checksum
+    verified, recorded in its manifest) and read with pyarrow; later calls make no request.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from chatpipe.data import hub
+
+    paths = hub.dataset_split_files(repo, config, split, cache_dir=hub.default_cache_dir())
+    bad = [p for p in paths if p.suffix != ".parquet"]
+    if bad:
+        raise ValueError(f"{repo} ({config}/{split}): only parquet data files are supported, got {bad[0].name}")
+    return pa.concat_tables([pq.read_table(p) for p in paths]).to_pylist()
 
 
 # ---------------------------------------------------------------------- multiple choice

@@ -1,0 +1,495 @@
+"""Files from a Hugging Face hub -- or a mirror at ``HF_ENDPOINT`` -- retried, verified, cached, recorded.
+
+    files = fetch_files("karpathy/fineweb-edu-100b-shuffle", ["shard_00000.parquet"], cache_dir=Path("data/cache"))
+    files[0].path, files[0].sha256, files[0].revision
+    paths = dataset_split_files("openai/gsm8k", "main", "train", cache_dir=Path("data/cache"))
+
+Downloads go through the unmodified ``huggingface_hub`` client; an air-gapped site points
+``HF_ENDPOINT`` at its mirror and nothing else changes. Around each file:
+
+- transient failures (HTTP 408/429/5xx, dropped connections, short bodies, checksum mismatches)
+  are retried with exponential backoff (429 honours ``Retry-After``); the client resumes an
+  interrupted body with an HTTP Range request where the server supports it. After the last
+  retry a :class:`HubError` names the repo, file and revision. Missing repos/files fail at once.
+- every file is checked against the hub's own checksum (sha256 for LFS files, the git blob sha1
+  otherwise) and its size before it enters the cache; it is downloaded into ``.staging`` and
+  renamed into ``cache_dir/<org>__<name>/<file>`` only after that, so no partial or corrupt file is
+  ever in the cache (a failed fetch removes its staging leftovers).
+- ``cache_dir/hub_manifest.json`` records each file fetched: repo, requested and resolved
+  revision, file, size, sha256. A file in the manifest whose cached copy has the recorded size is
+  used without any request, so a second run transfers nothing. A branch name (``main``) is
+  resolved once; delete the cache (or pin a commit) to pick up newer commits.
+
+Retry knobs (environment, read per call): ``CHATPIPE_HUB_RETRIES`` (default 5 retries after the
+first try) and ``CHATPIPE_HUB_BACKOFF_S`` (default 1.0: waits 1, 2, 4, ... s, at most 30).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MANIFEST = "hub_manifest.json"
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+MAX_BACKOFF_S = 30.0
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+class HubError(RuntimeError):
+    """A hub file could not be fetched; the message names repo, file and revision."""
+
+    def __init__(self, repo: str, file: str, revision: str, reason: str, repo_type: str = "dataset") -> None:
+        self.repo, self.file, self.revision = repo, file, revision
+        super().__init__(f"hub {repo_type} {repo!r}, file {file!r}, revision {revision!r}: {reason}")
+
+
+class ChecksumMismatch(OSError):
+    """A downloaded file's size or checksum differs from what the hub lists for it (retried)."""
+
+
+@dataclass
+class HubFile:
+    """One fetched file as recorded in the manifest; ``path`` is its place in the cache."""
+
+    repo: str
+    revision: str  # the commit the file was fetched at
+    file: str
+    size: int
+    sha256: str
+    requested_revision: str = "main"
+    repo_type: str = "dataset"
+    path: str = ""
+
+    def record(self) -> dict[str, Any]:
+        """The manifest fields (no local path): identical on every machine that fetched the same file."""
+        return {
+            "repo": self.repo,
+            "revision": self.revision,
+            "file": self.file,
+            "size": self.size,
+            "sha256": self.sha256,
+        }
+
+
+# ---------------------------------------------------------------------- retries
+
+
+def _retry_knobs() -> tuple[int, float]:
+    try:
+        retries = int(os.environ.get("CHATPIPE_HUB_RETRIES", "5"))
+        backoff = float(os.environ.get("CHATPIPE_HUB_BACKOFF_S", "1.0"))
+    except ValueError as e:
+        raise ValueError(f"CHATPIPE_HUB_RETRIES / CHATPIPE_HUB_BACKOFF_S must be numbers: {e}") from None
+    if retries < 0 or backoff < 0:
+        raise ValueError(f"CHATPIPE_HUB_RETRIES ({retries}) and CHATPIPE_HUB_BACKOFF_S ({backoff}) must be >= 0")
+    return retries, backoff
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: 408/429/5xx, connection and protocol errors, short or corrupt bodies.
+
+    A missing repo, revision or file (and any other 4xx) is permanent. huggingface_hub reports a
+    failed metadata request as "not found locally" with the real error as its cause, so causes
+    are followed.
+    """
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    seen = 0
+    while exc is not None and seen < 8:
+        seen += 1
+        if isinstance(exc, ChecksumMismatch):
+            return True
+        if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError)):
+            return False
+        if isinstance(exc, HfHubHTTPError):
+            return _status(exc) in RETRYABLE_STATUS
+        if isinstance(exc, LocalEntryNotFoundError):
+            exc = exc.__cause__ or exc.__context__
+            continue
+        if isinstance(exc, EntryNotFoundError):
+            return False
+        if isinstance(exc, (*_transport_errors(), ConnectionError, TimeoutError)):
+            return True
+        if isinstance(exc, OSError) and "Consistency check failed" in str(exc):
+            return True  # the body was shorter than the size the hub announced
+        exc = exc.__cause__
+    return False
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level error bases of the HTTP clients in use: huggingface_hub 2.4 uses httpx2, older ones httpx."""
+    found = []
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(__import__(name).TransportError)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
+def _delay(exc: BaseException, attempt: int, backoff: float) -> float:
+    wait = min(backoff * 2**attempt, MAX_BACKOFF_S)
+    cause: BaseException | None = exc
+    while cause is not None:
+        response = getattr(cause, "response", None)
+        retry_after = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
+        if retry_after:
+            try:
+                return min(max(float(retry_after), wait), MAX_BACKOFF_S)
+            except ValueError:
+                break  # an HTTP date: keep our own backoff
+        cause = cause.__cause__ or cause.__context__
+    return wait
+
+
+def with_retries(fn: Callable[[], T], *, repo: str, file: str, revision: str, repo_type: str = "dataset") -> T:
+    """``fn()``, retried with backoff while it fails transiently; else a :class:`HubError` naming the file."""
+    retries, backoff = _retry_knobs()
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except HubError:
+            raise  # from a nested call: already names its file
+        except Exception as e:  # classified below; anything permanent is re-raised as HubError at once
+            if not is_transient(e):
+                raise HubError(repo, file, revision, f"{type(e).__name__}: {e}", repo_type) from e
+            if attempt == retries:
+                raise HubError(
+                    repo,
+                    file,
+                    revision,
+                    f"gave up after {retries + 1} attempts; last error {type(e).__name__}: {e}",
+                    repo_type,
+                ) from e
+            wait = _delay(e, attempt, backoff)
+            log.warning(
+                "hub %s %s@%s: %s: %s; retry %d/%d in %.1fs",
+                repo,
+                file,
+                revision,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+                attempt + 1,
+                retries,
+                wait,
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------- cache + manifest
+
+
+def repo_dir(cache_dir: Path, repo: str) -> Path:
+    """Where ``repo``'s verified files live: ``cache_dir/<org>__<name>``."""
+    return Path(cache_dir) / repo.replace("/", "__")
+
+
+@contextmanager
+def _locked(cache_dir: Path) -> Iterator[None]:
+    """One fetch at a time per cache (ranks of one stage share it)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".hub.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_manifest(cache_dir: Path) -> dict[str, Any]:
+    """The cache's manifest: ``{"files": {key: record}, "splits": {key: [file, ...]}}``."""
+    path = Path(cache_dir) / MANIFEST
+    if not path.is_file():
+        return {"files": {}, "splits": {}}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it to fetch again") from None
+    return {"files": data.get("files", {}), "splits": data.get("splits", {})}
+
+
+def _write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
+    path = Path(cache_dir) / MANIFEST
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _key(repo_type: str, repo: str, revision: str, file: str) -> str:
+    return f"{repo_type}:{repo}@{revision}:{file}"
+
+
+def _cached(cache_dir: Path, manifest: dict, repo_type: str, repo: str, revision: str, file: str) -> HubFile | None:
+    rec = manifest["files"].get(_key(repo_type, repo, revision, file))
+    if rec is None:
+        return None
+    path = repo_dir(cache_dir, repo) / file
+    if not path.is_file() or path.stat().st_size != rec["size"]:
+        return None
+    return HubFile(**{**rec, "path": str(path)})
+
+
+def file_digests(path: Path) -> tuple[str, str, int]:
+    """(sha256, git blob sha1, size) of a file, read once."""
+    size = path.stat().st_size
+    sha256, blob = hashlib.sha256(), hashlib.sha1()
+    blob.update(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha256.update(chunk)
+            blob.update(chunk)
+    return sha256.hexdigest(), blob.hexdigest(), size
+
+
+def _progress_on() -> bool:
+    return sys.stderr.isatty()
+
+
+# ---------------------------------------------------------------------- fetching
+
+
+def resolve_revision(repo: str, revision: str = "main", repo_type: str = "dataset") -> str:
+    """The commit sha that ``revision`` (a branch, tag or sha) points at on the hub."""
+    if _COMMIT.match(revision):
+        return revision
+    from huggingface_hub import HfApi
+
+    # With an explicit revision: some mirrors (olah 0.5.4) answer the revision-less repo API with 401.
+    info = with_retries(
+        lambda: HfApi().repo_info(repo, revision=revision, repo_type=repo_type),
+        repo=repo,
+        file="(repo info)",
+        revision=revision,
+        repo_type=repo_type,
+    )
+    return info.sha
+
+
+def fetch_files(
+    repo: str,
+    files: list[str],
+    *,
+    cache_dir: Path,
+    revision: str = "main",
+    repo_type: str = "dataset",
+    desc: str | None = None,
+) -> list[HubFile]:
+    """Fetch ``files`` of ``repo`` at ``revision`` into the cache (or find them there); in order of ``files``."""
+    cache_dir = Path(cache_dir)
+    with _locked(cache_dir):
+        manifest = read_manifest(cache_dir)
+        found = {f: _cached(cache_dir, manifest, repo_type, repo, revision, f) for f in files}
+        missing = [f for f in files if found[f] is None]
+        if missing:
+            found.update(_download(repo, missing, cache_dir, manifest, revision, repo_type, desc))
+    return [found[f] for f in files]
+
+
+def _download(
+    repo: str, files: list[str], cache_dir: Path, manifest: dict, revision: str, repo_type: str, desc: str | None
+) -> dict[str, HubFile]:
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    commit = resolve_revision(repo, revision, repo_type)
+    infos = with_retries(
+        lambda: HfApi().get_paths_info(repo, files, revision=commit, repo_type=repo_type),
+        repo=repo,
+        file=", ".join(files[:3]) + (" ..." if len(files) > 3 else ""),
+        revision=revision,
+        repo_type=repo_type,
+    )
+    by_path = {i.path: i for i in infos}
+    for f in files:
+        if f not in by_path or not hasattr(by_path[f], "size"):
+            raise HubError(repo, f, revision, f"no such file at commit {commit}", repo_type)
+    total = sum(by_path[f].size for f in files)
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()  # one bar for the whole batch (ours) instead of one per file
+    out: dict[str, HubFile] = {}
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc or repo, disable=not _progress_on()) as bar:
+            for f in files:
+                out[f] = _download_one(repo, f, by_path[f], cache_dir, revision, commit, repo_type)
+                manifest["files"][_key(repo_type, repo, revision, f)] = {
+                    k: v for k, v in asdict(out[f]).items() if k != "path"
+                }
+                _write_manifest(cache_dir, manifest)
+                bar.update(out[f].size)
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+    return out
+
+
+def _staging(cache_dir: Path, repo: str) -> Path:
+    return cache_dir / ".staging" / repo.replace("/", "__")
+
+
+def _clean_staging(staging: Path, file: str) -> None:
+    """Remove a file's staged copy and the client's partial download and metadata for it."""
+    (staging / file).unlink(missing_ok=True)
+    meta = staging / ".cache" / "huggingface" / "download"
+    for p in meta.glob(f"{file}*"):
+        if p.is_file():
+            p.unlink()
+
+
+def _download_one(
+    repo: str, file: str, info: Any, cache_dir: Path, revision: str, commit: str, repo_type: str
+) -> HubFile:
+    from huggingface_hub import hf_hub_download
+
+    staging = _staging(cache_dir, repo)
+    lfs_sha = info.lfs.sha256 if getattr(info, "lfs", None) else None
+
+    def attempt() -> HubFile:
+        # local_dir keeps the client's own partial file (.incomplete) across our retries, so it resumes
+        # with a Range request where the server supports one.
+        staged = Path(hf_hub_download(repo, file, repo_type=repo_type, revision=commit, local_dir=staging))
+        sha256, blob, size = file_digests(staged)
+        problem = None
+        if size != info.size:
+            problem = f"size {size} != {info.size} listed by the hub"
+        elif lfs_sha and sha256 != lfs_sha:
+            problem = f"sha256 {sha256} != {lfs_sha} listed by the hub"
+        elif not lfs_sha and info.blob_id and blob != info.blob_id:
+            problem = f"git blob sha1 {blob} != {info.blob_id} listed by the hub"
+        if problem:
+            _clean_staging(staging, file)  # never let the client find and trust this copy next time
+            raise ChecksumMismatch(f"checksum mismatch: {problem}")
+        final = repo_dir(cache_dir, repo) / file
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, final)
+        _clean_staging(staging, file)  # the client's metadata for a file no longer there
+        return HubFile(repo, commit, file, size, sha256, revision, repo_type, str(final))
+
+    try:
+        return with_retries(attempt, repo=repo, file=file, revision=revision, repo_type=repo_type)
+    except BaseException:
+        _clean_staging(staging, file)
+        raise
+
+
+# ---------------------------------------------------------------------- dataset configs and splits
+
+
+def _config_patterns(readme: str, config: str | None, split: str) -> list[str] | None:
+    """``data_files`` patterns of ``config``/``split`` from a dataset card's YAML header (None: not declared)."""
+    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", readme, re.S)
+    if not m:
+        return None
+    header = yaml.safe_load(m.group(1)) or {}
+    for entry in header.get("configs") or []:
+        if config is not None and entry.get("config_name") != config:
+            continue
+        data_files = entry.get("data_files") or []
+        if isinstance(data_files, str) or (isinstance(data_files, list) and not isinstance(data_files[0], dict)):
+            data_files = [{"split": "train", "path": data_files}]  # bare patterns: one train split
+        for item in data_files:
+            if item.get("split") == split:
+                path = item.get("path")
+                return [path] if isinstance(path, str) else list(path)
+        return []
+    return None
+
+
+def dataset_split_files(
+    repo: str, config: str | None, split: str, *, cache_dir: Path, revision: str = "main"
+) -> list[Path]:
+    """The cached data files of one split of a dataset config, fetched on first use.
+
+    Files are chosen as the hub's dataset viewer does: the ``configs`` section of the repo's
+    README.md (``data_files`` patterns per split), else the conventional ``<config>/<split>-*`` or
+    ``data/<config>/<split>-*`` names. The choice is remembered in the manifest, so a second call
+    makes no request.
+    """
+    cache_dir = Path(cache_dir)
+    key = _key("dataset", repo, revision, f"{config}/{split}")
+    names = read_manifest(cache_dir)["splits"].get(key)
+    if names is None:
+        from huggingface_hub import HfApi
+
+        listed = with_retries(
+            lambda: HfApi().list_repo_files(repo, revision=resolve_revision(repo, revision), repo_type="dataset"),
+            repo=repo,
+            file="(file list)",
+            revision=revision,
+        )
+        patterns = None
+        if "README.md" in listed:
+            (card,) = fetch_files(repo, ["README.md"], cache_dir=cache_dir, revision=revision)
+            patterns = _config_patterns(Path(card.path).read_text(encoding="utf-8"), config, split)
+        if patterns is None:
+            patterns = (
+                [f"{config}/{split}-*", f"data/{config}/{split}-*"] if config else [f"{split}-*", f"data/{split}-*"]
+            )
+        names = sorted(f for f in listed if any(fnmatch.fnmatch(f, p) for p in patterns))
+        if not names:
+            raise HubError(
+                repo,
+                f"{config}/{split}",
+                revision,
+                f"no data files for config {config!r}, split {split!r} (patterns {patterns}; files: {listed[:20]})",
+            )
+        with _locked(cache_dir):
+            manifest = read_manifest(cache_dir)
+            manifest["splits"][key] = names
+            _write_manifest(cache_dir, manifest)
+    fetched = fetch_files(repo, names, cache_dir=cache_dir, revision=revision, desc=f"{repo} {config}/{split}")
+    return [Path(f.path) for f in fetched]
+
+
+def default_cache_dir() -> Path:
+    """The hub cache of task loaders: ``$CHATPIPE_HUB_CACHE``, else ``data/cache`` (the data stage's default)."""
+    return Path(os.environ.get("CHATPIPE_HUB_CACHE", "data/cache"))
+
+
+def parse_hf_url(url: str) -> tuple[str, str, str, str]:
+    """``hf://datasets/<org>/<name>[@rev]/<path>`` -> (repo_type, repo, revision, path)."""
+    m = re.match(r"^hf://(datasets|models|spaces)/([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)$", url)
+    if not m:
+        raise ValueError(f"{url!r}: expected hf://datasets/<org>/<name>[@revision]/<path in repo>")
+    kind, repo, rev, path = m.groups()
+    return kind[:-1], repo, rev or "main", path
+
+
+def copy_out(src: Path, dst: Path) -> None:
+    """Copy a cached file to ``dst`` atomically (temp name beside it, then rename)."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
