@@ -35,7 +35,7 @@ def test_priority_cli_over_env_over_profile_over_file(params_file, monkeypatch):
 
 
 def test_every_shipped_profile_validates(params_file, monkeypatch):
-    profiles = yaml.safe_load(params_file.read_text())["profiles"]
+    profiles = yaml.safe_load(params_file.with_name("profiles.yaml").read_text())
     for name in ["tiny", *profiles]:
         monkeypatch.setenv("CHATPIPE_PROFILE", name)
         assert set(validate_all()) == set(SECTIONS)
