@@ -109,7 +109,7 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
 def link_prefect_run(parent_id: str) -> None:
     """Tag the MLflow parent run with this Prefect flow run, and the flow run with the MLflow run."""
     import mlflow
-    from prefect.runtime import flow_run
+    from prefect.runtime import deployment, flow_run
 
     if not flow_run.id:
         return
@@ -118,8 +118,8 @@ def link_prefect_run(parent_id: str) -> None:
     client.set_tag(parent_id, "prefect.flow_run_name", flow_run.name or "")
     if flow_run.ui_url:
         client.set_tag(parent_id, "prefect.flow_run_url", flow_run.ui_url)
-    if flow_run.deployment_id:
-        client.set_tag(parent_id, "prefect.deployment_id", flow_run.deployment_id)
+    if deployment.id:
+        client.set_tag(parent_id, "prefect.deployment", f"{flow_run.flow_name}/{deployment.name}")
     add_flow_run_tags(f"mlflow_run:{parent_id}")
 
 

@@ -70,8 +70,8 @@ def stack(tmp_path):
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # schedule runs soon after deploy
         PREFECT_WORKER_QUERY_SECONDS="5",
-        PREFECT_LOGGING_LEVEL="INFO",
     )
+    env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the flow's stage lines reach the API (checked below)
     server = Proc(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         project,
@@ -166,7 +166,9 @@ def test_scheduled_deployment_fires_runs_on_a_worker_and_links_mlflow(stack):
     assert parent.info.status == "FINISHED" and parent.info.lifecycle_stage == "active"
     assert parent.data.tags["prefect.flow_run_id"] == run["id"]
     assert parent.data.tags["prefect.flow_run_name"] == run["name"]
-    assert parent.data.tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{run['id']}")
+    url = parent.data.tags["prefect.flow_run_url"]
+    assert url.startswith(env["PREFECT_API_URL"].removesuffix("/api")) and url.endswith(f"/flow-run/{run['id']}")
+    assert parent.data.tags["prefect.deployment"] == "chatpipe/nightly"
     assert parent.data.tags["stages_ran"] == "data"
     nested = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
     assert [r.data.tags["stage"] for r in nested] == ["data"]
