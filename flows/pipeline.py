@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # A loaded laptop can take longer than Prefect's default 20 s to start the temporary API server.
@@ -152,6 +153,37 @@ def commit_lock(message: str) -> str | None:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
 
 
+def log_headline_numbers(client, parent_id: str, stages: list[str]) -> None:
+    """Put the stages' resolved params and metrics/<stage>.json numbers (ran or up to date) on the parent run.
+
+    Then MLflow's compare view of two pipeline runs shows what changed and what it did
+    (``pretrain.max_steps`` beside ``pretrain.val_bpb``) without opening the nested runs.
+    """
+    import json
+
+    from mlflow.entities import Metric, Param
+
+    from chatpipe.settings import resolve_params
+
+    resolved = resolve_params()
+    params = {
+        k: str(v)[:6000]
+        for s in stages
+        for k, v in tracking.flatten({s: resolved.get(s) or {}}).items()
+        if not isinstance(v, list)
+    }
+    metrics = {}
+    for s in stages:
+        path = Path("metrics") / f"{s}.json"
+        if path.exists():
+            metrics.update(tracking.numeric_leaves(json.loads(path.read_text())))
+    now = int(time.time() * 1000)
+    items = [Param(k, v) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(parent_id, params=items[i : i + 100])
+    client.log_batch(parent_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
+
+
 @flow(name="chatpipe", log_prints=True)
 def pipeline(
     profile: str | None = None,
@@ -218,6 +250,7 @@ def finish_parent_run(parent_id: str, results: dict[str, str], status: str, logg
     client.set_tag(parent_id, "dvc_lock", tracking.dvc_lock_hash())
     client.set_tag(parent_id, "stages_ran", ",".join(ran) or "none")
     client.log_dict(parent_id, results, "stages.json")
+    log_headline_numbers(client, parent_id, [s for s in results if s != PROFILE_STAGE])
     client.set_terminated(parent_id, status=status)
     if status == "FINISHED" and not ran:
         # a nightly schedule over unchanged inputs would otherwise add an empty run every night

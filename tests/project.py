@@ -118,8 +118,8 @@ def project_env(project: Path, **extra: str) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join([str(project), *filter(None, [os.environ.get("PYTHONPATH")])]),
         OMP_NUM_THREADS="1",
         PREFECT_LOGGING_LEVEL="WARNING",
-        **extra,
     )
+    env.update(extra)  # the caller's values win, these defaults included
     return env
 
 
