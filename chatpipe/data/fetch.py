@@ -10,6 +10,8 @@ from pathlib import Path
 
 import fsspec
 
+from chatpipe.progress import progress
+
 
 def fetch_zip(url: str, dest: Path) -> Path:
     """Download the zip at ``url`` (an fsspec URL: https, file; s3/gs with s3fs/gcsfs) and unpack it as ``dest``.
@@ -26,7 +28,11 @@ def fetch_zip(url: str, dest: Path) -> Path:
     try:
         archive = work / "bundle.zip"
         with fsspec.open(url, "rb") as src, open(archive, "wb") as out:
-            shutil.copyfileobj(src, out, length=1 << 20)
+            size = getattr(src, "size", None)  # known for http(s) with Content-Length, local files, s3/gs
+            with progress(size, f"fetch {dest.name}", unit="B") as bar:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+                    bar.update(len(chunk))
         unpacked = work / "unpacked"
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(unpacked)  # zipfile drops absolute paths and '..' from member names
