@@ -161,6 +161,7 @@ def test_mlflow_compare_view_of_two_pipeline_runs(runs, browser):
     if close.count():
         close.first.click()
     page.get_by_text("Comparing 2 Runs").first.scroll_into_view_if_needed()  # the toggles scrolled the page
+    page.wait_for_selector(".js-plotly-plot", timeout=30_000)  # the parallel-coordinates plot (plotly) has drawn
     page.wait_for_timeout(2000)
     page.screenshot(path=str(shot_path("mlflow-compare.png", runs["tmp"])), full_page=True)
     page.close()
