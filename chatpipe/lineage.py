@@ -91,6 +91,8 @@ def stale_deps(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     _, doc = _load_dvc_yaml(root / "dvc.yaml")
     out = {}
     for stage, spec in doc["stages"].items():
+        if not (root / "stages" / f"{stage}.py").is_file():
+            continue  # bookkeeping stages (e.g. `profile`) run library code directly; their deps are hand-listed
         listed = {str(d) for d in spec.get("deps", []) if _is_code_dep(str(d))}
         wanted = set(stage_code_deps(root, stage))
         if listed != wanted:
@@ -105,6 +107,8 @@ def write_deps(root: Path) -> list[str]:
     yaml, doc = _load_dvc_yaml(root / "dvc.yaml")
     changed = []
     for stage, spec in doc["stages"].items():
+        if not (root / "stages" / f"{stage}.py").is_file():
+            continue
         old = spec.get("deps", CommentedSeq())
         others = [d for d in old if not _is_code_dep(str(d))]
         new = CommentedSeq(stage_code_deps(root, stage) + others)

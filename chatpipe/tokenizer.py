@@ -35,6 +35,9 @@ import tiktoken
 import torch
 
 log = logging.getLogger(__name__)
+# rustbpe logs a "Progress: N%" line per 1% of merges (100 lines a run) through Python logging;
+# its other lines (counts, start and end of training) stay.
+logging.getLogger("rustbpe").addFilter(lambda record: not record.getMessage().startswith("Progress:"))
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document / conversation

@@ -3,25 +3,32 @@
     python -m flows.pipeline                               # all stages, profile from params.yaml
     python -m flows.pipeline --profile tiny --stages tokenizer pretrain
     python -m flows.pipeline --resume-from pretrain        # skip earlier tasks entirely
+    python -m flows.pipeline --commit-lock                 # then git-commit dvc.lock + metrics/plots
 
 Each task runs ``dvc repro --single-item <stage>``: DVC skips the stage when its code, params
 and inputs are unchanged, and otherwise runs its command, which launches the stage's torchrun
 workers through torchx. A failed task is retried; the retry resumes the stage from its newest
-checkpoint. The flow owns the MLflow parent run; every stage run nests under it.
+checkpoint. The flow owns the MLflow parent run; every stage run nests under it. The parent run
+carries the Prefect flow run's id, name and URL as tags; the flow run and its task runs carry the tag
+``mlflow_run:<parent run id>``. A run in which every stage was up to date keeps no MLflow run.
+The ``profile`` stage (the active profile's overlay files) always runs first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # A loaded laptop can take longer than Prefect's default 20 s to start the temporary API server.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
-from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect import flow, get_run_logger, tags, task  # noqa: E402
 
 from chatpipe import tracking
 from chatpipe.settings import ParamsError, TrackingSettings, active_profile, load_section, validate_all, write_profile
@@ -36,6 +43,29 @@ def dvc_stages(path: Path = Path("dvc.yaml")) -> list[str]:
 
 
 STAGES = dvc_stages(Path(__file__).resolve().parents[1] / "dvc.yaml")
+PROFILE_STAGE = "profile"  # writes profile/<section>.yaml, which every other stage depends on
+# what a stage leaves for git beside its DVC-cached outputs (committed with --commit-lock)
+LOCK_PATHS = ["dvc.lock", "profile", "metrics", "plots"]
+
+# Lines of `dvc repro` and stage output a person does not need in the flow's log.
+_NOISE = re.compile(
+    r"^\s*$"
+    r"|To track the changes with git, run:"
+    r"|^\s*git add .*dvc\.lock"
+    r"|To enable auto staging, run:"
+    r"|dvc config core\.autostage true"
+    r"|Use `dvc push` to send your updates to remote storage\."
+    r"|Progress: \d+% \(\d+/\d+ merges\)"  # rustbpe, one line per 1% of merges
+)
+# tiktoken's offline failure to fetch the GPT-2/GPT-4 reference encodings: a very long ConnectionError.
+_TIKTOKEN_ERROR = re.compile(r"(could not load tiktoken encoding '[^']+'): [^\"]*")  # up to the repr's closing "
+
+
+def console_line(line: str) -> str | None:
+    """The line as the flow's log shows it, or None to drop it (DVC's git advice, progress spam)."""
+    if _NOISE.search(line):
+        return None
+    return _TIKTOKEN_ERROR.sub(r"\1 (offline)", line)
 
 
 def _bin(name: str) -> str:
@@ -75,10 +105,12 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
     )
     skipped = False
     try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            skipped |= "didn't change, skipping" in line
-            logger.info(line)
+        for raw in proc.stdout:
+            raw = raw.rstrip()
+            skipped |= "didn't change, skipping" in raw
+            line = console_line(raw)
+            if line is not None:
+                logger.info(line)
     except BaseException:
         # The flow is being stopped (SIGTERM/SIGINT raise here): DVC does not pass a SIGTERM on to its
         # command, so signal the whole group; the launcher then cancels its workers or Slurm job.
@@ -95,9 +127,95 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
     return "skipped" if skipped else "ran"
 
 
+def link_prefect_run(parent_id: str) -> None:
+    """Tag the MLflow parent run with this Prefect flow run, and the flow run with the MLflow run."""
+    import mlflow
+    from prefect.runtime import deployment, flow_run
+
+    if not flow_run.id:
+        return
+    client = mlflow.MlflowClient()
+    client.set_tag(parent_id, "prefect.flow_run_id", flow_run.id)
+    client.set_tag(parent_id, "prefect.flow_run_name", flow_run.name or "")
+    if flow_run.ui_url:
+        client.set_tag(parent_id, "prefect.flow_run_url", flow_run.ui_url)
+    if deployment.id:
+        client.set_tag(parent_id, "prefect.deployment", f"{flow_run.flow_name}/{deployment.name}")
+    add_flow_run_tags(f"mlflow_run:{parent_id}")
+
+
+def add_flow_run_tags(*new: str, drop_prefix: str | None = None) -> None:
+    """Add tags to the current Prefect flow run (optionally dropping those starting with ``drop_prefix``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run.id).tags or []
+        kept = [t for t in current if not (drop_prefix and t.startswith(drop_prefix))]
+        client.update_flow_run(flow_run.id, tags=list(dict.fromkeys([*kept, *new])))
+
+
+def commit_lock(message: str) -> str | None:
+    """``git commit`` dvc.lock and the stages' git-tracked outputs (only those paths); the new sha or None."""
+    paths = [p for p in LOCK_PATHS if Path(p).exists()]
+    git = ["git", "-c", "user.name=chatpipe", "-c", "user.email=chatpipe@localhost"]
+    if not paths or subprocess.run(["git", "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
+        raise RuntimeError("--commit-lock: not in a git repository (or no dvc.lock yet)")
+    subprocess.run(["git", "add", "--", *paths], check=True)
+    if subprocess.run(["git", "diff", "--cached", "--quiet", "--", *paths]).returncode == 0:
+        return None  # nothing changed since the last commit
+    # user identity from git config when set; the -c values only fill in where none is configured
+    has_identity = subprocess.run(["git", "config", "user.email"], capture_output=True).returncode == 0
+    cmd = (["git"] if has_identity else git) + ["commit", "-q", "-m", message, "--", *paths]
+    subprocess.run(cmd, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def log_headline_numbers(client, parent_id: str, stages: list[str]) -> None:
+    """Put the stages' resolved params and metrics/<stage>.json numbers (ran or up to date) on the parent run.
+
+    Then MLflow's compare view of two pipeline runs shows what changed and what it did
+    (``pretrain.max_steps`` beside ``pretrain.val_bpb``) without opening the nested runs.
+    """
+    import json
+
+    from mlflow.entities import Metric, Param
+
+    from chatpipe.settings import resolve_params
+
+    resolved = resolve_params()
+    params = {
+        k: str(v)[:6000]
+        for s in stages
+        for k, v in tracking.flatten({s: resolved.get(s) or {}}).items()
+        if not isinstance(v, list)
+    }
+    metrics = {}
+    for s in stages:
+        path = Path("metrics") / f"{s}.json"
+        if path.exists():
+            metrics.update(tracking.numeric_leaves(json.loads(path.read_text())))
+    now = int(time.time() * 1000)
+    items = [Param(k, v) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(parent_id, params=items[i : i + 100])
+    client.log_batch(parent_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
+
+
 @flow(name="chatpipe", log_prints=True)
-def pipeline(profile: str | None = None, stages: list[str] | None = None, resume_from: str | None = None) -> dict:
-    """Run the stages in order under one MLflow parent run; returns {stage: "ran" | "skipped"}."""
+def pipeline(
+    profile: str | None = None,
+    stages: list[str] | None = None,
+    resume_from: str | None = None,
+    commit_lock_file: bool = False,
+) -> dict:
+    """Run the stages in order under one MLflow parent run; returns {stage: "ran" | "skipped"}.
+
+    ``commit_lock_file``: after a successful run, git-commit dvc.lock, profile/, metrics/ and plots/
+    (only those paths), so the next ``dvc metrics diff`` / ``dvc exp show`` compares against it.
+    """
     unknown = set(stages or []) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(STAGES)}")
@@ -108,6 +226,8 @@ def pipeline(profile: str | None = None, stages: list[str] | None = None, resume
         for s in STAGES
         if (not stages or s in stages) and (not resume_from or STAGES.index(s) >= STAGES.index(resume_from))
     ]
+    if PROFILE_STAGE in STAGES and PROFILE_STAGE not in selected:
+        selected.insert(0, PROFILE_STAGE)  # the others depend on its files: keep them current
     logger = get_run_logger()
     if profile:
         write_profile(profile)
@@ -119,25 +239,45 @@ def pipeline(profile: str | None = None, stages: list[str] | None = None, resume
         import mlflow
 
         experiment_id = tracking.configure(track)
-        tags = {**tracking.base_tags("pipeline", active_profile()), "stages": ",".join(selected)}
+        tags_ = {**tracking.base_tags("pipeline", active_profile()), "stages": ",".join(selected)}
         name = tracking.pipeline_run_name(active_profile())
-        parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name=name, tags=tags).info.run_id
+        parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name=name, tags=tags_).info.run_id
+        link_prefect_run(parent_id)
     results: dict[str, str] = {}
     status = "FAILED"
     try:
-        for stage in selected:
-            results[stage] = run_stage(stage, parent_id)
-            logger.info("stage %s: %s", stage, results[stage])
+        with tags(f"mlflow_run:{parent_id}") if parent_id else contextlib.nullcontext():
+            for stage in selected:
+                results[stage] = run_stage(stage, parent_id)
+                logger.info("stage %s: %s", stage, results[stage])
         status = "FINISHED"
     finally:
         if parent_id:
-            import mlflow
+            finish_parent_run(parent_id, results, status, logger)
+    if commit_lock_file and status == "FINISHED":
+        from prefect.runtime import flow_run
 
-            client = mlflow.MlflowClient()
-            client.set_tag(parent_id, "dvc_lock", tracking.dvc_lock_hash())
-            client.log_dict(parent_id, results, "stages.json")
-            client.set_terminated(parent_id, status=status)
+        sha = commit_lock(f"chatpipe pipeline run {flow_run.name or 'from the command line'}: dvc.lock, metrics, plots")
+        logger.info("committed dvc.lock as %s" if sha else "dvc.lock unchanged: nothing to commit%s", sha or "")
     return results
+
+
+def finish_parent_run(parent_id: str, results: dict[str, str], status: str, logger) -> None:
+    """Close the MLflow parent run; delete it when the run finished and no stage ran (nothing to show)."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    ran = [s for s, r in results.items() if r == "ran" and s != PROFILE_STAGE]
+    client.set_tag(parent_id, "dvc_lock", tracking.dvc_lock_hash())
+    client.set_tag(parent_id, "stages_ran", ",".join(ran) or "none")
+    client.log_dict(parent_id, results, "stages.json")
+    log_headline_numbers(client, parent_id, [s for s in results if s != PROFILE_STAGE])
+    client.set_terminated(parent_id, status=status)
+    if status == "FINISHED" and not ran:
+        # a nightly schedule over unchanged inputs would otherwise add an empty run every night
+        client.delete_run(parent_id)
+        add_flow_run_tags("all-skipped", drop_prefix="mlflow_run:")
+        logger.info("every stage was up to date: no MLflow run kept")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,6 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", help="params profile (tiny, speedrun, ...); default: params.yaml's")
     p.add_argument("--stages", nargs="+", choices=STAGES, help="run only these stages")
     p.add_argument("--resume-from", choices=STAGES, help="start at this stage")
+    p.add_argument(
+        "--commit-lock",
+        action="store_true",
+        help="after a successful run, git-commit dvc.lock, profile/, metrics/ and plots/ (only those paths)",
+    )
     args = p.parse_args(argv)
     if args.profile:
         os.environ["CHATPIPE_PROFILE"] = args.profile
@@ -161,7 +306,14 @@ def main(argv: list[str] | None = None) -> None:
         if track.enabled:
             tracking.configure(track)
         with prefect_api.pointed_at(server):
-            print(pipeline(profile=args.profile, stages=args.stages, resume_from=args.resume_from))
+            print(
+                pipeline(
+                    profile=args.profile,
+                    stages=args.stages,
+                    resume_from=args.resume_from,
+                    commit_lock_file=args.commit_lock,
+                )
+            )
     finally:
         if server is not None:
             server.stop()

@@ -34,6 +34,7 @@ from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.evals.core_tinyworld import write_tinyworld_bundle
 from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
 from chatpipe.settings import MODEL_STAGES, EvalSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model
 from chatpipe.train.loop import evaluate_bpb, fixed_batches
@@ -240,6 +241,14 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
             tmp.mkdir(parents=True, exist_ok=True)
             write_json_atomic(tmp / "results.json", doc)
             replace_dir(tmp, OUT)
+            # headline numbers per model (bpb, CORE, ChatCORE, each ChatCORE task) for `dvc metrics`
+            write_metrics(
+                "eval",
+                {
+                    s: {k.split("/", 1)[1]: v for k, v in stage_metrics(s, r).items() if k.count("/") == 1}
+                    for s, r in results.items()
+                },
+            )
             if run is not None:
                 import mlflow
 

@@ -23,7 +23,9 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.gpt import GPT, enable_fp8
 from chatpipe.plan import batch_and_steps, check_memory_fits, compile_pays, estimate_memory_bytes, model_config_for
+from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
+from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -170,7 +172,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     with tracking.stage_run(
         "pretrain", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
     ) as run:
-        metrics = tracking.MetricBuffer(run)
+        metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
+        bar = progress(total_steps, "pretrain", initial=start_step, unit="step")
         peak = peak_flops(rt.device) * rt.world_size
         step, bpb, t_train, tokens_seen = start_step, float("nan"), 0.0, 0
         while True:
@@ -205,6 +208,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             if peak:
                 row["mfu"] = flops_per_token * tok_per_s / peak
             metrics.log(row, step)
+            bar.update(loss=loss)
             if step % cfg.log_every == 0 or step == total_steps:
                 log.info(
                     "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s",
@@ -217,6 +221,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
                 )
 
         # --- save the final model for the next stage
+        bar.close()
         summary = {
             "val_bpb": bpb,
             "train_seconds": t_train,
@@ -235,6 +240,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
                 import mlflow
 
                 mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            write_metrics("pretrain", summary)
             log.info("saved artifacts/base (val bpb %.4f)", bpb)
     runtime.barrier()
 

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from chatpipe import runtime, tracking
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
+from chatpipe.progress import progress
 from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import (
     Rollouts,
@@ -39,6 +40,7 @@ from chatpipe.rl.rollout import (
 )
 from chatpipe.rl.value import ValueModel, token_values
 from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
+from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -167,7 +169,13 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     with tracking.stage_run(
         "rl", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
     ) as run:
-        metrics = tracking.MetricBuffer(run)
+        metrics = Curves(
+            tracking.MetricBuffer(run),
+            "rl",
+            ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"],
+            enabled=rt.is_main,
+        )
+        bar = progress(cfg.max_steps, "rl", initial=start_step, unit="step")
         step, evals = start_step, {}
         t_gen_total = t_train_total = 0.0
         gen_tokens_total = 0
@@ -277,6 +285,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 **stats,
             }
             metrics.log(row, step)
+            bar.update(reward=row["reward/mean"])
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 log.info(
                     "step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs",
@@ -291,6 +300,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 )
 
         # --- save the final policy for eval and chat
+        bar.close()
         summary = {
             "steps": step,
             "gen_seconds": t_gen_total,
@@ -308,6 +318,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 import mlflow
 
                 mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            write_metrics("rl", summary)
             log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     runtime.barrier()
 

@@ -21,6 +21,7 @@ from chatpipe import runtime, tracking
 from chatpipe.data.sources import iter_documents
 from chatpipe.io import replace_dir, write_json_atomic
 from chatpipe.settings import TokenizerSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer, compression_report
 from chatpipe.train.checkpoint import ARTIFACTS
 
@@ -69,6 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(tok.token_bytes(), tmp / "token_bytes.pt")
         write_json_atomic(tmp / "report.json", report)
         replace_dir(tmp, out_dir)
+        write_metrics(
+            "tokenizer",
+            {
+                "bytes_per_token": report["ours"]["bytes_per_token"],
+                "train_seconds": train_s,
+                "vocab_size": tok.vocab_size,
+            },
+        )
 
         if run is not None:
             import mlflow

@@ -14,12 +14,13 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 @pytest.fixture
 def params_file(tmp_path, monkeypatch) -> Path:
-    """A private copy of params.yaml that CHATPIPE_PARAMS points at; env overrides cleared."""
+    """A private copy of params.yaml (and profiles.yaml beside it) that CHATPIPE_PARAMS points at; env cleared."""
     for key in list(os.environ):
         if key.startswith("CHATPIPE_"):
             monkeypatch.delenv(key)
     path = tmp_path / "params.yaml"
     shutil.copy(REPO / "params.yaml", path)
+    shutil.copy(REPO / "profiles.yaml", tmp_path / "profiles.yaml")
     monkeypatch.setenv("CHATPIPE_PARAMS", str(path))
     return path
 

@@ -114,11 +114,12 @@ def project_env(project: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPIPE_")}
     env.update(
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=str(project),
+        # the project first; a caller's own PYTHONPATH (e.g. an overlay of a pinned package) after it
+        PYTHONPATH=os.pathsep.join([str(project), *filter(None, [os.environ.get("PYTHONPATH")])]),
         OMP_NUM_THREADS="1",
         PREFECT_LOGGING_LEVEL="WARNING",
-        **extra,
     )
+    env.update(extra)  # the caller's values win, these defaults included
     return env
 
 

@@ -58,6 +58,4 @@ def test_prefect_yaml_entrypoints_resolve():
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         assert hasattr(getattr(module, func), "fn"), f"{d['entrypoint']} is not a Prefect flow"
         assert d["work_pool"]["name"] == "chatpipe-local"
-        assert d["parameters"]["profile"] in yaml.safe_load((REPO / "params.yaml").read_text())["profiles"] | {
-            "tiny": {}
-        }
+        assert d["parameters"]["profile"] in yaml.safe_load((REPO / "profiles.yaml").read_text()) | {"tiny": {}}

@@ -130,6 +130,14 @@ def test_second_repro_is_a_noop(finished):
     assert took < 10  # target <= 2 s on an idle machine; generous here
 
 
+def test_flow_run_with_every_stage_up_to_date_keeps_no_mlflow_run(finished):
+    before = [r["id"] for r in mlflow_runs(finished) if r["name"] == "pipeline"]
+    out = run(finished, "python", "-m", "flows.pipeline", "--stages", *FOUNDATION)
+    assert "'pretrain': 'skipped'" in out.stdout, out.stdout[-3000:]
+    # a nightly schedule over unchanged inputs must not add an empty parent run every night
+    assert [r["id"] for r in mlflow_runs(finished) if r["name"] == "pipeline"] == before
+
+
 def test_kill_9_then_repro_resumes_bitwise_identical(finished):
     reference = final_weights(finished)
     import shutil
@@ -234,7 +242,7 @@ def test_bad_params_stop_the_flow_and_write_nothing(tmp_path):
 
 def test_pipeline_stage_order_is_dvc_order():
     stages = dvc_stages()
-    assert stages[:3] == FOUNDATION
+    assert stages[:4] == ["profile", *FOUNDATION]  # profile: the active overlay files every stage reads
 
 
 def test_dvc_push_then_pull_restores_outputs(finished):

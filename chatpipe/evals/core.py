@@ -43,6 +43,7 @@ import yaml
 
 from chatpipe.data.jsonl import iter_jsonl
 from chatpipe.evals.metrics import centered
+from chatpipe.progress import iterate
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 DEFAULT_CONFIG = Path(__file__).with_name("core_tasks.yaml")
@@ -315,7 +316,7 @@ def _count_correct(
         model.eval()
     try:
         with torch.no_grad():
-            for i in mine:
+            for i in iterate(mine, f"CORE {task.label}", unit="item"):
                 prompts = render_prompts(task, rows, i)
                 if scorer is not None:
                     outcome = scorer(task, rows[i], prompts)

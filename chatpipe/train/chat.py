@@ -18,7 +18,9 @@ from chatpipe import runtime, tracking
 from chatpipe.data.packing import ConversationLoader, fill_ratio, pack_rows, render_all
 from chatpipe.data.tasks import build_mixture
 from chatpipe.io import fingerprint, sha256_file
+from chatpipe.progress import progress
 from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
+from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -158,7 +160,8 @@ def train_chat(
     with tracking.stage_run(
         stage, load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
     ) as run:
-        metrics = tracking.MetricBuffer(run)
+        metrics = Curves(tracking.MetricBuffer(run), stage, ["train/loss", "val/bpb"], enabled=rt.is_main)
+        bar = progress(total_steps, stage, initial=start_step, unit="step")
         metrics.log({"packing/fill_ratio": fill}, 0)
         step, val_loss, bpb, t_train = start_step, float("nan"), float("nan"), 0.0
         while True:
@@ -194,6 +197,7 @@ def train_chat(
                 },
                 step,
             )
+            bar.update(loss=loss)
             if step % cfg.log_every == 0 or step == total_steps:
                 log.info(
                     "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s",
@@ -205,6 +209,7 @@ def train_chat(
                 )
 
         # --- stage-specific checks, then save the final model for the next stage
+        bar.close()
         summary = {"val_loss": val_loss, "val_bpb": bpb, "fill_ratio": fill, "train_seconds": t_train}
         if rt.is_main and finish is not None:
             summary.update(finish(model, tok, run))
@@ -218,5 +223,6 @@ def train_chat(
                 import mlflow
 
                 mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            write_metrics(stage, summary)
             log.info("saved %s (val loss %.4f, bpb %.4f)", out_dir, val_loss, bpb)
     runtime.barrier()
