@@ -24,7 +24,7 @@ import yaml
 # metrics: never one row.
 ROWS: list[tuple[str, str, str]] = [
     ("tiny-world CORE", "core_tinyworld", "core"),
-    ("CORE (DCLM)", "core", "core"),
+    ("DCLM CORE", "core", "core"),
     ("ARC-E", "chatcore", "ARC-Easy"),
     ("ARC-C", "chatcore", "ARC-Challenge"),
     ("MMLU", "chatcore", "MMLU"),
@@ -120,7 +120,7 @@ def summary_values(results: dict) -> dict[str, dict[str, float | None]]:
 
 
 def summary_table(results: dict) -> str:
-    """The markdown summary table: rows tiny-world CORE, CORE (DCLM) .. ChatCORE, columns BASE MID SFT RL
+    """The markdown summary table: rows tiny-world CORE, DCLM CORE .. ChatCORE, columns BASE MID SFT RL
     (blank = not run). Task accuracies carry their 95% interval and n, and ``(≈)`` where the change
     from the previous evaluated stage is within noise."""
     values = summary_values(results)
@@ -267,8 +267,8 @@ def render_report(
         "",
         summary_table(results),
         "",
-        "tiny-world CORE: mean centered accuracy of the synthetic tiny-world in-context tasks; CORE (DCLM): "
-        "the published CORE metric over the DCLM tasks found (scored like the reference evaluator); "
+        "tiny-world CORE: mean centered accuracy of the synthetic tiny-world in-context tasks; "
+        "DCLM CORE: the published CORE metric over the DCLM tasks found (scored like the reference evaluator); "
         "ARC/MMLU/GSM8K/HumanEval/SpellingBee: accuracy (pass@k for generative tasks) with its 95% Wilson "
         "interval and the number of held-out items n; (≈): the change from the previous stage lies within "
         "the 95% noise of the difference, so it is not evidence of a change; ChatCORE: mean centered "
@@ -297,7 +297,7 @@ def render_report(
         if not r:
             continue
         parts += [f"### {col.upper()}", "", f"- val bpb: {r['bpb']:.4f}"]
-        for key, name in (("core_tinyworld", "tiny-world CORE"), ("core", "CORE (DCLM)")):
+        for key, name in (("core_tinyworld", "tiny-world CORE"), ("core", "DCLM CORE")):
             for label, t in ((r.get(key) or {}).get("tasks") or {}).items():
                 parts.append(
                     f"- {name} {label}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
@@ -324,3 +324,28 @@ def _skipped(results: dict) -> list[str]:
             for name, why in ((r.get(kind) or {}).get("skipped") or {}).items():
                 out.append(f"- {col.upper()} {name}: {why}")
     return out
+
+
+def rl_section(meta: dict) -> list[str]:
+    """Markdown lines for the RL stage's own held-out pass@1 before and after training (from
+    ``artifacts/rl/meta.json``), each with its 95% interval over the held-out problems."""
+    summary, settings = meta.get("summary") or {}, meta.get("settings") or {}
+    before, after = summary.get("first_eval/pass_at_1"), summary.get("final_eval/pass_at_1")
+    n = int(settings.get("eval_problems") or 0)
+    if before is None or after is None or n < 1:
+        return []
+    cells = accuracy_cell(before, n), accuracy_cell(after, n, (before, n))
+    return [
+        "## RL held-out pass@1",
+        "",
+        f"Task `{settings.get('task')}`, split `{settings.get('eval_split')}`, {n} problems x "
+        f"{settings.get('eval_samples')} samples at temperature {settings.get('eval_temperature')}; "
+        f"{summary.get('steps')} RL steps. Interval: 95% Wilson over problems.",
+        "",
+        "| | pass@1 |",
+        "|---|---|",
+        f"| before RL (sft) | {cells[0]} |",
+        f"| after RL | {cells[1]} |",
+        f"| change | {after - before:+.3f} |",
+        "",
+    ]

@@ -60,7 +60,7 @@ def test_summary_table_has_every_row_and_column_and_blanks_for_missing() -> None
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
     assert list(rows) == [
         "tiny-world CORE",
-        "CORE (DCLM)",
+        "DCLM CORE",
         "ARC-E",
         "ARC-C",
         "MMLU",
@@ -69,14 +69,14 @@ def test_summary_table_has_every_row_and_column_and_blanks_for_missing() -> None
         "SpellingBee",
         "ChatCORE",
     ]
-    assert rows["CORE (DCLM)"] == ["0.4321", "", "", ""]
+    assert rows["DCLM CORE"] == ["0.4321", "", "", ""]
     assert rows["tiny-world CORE"] == ["0.7907", "", "", ""]
     # accuracy, 95% Wilson interval, n: 20/50 -> [0.28, 0.54]; 0.05 of 8 -> centre 0.196 +- 0.192
     assert rows["ARC-E"] == ["", "", "0.400 [0.28, 0.54] n=50", ""]
     assert rows["GSM8K"] == ["", "", "0.050 [0.00, 0.39] n=8", ""]
     assert rows["ChatCORE"] == ["", "", "0.1000", ""]
     assert rows["MMLU"] == ["", "", "", ""]
-    assert summary_values(RESULTS)["CORE (DCLM)"]["sft"] is None
+    assert summary_values(RESULTS)["DCLM CORE"]["sft"] is None
 
 
 def test_changes_within_noise_are_marked() -> None:
@@ -128,7 +128,7 @@ def test_render_report_sections() -> None:
     )
     for needle in (
         "## Summary",
-        "| CORE (DCLM) | 0.4321 |",
+        "| DCLM CORE | 0.4321 |",
         "| tiny-world CORE | 0.7907 |",
         "## System",
         "test cpu",
@@ -168,3 +168,17 @@ def test_stage_runs_and_plots_from_a_real_mlflow_store(tmp_path: Path, monkeypat
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot_curves(client, runs, "bpb", tmp_path / "bpb.png")  # single points only
     assert not (tmp_path / "bpb.png").exists()
+
+
+def test_rl_section_shows_pass_at_1_before_and_after_with_intervals() -> None:
+    from chatpipe.report import rl_section
+
+    meta = {
+        "settings": {"task": "tinyworld_arith", "eval_split": "val", "eval_problems": 256, "eval_samples": 4},
+        "summary": {"steps": 20, "first_eval/pass_at_1": 0.30, "final_eval/pass_at_1": 0.45},
+    }
+    md = "\n".join(rl_section(meta))
+    assert "| before RL (sft) | 0.300 [0.25, 0.36] n=256 |" in md
+    assert "| after RL | 0.450 [0.39, 0.51] n=256 |" in md  # 0.15 on 256 problems: not marked as noise
+    assert "| change | +0.150 |" in md
+    assert rl_section({"summary": {}}) == []
