@@ -9,7 +9,8 @@ Per step every rank samples ``prompts_per_step / world_size`` problems x ``group
 with the engine (calculator tool use on) and scores them with the verifier. GRPO-lite takes one
 policy-gradient step with advantage = score - group mean. PPO adds a frozen reference policy (KL
 penalty folded into the token rewards), a critic (GAE) and clipped updates over epochs x
-minibatches. Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
+minibatches; both updates are library functions (chatpipe/rl/update.py, unit-tested against
+hand-computed values). Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
 reference, optimizers, KL coefficient, step, RNG) in ``checkpoints/rl/``; the final policy goes to
 ``artifacts/rl/``.
 """
@@ -294,6 +295,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 "time/gen_share": t_gen / (t_gen + t_train),
                 "lr_mult": lr_mult,
                 "kl/coef": kl_ctl.value,
+                **{f"tools/{k}": float(v) for k, v in engine.tool_stats.items()},  # running totals, this rank
                 **stats,
             }
             metrics.log(row, step)
