@@ -464,8 +464,11 @@ DIRECT_TEMPLATES = [
 def _direct_problem(rng: random.Random) -> tuple[str, list[tuple[str, int, str, int]], int]:
     """A two-number +, - or x question in one of many phrasings; numbers 1-99, differences >= 0."""
     op = rng.choice(["+", "-", "*"])
-    hi = 99 if op != "*" else rng.choice([12, 99])  # small times tables are common questions
-    a, b = rng.randint(1, hi), rng.randint(1, hi)
+
+    def number() -> int:  # one-digit numbers ("3 + 4") as often as two-digit ones: both are asked
+        return rng.randint(1, 9) if rng.random() < 0.45 else rng.randint(10, 99)
+
+    a, b = number(), number()
     a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
     word = rng.choice(OP_WORDS[op])
     if op == "+" and word == "and":  # "What is 3 and 4?" reads oddly outside "how much is"
