@@ -20,8 +20,8 @@ import torch
 
 from chatpipe.inference.engine import Engine
 from chatpipe.model.gpt import GPT, config_from_depth
-from chatpipe.rl import losses as rl
-from chatpipe.rl.rollout import collect_rollouts, load_problems, token_logprobs
+from chatpipe.rl.rollout import collect_rollouts, load_problems
+from chatpipe.rl.update import grpo_update
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import load_model
 from chatpipe.train.optim import build_optimizers
@@ -69,12 +69,8 @@ def main() -> None:
             device=device,
         )
         t1 = time.perf_counter()
-        adv = rl.group_advantages(batch.scores.view(args.prompts, args.group)).flatten()
-        logp = token_logprobs(model, batch.inputs, batch.targets, args.micro_batch)
-        rl.policy_gradient_loss(logp, adv, batch.mask).backward()
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
+        # the same update the rl stage runs (chatpipe.rl.update)
+        grpo_update(model, optimizers, batch, batch.scores, group_size=args.group, micro_batch=args.micro_batch)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()

@@ -21,9 +21,12 @@ import yaml
 
 from chatpipe.settings import MODEL_STAGES, STAGES
 
-# Summary table: row label -> (where in a stage's eval results, key)
+# Summary table: row label -> (where in a stage's eval results, key). The tiny-world CORE (our
+# synthetic in-context tasks) and the DCLM CORE (the published 22-task metric) are different
+# metrics: never one row.
 ROWS: list[tuple[str, str, str]] = [
-    ("CORE", "core", "core"),
+    ("tiny-world CORE", "core_tinyworld", "core"),
+    ("DCLM CORE", "core", "core"),
     ("ARC-E", "chatcore", "ARC-Easy"),
     ("ARC-C", "chatcore", "ARC-Challenge"),
     ("MMLU", "chatcore", "MMLU"),
@@ -80,13 +83,36 @@ def dvc_lock_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
 
 
 def _cell(stage_results: dict | None, where: str, key: str) -> float | None:
+    counted = _counted(stage_results, where, key)
+    if counted is not None:
+        return counted[0]
     if not stage_results:
         return None
-    block = stage_results.get(where) or {}
-    if key in ("core", "chatcore"):
-        return block.get(key)
-    task = (block.get("tasks") or {}).get(key)
-    return None if task is None else task.get("accuracy")
+    return (stage_results.get(where) or {}).get(key) if key in ("core", "chatcore") else None
+
+
+def _counted(stage_results: dict | None, where: str, key: str) -> tuple[float, int] | None:
+    """(accuracy, number of items) of one task cell; None for aggregate rows and missing tasks."""
+    if not stage_results or key in ("core", "chatcore"):
+        return None
+    task = ((stage_results.get(where) or {}).get("tasks") or {}).get(key)
+    if task is None or task.get("accuracy") is None:
+        return None
+    return task["accuracy"], int(task.get("num_examples") or 0)
+
+
+def accuracy_cell(acc: float, n: int, previous: tuple[float, int] | None = None) -> str:
+    """``0.375 [0.14, 0.69] n=8``: accuracy, its 95% Wilson interval and the item count; ``(≈)`` when
+    the change from the previous stage's ``(accuracy, n)`` lies within the noise of the difference."""
+    from chatpipe.evals.metrics import wilson_interval, within_noise
+
+    if n < 1:
+        return f"{acc:.3f} n=0"
+    lo, hi = wilson_interval(acc, n)
+    text = f"{acc:.3f} [{lo:.2f}, {hi:.2f}] n={n}"
+    if previous is not None and previous[1] > 0 and within_noise(acc, n, *previous):
+        text += " (≈)"
+    return text
 
 
 def summary_values(results: dict) -> dict[str, dict[str, float | None]]:
@@ -96,11 +122,21 @@ def summary_values(results: dict) -> dict[str, dict[str, float | None]]:
 
 
 def summary_table(results: dict) -> str:
-    """The markdown summary table: rows CORE .. ChatCORE, columns BASE MID SFT RL (blank = not run)."""
+    """The markdown summary table: rows tiny-world CORE, DCLM CORE .. ChatCORE, columns BASE MID SFT RL
+    (blank = not run). Task accuracies carry their 95% interval and n, and ``(≈)`` where the change
+    from the previous evaluated stage is within noise."""
     values = summary_values(results)
+    stages = results.get("stages", {})
     lines = ["| metric | " + " | ".join(c.upper() for c in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
-    for row, _, _ in ROWS:
-        cells = ["" if values[row][c] is None else f"{values[row][c]:.4f}" for c in COLUMNS]
+    for row, where, key in ROWS:
+        cells, previous = [], None
+        for c in COLUMNS:
+            counted = _counted(stages.get(c), where, key)
+            if counted is not None:
+                cells.append(accuracy_cell(*counted, previous))
+                previous = counted
+            else:
+                cells.append("" if values[row][c] is None else f"{values[row][c]:.4f}")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -233,8 +269,12 @@ def render_report(
         "",
         summary_table(results),
         "",
-        "CORE: mean centered accuracy of the in-context tasks; ARC/MMLU/GSM8K/HumanEval/SpellingBee: "
-        "accuracy (pass@k for generative tasks); ChatCORE: mean centered accuracy. Blank: not evaluated.",
+        "tiny-world CORE: mean centered accuracy of the synthetic tiny-world in-context tasks; "
+        "DCLM CORE: the published CORE metric over the DCLM tasks found (scored like the reference evaluator); "
+        "ARC/MMLU/GSM8K/HumanEval/SpellingBee: accuracy (pass@k for generative tasks) with its 95% Wilson "
+        "interval and the number of held-out items n; (≈): the change from the previous stage lies within "
+        "the 95% noise of the difference, so it is not evidence of a change; ChatCORE: mean centered "
+        "accuracy. Blank: not evaluated.",
         "",
     ]
     prov = provenance_lines(results)
@@ -259,11 +299,12 @@ def render_report(
         if not r:
             continue
         parts += [f"### {col.upper()}", "", f"- val bpb: {r['bpb']:.4f}"]
-        for label, t in ((r.get("core") or {}).get("tasks") or {}).items():
-            parts.append(
-                f"- CORE {label}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
-                f"({t['num_examples']} items)"
-            )
+        for key, name in (("core_tinyworld", "tiny-world CORE"), ("core", "DCLM CORE")):
+            for label, t in ((r.get(key) or {}).get("tasks") or {}).items():
+                parts.append(
+                    f"- {name} {label}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} "
+                    f"({t['num_examples']} items)"
+                )
         for name, t in ((r.get("chatcore") or {}).get("tasks") or {}).items():
             parts.append(
                 f"- {name}: accuracy {t['accuracy']:.4f}, centered {t['centered']:+.4f} ({t['num_examples']} items)"
@@ -281,7 +322,32 @@ def _skipped(results: dict) -> list[str]:
     out = []
     for col in COLUMNS:
         r = results.get("stages", {}).get(col) or {}
-        for kind in ("core", "chatcore"):
+        for kind in ("core", "core_tinyworld", "chatcore"):
             for name, why in ((r.get(kind) or {}).get("skipped") or {}).items():
                 out.append(f"- {col.upper()} {name}: {why}")
     return out
+
+
+def rl_section(meta: dict) -> list[str]:
+    """Markdown lines for the RL stage's own held-out pass@1 before and after training (from
+    ``artifacts/rl/meta.json``), each with its 95% interval over the held-out problems."""
+    summary, settings = meta.get("summary") or {}, meta.get("settings") or {}
+    before, after = summary.get("first_eval/pass_at_1"), summary.get("final_eval/pass_at_1")
+    n = int(settings.get("eval_problems") or 0)
+    if before is None or after is None or n < 1:
+        return []
+    cells = accuracy_cell(before, n), accuracy_cell(after, n, (before, n))
+    return [
+        "## RL held-out pass@1",
+        "",
+        f"Task `{settings.get('task')}`, split `{settings.get('eval_split')}`, {n} problems x "
+        f"{settings.get('eval_samples')} samples at temperature {settings.get('eval_temperature')}; "
+        f"{summary.get('steps')} RL steps. Interval: 95% Wilson over problems.",
+        "",
+        "| | pass@1 |",
+        "|---|---|",
+        f"| before RL (sft) | {cells[0]} |",
+        f"| after RL | {cells[1]} |",
+        f"| change | {after - before:+.3f} |",
+        "",
+    ]

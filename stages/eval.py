@@ -64,8 +64,9 @@ def val_docs(tok: Tokenizer, work: Path, rt: runtime.Runtime) -> TokenDocs:
     return TokenDocs(work / "tokens", "val")
 
 
-def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tuple[list, Path]]:
-    """(task configs, bundle dir) pairs to run: the configured bundle and the tiny-world tasks."""
+def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tuple[str, list, Path]]:
+    """(results key, task configs, bundle dir) to run: the DCLM bundle as ``core`` and the tiny-world
+    tasks as ``core_tinyworld`` -- two different metrics, never averaged into one number."""
     suites = []
     if cfg.core_bundle_dir:
         config = load_core_config(Path(cfg.core_config) if cfg.core_config else DEFAULT_CONFIG)
@@ -86,12 +87,12 @@ def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tupl
                 f"eval.core_bundle_dir = {cfg.core_bundle_dir!r}: no such directory "
                 "(set eval.core_bundle_url to fetch it)"
             )
-        suites.append((config, bundle))
+        suites.append(("core", config, bundle))
     if cfg.core_tinyworld:
         if rt.is_main:
             write_tinyworld_bundle(work / "tinyworld", seed=cfg.seed, n=cfg.tinyworld_examples)
         runtime.barrier()
-        suites.append((load_core_config(work / "tinyworld" / "core_tasks.yaml"), work / "tinyworld"))
+        suites.append(("core_tinyworld", load_core_config(work / "tinyworld" / "core_tasks.yaml"), work / "tinyworld"))
     return suites
 
 
@@ -160,8 +161,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
 
             # --- CORE
             if stage in cfg.core_stages and suites:
-                core_tasks, skipped = {}, {}
-                for config, bundle in suites:
+                for key, config, bundle in suites:
                     with rt.autocast():
                         out = evaluate_core(
                             model,
@@ -174,21 +174,26 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                             rank=rt.rank,
                             world_size=rt.world_size,
                         )
-                    core_tasks.update(out["tasks"])
-                    skipped.update(out["skipped"])
-                core = sum(t["centered"] for t in core_tasks.values()) / len(core_tasks) if core_tasks else None
-                r["core"] = {"core": core, "tasks": core_tasks, "skipped": skipped}
-                for label, t in core_tasks.items():
+                    r[key] = out
+                    for label, t in out["tasks"].items():
+                        log.info(
+                            "%s | %s %-28s acc %.3f centered %+.3f (%d items, %.1fs)",
+                            stage,
+                            key,
+                            label,
+                            t["accuracy"],
+                            t["centered"],
+                            t["num_examples"],
+                            t["seconds"],
+                        )
                     log.info(
-                        "%s | CORE %-28s acc %.3f centered %+.3f (%d items, %.1fs)",
+                        "%s | %s %s over %d tasks (%d skipped)",
                         stage,
-                        label,
-                        t["accuracy"],
-                        t["centered"],
-                        t["num_examples"],
-                        t["seconds"],
+                        key,
+                        out["core"],
+                        len(out["tasks"]),
+                        len(out["skipped"]),
                     )
-                log.info("%s | CORE %s over %d tasks (%d skipped)", stage, core, len(core_tasks), len(skipped))
 
             # --- ChatCORE
             if stage in cfg.chatcore_stages and tasks:
@@ -260,11 +265,12 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
 def stage_metrics(stage: str, r: dict) -> dict[str, float]:
     """Flat MLflow metrics of one model's results, e.g. ``base/bpb``, ``base/CORE``, ``sft/GSM8K``."""
     m = {f"{stage}/bpb": r["bpb"]}
-    core = r.get("core") or {}
-    if core.get("core") is not None:
-        m[f"{stage}/CORE"] = core["core"]
-    for label, t in core.get("tasks", {}).items():
-        m[f"{stage}/core/{label}"] = t["centered"]
+    for key, name in (("core", "CORE"), ("core_tinyworld", "tinyworld_CORE")):
+        core = r.get(key) or {}
+        if core.get("core") is not None:
+            m[f"{stage}/{name}"] = core["core"]
+        for label, t in core.get("tasks", {}).items():
+            m[f"{stage}/{key}/{label}"] = t["centered"]
     chat = r.get("chatcore") or {}
     if chat.get("chatcore") is not None:
         m[f"{stage}/ChatCORE"] = chat["chatcore"]

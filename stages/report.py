@@ -27,6 +27,7 @@ from chatpipe.report import (
     dvc_lock_hashes,
     plot_curves,
     render_report,
+    rl_section,
     stage_runs,
     summary_values,
     system_info,
@@ -84,6 +85,9 @@ def report(cfg: ReportSettings) -> None:
         text = render_report(
             results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots
         )
+        rl_meta = ARTIFACTS / "rl" / "meta.json"
+        if rl_meta.exists():
+            text += "\n" + "\n".join(rl_section(json.loads(rl_meta.read_text())))
         (tmp / "report.md").write_text(text)
         write_json_atomic(
             tmp / "report.json",

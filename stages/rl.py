@@ -9,14 +9,14 @@ Per step every rank samples ``prompts_per_step / world_size`` problems x ``group
 with the engine (calculator tool use on) and scores them with the verifier. GRPO-lite takes one
 policy-gradient step with advantage = score - group mean. PPO adds a frozen reference policy (KL
 penalty folded into the token rewards), a critic (GAE) and clipped updates over epochs x
-minibatches. Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
+minibatches; both updates are library functions (chatpipe/rl/update.py, unit-tested against
+hand-computed values). Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
 reference, optimizers, KL coefficient, step, RNG) in ``checkpoints/rl/``; the final policy goes to
 ``artifacts/rl/``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
@@ -30,15 +30,9 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.progress import progress
 from chatpipe.rl import losses as rl
-from chatpipe.rl.rollout import (
-    Rollouts,
-    collect_rollouts,
-    evaluate_problems,
-    load_problems,
-    rank_indices,
-    token_logprobs,
-)
-from chatpipe.rl.value import ValueModel, token_values
+from chatpipe.rl.rollout import collect_rollouts, evaluate_problems, load_problems, rank_indices
+from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
+from chatpipe.rl.value import ValueModel
 from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tokenizer import Tokenizer
@@ -95,6 +89,22 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     )
     kl_ctl = rl.KLController(
         cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
+    )
+    ppo_config = PPOConfig(
+        group_size=cfg.group_size,
+        epochs=cfg.ppo_epochs,
+        num_minibatches=cfg.num_minibatches,
+        micro_batch=cfg.device_batch_size,
+        clip_eps=cfg.clip_eps,
+        value_clip=cfg.value_clip,
+        value_coef=cfg.value_coef,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        kl_estimator=cfg.kl_estimator,
+        whiten=cfg.whiten,
+        normalize_std=cfg.normalize_std,
+        max_ratio=cfg.max_ratio,
+        seed=cfg.seed,
     )
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
@@ -236,11 +246,18 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 clip=cfg.reward_clip,
             )
             if cfg.algorithm == "grpo":
-                stats = grpo_update(cfg, rt, train_policy, policy_opts, batch, scores, per_rank)
+                stats = grpo_update(
+                    train_policy,
+                    policy_opts,
+                    batch,
+                    scores,
+                    group_size=cfg.group_size,
+                    normalize_std=cfg.normalize_std,
+                    micro_batch=cfg.device_batch_size,
+                    autocast=rt.autocast,
+                )
             else:
                 stats = ppo_update(
-                    cfg,
-                    rt,
                     train_policy,
                     ref,
                     train_critic,
@@ -248,9 +265,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                     critic_opts,
                     batch,
                     scores,
-                    per_rank,
                     kl_ctl,
-                    step,
+                    ppo_config,
+                    step=step,
+                    autocast=rt.autocast,
                 )
                 rl.ema_update(ref, policy, cfg.ref_ema)
             t_train = time.perf_counter() - t1
@@ -282,6 +300,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 "time/gen_share": t_gen / (t_gen + t_train),
                 "lr_mult": lr_mult,
                 "kl/coef": kl_ctl.value,
+                **{f"tools/{k}": float(v) for k, v in engine.tool_stats.items()},  # running totals, this rank
                 **stats,
             }
             metrics.log(row, step)
@@ -330,125 +349,6 @@ def gather(obj, rt: runtime.Runtime) -> list:
     out = [None] * rt.world_size
     torch.distributed.all_gather_object(out, obj)
     return out
-
-
-def micro_batches(n_rows: int, size: int) -> list[slice]:
-    """Row slices of at most ``size`` rows."""
-    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
-
-
-def grpo_update(
-    cfg: RLSettings, rt: runtime.Runtime, model, optimizers: list, batch: Rollouts, scores: torch.Tensor, per_rank: int
-) -> dict[str, float]:
-    """One policy-gradient step: advantage = score - group mean, loss normalised by the batch's action tokens."""
-    adv = rl.group_advantages(scores.view(per_rank, cfg.group_size), cfg.normalize_std).flatten()
-    num_tokens = batch.mask.sum().item()
-    chunks = micro_batches(len(scores), cfg.device_batch_size)
-    total = 0.0
-    for i, rows in enumerate(chunks):
-        sync = i == len(chunks) - 1 or not hasattr(model, "no_sync")
-        with contextlib.nullcontext() if sync else model.no_sync(), rt.autocast():
-            logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
-            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
-        loss.backward()
-        total += loss.item()
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item()}
-
-
-def ppo_update(
-    cfg: RLSettings,
-    rt: runtime.Runtime,
-    model,
-    ref,
-    critic,
-    policy_opts: list,
-    critic_opts: list,
-    batch: Rollouts,
-    scores: torch.Tensor,
-    per_rank: int,
-    kl_ctl: rl.KLController,
-    step: int,
-) -> dict[str, float]:
-    """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches."""
-    mb = cfg.device_batch_size
-    with torch.no_grad(), rt.autocast():
-        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb)
-        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb)
-        old_values = token_values(critic, batch.inputs, mb) if critic is not None else None
-    rewards, kl = rl.kl_penalized_rewards(scores, old_logp, ref_logp, batch.mask, kl_ctl.value, cfg.kl_estimator)
-    if critic is not None:
-        adv, returns = rl.gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam)
-    else:  # disable_value: the sequence's total reward minus its group's mean, on every token
-        seq_adv = rl.group_advantages(rewards.sum(1).view(per_rank, cfg.group_size), cfg.normalize_std).flatten()
-        adv, returns = seq_adv[:, None] * batch.mask, None
-    if cfg.whiten != "none":
-        adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
-
-    n = len(scores)
-    rows_per_mb = max(1, n // cfg.num_minibatches)
-    g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
-    stats = {"loss/policy": 0.0, "loss/value": 0.0, "ppo/clip_frac": 0.0, "ppo/approx_kl": 0.0, "ppo/updates": 0.0}
-    stopped = False
-    for _ in range(cfg.ppo_epochs):
-        perm = torch.randperm(n, generator=g).to(batch.inputs.device)
-        for start in range(0, rows_per_mb * cfg.num_minibatches, rows_per_mb):
-            rows_mb = perm[start : start + rows_per_mb]
-            num_tokens = batch.mask[rows_mb].sum().item()
-            chunks = micro_batches(len(rows_mb), mb)
-            exceeded = torch.zeros(1, device=rt.device)
-            for i, sl in enumerate(chunks):
-                rows = rows_mb[sl]
-                mask = batch.mask[rows]
-                sync = i == len(chunks) - 1
-                ctxs = [model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()]
-                if critic is not None:
-                    ctxs.append(
-                        critic.no_sync() if not sync and hasattr(critic, "no_sync") else contextlib.nullcontext()
-                    )
-                with contextlib.ExitStack() as stack, rt.autocast():
-                    for c in ctxs:
-                        stack.enter_context(c)
-                    logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
-                    loss, s = rl.clipped_surrogate(logp, old_logp[rows], adv[rows], mask, cfg.clip_eps, num_tokens)
-                    stats["loss/policy"] += loss.item()
-                    if critic is not None:
-                        values = critic(batch.inputs[rows])
-                        v_loss, _ = rl.clipped_value_loss(
-                            values, old_values[rows], returns[rows], mask, cfg.value_clip, num_tokens
-                        )
-                        stats["loss/value"] += v_loss.item()
-                        loss = loss + cfg.value_coef * v_loss
-                loss.backward()
-                stats["ppo/clip_frac"] += s["clip_frac"] / len(chunks)
-                stats["ppo/approx_kl"] += s["approx_kl"] / len(chunks)
-                if rl.ratio_exceeds_cap(logp.detach(), old_logp[rows], mask, cfg.max_ratio):
-                    exceeded += 1
-            # every rank must agree to step or stop, or DDP's next all-reduce would hang
-            if runtime.all_reduce_sum(exceeded).item() > 0:
-                stopped = True
-                for m in (model, critic):
-                    if m is not None:
-                        m.zero_grad(set_to_none=True)
-                break
-            for opt in policy_opts + critic_opts:
-                opt.step()
-            for m in (model, critic):
-                if m is not None:
-                    m.zero_grad(set_to_none=True)
-            stats["ppo/updates"] += 1
-        if stopped:
-            break
-    updates = max(stats["ppo/updates"], 1.0)
-    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl"):
-        stats[k] /= updates
-    stats["ppo/early_stop"] = float(stopped)
-    seq_kl = kl.sum(1)
-    kl_ctl.update(seq_kl.mean().item(), n * rt.world_size)
-    stats["kl_sum"] = seq_kl.sum().item()
-    return stats
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.nn as nn
 from chatpipe.evals.core import (
     DEFAULT_CONFIG,
     TaskConfig,
-    encode_prompt,
+    encode_item,
     evaluate_core,
     evaluate_task,
     fewshot_indices,
@@ -179,12 +179,21 @@ def test_schema_and_lm_prompt_shapes() -> None:
     assert render_prompts(_task("language_modeling", num_fewshot=1), lm, 0) == [("1+1= 2\n\n2+2= ", "4")]
 
 
-def test_encode_prompt_marks_continuation_and_truncates_left() -> None:
+def test_encode_item_spans_by_task_type_and_left_truncation() -> None:
     tok = ByteTokenizer()
-    tokens, start = encode_prompt(tok, ("abc ", "xy"), max_seq_len=100)
-    assert tokens == [256, *b"abc xy"] and tokens[start:] == list(b"xy")
-    tokens, start = encode_prompt(tok, ("abcdefgh ", "xy"), max_seq_len=5)
-    assert tokens == list(b"gh xy") and tokens[start:] == list(b"xy")
+    # multiple choice: the span starts where the options' sequences first differ
+    enc = encode_item(tok, "multiple_choice", [("Q: ", "the cat"), ("Q: ", "the dog")], max_seq_len=100)
+    assert [bytes(t[s:e]) for t, s, e in enc] == [b"cat", b"dog"]
+    assert enc[0][0] == [256, *b"Q: the cat"]
+    # schema: the span is the whole shared token suffix (here more than the continuation)
+    enc = encode_item(tok, "schema", [("A sat", " down."), ("Bo sat", " down.")], max_seq_len=100)
+    assert [bytes(t[s:e]) for t, s, e in enc] == [b" sat down.", b" sat down."]
+    # language modelling: after the stripped prompt, so the delimiter's space is scored
+    ((t, s, e),) = encode_item(tok, "language_modeling", [("2+2= ", "4")], max_seq_len=100)
+    assert bytes(t[s:e]) == b" 4"
+    # over-long: keep the last max_seq_len tokens, the span moves with them
+    ((t, s, e),) = encode_item(tok, "language_modeling", [("abcdefgh ", "xy")], max_seq_len=5)
+    assert t == list(b"gh xy") and bytes(t[s:e]) == b" xy"
 
 
 # --------------------------------------------------------------------------- real task files
@@ -314,9 +323,9 @@ def test_copy_model_scores_are_exact_with_padding_and_truncation() -> None:
     ]
     acc = evaluate_task(model, tok, _task("multiple_choice"), mc_rows, device="cpu", max_seq_len=12)
     assert acc == pytest.approx(2 / 3)
-    lm_rows = [{"context": "abc", "continuation": "   "}, {"context": "abc", "continuation": "ab"}]
-    acc = evaluate_task(model, tok, _task("language_modeling"), lm_rows, device="cpu", max_seq_len=5)
-    assert acc == 0.5
+    lm_rows = [{"context": "aaa", "continuation": "aa"}, {"context": "abc", "continuation": "ab"}]
+    lm = _task("language_modeling", continuation_delimiter="")
+    assert evaluate_task(model, tok, lm, lm_rows, device="cpu", max_seq_len=5) == 0.5
 
 
 def test_batched_scoring_matches_one_sequence_at_a_time() -> None:
@@ -330,11 +339,10 @@ def test_batched_scoring_matches_one_sequence_at_a_time() -> None:
     for i in range(12):
         choices = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 9))) for _ in range(4)]
         losses = []
-        for choice in choices:
-            tokens, start = encode_prompt(tok, (f"question {i} ", choice), max_seq_len=64)
+        for tokens, start, end in encode_item(tok, "multiple_choice", [(f"question {i} ", c) for c in choices], 64):
             logits = model(torch.tensor([tokens]))[0]
-            target = torch.tensor(tokens[start:])
-            losses.append(torch.nn.functional.cross_entropy(logits[start - 1 : -1], target).item())
+            target = torch.tensor(tokens[start:end])
+            losses.append(torch.nn.functional.cross_entropy(logits[start - 1 : end - 1], target).item())
         rows.append({"query": f"question {i}", "choices": choices, "gold": losses.index(min(losses))})
     assert evaluate_task(model, tok, task, rows, device="cpu", max_seq_len=64) == 1.0
 

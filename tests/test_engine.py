@@ -178,3 +178,35 @@ def test_stream_yields_text_deltas_by_part_and_holds_split_characters():
     gen = engine.stream([S["<|bos|>"]], stats=stats, max_tokens=4, temperature=0.0)
     assert next(gen) == ("text", "?")  # lazily: the first delta arrives before the rest is generated
     assert list(gen) == [("text", "?")] * 3 and stats == {"tokens": 4, "finish_reason": "length"}
+
+
+def test_runaway_tool_call_is_cut_and_counted_as_failed():
+    # "[calc: 12*7777777..." seen from an RL model: the call never closes. Written before the guard,
+    # this ran to max_tokens inside the call (the old engine had no limit and no counter).
+    b = TOK.encode
+    script = {S["<|assistant_start|>"]: S["<|python_start|>"], S["<|python_start|>"]: b("7")[0], b("7")[0]: b("7")[0]}
+    engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK, max_tool_tokens=5)
+    prompt = [S["<|bos|>"], S["<|assistant_start|>"]]
+    seqs, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=40, temperature=0.0)
+    gen = [S["<|python_start|>"], *b("77777"), S["<|python_end|>"]]
+    for seq, mask in zip(seqs, masks):
+        assert seq == prompt + gen  # cut after 5 call tokens; the row stops, no padding kept
+        assert mask == [0, 0] + [1] * 6 + [0]  # the closing token was forced, not sampled
+    assert engine.tool_stats == {"calls": 2, "failed": 2, "cut": 2}
+    stats: dict = {}
+    parts = list(engine.stream(prompt, stats=stats, max_tokens=40, temperature=0.0))
+    assert "".join(t for k, t in parts if k == "python") == "77777"
+    assert stats["finish_reason"] == "tool_cut" and stats["tokens"] == 7
+
+
+def test_rejected_and_good_calls_are_counted():
+    b = TOK.encode
+    script = {
+        S["<|assistant_start|>"]: S["<|python_start|>"],
+        S["<|python_start|>"]: b("x")[0],
+        b("x")[0]: S["<|python_end|>"],
+        S["<|python_end|>"]: S["<|assistant_end|>"],
+    }
+    engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
+    list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
+    assert engine.tool_stats == {"calls": 1, "failed": 1, "cut": 0}

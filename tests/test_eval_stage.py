@@ -66,7 +66,8 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     base = results["stages"]["base"]
     assert list(results["stages"]) == ["base"]
     assert 0 < base["bpb"] < 8
-    core = base["core"]
+    core = base["core_tinyworld"]  # no DCLM bundle here: only the tiny-world tasks, under their own name
+    assert "core" not in base
     assert set(core["tasks"]) == {
         "tinyworld_facts_mc",
         "tinyworld_rivers_schema",
@@ -84,7 +85,7 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     assert base["dvc_stage_hash"] != "none" and "eval" in lock["stages"]
 
     md = (project / "artifacts/report/report.md").read_text()
-    row = next(line for line in md.splitlines() if line.startswith("| CORE |"))
+    row = next(line for line in md.splitlines() if line.startswith("| tiny-world CORE |"))
     assert f"{core['core']:.4f}" in row
     assert "| MMLU |" in md and "ARC-Easy" in md  # skipped task is listed with its reason
     plots = sorted(p.name for p in (project / "artifacts/report").glob("*.png"))

@@ -59,9 +59,9 @@ def test_check_fails_on_a_dropped_dep_and_on_a_new_import(tmp_path):
     # a stage that starts importing a module dvc.yaml does not list
     (project / "dvc.yaml").write_text(text)
     report = project / "stages" / "report.py"
-    report.write_text(report.read_text() + "\nfrom chatpipe.evals import metrics  # noqa: E402,F401\n")
+    report.write_text(report.read_text() + "\nfrom chatpipe.data import packing  # noqa: E402,F401\n")
     r = run(project, *check, check=False)
-    assert r.returncode == 1 and "'report'" in r.stderr and "chatpipe/evals/metrics.py" in r.stderr
+    assert r.returncode == 1 and "'report'" in r.stderr and "chatpipe/data/packing.py" in r.stderr
     run(project, sys.executable, "-m", "chatpipe.lineage")
     assert run(project, *check).returncode == 0
 

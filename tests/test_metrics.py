@@ -62,3 +62,22 @@ def test_chatcore_averages_present_tasks_only() -> None:
         chatcore({"ARC-Eeasy": 0.5})
     with pytest.raises(ValueError):
         chatcore({})
+
+
+def test_wilson_interval_matches_hand_values() -> None:
+    from chatpipe.evals.metrics import wilson_interval
+
+    lo, hi = wilson_interval(0.5, 100)  # the textbook case: 0.5 +- 0.096
+    assert (round(lo, 4), round(hi, 4)) == (0.4038, 0.5962)
+    lo, hi = wilson_interval(0.0, 10)  # never zero-width: upper bound z^2 / (n + z^2)
+    assert lo == 0.0 and hi == pytest.approx(1.96**2 / (10 + 1.96**2))
+    with pytest.raises(ValueError, match="n >= 1"):
+        wilson_interval(0.5, 0)
+
+
+def test_within_noise() -> None:
+    from chatpipe.evals.metrics import within_noise
+
+    assert within_noise(0.375, 8, 0.25, 8)  # the "regression" is noise
+    assert not within_noise(0.30, 256, 0.45, 256)  # 0.15 on 256 items each is ~3.5 standard errors
+    assert within_noise(0.30, 256, 0.35, 256)

@@ -28,6 +28,7 @@ RESULTS = {
             "dvc_lock": "lock1",
             "dvc_stage_hash": "pre1",
             "model_sha256": "f" * 64,
+            "core_tinyworld": {"core": 0.7907, "tasks": {}, "skipped": {}},
             "core": {
                 "core": 0.4321,
                 "tasks": {"copa": {"accuracy": 0.7, "centered": 0.4, "num_examples": 50}},
@@ -57,13 +58,40 @@ def test_summary_table_has_every_row_and_column_and_blanks_for_missing() -> None
     table = summary_table(RESULTS).splitlines()
     assert table[0] == "| metric | BASE | MID | SFT | RL |"
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
-    assert list(rows) == ["CORE", "ARC-E", "ARC-C", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "ChatCORE"]
-    assert rows["CORE"] == ["0.4321", "", "", ""]
-    assert rows["ARC-E"] == ["", "", "0.4000", ""]
-    assert rows["GSM8K"] == ["", "", "0.0500", ""]
+    assert list(rows) == [
+        "tiny-world CORE",
+        "DCLM CORE",
+        "ARC-E",
+        "ARC-C",
+        "MMLU",
+        "GSM8K",
+        "HumanEval",
+        "SpellingBee",
+        "ChatCORE",
+    ]
+    assert rows["DCLM CORE"] == ["0.4321", "", "", ""]
+    assert rows["tiny-world CORE"] == ["0.7907", "", "", ""]
+    # accuracy, 95% Wilson interval, n: 20/50 -> [0.28, 0.54]; 0.05 of 8 -> centre 0.196 +- 0.192
+    assert rows["ARC-E"] == ["", "", "0.400 [0.28, 0.54] n=50", ""]
+    assert rows["GSM8K"] == ["", "", "0.050 [0.00, 0.39] n=8", ""]
     assert rows["ChatCORE"] == ["", "", "0.1000", ""]
     assert rows["MMLU"] == ["", "", "", ""]
-    assert summary_values(RESULTS)["CORE"]["sft"] is None
+    assert summary_values(RESULTS)["DCLM CORE"]["sft"] is None
+
+
+def test_changes_within_noise_are_marked() -> None:
+    def stage(acc: float, n: int) -> dict:
+        return {
+            "chatcore": {"chatcore": 0.0, "tasks": {"GSM8K": {"accuracy": acc, "centered": acc, "num_examples": n}}}
+        }
+
+    # the "regression" 0.375 -> 0.25 on 8 items is noise; 0.30 -> 0.60 on 256 items is not
+    small = {"stages": {"sft": stage(0.375, 8), "rl": stage(0.25, 8)}}
+    big = {"stages": {"sft": stage(0.30, 256), "rl": stage(0.60, 256)}}
+    row = next(line for line in summary_table(small).splitlines() if line.startswith("| GSM8K |"))
+    assert row.endswith("| 0.375 [0.14, 0.69] n=8 | 0.250 [0.07, 0.59] n=8 (≈) |")
+    row = next(line for line in summary_table(big).splitlines() if line.startswith("| GSM8K |"))
+    assert "(≈)" not in row
 
 
 def test_every_column_names_its_commit_and_lock_hash() -> None:
@@ -100,7 +128,8 @@ def test_render_report_sections() -> None:
     )
     for needle in (
         "## Summary",
-        "| CORE | 0.4321 |",
+        "| DCLM CORE | 0.4321 |",
+        "| tiny-world CORE | 0.7907 |",
         "## System",
         "test cpu",
         "## Provenance",
@@ -139,3 +168,17 @@ def test_stage_runs_and_plots_from_a_real_mlflow_store(tmp_path: Path, monkeypat
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot_curves(client, runs, "bpb", tmp_path / "bpb.png")  # single points only
     assert not (tmp_path / "bpb.png").exists()
+
+
+def test_rl_section_shows_pass_at_1_before_and_after_with_intervals() -> None:
+    from chatpipe.report import rl_section
+
+    meta = {
+        "settings": {"task": "tinyworld_arith", "eval_split": "val", "eval_problems": 256, "eval_samples": 4},
+        "summary": {"steps": 20, "first_eval/pass_at_1": 0.30, "final_eval/pass_at_1": 0.45},
+    }
+    md = "\n".join(rl_section(meta))
+    assert "| before RL (sft) | 0.300 [0.25, 0.36] n=256 |" in md
+    assert "| after RL | 0.450 [0.39, 0.51] n=256 |" in md  # 0.15 on 256 problems: not marked as noise
+    assert "| change | +0.150 |" in md
+    assert rl_section({"summary": {}}) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -124,3 +125,22 @@ def test_spelling_words_from_world() -> None:
     words = S.spelling_words(0, 30)
     assert len(words) == len(set(words)) == 30
     assert set(words) <= set(S.vocabulary())
+
+
+def test_direct_questions_cover_readme_phrasings_and_map_to_one_call_form() -> None:
+    # The README asks "What is 12 + 7?" and "What is 6 times 8?": the training data must hold
+    # both styles (symbols and words), one-digit numbers, and always call "a+b" / "a-b" / "a*b".
+    rng = random.Random(0)
+    seen: set[str] = set()
+    for _ in range(3000):
+        q, steps, value = S._direct_problem(rng)
+        ((_, a, op, b),) = steps
+        assert value == {"+": a + b, "-": a - b, "*": a * b}[op] and value >= 0
+        m = re.fullmatch(r"What is (\d+) (\+|-|\*|x|plus|minus|times) (\d+)\?", q)
+        if m:
+            seen.add({"+": "sym", "-": "sym", "*": "sym", "x": "sym"}.get(m.group(2), "word"))
+            seen.add("one-digit" if min(int(m.group(1)), int(m.group(3))) < 10 else "two-digit")
+    assert seen == {"sym", "word", "one-digit", "two-digit"}
+    for conv in S.tool_conversations(0, 200, "train"):
+        calls = [p["text"] for p in conv["messages"][1]["content"] if p["type"] == "python"]
+        assert all(re.fullmatch(r"\d+(\+|-|\*|//)\d+", c) for c in calls)

@@ -443,13 +443,39 @@ def arithmetic_problems(seed: int, n: int, split: str) -> list[dict[str, str]]:
     return rows
 
 
+# How people ask for a two-number sum, difference or product (the README's "What is 12 + 7?",
+# "What is 6 times 8?"): the tool call is always the plain "a+b" / "a-b" / "a*b", so the model
+# learns to map every phrasing onto one calculator form.
+OP_WORDS = {"+": ["plus", "+", "and"], "-": ["minus", "-", "take away"], "*": ["times", "x", "*", "multiplied by"]}
+DIRECT_TEMPLATES = [
+    "What is {a} {w} {b}?",
+    "What is {a} {w} {b}?",
+    "What is {a}{s}{b}?",
+    "what is {a} {w} {b}",
+    "Calculate {a} {w} {b}.",
+    "How much is {a} {w} {b}?",
+    "Compute {a} {s} {b}.",
+    "Can you work out {a} {w} {b}?",
+    "{a} {s} {b} = ?",
+    "Please tell me what {a} {w} {b} is.",
+]
+
+
 def _direct_problem(rng: random.Random) -> tuple[str, list[tuple[str, int, str, int]], int]:
-    a, b = rng.randint(11, 99), rng.randint(2, 99)
-    op, word = rng.choice([("+", "plus"), ("-", "minus"), ("*", "times")])
+    """A two-number +, - or x question in one of many phrasings; numbers 1-99, differences >= 0."""
+    op = rng.choice(["+", "-", "*"])
+
+    def number() -> int:  # one-digit numbers ("3 + 4") as often as two-digit ones: both are asked
+        return rng.randint(1, 9) if rng.random() < 0.45 else rng.randint(10, 99)
+
+    a, b = number(), number()
     a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
-    q = rng.choice([f"What is {a} {word} {b}?", f"Calculate {a} {op} {b}.", f"What is {a}{op}{b}?"])
+    word = rng.choice(OP_WORDS[op])
+    if op == "+" and word == "and":  # "What is 3 and 4?" reads oddly outside "how much is"
+        word = "plus"
+    q = rng.choice(DIRECT_TEMPLATES).format(a=a, b=b, w=word, s=op)
     value = _step("{calc}", a, op, b)[1]
-    return q, [(f"{a} {word} {b} is {{calc}}.", a, op, b)], value
+    return q, [(f"{a} {op} {b} is {{calc}}.", a, op, b)], value
 
 
 def tool_conversations(seed: int, n: int, split: str) -> list[dict[str, Any]]:
@@ -463,7 +489,7 @@ def tool_conversations(seed: int, n: int, split: str) -> list[dict[str, Any]]:
     rng.shuffle(items)
     convs = []
     for q, steps, value in items:
-        parts: list[dict[str, str]] = [{"type": "text", "text": "Let me use the calculator."}]
+        parts: list[dict[str, str]] = []  # straight to the calculator: short answers, fast sampling
         for _, a, op, b in steps:
             c = _step("{calc}", a, op, b)[1]
             parts += [

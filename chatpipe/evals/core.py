@@ -14,14 +14,16 @@ Task types (rows are the llm-foundry jsonl formats):
 - language_modeling ``{context, continuation}``: correct only if greedy argmax reproduces every
   continuation token.
 
-Few-shot demos are drawn with ``random.Random(1234 + item_index)`` from the other rows (never
-the item itself) and joined with blank lines before the item's own prompt.
-
-Tokenization: every sequence starts with BOS. We encode ``context`` and ``context +
-continuation`` and score the tokens of the second after their common prefix. Encoding the text
-whole (rather than concatenating two encodings) keeps BPE merges across the boundary natural,
-and the common prefix finds where the continuation starts even when such a merge happened.
-Sequences longer than ``max_seq_len`` lose tokens from the left.
+Scoring follows the reference evaluator (nanochat's ``core_eval``, which published CORE numbers
+such as GPT-2's 0.2565 use), so the numbers are comparable:
+- few-shot demos of item i: ``random.Random(1234 + i).sample([j for j in range(n) if j != i], k)``,
+  each rendered with its gold answer, joined with blank lines before the item's own prompt;
+- every sequence starts with BOS and is encoded whole; multiple choice scores each option from the
+  first token where the options' sequences differ; schema scores the token suffix all options
+  share; language modelling trims contexts and scores the tokens after the stripped prompt;
+- sequences over ``max_seq_len`` keep their last ``max_seq_len`` tokens;
+- multiple choice and schema pick the lowest mean loss over the span; language modelling is
+  correct when every greedy prediction over the span matches.
 
 The model is any causal ``nn.Module`` with ``model(idx[B, T]) -> logits[B, T, V]``; the options
 of one item go through one right-padded forward pass (a causal model never looks at the pads
@@ -191,15 +193,16 @@ def read_task_rows(path: Path, task: TaskConfig) -> list[dict]:
 
 
 def fewshot_indices(num_rows: int, item_index: int, k: int) -> list[int]:
-    """Indices of the ``k`` demos for item ``item_index``: deterministic, distinct, never the item."""
+    """Indices of the ``k`` demos for item ``item_index``: the reference evaluator's draw,
+    ``random.Random(1234 + i).sample([j for j in range(n) if j != i], k)``."""
     k = min(k, num_rows - 1)
     if k <= 0:
         return []
     rng = random.Random(FEWSHOT_SEED + item_index)
-    # Draw one spare so dropping the item itself still leaves k; avoids building an
-    # O(num_rows) candidate list per item (bigbench_qa_wikidata has 20k rows).
-    picks = rng.sample(range(num_rows), k + 1)
-    return [j for j in picks if j != item_index][:k]
+    # random.sample only draws positions from the population's length, so sampling positions of
+    # range(n - 1) and skipping over the item gives the same picks without building an O(n) list
+    # per item (bigbench_qa_wikidata has 20k rows).
+    return [j + (j >= item_index) for j in rng.sample(range(num_rows - 1), k)]
 
 
 def _solved(task: TaskConfig, row: dict) -> str:
@@ -209,11 +212,15 @@ def _solved(task: TaskConfig, row: dict) -> str:
         return row["query"] + d + row["choices"][row["gold"]]
     if task.type == "schema":
         return row["context_options"][row["gold"]] + d + row["continuation"]
-    return row["context"] + d + row["continuation"]
+    return row["context"].strip() + d + row["continuation"]
 
 
 def render_prompts(task: TaskConfig, rows: list[dict], index: int) -> list[Prompt]:
-    """The (context, continuation) pairs to score for item ``index``: one per option, or one for LM."""
+    """The (context, continuation) pairs to score for item ``index``: one per option, or one for LM.
+
+    Language modelling contexts (demos and item) are whitespace-trimmed; which tokens are scored
+    is decided from the token sequences by :func:`encode_item`.
+    """
     shots = fewshot_indices(len(rows), index, task.num_fewshot)
     prefix = "".join(_solved(task, rows[j]) + FEWSHOT_SEP for j in shots)
     row, d = rows[index], task.continuation_delimiter
@@ -221,35 +228,57 @@ def render_prompts(task: TaskConfig, rows: list[dict], index: int) -> list[Promp
         return [(prefix + row["query"] + d, choice) for choice in row["choices"]]
     if task.type == "schema":
         return [(prefix + option + d, row["continuation"]) for option in row["context_options"]]
-    return [(prefix + row["context"] + d, row["continuation"])]
+    return [(prefix + row["context"].strip() + d, row["continuation"])]
 
 
 # --------------------------------------------------------------------------- model scoring
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
+def _common_prefix_len(seqs: list[list[int]]) -> int:
     n = 0
-    for x, y in zip(a, b):
-        if x != y:
+    for column in zip(*seqs):
+        if any(t != column[0] for t in column):
             break
         n += 1
     return n
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, max_seq_len: int) -> tuple[list[int], int]:
-    """Tokens of context+continuation (BOS first, left-truncated) and where the continuation starts."""
-    context, continuation = prompt
-    ctx = tokenizer.encode(context, prepend=tokenizer.bos_id)
-    full = tokenizer.encode(context + continuation, prepend=tokenizer.bos_id)
-    if len(full) < 2:
-        raise ValueError(f"nothing to score in prompt {prompt!r}")
-    # Position 0 is never predicted; an empty continuation still scores the last token.
-    start = max(1, min(_common_prefix_len(ctx, full), len(full) - 1))
-    drop = len(full) - max_seq_len
-    if drop > 0:
-        full = full[drop:]
-        start = max(1, start - drop)
-    return full, start
+def _common_suffix_len(seqs: list[list[int]]) -> int:
+    return _common_prefix_len([s[::-1] for s in seqs])
+
+
+def encode_item(
+    tokenizer: Tokenizer, task_type: str, prompts: list[Prompt], max_seq_len: int
+) -> list[tuple[list[int], int, int]]:
+    """Each option's tokens (BOS first) and its scored span ``[start, end)``.
+
+    - multiple_choice: the span starts where the options' full sequences stop sharing tokens;
+    - schema: the span is the token suffix all options share (the continuation);
+    - language_modeling: the span follows the tokens of the prompt without its continuation,
+      whitespace-stripped.
+    A sequence over ``max_seq_len`` keeps its last ``max_seq_len`` tokens, the span moving with it.
+    """
+    fulls = [tokenizer.encode(c + x, prepend=tokenizer.bos_id) for c, x in prompts]
+    if task_type == "multiple_choice":
+        common = _common_prefix_len(fulls)
+        spans = [(common, len(f)) for f in fulls]
+    elif task_type == "schema":
+        common = _common_suffix_len(fulls)
+        spans = [(len(f) - common, len(f)) for f in fulls]
+    else:
+        context, _ = prompts[0]
+        without = tokenizer.encode(context.strip(), prepend=tokenizer.bos_id)
+        spans = [(len(without), len(fulls[0]))]
+    out = []
+    for tokens, (start, end) in zip(fulls, spans):
+        if end - start < 1:
+            raise ValueError(f"nothing to score in prompt {prompts[0]!r} ({task_type})")
+        drop = len(tokens) - max_seq_len
+        if drop > 0:
+            tokens, start, end = tokens[drop:], start - drop, end - drop
+        # position 0 is never predicted (nothing before it)
+        out.append((tokens, max(1, start), end))
+    return out
 
 
 def _score_item(
@@ -261,22 +290,22 @@ def _score_item(
     max_seq_len: int,
 ) -> int | bool:
     """Run the options of one item as one padded batch; return the chosen index or LM correctness."""
-    encoded = [encode_prompt(tokenizer, p, max_seq_len) for p in prompts]
-    width = max(len(tokens) for tokens, _ in encoded)
+    encoded = encode_item(tokenizer, task.type, prompts, max_seq_len)
+    width = max(len(tokens) for tokens, _, _ in encoded)
     idx = torch.full((len(encoded), width), tokenizer.bos_id, dtype=torch.long)
-    for i, (tokens, _) in enumerate(encoded):
+    for i, (tokens, _, _) in enumerate(encoded):
         idx[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     idx = idx.to(device)
     logits = model(idx)
     if task.type == "language_modeling":
-        tokens, start = encoded[0]
-        predicted = logits[0, start - 1 : len(tokens) - 1].argmax(dim=-1)
-        return bool(torch.equal(predicted, idx[0, start : len(tokens)]))
-    # Slice to the continuation before the softmax: full [B, T, V] log-probs would not fit
+        _, start, end = encoded[0]
+        predicted = logits[0, start - 1 : end - 1].argmax(dim=-1)
+        return bool(torch.equal(predicted, idx[0, start:end]))
+    # Slice to the span before the softmax: full [B, T, V] log-probs would not fit
     # in memory for long prompts and big vocabularies.
     losses = [
-        F.cross_entropy(logits[i, start - 1 : len(tokens) - 1].float(), idx[i, start : len(tokens)]).item()
-        for i, (tokens, start) in enumerate(encoded)
+        F.cross_entropy(logits[i, start - 1 : end - 1].float(), idx[i, start:end]).item()
+        for i, (_, start, end) in enumerate(encoded)
     ]
     return min(range(len(losses)), key=losses.__getitem__)
 
@@ -292,6 +321,37 @@ def _item_indices(num_rows: int, max_examples: int | None) -> list[int]:
         return list(range(num_rows))
     # Files are often grouped (jeopardy by category), so a prefix would be a biased sample.
     return sorted(random.Random(SUBSAMPLE_SEED).sample(range(num_rows), max_examples))
+
+
+def score_items(
+    model: torch.nn.Module | None,
+    tokenizer: Tokenizer | None,
+    task: TaskConfig,
+    rows: list[dict],
+    indices: list[int],
+    *,
+    device: torch.device | str = "cpu",
+    max_seq_len: int = 2048,
+    scorer: Scorer | None = None,
+) -> list[bool]:
+    """Whether each item of ``indices`` is answered correctly (few-shot demos come from all ``rows``)."""
+    out = []
+    was_training = model.training if model is not None else False
+    if model is not None:
+        model.eval()
+    try:
+        with torch.no_grad():
+            for i in iterate(indices, f"CORE {task.label}", unit="item"):
+                prompts = render_prompts(task, rows, i)
+                if scorer is not None:
+                    outcome = scorer(task, rows[i], prompts)
+                else:
+                    outcome = _score_item(model, tokenizer, task, prompts, device, max_seq_len)
+                out.append(_is_correct(task, rows[i], outcome))
+    finally:
+        if model is not None:
+            model.train(was_training)
+    return out
 
 
 def _count_correct(
@@ -310,22 +370,9 @@ def _count_correct(
     """(correct, total) over this rank's items, summed over ranks when torch.distributed is up."""
     items = _item_indices(len(rows), max_examples)
     mine = [i for pos, i in enumerate(items) if pos % world_size == rank]
-    correct = 0
-    was_training = model.training if model is not None else False
-    if model is not None:
-        model.eval()
-    try:
-        with torch.no_grad():
-            for i in iterate(mine, f"CORE {task.label}", unit="item"):
-                prompts = render_prompts(task, rows, i)
-                if scorer is not None:
-                    outcome = scorer(task, rows[i], prompts)
-                else:
-                    outcome = _score_item(model, tokenizer, task, prompts, device, max_seq_len)
-                correct += _is_correct(task, rows[i], outcome)
-    finally:
-        if model is not None:
-            model.train(was_training)
+    correct = sum(
+        score_items(model, tokenizer, task, rows, mine, device=device, max_seq_len=max_seq_len, scorer=scorer)
+    )
     total = len(mine)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         counts = torch.tensor([correct, total], dtype=torch.long, device=device)

@@ -74,3 +74,33 @@ def chatcore(results: dict[str, float]) -> float:
             raise ValueError(f"unknown ChatCORE task {name!r}; known: {sorted(CHATCORE_BASELINES)}")
         scores.append(centered(acc, baselines[key]))
     return sum(scores) / len(scores)
+
+
+def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% for z = 1.96) of a proportion measured on ``n`` items.
+
+    Unlike the normal approximation it stays inside [0, 1] and is not zero-width at 0 or 1,
+    which matters for the small held-out sets of the tiny profile.
+    """
+    if n < 1:
+        raise ValueError(f"wilson_interval needs n >= 1, got {n}")
+    p = min(max(accuracy, 0.0), 1.0)
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def within_noise(acc_a: float, n_a: int, acc_b: float, n_b: int, z: float = 1.96) -> bool:
+    """True when two accuracies on independent samples differ by less than z standard errors of the difference.
+
+    The standard error uses each side's Wilson-adjusted proportion (p + z^2/2n) / (1 + z^2/n), so a
+    0/n or n/n side still has a non-zero variance.
+    """
+
+    def adj(p: float, n: int) -> float:
+        return (p * n + z * z / 2) / (n + z * z)
+
+    pa, pb = adj(acc_a, n_a), adj(acc_b, n_b)
+    se = math.sqrt(pa * (1 - pa) / (n_a + z * z) + pb * (1 - pb) / (n_b + z * z))
+    return abs(acc_a - acc_b) <= z * se

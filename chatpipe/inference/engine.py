@@ -4,6 +4,9 @@ The prompt is prefilled once with batch 1, its KV cache copied into ``num_sample
 one token per row is produced per step. When a row emits ``<|python_end|>``, the text since
 ``<|python_start|>`` goes to :func:`chatpipe.inference.calculator.evaluate`; a result is forced back into
 that row as ``<|output_start|>`` + result tokens + ``<|output_end|>``, one token per step, mask 0.
+A call the calculator rejects forces nothing. A call still open after ``max_tool_tokens`` tokens
+(a model looping on digits) is cut: ``<|python_end|>`` is forced and the row stops there, so no
+runaway output. Both count as failed calls in ``engine.tool_stats``.
 
 Usage::
 
@@ -36,6 +39,7 @@ class _Row:
     in_python: bool = False
     python_tokens: list[int] = field(default_factory=list)
     forced: deque[int] = field(default_factory=deque)
+    cut: bool = False  # a tool call ran past max_tool_tokens: stop once the forced tokens are out
 
 
 def sample_next(
@@ -71,9 +75,14 @@ def sample_next(
 class Engine:
     """Generation for a :class:`chatpipe.model.gpt.GPT` and a tokenizer with chat special tokens."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, max_tool_tokens: int = 32) -> None:
+        if max_tool_tokens < 1:
+            raise ValueError(f"max_tool_tokens must be >= 1, got {max_tool_tokens}")
         self.model = model
         self.tokenizer = tokenizer
+        # the calculator's expressions are a few numbers and operators: 32 tokens is generous
+        self.max_tool_tokens = max_tool_tokens
+        self.tool_stats = {"calls": 0, "failed": 0, "cut": 0}  # running totals over every generate()
         special = tokenizer.encode_special
         self.bos = tokenizer.bos_id
         self.assistant_end = special("<|assistant_end|>")
@@ -90,11 +99,20 @@ class Engine:
             row.in_python, row.python_tokens = True, []
         elif token == self.python_end and row.in_python:
             row.in_python = False
+            self.tool_stats["calls"] += 1
             result = evaluate(self.tokenizer.decode(row.python_tokens))
             if result is not None:
                 row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
+            else:
+                self.tool_stats["failed"] += 1
         elif row.in_python:
             row.python_tokens.append(token)
+            if len(row.python_tokens) >= self.max_tool_tokens:
+                row.in_python, row.cut = False, True
+                row.forced.append(self.python_end)
+                self.tool_stats["calls"] += 1
+                self.tool_stats["failed"] += 1
+                self.tool_stats["cut"] += 1
 
     @torch.inference_mode()
     def generate(
@@ -110,7 +128,8 @@ class Engine:
     ) -> Iterator[tuple[list[int], list[int]]]:
         """Stream (tokens, masks), one column per step, until every row stopped or ``max_tokens``.
 
-        Rows that have finished keep yielding ``bos`` with mask 0 as padding; callers ignore it.
+        Rows that have finished keep yielding ``bos`` with mask 0 as padding; callers ignore it
+        (the engine never forces ``bos``, so a masked ``bos`` is always padding).
         """
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token (e.g. <|bos|>)")
@@ -141,7 +160,9 @@ class Engine:
                 tok = row.forced.popleft() if forced else tok
                 tokens.append(tok)
                 masks.append(0 if forced else 1)
-                if not forced and tok in stops:
+                if forced and row.cut and not row.forced:
+                    row.done = True
+                elif not forced and tok in stops:
                     row.done = True
                 elif not forced:
                     self._tool_step(row, tok)
@@ -164,7 +185,8 @@ class Engine:
         done = [False] * num_samples
         for tokens, column_masks in self.generate(prompt_ids, num_samples=num_samples, **kw):
             for i, (tok, m) in enumerate(zip(tokens, column_masks)):
-                if done[i]:
+                if done[i] or (m == 0 and tok == self.bos):  # padding after the row stopped (e.g. a cut call)
+                    done[i] = True
                     continue
                 seqs[i].append(tok)
                 masks[i].append(m)
@@ -183,10 +205,12 @@ class Engine:
         are not shown. Text is held back while it ends inside a multi-byte UTF-8 character.
         Keyword arguments are those of :meth:`generate` (``num_samples`` is 1). A ``stats`` dict,
         when given, receives ``tokens`` (generated so far) and, at the end, ``finish_reason``
-        (``"stop"``: the model ended its turn; ``"length"``: ``max_tokens`` ran out).
+        (``"stop"``: the model ended its turn; ``"length"``: ``max_tokens`` ran out; ``"tool_cut"``:
+        a calculator call ran past ``max_tool_tokens`` and was cut).
         """
         stats = {} if stats is None else stats
         stats.update(tokens=0, finish_reason="length")
+        cuts = self.tool_stats["cut"]
         kinds = {
             self.python_start: "python",
             self.output_start: "python_output",
@@ -213,3 +237,5 @@ class Engine:
                 pending = []
         if pending:
             yield kind, self.tokenizer.decode(pending)
+        if self.tool_stats["cut"] > cuts:
+            stats["finish_reason"] = "tool_cut"

@@ -1,0 +1,201 @@
+"""One RL update from a batch of rollouts: GRPO-lite and PPO, with micro-batching (SPEC §8).
+
+    stats = grpo_update(model, optimizers, batch, scores, group_size=8, micro_batch=16)
+    stats = ppo_update(model, ref, critic, policy_opts, critic_opts, batch, scores, kl_ctl,
+                       PPOConfig(group_size=8, epochs=2, num_minibatches=2), step=step)
+
+The math (advantages, KL, GAE, clipped losses) lives in :mod:`chatpipe.rl.losses`; this module
+runs it over a batch: which rows go into which forward pass, when gradients are synced across
+DDP ranks, when the optimizers step and when PPO stops early. ``model`` is anything called as
+``model(inputs, targets, loss_reduction="none") -> per-token loss [B, T]`` (a GPT, or the GPT
+wrapped in DDP); ``critic(inputs) -> values [B, T]``. Unit tests: tests/test_rl_update.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from chatpipe import runtime
+from chatpipe.rl import losses as rl
+from chatpipe.rl.rollout import Rollouts, token_logprobs
+from chatpipe.rl.value import token_values
+
+Autocast = Callable[[], AbstractContextManager]
+
+
+def micro_batches(n_rows: int, size: int) -> list[slice]:
+    """Row slices of at most ``size`` rows (``size`` <= 0: one slice of all rows)."""
+    size = size if size > 0 else max(n_rows, 1)
+    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+
+
+def _no_sync(model, last: bool) -> AbstractContextManager:
+    """DDP syncs gradients on the backward of the last micro-batch only; plain modules always "sync"."""
+    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+
+
+def _step(optimizers: list, modules: list) -> None:
+    for opt in optimizers:
+        opt.step()
+    _zero(modules)
+
+
+def _zero(modules: list) -> None:
+    for m in modules:
+        if m is not None:
+            m.zero_grad(set_to_none=True)
+
+
+def grpo_update(
+    model,
+    optimizers: list,
+    batch: Rollouts,
+    scores: torch.Tensor,
+    *,
+    group_size: int,
+    normalize_std: bool = False,
+    micro_batch: int = 16,
+    autocast: Autocast = contextlib.nullcontext,
+) -> dict[str, float]:
+    """One policy-gradient step: advantage = score - group mean, loss over the batch's action tokens.
+
+    Rows are consecutive groups of ``group_size`` samples of one prompt. The loss of every
+    micro-batch is divided by the action tokens of the *whole* batch, so accumulating the
+    micro-batches' gradients equals one pass over all rows. Returns ``loss/policy`` (the summed
+    loss) and ``adv/abs_mean``.
+    """
+    if len(scores) % group_size:
+        raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
+    adv = rl.group_advantages(scores.view(-1, group_size), normalize_std).flatten()
+    num_tokens = batch.mask.sum().item()
+    chunks = micro_batches(len(scores), micro_batch)
+    total = 0.0
+    for i, rows in enumerate(chunks):
+        with _no_sync(model, i == len(chunks) - 1), autocast():
+            logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
+        loss.backward()
+        total += loss.item()
+    _step(optimizers, [model])
+    return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item()}
+
+
+@dataclass
+class PPOConfig:
+    """The knobs of :func:`ppo_update` (names follow the ``rl`` params section)."""
+
+    group_size: int
+    epochs: int = 2
+    num_minibatches: int = 2
+    micro_batch: int = 16
+    clip_eps: float = 0.2
+    value_clip: float = 0.2
+    value_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_estimator: str = "k1"
+    whiten: str = "batch"  # batch | group | none
+    normalize_std: bool = False
+    max_ratio: float = 5.0
+    seed: int = 0
+
+
+def ppo_update(
+    model,
+    ref,
+    critic,
+    policy_opts: list,
+    critic_opts: list,
+    batch: Rollouts,
+    scores: torch.Tensor,
+    kl_ctl: rl.KLController,
+    cfg: PPOConfig,
+    *,
+    step: int = 0,
+    autocast: Autocast = contextlib.nullcontext,
+) -> dict[str, float]:
+    """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches.
+
+    Each epoch shuffles the rows (seeded by ``cfg.seed`` and ``step``) into ``num_minibatches``
+    minibatches; each minibatch is one optimizer step, accumulated over micro-batches. When any
+    action token's importance ratio exceeds ``cfg.max_ratio`` (on any rank) the minibatch's
+    gradients are dropped and the update stops. The KL controller is moved by the batch's mean
+    sequence KL. Returns mean losses, clip fraction and approximate KL per optimizer step,
+    ``ppo/updates``, ``ppo/early_stop`` and ``kl_sum`` (summed sequence KL of this rank's rows).
+    """
+    mb = cfg.micro_batch
+    with torch.no_grad(), autocast():
+        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb)
+        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb)
+        old_values = token_values(critic, batch.inputs, mb) if critic is not None else None
+    rewards, kl = rl.kl_penalized_rewards(scores, old_logp, ref_logp, batch.mask, kl_ctl.value, cfg.kl_estimator)
+    if critic is not None:
+        adv, returns = rl.gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam)
+    else:  # no critic: the sequence's total reward minus its group's mean, on every action token
+        seq_adv = rl.group_advantages(rewards.sum(1).view(-1, cfg.group_size), cfg.normalize_std).flatten()
+        adv, returns = seq_adv[:, None] * batch.mask, None
+    if cfg.whiten != "none":
+        adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
+
+    n = len(scores)
+    rows_per_mb = max(1, n // cfg.num_minibatches)
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+    stats = {"loss/policy": 0.0, "loss/value": 0.0, "ppo/clip_frac": 0.0, "ppo/approx_kl": 0.0, "ppo/updates": 0.0}
+    device = batch.inputs.device
+    stopped = False
+    for _ in range(cfg.epochs):
+        perm = torch.randperm(n, generator=g).to(device)
+        for start in range(0, rows_per_mb * cfg.num_minibatches, rows_per_mb):
+            rows_mb = perm[start : start + rows_per_mb]
+            if len(rows_mb) == 0:
+                continue
+            num_tokens = batch.mask[rows_mb].sum().item()
+            chunks = micro_batches(len(rows_mb), mb)
+            exceeded = torch.zeros(1, device=device)
+            for i, sl in enumerate(chunks):
+                rows = rows_mb[sl]
+                mask = batch.mask[rows]
+                last = i == len(chunks) - 1
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(_no_sync(model, last))
+                    if critic is not None:
+                        stack.enter_context(_no_sync(critic, last))
+                    stack.enter_context(autocast())
+                    logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+                    loss, s = rl.clipped_surrogate(logp, old_logp[rows], adv[rows], mask, cfg.clip_eps, num_tokens)
+                    stats["loss/policy"] += loss.item()
+                    if critic is not None:
+                        values = critic(batch.inputs[rows])
+                        v_loss, _ = rl.clipped_value_loss(
+                            values, old_values[rows], returns[rows], mask, cfg.value_clip, num_tokens
+                        )
+                        stats["loss/value"] += v_loss.item()
+                        loss = loss + cfg.value_coef * v_loss
+                loss.backward()  # DDP decided in the forward (inside no_sync or not) whether this syncs
+                stats["ppo/clip_frac"] += s["clip_frac"] / len(chunks)
+                stats["ppo/approx_kl"] += s["approx_kl"] / len(chunks)
+                if rl.ratio_exceeds_cap(logp.detach(), old_logp[rows], mask, cfg.max_ratio):
+                    exceeded += 1
+            # every rank must agree to step or stop, or DDP's next all-reduce would hang
+            if runtime.all_reduce_sum(exceeded).item() > 0:
+                stopped = True
+                _zero([model, critic])
+                break
+            _step(policy_opts + critic_opts, [model, critic])
+            stats["ppo/updates"] += 1
+        if stopped:
+            break
+    updates = max(stats["ppo/updates"], 1.0)
+    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl"):
+        stats[k] /= updates
+    stats["ppo/early_stop"] = float(stopped)
+    seq_kl = kl.sum(1)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    kl_ctl.update(seq_kl.mean().item(), n * world)
+    stats["kl_sum"] = seq_kl.sum().item()
+    return stats

@@ -1,0 +1,165 @@
+"""GRPO and PPO updates (chatpipe.rl.update) against hand-computed parameter values.
+
+The "policy" is a unigram model over a 2-token vocabulary: logits = w, whatever the input, so
+log p(t) = log_softmax(w)[t] and d log p(t) / dw = onehot(t) - softmax(w). With w = 0, p = (1/2, 1/2)
+and every gradient below is a few fractions; SGD with lr 1 turns it into the new w.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chatpipe.rl.losses import KLController
+from chatpipe.rl.rollout import Rollouts
+from chatpipe.rl.update import PPOConfig, grpo_update, micro_batches, ppo_update
+
+
+class Unigram(torch.nn.Module):
+    """Next-token logits ``w`` at every position."""
+
+    def __init__(self, w: list[float]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(w))
+
+    def forward(self, inputs, targets, loss_reduction="none"):
+        logits = self.w.expand(*targets.shape, -1)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none").view(
+            targets.shape
+        )
+
+
+class ConstantCritic(torch.nn.Module):
+    """V = c at every position."""
+
+    def __init__(self, c: float = 0.0) -> None:
+        super().__init__()
+        self.c = torch.nn.Parameter(torch.tensor(c))
+
+    def forward(self, inputs):
+        return self.c.expand(inputs.shape).float()
+
+
+def two_rows(targets: list[list[int]], mask: list[list[float]], scores: list[float]) -> Rollouts:
+    t = torch.tensor(targets)
+    b = len(targets)
+    return Rollouts(
+        inputs=torch.zeros_like(t),
+        targets=t,
+        mask=torch.tensor(mask),
+        scores=torch.tensor(scores),
+        ended=torch.ones(b, dtype=torch.bool),
+        lengths=torch.tensor(mask).sum(1).long(),
+        groups=torch.zeros(b, dtype=torch.long),
+    )
+
+
+def sgd(model, lr=1.0):
+    return [torch.optim.SGD(model.parameters(), lr=lr)]
+
+
+def test_micro_batches_cover_rows_once():
+    assert micro_batches(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert micro_batches(3, 0) == [slice(0, 3)]
+
+
+def test_grpo_step_by_hand():
+    # row 0 sampled token 0 and scored 1, row 1 sampled token 1 and scored 0: adv = (+1/2, -1/2)
+    # loss = -(1/2 log p(0) - 1/2 log p(1)) / 2 tokens = 0 at w = 0
+    # grad = -(1/2 (e0 - p) - 1/2 (e1 - p)) / 2 = (-1/4, +1/4)  ->  w = (1/4, -1/4)
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=16)
+    assert model.w.tolist() == pytest.approx([0.25, -0.25])
+    assert stats["loss/policy"] == pytest.approx(0.0, abs=1e-7)
+    assert stats["adv/abs_mean"] == pytest.approx(0.5)
+    assert model.w.grad is None  # zeroed after the step
+
+
+def test_grpo_normalizes_by_all_action_tokens_of_the_batch():
+    # row 0: two action tokens (0, 0) and a masked third; row 1: one action token (1). N = 3.
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0, 0, 1], [1, 0, 0]], [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], [1.0, 0.0])
+    grpo_update(model, sgd(model), batch, batch.scores, group_size=2)
+    # e0 - p = (1/2, -1/2), e1 - p = (-1/2, 1/2)
+    # sum adv * dlogp = 1/2 * 2 * (1/2, -1/2) - 1/2 * (-1/2, 1/2) = (3/4, -3/4); grad = -(3/4, -3/4)/3
+    assert model.w.tolist() == pytest.approx([0.25, -0.25])
+
+
+def test_grpo_micro_batches_accumulate_to_the_full_batch_gradient():
+    batch = two_rows([[0, 1], [1, 1], [0, 0], [1, 0]], [[1, 1], [1, 0], [1, 1], [0, 1]], [1.0, 0.0, 1.0, 0.0])
+    whole, split = Unigram([0.3, -0.1]), Unigram([0.3, -0.1])
+    grpo_update(whole, sgd(whole), batch, batch.scores, group_size=2, micro_batch=4)
+    grpo_update(split, sgd(split), batch, batch.scores, group_size=2, micro_batch=1)
+    assert split.w.tolist() == pytest.approx(whole.w.tolist())
+    assert whole.w.tolist() != pytest.approx([0.3, -0.1])
+
+
+def test_grpo_rejects_batch_not_made_of_groups():
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1], [0]], [[1.0], [1.0], [1.0]], [1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="group_size=2"):
+        grpo_update(model, sgd(model), batch, batch.scores, group_size=2)
+
+
+def ppo_cfg(**kw) -> PPOConfig:
+    base = dict(group_size=2, epochs=1, num_minibatches=1, whiten="none", max_ratio=0.0)
+    return PPOConfig(**{**base, **kw})
+
+
+def test_ppo_without_critic_first_step_equals_policy_gradient():
+    # ratio = 1 on the first minibatch, so the clipped surrogate has the policy-gradient gradient;
+    # ref == policy, so KL = 0 and the group advantages are (+1/2, -1/2) as in the GRPO case.
+    model = Unigram([0.0, 0.0])
+    ref = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    kl = KLController(0.1)
+    stats = ppo_update(model, ref, None, sgd(model), [], batch, batch.scores, kl, ppo_cfg())
+    assert model.w.tolist() == pytest.approx([0.25, -0.25])
+    assert stats["ppo/updates"] == 1.0
+    assert stats["ppo/early_stop"] == 0.0
+    assert stats["kl_sum"] == pytest.approx(0.0)
+
+
+def test_ppo_stops_when_ratio_exceeds_cap():
+    # epoch 1 moves w to (1/4, -1/4); in epoch 2 p(0) = sigmoid(1/2) = 0.6225, ratio 0.6225/0.5 = 1.245 > 1.2
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    stats = ppo_update(
+        model, Unigram([0.0, 0.0]), None, sgd(model), [], batch, batch.scores, KLController(0.0),
+        ppo_cfg(epochs=2, max_ratio=1.2),
+    )  # fmt: skip
+    assert stats["ppo/updates"] == 1.0 and stats["ppo/early_stop"] == 1.0
+    assert model.w.tolist() == pytest.approx([0.25, -0.25])  # the second epoch's gradient was dropped
+    assert math.isclose(1 / (1 + math.exp(-0.5)) / 0.5, 1.2449, rel_tol=1e-4)
+
+
+def test_ppo_with_critic_by_hand():
+    # one action token per row, gamma = lam = 1, V = 0: advantage = return = score = (1, 0);
+    # batch whitening: mean 1/2, std 1/2 -> (+1, -1)
+    # policy grad = -(1 (e0 - p) - 1 (e1 - p)) / 2 = (-1/2, +1/2)  ->  w = (1/2, -1/2)
+    # value loss = 1/2 mean((V - R)^2); d/dc = mean(c - R) = -1/2; value_coef 1  ->  c = 1/2
+    model, critic = Unigram([0.0, 0.0]), ConstantCritic(0.0)
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    stats = ppo_update(
+        model, Unigram([0.0, 0.0]), critic, sgd(model), sgd(critic), batch, batch.scores, KLController(0.0),
+        ppo_cfg(whiten="batch", gamma=1.0, lam=1.0, value_coef=1.0),
+    )  # fmt: skip
+    assert model.w.tolist() == pytest.approx([0.5, -0.5], abs=1e-6)
+    assert critic.c.item() == pytest.approx(0.5)
+    assert stats["loss/value"] == pytest.approx(0.25)
+
+
+def test_ppo_kl_penalty_moves_adaptive_controller():
+    # policy w = (1, 0) vs reference 0: k1 KL of token 0 = log p(0) - log(1/2) = log(2 e / (1 + e))
+    model, ref = Unigram([1.0, 0.0]), Unigram([0.0, 0.0])
+    batch = two_rows([[0], [0]], [[1.0], [1.0]], [1.0, 1.0])
+    ctl = KLController(0.1, adaptive=True, target=0.01, horizon=10)
+    stats = ppo_update(model, ref, None, sgd(model), [], batch, batch.scores, ctl, ppo_cfg())
+    kl0 = math.log(2 * math.e / (1 + math.e))
+    assert stats["kl_sum"] == pytest.approx(2 * kl0, rel=1e-5)
+    # KL far above target: error clipped to +0.2, beta *= 1 + 0.2 * 2 rows / 10
+    assert ctl.value == pytest.approx(0.1 * 1.04)
