@@ -33,7 +33,15 @@ from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import collect_rollouts, evaluate_problems, load_problems, rank_indices
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
-from chatpipe.settings import RLSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
+from chatpipe.settings import (
+    RLSettings,
+    TrackingSettings,
+    TrainSettings,
+    active_profile,
+    load_section,
+    math_settings,
+    snapshot,
+)
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
@@ -73,8 +81,8 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
 
     # --- optimizers: a fraction of the init model's LRs, decayed linearly to 0
-    init_lrs = {
-        k: init_meta.get("settings", {}).get(k, getattr(cfg, k))
+    init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
+        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default)
         for k in ("matrix_lr", "embedding_lr", "unembedding_lr")
     }
     policy_opts = build_optimizers(
