@@ -40,7 +40,9 @@ def _status(settings, run_id: str) -> str:
     return mlflow.MlflowClient().get_run(run_id).info.status
 
 
-@pytest.mark.parametrize(("exc", "status"), [(SystemExit(143), "KILLED"), (KeyboardInterrupt(), "KILLED"), (ValueError("x"), "FAILED")])
+@pytest.mark.parametrize(
+    ("exc", "status"), [(SystemExit(143), "KILLED"), (KeyboardInterrupt(), "KILLED"), (ValueError("x"), "FAILED")]
+)
 def test_a_run_ended_by_a_signal_or_error_is_killed_or_failed(store, exc, status):
     with pytest.raises(type(exc)):
         with tracking.stage_run("data", store, {"a": 1}, profile="tiny") as run:

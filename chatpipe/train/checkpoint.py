@@ -125,7 +125,9 @@ def _write(path: Path, obj: Any) -> None:
         torch.save(obj, path)
     except (OSError, RuntimeError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise OSError(getattr(e, "errno", None) or 28, f"could not write {path}: {reason}; {_free_space(path.parent)}") from e
+        raise OSError(
+            getattr(e, "errno", None) or 28, f"could not write {path}: {reason}; {_free_space(path.parent)}"
+        ) from e
 
 
 def sweep_temps(work_dir: Path) -> list[Path]:
@@ -254,6 +256,24 @@ def load_checkpoint(
     return meta
 
 
+def carried_over(meta: dict[str, Any] | None) -> dict[str, Any]:
+    """What a resumed run continues from its checkpoint's ``carried`` record: running totals
+    (train seconds, tokens) and the MLflow run ids that trained the steps so far."""
+    return dict((meta or {}).get("carried") or {})
+
+
+def producing_runs(carried: dict[str, Any], run, *, trains: bool) -> list[str]:
+    """MLflow run ids that trained this model: those carried over, plus ``run`` if it trains a step.
+
+    A resume from the final checkpoint trains nothing, so it adds nothing and the stage output
+    (its meta.json included) comes out byte-identical to the one the training run wrote.
+    """
+    ids = list(carried.get("mlflow_run_ids") or [])
+    if trains and run is not None:
+        ids.append(run.info.run_id)
+    return ids
+
+
 # --------------------------------------------------------------------------- stage outputs
 
 
@@ -286,7 +306,9 @@ def verify_model_dir(model_dir: Path, meta: dict[str, Any] | None = None) -> Non
     meta = read_meta(model_dir) if meta is None else meta
     recorded = meta.get("files")
     if not recorded:
-        raise ValueError(f"{model_dir / 'meta.json'}: no 'files' sha256 record; re-run the stage that wrote {model_dir}")
+        raise ValueError(
+            f"{model_dir / 'meta.json'}: no 'files' sha256 record; re-run the stage that wrote {model_dir}"
+        )
     for name, digest in recorded.items():
         path = model_dir / name
         if not path.exists():
