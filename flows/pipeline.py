@@ -38,6 +38,26 @@ def dvc_stages(path: Path = Path("dvc.yaml")) -> list[str]:
 STAGES = dvc_stages(Path(__file__).resolve().parents[1] / "dvc.yaml")
 
 
+# `dvc repro` children of this flow: a SIGTERM to the flow (Prefect cancel, CI timeout) is passed
+# on to them, and DVC's death reaches the launcher and its workers (PR_SET_PDEATHSIG).
+_DVC_CHILDREN: set[subprocess.Popen] = set()
+
+
+def _terminate_children(signum, frame) -> None:
+    for proc in list(_DVC_CHILDREN):
+        proc.terminate()
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _die_with_flow() -> None:
+    """preexec_fn of a `dvc repro` child: SIGTERM when the flow process dies, even by kill -9."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
 def _bin(name: str) -> str:
     """A console script of the Python running the flow (so the venv's dvc is used)."""
     candidate = Path(sys.executable).parent / name
@@ -58,13 +78,22 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_die_with_flow,
     )
+    _DVC_CHILDREN.add(proc)
     skipped = False
-    for line in proc.stdout:
-        line = line.rstrip()
-        skipped |= "didn't change, skipping" in line
-        logger.info(line)
-    if proc.wait() != 0:
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            skipped |= "didn't change, skipping" in line
+            logger.info(line)
+        proc.wait()
+    finally:
+        _DVC_CHILDREN.discard(proc)
+        if proc.poll() is None:  # interrupted: stop DVC, which stops the launcher and workers
+            proc.terminate()
+            proc.wait()
+    if proc.returncode != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
     if parent_run_id and not skipped:
         tracking.tag_stage_runs(
@@ -99,7 +128,12 @@ def pipeline(profile: str | None = None, stages: list[str] | None = None, resume
         import mlflow
 
         experiment_id = tracking.configure(track)
-        tags = {**tracking.base_tags("pipeline", active_profile()), "stages": ",".join(selected)}
+        tracking.close_stale_runs(mlflow.MlflowClient(), experiment_id, "pipeline")
+        tags = {
+            **tracking.base_tags("pipeline", active_profile()),
+            **tracking.process_tags(),
+            "stages": ",".join(selected),
+        }
         parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name="pipeline", tags=tags).info.run_id
     results: dict[str, str] = {}
     status = "FAILED"
@@ -108,6 +142,9 @@ def pipeline(profile: str | None = None, stages: list[str] | None = None, resume
             results[stage] = run_stage(stage, parent_id)
             logger.info("stage %s: %s", stage, results[stage])
         status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         if parent_id:
             import mlflow
@@ -134,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     # Without a configured Prefect server, start the temporary one now so that it boots while
     # this process opens (or creates) the MLflow store, the other slow part of starting a run.
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate_children)  # unwinds: DVC stopped, parent run KILLED, server stopped
     server = None if prefect_api.configured() else prefect_api.TemporaryServer()
     try:
         track = load_section(TrackingSettings)
