@@ -92,3 +92,38 @@ def test_parse_cli_forms():
     assert parse_cli(["--a=1", "--b-c", "2", "d=3"]) == {"a": "1", "b_c": "2", "d": "3"}
     with pytest.raises(ParamsError, match="no value"):
         parse_cli(["--dangling"])
+
+
+# --------------------------------------------------------------------------- issue 15 item 5
+
+
+def test_env_var_with_an_unknown_section_is_rejected(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAINN__DEPTH", "5")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_PRETRAINN__DEPTH.*unknown section 'pretrainn'.*pretrain"):
+        validate_all()
+
+
+def test_errors_in_env_and_cli_values_name_their_source(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH", "0")
+    with pytest.raises(ParamsError, match="environment variable CHATPIPE_PRETRAIN__DEPTH") as e:
+        load_section(PretrainSettings)
+    assert str(params_file) not in str(e.value)
+    monkeypatch.delenv("CHATPIPE_PRETRAIN__DEPTH")
+    with pytest.raises(ParamsError, match="command line --nnodes") as e:
+        load_section(LaunchSettings, {"nnodes": 0})
+    assert str(params_file) not in str(e.value)
+
+
+def test_malformed_json_in_an_env_var_is_a_clear_error(params_file, monkeypatch):
+    from chatpipe.settings import EvalSettings
+
+    monkeypatch.setenv("CHATPIPE_EVAL__STAGES", "[base")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_EVAL__STAGES = '\[base'.*JSON"):
+        load_section(EvalSettings)
+
+
+def test_launch_rejects_zero_nodes_from_the_command_line(params_file, capsys):
+    from chatpipe.launch import main
+
+    assert main(["pretrain", "--nnodes=0", "--dryrun"]) == 2
+    assert "nnodes" in capsys.readouterr().err
