@@ -73,7 +73,7 @@ class ChatRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=5)
     top_k: int | None = Field(None, ge=0)
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # torch.Generator.manual_seed takes a 64-bit seed
     stream: bool = True
 
 
