@@ -121,6 +121,19 @@ def forget_run_cache(project: Path) -> None:
     shutil.rmtree(project / ".dvc" / "cache" / "runs", ignore_errors=True)
 
 
+def forget_stage(project: Path, stage: str) -> None:
+    """Drop ``stage`` from dvc.lock and remove its checkpoints and output, so DVC runs it from
+    scratch (otherwise it checks the reference run's output out of its cache)."""
+    import yaml
+
+    lock_path = project / "dvc.lock"
+    lock = yaml.safe_load(lock_path.read_text())
+    lock.get("stages", {}).pop(stage, None)
+    lock_path.write_text(yaml.safe_dump(lock, sort_keys=False))
+    shutil.rmtree(project / "checkpoints" / stage, ignore_errors=True)
+    shutil.rmtree(project / "artifacts" / OUTPUT[stage], ignore_errors=True)
+
+
 def start(project: Path, *cmd: str) -> subprocess.Popen:
     forget_run_cache(project)
     log = open(project / "logs" / "chaos.log", "ab")  # noqa: SIM115 - closed by the child's exit
@@ -147,11 +160,10 @@ def wait_for(predicate, timeout: float, poll: float = 0.005) -> bool:
 
 def kill_trial(project: Path, stage: str, rng: random.Random, during_write: bool, expected_s: float) -> dict:
     """One kill -9 of the stage's worker, then a clean re-run; returns what happened."""
-    shutil.rmtree(project / "checkpoints" / stage, ignore_errors=True)
-    shutil.rmtree(project / "artifacts" / OUTPUT[stage], ignore_errors=True)
+    forget_stage(project, stage)
     proc = start(project, str(BIN / "dvc"), "repro", "--single-item", stage)
     killed, moment = False, ""
-    if wait_for(lambda: workers(project, stage), 300, poll=0.05):
+    if wait_for(lambda: workers(project, stage) or proc.poll() is not None, 300, poll=0.05) and proc.poll() is None:
         ckpt = project / "checkpoints" / stage
         if during_write:
             hit = wait_for(lambda: ckpt.exists() and any(p.name.startswith(".step_") for p in ckpt.iterdir()), 300)
@@ -176,8 +188,7 @@ def kill_trial(project: Path, stage: str, rng: random.Random, during_write: bool
 
 def flow_trial(project: Path, stage: str, rng: random.Random, expected_s: float) -> dict:
     """SIGTERM the Prefect flow while the stage's worker runs, then re-run the flow."""
-    shutil.rmtree(project / "checkpoints" / stage, ignore_errors=True)
-    shutil.rmtree(project / "artifacts" / OUTPUT[stage], ignore_errors=True)
+    forget_stage(project, stage)
     cmd = (str(BIN / "python"), "-m", "flows.pipeline", "--stages", stage)
     proc = start(project, *cmd)
     killed = False
