@@ -169,7 +169,7 @@ def kill_trial(project: Path, stage: str, rng: random.Random, during_write: bool
             hit = wait_for(lambda: ckpt.exists() and any(p.name.startswith(".step_") for p in ckpt.iterdir()), 300)
             moment = "checkpoint write" if hit else "end (no write seen)"
         else:
-            delay = rng.uniform(0.0, expected_s)
+            delay = rng.uniform(0.0, 0.6 * expected_s)  # expected_s includes DVC and launcher start
             wait_for(lambda: proc.poll() is not None, delay, poll=0.05)
             moment = f"{delay:.1f}s after start"
         for w in workers(project, stage):
@@ -193,7 +193,7 @@ def flow_trial(project: Path, stage: str, rng: random.Random, expected_s: float)
     proc = start(project, *cmd)
     killed = False
     if wait_for(lambda: workers(project, stage), 600, poll=0.05):
-        wait_for(lambda: proc.poll() is not None, rng.uniform(0.0, expected_s), poll=0.05)
+        wait_for(lambda: proc.poll() is not None, rng.uniform(0.0, 0.6 * expected_s), poll=0.05)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             killed = True
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, help="write the summary here")
     ap.add_argument("--keep", action="store_true", help="keep the temp project")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still cleans up below
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="chatpipe-chaos-"))
     project = make_project(tmp, CHAOS_PARAMS)
