@@ -158,30 +158,53 @@ def wait_for(predicate, timeout: float, poll: float = 0.005) -> bool:
     return False
 
 
-def kill_trial(project: Path, stage: str, rng: random.Random, during_write: bool, expected_s: float) -> dict:
-    """One kill -9 of the stage's worker, then a clean re-run; returns what happened."""
-    forget_stage(project, stage)
-    proc = start(project, str(BIN / "dvc"), "repro", "--single-item", stage)
-    killed, moment = False, ""
-    if wait_for(lambda: workers(project, stage) or proc.poll() is not None, 300, poll=0.05) and proc.poll() is None:
-        ckpt = project / "checkpoints" / stage
-        if during_write:
-            hit = wait_for(lambda: ckpt.exists() and any(p.name.startswith(".step_") for p in ckpt.iterdir()), 300)
-            moment = "checkpoint write" if hit else "end (no write seen)"
-        else:
-            delay = rng.uniform(0.0, 0.6 * expected_s)  # expected_s includes DVC and launcher start
-            wait_for(lambda: proc.poll() is not None, delay, poll=0.05)
-            moment = f"{delay:.1f}s after start"
-        for w in workers(project, stage):
-            try:
-                w.kill()
-                killed = True
-            except psutil.Error:
-                pass
-    proc.wait(timeout=300)
-    resumed = (project / "checkpoints" / stage).exists() and any(
-        p.name.startswith("step_") for p in (project / "checkpoints" / stage).iterdir()
-    )
+def newest_step(project: Path, stage: str) -> int:
+    """Highest complete checkpoint step of the stage so far (-1: none)."""
+    ckpt = project / "checkpoints" / stage
+    steps = [int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit()] if ckpt.exists() else []
+    return max(steps, default=-1)
+
+
+def kill_trial(project: Path, stage: str, rng: random.Random, during_write: bool) -> dict:
+    """kill -9 of the stage's worker, then a clean re-run; returns what happened.
+
+    The moment: the instant a checkpoint temp dir appears (``during_write``), or a random point of
+    training: once the newest checkpoint reaches a random step (0: right after the worker starts),
+    plus up to a second. A run that ends before the moment is retried (up to 3 times), so a
+    trial is a kill unless the stage keeps finishing first.
+    """
+    every, total = CHAOS_PARAMS[stage]["checkpoint_every"], CHAOS_PARAMS[stage]["max_steps"]
+    for _attempt in range(3):
+        forget_stage(project, stage)
+        proc = start(project, str(BIN / "dvc"), "repro", "--single-item", stage)
+        killed, moment = False, ""
+        started = wait_for(lambda proc=proc: workers(project, stage) or proc.poll() is not None, 300, poll=0.05)
+        if started and proc.poll() is None:
+            ckpt = project / "checkpoints" / stage
+            if during_write:
+                wait_for(lambda c=ckpt: c.exists() and any(p.name.startswith(".step_") for p in c.iterdir()), 300)
+                moment = "checkpoint write"
+            else:
+                target = rng.randrange(0, total, every)  # 0, every, 2*every, ... below the last step
+                extra = rng.uniform(0.0, 1.0)
+                wait_for(
+                    lambda t=target, proc=proc: newest_step(project, stage) >= t or proc.poll() is not None,
+                    300,
+                    poll=0.02,
+                )
+                time.sleep(extra)
+                moment = f"{extra:.2f}s after checkpoint {target}" if target else f"{extra:.2f}s after worker start"
+            for w in workers(project, stage):
+                try:
+                    w.kill()
+                    killed = True
+                except psutil.Error:
+                    pass
+        proc.wait(timeout=300)
+        if killed:
+            break
+        repro(project, stage)  # finished first: let the stage complete, then try again
+    resumed = newest_step(project, stage) > 0
     repro(project, stage)
     return {"killed": killed, "moment": moment, "resumed": resumed and killed}
 
@@ -247,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows = []
             for i in range(args.trials + args.flow_trials):
                 if i < args.trials:
-                    row = kill_trial(project, stage, rng, during_write=i % 3 == 2, expected_s=durations[stage])
+                    row = kill_trial(project, stage, rng, during_write=i % 3 == 2)
                 else:
                     row = flow_trial(project, stage, rng, expected_s=durations[stage])
                 row.update(check(project, stage, reference))
