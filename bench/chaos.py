@@ -188,7 +188,7 @@ def kill_trial(project: Path, stage: str, rng: random.Random, during_write: bool
                 target = rng.randrange(0, total, every)  # 0, every, 2*every, ... below the last step
                 extra = rng.uniform(0.0, 1.0)
                 wait_for(
-                    lambda t=target, proc=proc: newest_step(project, stage) >= t or proc.poll() is not None,
+                    lambda t=target, proc=proc: t == 0 or newest_step(project, stage) >= t or proc.poll() is not None,
                     300,
                     poll=0.02,
                 )
