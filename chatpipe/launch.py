@@ -120,6 +120,92 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+# --------------------------------------------------------------------------- local process lifetime
+# A worker must never outlive the launcher that started it: DVC's lock is released when the
+# launcher exits, and a worker left running would keep writing checkpoints/ and artifacts/
+# beside the next run. Linux's PR_SET_PDEATHSIG delivers a signal to a process when its parent
+# dies, for any reason including kill -9; it survives execve.
+PR_SET_PDEATHSIG = 1
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "fish", "ksh"})
+
+# Runs in each local worker before its real command: ask for SIGKILL when the launcher dies,
+# make sure the launcher is still there (it may have died before the prctl), then exec.
+WORKER_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('chatpipe.launch: launcher gone before the worker started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of ``pid`` (clock ticks since boot), to tell a live process from a reused PID."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def follow_parent(poll_s: float = 0.5) -> None:
+    """Make this launcher stop (SIGTERM, so it cancels its app) when whoever started it goes away.
+
+    The parent is covered by PR_SET_PDEATHSIG. DVC runs the stage cmd as ``$SHELL -c cmd``; shells
+    usually exec a single command, but when one stays in between, it outlives a killed DVC, so
+    the shell's parent is watched too, by a daemon thread polling its PID and start time.
+    """
+    import threading
+
+    parent = os.getppid()
+    if not set_parent_death_signal(signal.SIGTERM):
+        return
+    if os.getppid() != parent or parent == 1:  # parent died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if _process_name(parent) not in SHELLS:
+        return
+    grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    started = _process_start(grandparent)
+    if grandparent <= 1 or started is None:
+        return
+
+    def watch() -> None:
+        while _process_start(grandparent) == started:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
+
+
+def guard_local_workers(app) -> None:
+    """Wrap each role's command in :data:`WORKER_GUARD`, so local workers die with this launcher.
+
+    Only for ``local_cwd``, where torchx starts the workers as children of this process (each in
+    a session of its own, so a signal to our process group would not reach them).
+    """
+    for role in app.roles:
+        role.args = ["-c", WORKER_GUARD, str(os.getpid()), role.entrypoint, *role.args]
+        role.entrypoint = sys.executable
+        role.env["CHATPIPE_PDEATHSIG"] = "1"  # workers torchrun starts set it for themselves
+
+
 def run_stage(
     stage: str,
     stage_args: list[str] | None = None,
@@ -151,6 +237,8 @@ def run_stage(
             print(runner.dryrun(app, launch.scheduler, cfg=cfg))
             return 0
         started = time.perf_counter()
+        if launch.scheduler == "local_cwd":
+            guard_local_workers(app)
         handle = runner.run(app, launch.scheduler, cfg=cfg)
         print(f"[launch] {stage}: {handle}", flush=True)
         try:
@@ -201,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         validate_all()  # a bad value anywhere stops here, before any stage writes anything
-        overrides = {k: v for k, v in vars(args).items() if k in ("scheduler", "nnodes", "nproc_per_node") and v}
+        overrides = {
+            k: v for k, v in vars(args).items() if k in ("scheduler", "nnodes", "nproc_per_node") and v is not None
+        }  # 0 is a value to validate (and reject), not "not given"
         launch = load_section(LaunchSettings, overrides)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -210,4 +300,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    follow_parent()  # a killed `dvc repro` / flow stops this launcher, which cancels its workers
     sys.exit(main())

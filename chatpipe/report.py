@@ -11,6 +11,7 @@ tagged with the git commit and dvc.lock hashes they came from) and from MLflow (
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -177,6 +178,51 @@ def stage_runs(client: Any, experiment_id: str, parent_run_id: str | None) -> di
             if found:
                 runs[stage] = found[0]
     return {s: runs[s] for s in PIPELINE_STAGES if s in runs}
+
+
+# stage -> the file in artifacts/ that records the MLflow run id which produced it
+ARTIFACT_RECORDS = {
+    "pretrain": "base/meta.json",
+    "midtrain": "mid/meta.json",
+    "sft": "sft/meta.json",
+    "rl": "rl/meta.json",
+    "eval": "eval/results.json",
+}
+
+
+def artifact_runs(client: Any, experiment_id: str, artifacts: Path = Path("artifacts")) -> dict[str, Any]:
+    """The MLflow run that produced each stage's artifacts, in pipeline order.
+
+    Model stages and eval record their run id (``mlflow_run_id``) in the artifact's meta.json /
+    results.json: that run and no other is used, so a newer FAILED or killed run is never credited.
+    An artifact without a recorded id (tracking was off) gets no run. ``data`` and ``tokenizer``
+    record none (a re-run with the same inputs must keep their hash), so their newest FINISHED
+    run stands in.
+    """
+    runs: dict[str, Any] = {}
+    for stage in PIPELINE_STAGES:
+        record = ARTIFACT_RECORDS.get(stage)
+        if record is None:
+            found = client.search_runs(
+                [experiment_id],
+                f"tags.stage = '{stage}' and attributes.status = 'FINISHED'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+            if found:
+                runs[stage] = found[0]
+            continue
+        path = artifacts / record
+        try:
+            run_id = json.loads(path.read_text()).get("mlflow_run_id")
+        except (OSError, ValueError):
+            continue  # stage not run
+        if run_id:
+            try:
+                runs[stage] = client.get_run(run_id)
+            except Exception as e:  # the store was reset or is another one
+                raise ValueError(f"{path}: mlflow_run_id {run_id} is not in the tracking store ({e})") from e
+    return runs
 
 
 def wall_seconds(run: Any, now_ms: int | None = None) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -80,6 +81,7 @@ def run_stage(settings_cls, body, argv: list[str] | None = None) -> None:
     """
     from chatpipe.settings import load_section, validate_all
 
+    stop_with_launcher()
     cfg = load_section(settings_cls, sys.argv[1:] if argv is None else argv)
     validate_all()
     rt = init(cfg.device, cfg.dtype)
@@ -87,6 +89,34 @@ def run_stage(settings_cls, body, argv: list[str] | None = None) -> None:
         body(cfg, rt)
     finally:
         shutdown()
+
+
+class Terminated(SystemExit):
+    """Raised in a stage on SIGTERM (the launcher cancelling it): unwinds ``finally`` blocks and
+    ends the MLflow run as KILLED instead of leaving it RUNNING."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated(128 + signum)
+
+
+def stop_with_launcher() -> None:
+    """SIGTERM unwinds the stage; under the launcher, the death of our parent kills us.
+
+    The launcher's guard already set PR_SET_PDEATHSIG before exec for processes it starts itself;
+    workers torchrun starts (``CHATPIPE_PDEATHSIG`` inherited) set it here against torchrun, so
+    a killed torchrun takes its workers along. A parent that died before this call shows up as
+    PID 1 (or a subreaper), and the stage stops at once.
+    """
+    signal.signal(signal.SIGTERM, _terminated)
+    if os.environ.get("CHATPIPE_PDEATHSIG") != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if parent == 1 or os.getppid() != parent:
+        raise SystemExit("parent process gone before the stage started")
 
 
 def shutdown() -> None:

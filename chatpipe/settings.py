@@ -575,19 +575,48 @@ def parse_cli(args: list[str]) -> dict[str, str]:
     return out
 
 
-def _format_error(cls: type[StageSettings], err: ValidationError) -> str:
+def _source(cls: type[StageSettings], key: str, overrides: dict[str, Any]) -> str:
+    """Where the value of ``key`` came from: the command line, an env var, or the params file."""
+    top = key.split(".")[0]
+    if top in overrides:
+        return f"command line --{top}"
+    env = f"CHATPIPE_{cls.section.upper()}__{top.upper()}"
+    if any(name.upper() == env for name in os.environ):
+        return f"environment variable {env}"
+    return str(params_path())
+
+
+def _format_error(cls: type[StageSettings], err: ValidationError, overrides: dict[str, Any] | None = None) -> str:
     lines = []
     allowed = ", ".join(cls.model_fields)
+    sources = set()
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         value = e.get("input")
+        source = _source(cls, key, overrides or {})
+        sources.add(source)
+        where = "" if source == str(params_path()) else f" (from {source})"
         if e["type"] == "extra_forbidden" and key in cls.removed:
-            lines.append(f"{cls.section}.{key} = {value!r}: this key was removed: {cls.removed[key]}")
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: this key was removed: {cls.removed[key]}")
         elif e["type"] == "extra_forbidden":
-            lines.append(f"{cls.section}.{key} = {value!r}: unknown key; allowed keys: {allowed}")
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: unknown key; allowed keys: {allowed}")
         else:
-            lines.append(f"{cls.section}.{key} = {value!r}: {e['msg']}")
-    return f"{params_path()}: invalid settings\n  " + "\n  ".join(lines)
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: {e['msg']}")
+    head = sources.pop() if len(sources) == 1 else "settings"
+    return f"{head}: invalid settings\n  " + "\n  ".join(lines)
+
+
+def check_env_sections() -> None:
+    """Reject ``CHATPIPE_<SECTION>__<KEY>`` variables whose section does not exist (a typo such as
+    ``CHATPIPE_PRETRAINN__DEPTH`` would otherwise be ignored without a word)."""
+    for name in os.environ:
+        if name.startswith("CHATPIPE_") and "__" in name:
+            section = name[len("CHATPIPE_") :].split("__")[0].lower()
+            if section not in SECTIONS:
+                raise ParamsError(
+                    f"environment variable {name}: unknown section {section!r}; "
+                    f"allowed: {', '.join(sorted(SECTIONS))} (as CHATPIPE_<SECTION>__<KEY>)"
+                )
 
 
 def _check_env(cls: type[StageSettings]) -> None:
@@ -602,18 +631,28 @@ def _check_env(cls: type[StageSettings]) -> None:
 
 def load_section(cls: type[StageSettings], cli: list[str] | dict[str, Any] | None = None) -> StageSettings:
     """Build one section's settings from params.yaml, profile, env and CLI overrides."""
+    from pydantic_settings import SettingsError
+
     overrides = parse_cli(cli) if isinstance(cli, list) else dict(cli or {})
     _check_env(cls)
     try:
         return cls(**overrides)
     except ValidationError as err:
-        raise ParamsError(_format_error(cls, err)) from None
+        raise ParamsError(_format_error(cls, err, overrides)) from None
+    except SettingsError as err:  # an env value for a list/dict field that is not JSON
+        prefix = f"CHATPIPE_{cls.section.upper()}__"
+        bad = [f"{n} = {v!r}" for n, v in os.environ.items() if n.upper().startswith(prefix)]
+        raise ParamsError(
+            f"environment variable {' / '.join(bad) or prefix + '*'}: not valid JSON for a list or mapping "
+            f'field (e.g. \'["base", "sft"]\'): {err.__cause__ or err}'
+        ) from None
 
 
 def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
     """Validate every section of params.yaml (used before any stage does work)."""
     path = path or params_path()
     raw = _read_yaml(path)
+    check_env_sections()
     top_level_keys = {"profile", "profiles", *SECTIONS}
     unknown = set(raw) - top_level_keys
     if unknown:

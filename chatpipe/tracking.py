@@ -21,7 +21,9 @@ never writes into the original's ``mlruns/``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ EXPERIMENT_KIND = "custom_model_development"
 ARTIFACT_ROOT_TAG = "chatpipe.artifact_root"
 DVC_EXP_ENV, DVC_BASELINE_ENV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
 SEP = " · "
+log = logging.getLogger(__name__)
 
 
 def git_commit() -> str:
@@ -247,7 +250,10 @@ def dvc_exp_parent(experiment_id: str, profile: str) -> str | None:
 def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, enabled: bool = True) -> Iterator[Any]:
     """Open the MLflow run of a stage (nested under the flow's parent run when there is one).
 
-    Yields the active run, or None when tracking is disabled (e.g. ranks other than 0).
+    Yields the active run, or None when tracking is disabled (e.g. ranks other than 0). First closes
+    this stage's runs that a killed process left RUNNING (:func:`close_stale_runs`). The run ends
+    FINISHED, KILLED (SIGTERM/Ctrl-C: ``SystemExit``/``KeyboardInterrupt``) or FAILED (any other
+    exception); a process killed outright is closed by the stage's next run.
     """
     if not enabled or not settings.enabled:
         yield None
@@ -255,23 +261,71 @@ def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, ena
     import mlflow
 
     experiment_id = configure(settings)
+    close_stale_runs(mlflow.MlflowClient(), experiment_id, stage)
     exp_parent = None if os.environ.get(PARENT_ENV) else dvc_exp_parent(experiment_id, profile)
     parent = os.environ.get(PARENT_ENV) or exp_parent
-    tags = base_tags(stage, profile)
+    tags = {**base_tags(stage, profile), **process_tags()}
     if parent:
         tags["mlflow.parentRunId"] = parent
-    with mlflow.start_run(experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags) as run:
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags)
+    status = "FAILED"
+    try:
         flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
         items = list(flat.items())
         for i in range(0, len(items), 100):  # log_params takes at most 100 per call
             mlflow.log_params(dict(items[i : i + 100]))
-        status = "FAILED"
-        try:
-            yield run
-            status = "FINISHED"
-        finally:
-            if exp_parent:  # the DVC experiment's run ends (for now) with its latest stage
-                mlflow.MlflowClient().set_terminated(exp_parent, status=status)
+        yield run
+    except (KeyboardInterrupt, SystemExit):
+        status = "KILLED"
+        mlflow.end_run(status)
+        raise
+    except BaseException:
+        mlflow.end_run(status)
+        raise
+    else:
+        status = "FINISHED"
+        mlflow.end_run(status)
+    finally:
+        if exp_parent:  # the DVC experiment's run ends (for now) with its latest stage
+            mlflow.MlflowClient().set_terminated(exp_parent, status=status)
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_tags() -> dict[str, str]:
+    """Tags that identify the process owning a run, so a later run can tell it died."""
+    return {"host": socket.gethostname(), "pid": str(os.getpid()), "pid_start": str(_process_start(os.getpid()))}
+
+
+def run_is_orphaned(tags: dict[str, str]) -> bool:
+    """True when the process that owns a RUNNING run is gone (same host: PID missing or reused).
+
+    Runs from another host are never judged (we cannot see its processes); runs without the
+    process tags (older code) are judged orphaned, since a stage's runs never overlap under DVC's lock.
+    """
+    if "pid" not in tags:
+        return True
+    if tags.get("host") != socket.gethostname():
+        return False
+    return _process_start(int(tags["pid"])) != tags.get("pid_start")
+
+
+def close_stale_runs(client, experiment_id: str, stage: str) -> list[str]:
+    """Mark KILLED this stage's RUNNING runs whose process is gone; returns their ids."""
+    closed = []
+    for r in client.search_runs([experiment_id], f"tags.stage = '{stage}' and attributes.status = 'RUNNING'"):
+        if run_is_orphaned(r.data.tags):
+            client.set_terminated(r.info.run_id, status="KILLED")
+            closed.append(r.info.run_id)
+    if closed:
+        log.warning("closed %d %s run(s) a killed process left RUNNING: %s", len(closed), stage, ", ".join(closed))
+    return closed
 
 
 def tag_stage_runs(parent_run_id: str, stage: str, tags: dict[str, str]) -> int:

@@ -68,6 +68,27 @@ def console_line(line: str) -> str | None:
     return _TIKTOKEN_ERROR.sub(r"\1 (offline)", line)
 
 
+# `dvc repro` children of this flow: a SIGTERM to the flow (Prefect cancel, CI timeout) is passed
+# on to them, and DVC's death reaches the launcher and its workers (PR_SET_PDEATHSIG).
+_DVC_CHILDREN: set[subprocess.Popen] = set()
+
+
+def _terminate_children(signum, frame) -> None:
+    for proc in list(_DVC_CHILDREN):
+        with contextlib.suppress(ProcessLookupError):  # SIGTERM its group; the run_stage that owns it waits
+            os.killpg(proc.pid, signum)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _die_with_flow() -> None:
+    """preexec_fn of a `dvc repro` child: SIGTERM when the flow process dies, even by kill -9."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
 def _bin(name: str) -> str:
     """A console script of the Python running the flow (so the venv's dvc is used)."""
     candidate = Path(sys.executable).parent / name
@@ -102,7 +123,9 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # a group of its own, so a stop below reaches the launcher under DVC too
+        preexec_fn=_die_with_flow,
     )
+    _DVC_CHILDREN.add(proc)
     skipped = False
     try:
         for raw in proc.stdout:
@@ -111,12 +134,14 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
             line = console_line(raw)
             if line is not None:
                 logger.info(line)
-    except BaseException:
-        # The flow is being stopped (SIGTERM/SIGINT raise here): DVC does not pass a SIGTERM on to its
-        # command, so signal the whole group; the launcher then cancels its workers or Slurm job.
-        _stop_group(proc)
-        raise
-    if proc.wait() != 0:
+        proc.wait()
+    finally:
+        _DVC_CHILDREN.discard(proc)
+        if proc.poll() is None:
+            # Interrupted (SIGTERM/SIGINT raise here): DVC does not pass a SIGTERM on to its command,
+            # so signal the whole group; the launcher then cancels its workers or Slurm job.
+            _stop_group(proc)
+    if proc.returncode != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
     if parent_run_id and not skipped:
         tracking.tag_stage_runs(
@@ -239,7 +264,12 @@ def pipeline(
         import mlflow
 
         experiment_id = tracking.configure(track)
-        tags_ = {**tracking.base_tags("pipeline", active_profile()), "stages": ",".join(selected)}
+        tracking.close_stale_runs(mlflow.MlflowClient(), experiment_id, "pipeline")
+        tags_ = {
+            **tracking.base_tags("pipeline", active_profile()),
+            **tracking.process_tags(),
+            "stages": ",".join(selected),
+        }
         name = tracking.pipeline_run_name(active_profile())
         parent_id = mlflow.MlflowClient().create_run(experiment_id, run_name=name, tags=tags_).info.run_id
         link_prefect_run(parent_id)
@@ -251,6 +281,9 @@ def pipeline(
                 results[stage] = run_stage(stage, parent_id)
                 logger.info("stage %s: %s", stage, results[stage])
         status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         if parent_id:
             finish_parent_run(parent_id, results, status, logger)
@@ -300,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     # Without a configured Prefect server, start the temporary one now so that it boots while
     # this process opens (or creates) the MLflow store, the other slow part of starting a run.
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate_children)  # unwinds: DVC stopped, parent run KILLED, server stopped
     server = None if prefect_api.configured() else prefect_api.TemporaryServer()
     try:
         track = load_section(TrackingSettings)

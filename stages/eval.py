@@ -241,6 +241,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                 "profile": active_profile(),
                 "settings": snapshot(cfg),
                 "stages": results,
+                "mlflow_run_id": run.info.run_id if run is not None else None,  # the report credits this run
             }
             tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
             tmp.mkdir(parents=True, exist_ok=True)

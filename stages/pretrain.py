@@ -30,8 +30,10 @@ from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
     WORK,
+    carried_over,
     latest_checkpoint,
     load_checkpoint,
+    producing_runs,
     save_checkpoint,
     save_model_dir,
 )
@@ -116,11 +118,11 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
-    start_step, start_row = 0, 0
+    start_step, start_row, carried = 0, 0, {}
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:
         meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
-        start_step, start_row = meta["step"], meta["loader"]["row"]
+        start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
         log.info("resuming from %s (step %d)", ckpt, start_step)
 
     train_loader = RowLoader(
@@ -158,6 +160,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             "inputs": inputs,
             "loader": train_loader.state(),
             "total_steps": total_steps,
+            "carried": {"train_seconds": t_train, "tokens": tokens_seen, "mlflow_run_ids": run_ids},
         }
 
     # --- loop
@@ -175,7 +178,11 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, "pretrain", initial=start_step, unit="step")
         peak = peak_flops(rt.device) * rt.world_size
-        step, bpb, t_train, tokens_seen = start_step, float("nan"), 0.0, 0
+        step, bpb = start_step, float("nan")
+        # totals and run ids continue from the checkpoint, so a resume from the final one
+        # rewrites the same summary (and the same artifact hash) as the run that trained it
+        t_train, tokens_seen = carried.get("train_seconds", 0.0), carried.get("tokens", 0)
+        run_ids = producing_runs(carried, run, trains=start_step < total_steps)
         while True:
             last = step == total_steps
             if last or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -234,7 +241,13 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             save_model_dir(
                 ARTIFACTS / "base",
                 model,
-                {**checkpoint_meta(step), "step": step, "summary": summary, "source_stage": "pretrain"},
+                {
+                    **checkpoint_meta(step),
+                    "step": step,
+                    "summary": summary,
+                    "source_stage": "pretrain",
+                    "mlflow_run_id": run_ids[-1] if run_ids else None,
+                },
             )
             if run is not None:
                 import mlflow

@@ -3,9 +3,9 @@
     python -m stages.report
     python -m chatpipe.launch report          # as DVC does (one worker)
 
-Reads ``artifacts/eval/results.json``, ``dvc.lock``, params.yaml and the MLflow runs of every stage
-(nested under the flow's parent run ``CHATPIPE_PARENT_RUN_ID`` when there is one, else the newest
-run of each stage). Writes ``artifacts/report/`` (report.md, report.json, loss/bpb/reward PNGs),
+Reads ``artifacts/eval/results.json``, ``dvc.lock``, params.yaml and the MLflow runs that produced
+the artifacts (the run id each model's meta.json and results.json record; for data and tokenizer,
+their newest FINISHED run). Writes ``artifacts/report/`` (report.md, report.json, loss/bpb/reward PNGs),
 logs it as artifacts of the parent run (or of its own run without a parent), and registers the
 last model stage that exists (rl > sft > mid > base) in the MLflow model registry as a pyfunc model
 (chatpipe/serve/pyfunc.py) with its metrics as tags: once per model sha256, aliased ``@latest``, and
@@ -24,11 +24,11 @@ from chatpipe.io import replace_dir, sha256_file, write_json_atomic
 from chatpipe.report import (
     COLUMNS,
     CURVES,
+    artifact_runs,
     dvc_lock_hashes,
     plot_curves,
     render_report,
     rl_section,
-    stage_runs,
     summary_values,
     system_info,
     timing_table,
@@ -73,7 +73,7 @@ def report(cfg: ReportSettings) -> None:
             import mlflow
 
             client = mlflow.MlflowClient()
-            runs = stage_runs(client, run.info.experiment_id, parent_id)
+            runs = artifact_runs(client, run.info.experiment_id, ARTIFACTS)  # the runs behind these artifacts
             plots = [f"{name}.png" for name in CURVES if plot_curves(client, runs, name, tmp / f"{name}.png")]
             timings, total_s, total_cost = timing_table(runs, cfg.cost_per_hour)
             mlflow.log_metrics({"pipeline/wall_seconds": total_s, "pipeline/est_cost_usd": total_cost})

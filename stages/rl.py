@@ -47,9 +47,11 @@ from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
     WORK,
+    carried_over,
     latest_checkpoint,
     load_checkpoint,
     load_model,
+    producing_runs,
     save_checkpoint,
     save_model_dir,
 )
@@ -127,14 +129,14 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
     }
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
-    start_step, prompt_log, first_eval = 0, [], None
+    start_step, prompt_log, first_eval, carried = 0, [], None, {}
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:
         meta = load_checkpoint(
             ckpt, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank, world_size=rt.world_size
         )
         start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
-        first_eval = meta["first_eval"]
+        first_eval, carried = meta["first_eval"], carried_over(meta)
         log.info("resuming from %s (step %d)", ckpt, start_step)
 
     train_policy = DDP(policy) if rt.world_size > 1 else policy
@@ -175,6 +177,12 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             "total_steps": cfg.max_steps,
             "prompt_indices": prompt_log,
             "first_eval": first_eval,
+            "carried": {
+                "gen_seconds": t_gen_total,
+                "train_seconds": t_train_total,
+                "gen_tokens": gen_tokens_total,
+                "mlflow_run_ids": run_ids,
+            },
         }
 
     # --- loop
@@ -195,8 +203,9 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         )
         bar = progress(cfg.max_steps, "rl", initial=start_step, unit="step")
         step, evals = start_step, {}
-        t_gen_total = t_train_total = 0.0
-        gen_tokens_total = 0
+        t_gen_total, t_train_total = carried.get("gen_seconds", 0.0), carried.get("train_seconds", 0.0)
+        gen_tokens_total = carried.get("gen_tokens", 0)
+        run_ids = producing_runs(carried, run, trains=start_step < cfg.max_steps)
         while True:
             last = step == cfg.max_steps
             if last or step == start_step or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -339,7 +348,15 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         metrics.flush()
         if rt.is_main:
             save_model_dir(
-                ARTIFACTS / "rl", policy, {**checkpoint_meta(), "step": step, "summary": summary, "source_stage": "rl"}
+                ARTIFACTS / "rl",
+                policy,
+                {
+                    **checkpoint_meta(),
+                    "step": step,
+                    "summary": summary,
+                    "source_stage": "rl",
+                    "mlflow_run_id": run_ids[-1] if run_ids else None,
+                },
             )
             if run is not None:
                 import mlflow

@@ -105,3 +105,95 @@ def test_replace_dir_and_json_atomic(tmp_path):
     write_json_atomic(tmp_path / "a.json", {"k": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"k": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "final"]
+
+
+# --------------------------------------------------------------------------- issue 15: runs, pruning, failed writes
+
+
+def test_new_runs_checkpoint_survives_pruning_beside_an_old_runs_later_steps(tmp_path):
+    """A settings change starts a new fingerprint at step 5: pruning must not prefer the old run's step 100."""
+    model, opts = _model_and_opt()
+    for step in (75, 100):
+        save_checkpoint(tmp_path, step, model=model, optimizers=opts, meta={"fingerprint": "old"}, keep=2)
+    save_checkpoint(tmp_path, 5, model=model, optimizers=opts, meta={"fingerprint": "new"}, keep=2)
+    assert latest_checkpoint(tmp_path, "new").name == "step_000005"
+    save_checkpoint(tmp_path, 10, model=model, optimizers=opts, meta={"fingerprint": "new"}, keep=2)
+    # the stated rule: once the current run has a checkpoint of its own, other runs' checkpoints go
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000010", "step_000005"]
+
+
+def test_list_checkpoints_orders_by_step_within_a_fingerprint(tmp_path):
+    model, opts = _model_and_opt()
+    for step in (999_999, 1_000_000):
+        save_checkpoint(tmp_path, step, model=model, optimizers=opts, meta={"fingerprint": "a"}, keep=10)
+    other = tmp_path / "step_000007"  # another run's checkpoint, as a settings change leaves it
+    other.mkdir()
+    write_json_atomic(other / "meta.json", {"fingerprint": "b", "step": 7, "files": {}})
+    assert [p.name for p in list_checkpoints(tmp_path, "a")] == ["step_1000000", "step_999999"]
+    assert [p.name for p in list_checkpoints(tmp_path, "b")] == ["step_000007"]
+
+
+def test_pruning_keeps_the_newest_valid_checkpoint_over_a_corrupt_later_one(tmp_path):
+    """Resumed from step 1 because step 3 was corrupt: the step-2 save must survive keep=1."""
+    model, opts = _model_and_opt()
+    for step in (1, 3):
+        save_checkpoint(tmp_path, step, model=model, optimizers=opts, meta={"fingerprint": "f"}, keep=5)
+    (tmp_path / "step_000003" / "model.pt").write_bytes(b"garbage")
+    save_checkpoint(tmp_path, 2, model=model, optimizers=opts, meta={"fingerprint": "f"}, keep=1)
+    assert latest_checkpoint(tmp_path, "f").name == "step_000002"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002"]
+
+
+def test_stale_temp_dirs_of_a_killed_save_are_swept(tmp_path):
+    model, opts = _model_and_opt()
+    (tmp_path / ".step_000010.tmp").mkdir()
+    (tmp_path / ".step_000010.tmp" / "model.pt").write_bytes(b"half")
+    (tmp_path / ".step_000005.old4242").mkdir()
+    save_checkpoint(tmp_path, 20, model=model, optimizers=opts, meta={"fingerprint": "f"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000020"]
+
+
+FULL_DISK = r"""
+import resource, signal, sys, torch
+from pathlib import Path
+from chatpipe.train.checkpoint import save_checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+model = torch.nn.Linear(512, 512)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    save_checkpoint(Path(sys.argv[1]), 3, model=model, optimizers=[], meta={"fingerprint": "f"})
+except OSError as e:
+    print("ERROR:", e)
+    sys.exit(3)
+"""
+
+
+def test_failed_checkpoint_write_gives_a_clear_error_and_leaves_no_temp(tmp_path):
+    import subprocess
+    import sys
+
+    work = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(work)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "step_000003" in done.stdout and "model.pt" in done.stdout, done.stdout
+    assert "free" in done.stdout  # says how much room is left
+    assert list(work.iterdir()) == []
+
+
+def test_load_model_verifies_the_recorded_sha256(tmp_path):
+    import pytest
+
+    from chatpipe.model.gpt import GPT, config_from_depth
+    from chatpipe.train.checkpoint import load_model
+
+    config = config_from_depth(1, 64, 16, head_dim=16)
+    model = GPT(config)
+    model.init_weights()
+    out = tmp_path / "base"
+    save_model_dir(out, model, {"model_config": config.to_dict()})
+    load_model(out)  # intact: loads
+    data = bytearray((out / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit inside a tensor
+    (out / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.pt.*sha256"):
+        load_model(out)

@@ -92,3 +92,28 @@ def test_missing_inputs_are_named(tmp_path):
 
 def test_token_dtype():
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+class _StubTokenizer:
+    vocab_size, bos_id = 256, 0
+
+    def encode(self, texts, prepend=None):
+        return [[prepend, *text.encode()] for text in texts]
+
+
+def test_corrupt_shard_and_int_text_column_name_the_file(tmp_path):
+    """issue 15 item 5: both used to raise pyarrow/tokenizer errors naming no file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    from chatpipe.data.loader import tokenize_shards
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "train_00000.parquet").write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(ValueError, match=r"train_00000\.parquet"):
+        tokenize_shards(text, _StubTokenizer(), tmp_path / "tok", fingerprint="f")
+    pq.write_table(pa.table({"text": [1, 2, 3]}), text / "train_00000.parquet")
+    with pytest.raises(ValueError, match=r"train_00000\.parquet.*'text'.*int64"):
+        tokenize_shards(text, _StubTokenizer(), tmp_path / "tok", fingerprint="f")

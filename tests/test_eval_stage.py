@@ -146,8 +146,8 @@ def test_core_tasks_named_in_params_must_exist(tmp_path: Path, params_file: Path
         EvalSettings, {"core_bundle_dir": str(tmp_path / "bundle"), "core_tasks": ["copa"], "core_tinyworld": False}
     )
     rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    [(config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
-    assert [t.label for t in config] == ["copa"] and config[0].required
+    [(key, config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
+    assert key == "core" and [t.label for t in config] == ["copa"] and config[0].required
     with pytest.raises(FileNotFoundError, match=r"'copa' is required but .*bundle/copa.jsonl is missing"):
         evaluate_core(None, None, config, bundle, device="cpu", max_seq_len=64, scorer=lambda *a: 0)
     with pytest.raises(ValueError, match=r"eval.core_tasks = \['nope'\]: not in the CORE config"):
@@ -181,7 +181,7 @@ def test_core_bundle_is_fetched_when_missing_and_nested_files_are_found(tmp_path
         },
     )
     rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    [(config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
+    [(_, config, bundle)] = core_suites(cfg, tmp_path / "work", rt)
     assert bundle == dest and (dest / "eval_data" / "commonsense_reasoning" / "copa.jsonl").is_file()
 
     out = evaluate_core(

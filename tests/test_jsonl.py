@@ -25,3 +25,26 @@ def test_bad_line_names_file_line_and_column_after_earlier_rows(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: file not found"):
         list(iter_jsonl(tmp_path / "nope.jsonl"))
+
+
+def test_non_utf8_file_is_named(tmp_path):
+    """issue 15 item 5: a UnicodeDecodeError used to name no file."""
+    import pytest
+
+    from chatpipe.data.jsonl import iter_jsonl
+
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8"):
+        list(iter_jsonl(bad))
+
+
+def test_empty_custom_jsonl_is_named(tmp_path):
+    import pytest
+
+    from chatpipe.data.tasks.customjson import CustomJSON
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl.*no rows"):
+        CustomJSON(path=empty)

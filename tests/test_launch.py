@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,68 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     while workers() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not workers(), "workers survived the launcher's SIGTERM"
+
+
+def _stage_procs(project: Path, stage: str) -> list:
+    """Live launcher and worker processes of ``stage`` running in ``project`` (ours: a temp copy)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["cwd"] == str(project) and p.info["status"] != psutil.STATUS_ZOMBIE and stage in cmd:
+            found.append(p)
+    return found
+
+
+def _wait_gone(project: Path, stage: str, timeout: float) -> list:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (left := _stage_procs(project, stage)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+def test_stopping_dvc_or_killing_the_launcher_takes_the_workers_down(tmp_path):
+    """issue 15 item 2: `kill -TERM` of `dvc repro` and `kill -9` of the launcher leave no worker running."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.project import project_env
+
+    project = make_project(tmp_path, {"pretrain": {"max_steps": 100000, "checkpoint_every": 0, "eval_every": 0}})
+    dvc(project, "repro", "tokenizer")
+
+    def start(*cmd: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            list(cmd), cwd=project, env=project_env(project), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+
+    def wait_for_worker() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any("stages.pretrain" in " ".join(p.cmdline()) for p in _stage_procs(project, "stages.pretrain")):
+                time.sleep(3)  # past interpreter start: the worker is importing torch or training
+                return
+            time.sleep(0.2)
+        raise AssertionError("the pretrain worker never started")
+
+    try:
+        # 1. SIGTERM to `dvc repro` (Prefect cancel, CI timeout, job control)
+        proc = start(str(Path(sys.executable).parent / "dvc"), "repro", "pretrain")
+        wait_for_worker()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert not _wait_gone(project, "pretrain", 30), "launcher or worker outlived `dvc repro`"
+        # 2. kill -9 of the launcher
+        proc = start(sys.executable, "-m", "chatpipe.launch", "pretrain")
+        wait_for_worker()
+        proc.kill()
+        proc.wait(timeout=10)
+        assert not _wait_gone(project, "stages.pretrain", 5), "worker outlived a kill -9 of its launcher"
+    finally:
+        for p in _stage_procs(project, "pretrain"):
+            p.kill()

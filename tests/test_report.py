@@ -182,3 +182,46 @@ def test_rl_section_shows_pass_at_1_before_and_after_with_intervals() -> None:
     assert "| after RL | 0.450 [0.39, 0.51] n=256 |" in md  # 0.15 on 256 problems: not marked as noise
     assert "| change | +0.150 |" in md
     assert rl_section({"summary": {}}) == []
+
+
+def test_report_credits_only_the_runs_that_produced_the_artifacts(tmp_path: Path, monkeypatch) -> None:
+    """issue 15 item 4: a newer FAILED or killed (RUNNING) run never stands in for the producing one."""
+    import json
+
+    import mlflow
+
+    from chatpipe.report import artifact_runs
+
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = mlflow.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    client = mlflow.MlflowClient()
+
+    def make(stage: str, status: str | None) -> str:
+        run_id = client.create_run(exp, run_name=stage, tags={"stage": stage}).info.run_id
+        if status:
+            client.set_terminated(run_id, status=status)
+        return run_id
+
+    producing_pretrain = make("pretrain", "FINISHED")
+    make("pretrain", "FAILED")
+    make("pretrain", None)  # killed: still RUNNING
+    good_tokenizer = make("tokenizer", "FINISHED")
+    make("tokenizer", "FAILED")
+    producing_eval = make("eval", "FINISHED")
+    make("eval", None)
+    artifacts = tmp_path / "artifacts"
+    for name, doc in (
+        ("base/meta.json", {"mlflow_run_id": producing_pretrain}),
+        ("eval/results.json", {"mlflow_run_id": producing_eval}),
+        ("mid/meta.json", {}),  # written without tracking: no run to credit
+    ):
+        (artifacts / name).parent.mkdir(parents=True, exist_ok=True)
+        (artifacts / name).write_text(json.dumps(doc))
+
+    runs = artifact_runs(client, exp, artifacts)
+    assert {s: r.info.run_id for s, r in runs.items()} == {
+        "tokenizer": good_tokenizer,
+        "pretrain": producing_pretrain,
+        "eval": producing_eval,
+    }

@@ -234,3 +234,27 @@ def test_huge_output_is_truncated() -> None:
     r = run_program("import sys\nfor _ in range(200):\n    sys.stdout.write('x' * 10000)")
     assert r.status == "passed"
     assert len(r.stdout) < 25_000 and r.stdout.endswith("[... output truncated]")
+
+
+def test_fork_and_setsid_through_ctypes_leaves_nothing_behind() -> None:
+    """issue 15 item 3: a child that leaves the process group (setsid) must still be killed."""
+    code = LIBC + (
+        "import time\n"
+        "if libc.fork() == 0:\n"
+        "    libc.setsid()\n"
+        "    if libc.fork() == 0:\n"  # and once more, so it is not even our child's child
+        "        while True:\n"
+        "            time.sleep(0.05)\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "time.sleep(0.3)\n"
+        "print('parent done')\n"
+    )
+    try:
+        r = run_program(code, timeout_s=5.0)
+        assert r.stdout == "parent done\n", r
+        time.sleep(0.5)
+        assert _sandbox_pids() == [], "a forked + setsid process outlived its sandbox run"
+    finally:
+        for pid in _sandbox_pids():
+            os.kill(pid, 9)

@@ -172,3 +172,24 @@ def test_server_survives_client_disconnect_mid_stream(server):
     assert time.perf_counter() - t0 < 8  # generation stopped: 2000 tokens take longer than this
     r = httpx.post(f"{url}/api/chat", json={**user("still there?"), "stream": False})
     assert r.status_code == 200 and r.json()["tokens"] == 16  # the default max_tokens of this server
+
+
+def test_seed_past_int64_is_a_4xx_naming_the_limit(server):
+    """issue 15 item 5: seed >= 2**63 used to reach torch and come back as a plain 500."""
+    _, url = server
+    r = httpx.post(f"{url}/api/chat", json={**user("hi"), "seed": 2**63, "stream": False, "max_tokens": 2})
+    assert r.status_code == 422 and "seed" in r.json()["error"], r.text
+    assert "9223372036854775807" in r.json()["error"]
+
+
+def test_max_queue_is_enforced_exactly_for_requests_not_yet_streaming():
+    """issue 15 item 5: requests admitted before their stream started were not counted, so 41
+    could queue with max_queue=32."""
+    from chatpipe.serve.app import ApiError, EnginePool
+
+    pool = EnginePool(engine=None, size=2, max_queue=3)
+    admitted = [pool.check_capacity() for _ in range(5)]  # 2 engines + 3 queued
+    with pytest.raises(ApiError, match="max_queue=3"):
+        pool.check_capacity()
+    del admitted[0]  # a client that went away before its stream started frees its place
+    pool.check_capacity()

@@ -110,7 +110,10 @@ def test_a_removed_key_names_what_replaced_it(params_file):
 def test_rl_declares_only_what_it_reads(params_file):
     """The training schedule knobs RL never read are refused, saying what RL does instead."""
     assert not {"total_batch_size", "warmup_steps", "schedule", "grad_clip", "compile"} & set(RLSettings.model_fields)
-    with pytest.raises(ParamsError, match=r"rl\.warmup_steps = '5': this key was removed: RL's policy LR is lr_frac"):
+    with pytest.raises(
+        ParamsError,
+        match=r"rl\.warmup_steps = '5' \(from command line --warmup_steps\): this key was removed: RL's policy LR",
+    ):
         load_section(RLSettings, ["--warmup_steps=5"])
 
 
@@ -146,3 +149,38 @@ def test_stage_names_are_dvc_yaml_order():
 
     stages = list(yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"])
     assert tuple(s for s in stages if s != "profile") == STAGES  # `profile` is DVC bookkeeping, not a stage
+
+
+# --------------------------------------------------------------------------- issue 15 item 5
+
+
+def test_env_var_with_an_unknown_section_is_rejected(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAINN__DEPTH", "5")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_PRETRAINN__DEPTH.*unknown section 'pretrainn'.*pretrain"):
+        validate_all()
+
+
+def test_errors_in_env_and_cli_values_name_their_source(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH", "0")
+    with pytest.raises(ParamsError, match="environment variable CHATPIPE_PRETRAIN__DEPTH") as e:
+        load_section(PretrainSettings)
+    assert str(params_file) not in str(e.value)
+    monkeypatch.delenv("CHATPIPE_PRETRAIN__DEPTH")
+    with pytest.raises(ParamsError, match="command line --nnodes") as e:
+        load_section(LaunchSettings, {"nnodes": 0})
+    assert str(params_file) not in str(e.value)
+
+
+def test_malformed_json_in_an_env_var_is_a_clear_error(params_file, monkeypatch):
+    from chatpipe.settings import EvalSettings
+
+    monkeypatch.setenv("CHATPIPE_EVAL__STAGES", "[base")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_EVAL__STAGES = '\[base'.*JSON"):
+        load_section(EvalSettings)
+
+
+def test_launch_rejects_zero_nodes_from_the_command_line(params_file, capsys):
+    from chatpipe.launch import main
+
+    assert main(["pretrain", "--nnodes=0", "--dryrun"]) == 2
+    assert "nnodes" in capsys.readouterr().err

@@ -198,3 +198,17 @@ def test_errors_are_clear(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # and no temp dirs
     with pytest.raises(FileNotFoundError, match="val_"):
         list(iter_documents(tmp_path, "val"))
+
+
+def test_int_text_column_of_a_local_parquet_names_the_file(tmp_path):
+    """issue 15 item 5: an int ``text`` column went through as ints and failed later, naming no file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    from chatpipe.data.sources import read_local_file
+
+    path = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"text": [1, 2]}), path)
+    with pytest.raises(ValueError, match=r"ints\.parquet.*'text'.*int64.*string"):
+        list(read_local_file(path))

@@ -17,8 +17,15 @@ def iter_jsonl(path: Path | str) -> Iterator[tuple[int, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "re-encode the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

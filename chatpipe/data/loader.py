@@ -67,9 +67,8 @@ def tokenize_shards(
             continue
         pieces: list[np.ndarray] = []
         lengths: list[int] = []
-        table = pq.ParquetFile(shard)
-        for batch in table.iter_batches(batch_size=batch_docs, columns=["text"]):
-            for ids in tokenizer.encode(batch.column(0).to_pylist(), prepend=tokenizer.bos_id):
+        for texts in _shard_texts(shard, batch_docs):
+            for ids in tokenizer.encode(texts, prepend=tokenizer.bos_id):
                 pieces.append(np.asarray(ids, dtype=dtype))
                 lengths.append(len(ids))
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -86,6 +85,27 @@ def tokenize_shards(
         write_json_atomic(manifest_path, manifest)
     _barrier()
     return json.loads(manifest_path.read_text())
+
+
+def _shard_texts(shard: Path, batch_docs: int) -> Iterator[list[str]]:
+    """Batches of the ``text`` column of one parquet shard; a corrupt file or a column that is not
+    text raises ValueError naming the shard (pyarrow's own errors name no file)."""
+    import pyarrow as pa
+
+    try:
+        table = pq.ParquetFile(shard)
+        field = table.schema_arrow.field("text")
+    except KeyError:
+        raise ValueError(f"{shard}: no 'text' column; re-run the `data` stage") from None
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{shard}: not a readable parquet file ({e}); delete it and re-run the `data` stage") from None
+    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        raise ValueError(f"{shard}: column 'text' has type {field.type}, expected string")
+    try:
+        for batch in table.iter_batches(batch_size=batch_docs, columns=["text"]):
+            yield batch.column(0).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{shard}: corrupt parquet data ({e}); delete it and re-run the `data` stage") from None
 
 
 class TokenDocs:

@@ -226,8 +226,15 @@ def _read_parquet_column(path: Path, column: str) -> Iterator[str]:
         raise ValueError(f"{path}: not a readable parquet file ({e})") from None
     if column not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column {column!r} (columns: {pf.schema_arrow.names})")
+    kind = pf.schema_arrow.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {column!r} has type {kind}, expected string (data.hf_text_column)")
     for i in range(pf.num_row_groups):
-        yield from pf.read_row_group(i, columns=[column]).column(0).to_pylist()
+        try:
+            group = pf.read_row_group(i, columns=[column])
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: row group {i} is corrupt ({e})") from None
+        yield from group.column(0).to_pylist()
 
 
 # ---------------------------------------------------------------------- Hugging Face hub

@@ -7,7 +7,12 @@
 
 Layers, outermost first (SPEC §9: separate process, limits, no network, temp dir, no project):
 1. A fresh ``python -I -S -B`` interpreter (no PYTHON* env, no site-packages, so not even the
-   installed project) started in its own session; on timeout the whole process group is killed.
+   installed project) started in its own session and, where the kernel allows (root, or user
+   namespaces), in its own PID namespace under a trusted init: when the run ends, the namespace
+   is killed, so nothing it started survives, even after fork + setsid. Without namespaces its
+   process group is killed, then every process still carrying its HOME marker in its
+   environment (readable ones: all as root, else our uid's; code that re-execs with a fresh
+   environment would escape that fallback).
 2. Kernel limits set in the child before exec: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC
    (fork bombs fail), RLIMIT_FSIZE (files and captured output), RLIMIT_CORE 0.
 3. A new network namespace (no interfaces) where the kernel allows one. As root, the child
@@ -45,6 +50,8 @@ FSIZE_BYTES = 8 * 1024 * 1024  # any file the child writes, stdout/stderr includ
 NPROC = 64  # processes for the child's user; the child needs one
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
 
 # Exit codes the runner below uses to report how the program ended.
 _EXIT_STATUS = {0: "passed", 1: "failed", 2: "error", 3: "memory"}
@@ -182,21 +189,87 @@ def _unshare(flags: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _isolate_network() -> None:
-    """Move the (forked, single-threaded) child into an empty network namespace if allowed."""
-    try:
-        _unshare(CLONE_NEWNET)  # needs CAP_SYS_ADMIN, e.g. root
+def _isolate_network() -> bool:
+    """Move the (forked, single-threaded) child into an empty network namespace, and its future
+    children into a new PID namespace, where allowed.
+
+    Returns True when a PID namespace was made (see :func:`_enter_pid_namespace`).
+    """
+    for flags in (CLONE_NEWNET | CLONE_NEWPID, CLONE_NEWNET):
+        try:
+            _unshare(flags)  # needs CAP_SYS_ADMIN, e.g. root
+            return bool(flags & CLONE_NEWPID)
+        except OSError:
+            pass
+    for flags in (CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID, CLONE_NEWUSER | CLONE_NEWNET):
+        try:  # unprivileged: a user namespace of our own may create network and PID namespaces
+            uid, gid = os.getuid(), os.getgid()
+            _unshare(flags)
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            return bool(flags & CLONE_NEWPID)
+        except OSError:
+            pass
+    return False  # no namespaces here: the prelude's socket guard and the HOME marker are all we have
+
+
+def _enter_pid_namespace() -> None:
+    """Run the program in the new PID namespace under a trusted init; this process stays outside
+    as a shim that exits the way the program did (code or signal), which is what Popen sees.
+
+    Three processes: the shim (outside), init (PID 1 inside, root, only reaps) and the program
+    (PID 2, its own session). When init ends, for any reason, the kernel SIGKILLs every process
+    in the namespace, wherever it moved (setsid, double fork, re-parenting, nested namespaces);
+    :func:`_kill_everything` kills init (the shim's child), and init dies with the shim
+    (PR_SET_PDEATHSIG), the shim with us. The program is not init itself: the kernel shields
+    init from signals, including its own RLIMIT_CPU ones. Runs between fork and exec, so only
+    the program's branch returns.
+    """
+    libc = _libc()
+    read_end, write_end = os.pipe()
+    if os.fork() != 0:  # the shim
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        os.close(write_end)
+        _close_fds_except(read_end)  # incl. Popen's exec-status pipe: Popen returns once the program execs
+        report = b""
+        while chunk := os.read(read_end, 64):
+            report += chunk
+        _, init_status = os.waitpid(-1, 0)
+        _exit_like(int(report) if report else init_status)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # init, PID 1: ends with the shim
+    os.close(read_end)
+    program = os.fork()
+    if program == 0:
+        os.close(write_end)
+        os.setsid()  # leader of its own group and session, as without a namespace
         return
-    except OSError:
-        pass
-    try:  # unprivileged: a user namespace of our own may create a network namespace
-        uid, gid = os.getuid(), os.getgid()
-        _unshare(CLONE_NEWUSER | CLONE_NEWNET)
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    except OSError:
-        pass  # no namespaces here: the prelude's socket guard is all we have
+    _close_fds_except(write_end)
+    while True:  # reap everything (init inherits orphans) until the program itself ends
+        try:
+            pid, status = os.wait()
+        except InterruptedError:
+            continue
+        if pid == program:
+            break
+    os.write(write_end, str(status).encode())
+    os._exit(0)
+
+
+def _close_fds_except(keep: int) -> None:
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+
+
+def _exit_like(status: int) -> None:
+    """Exit this process the way a child with wait ``status`` did."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU's default also dumps core
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
 def _lower_limit(which: int, soft: int, hard: int) -> None:
@@ -214,7 +287,9 @@ def _drop_privileges(uid: int, gid: int) -> None:
 
 def _child_setup(memory_bytes: int, cpu_s: int, run_as: tuple[int, int] | None) -> None:
     """Runs in the child between fork and exec (preexec_fn): namespaces, limits, user."""
-    _isolate_network()
+    own_pids = _isolate_network()
+    if own_pids:
+        _enter_pid_namespace()
     _lower_limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
     _lower_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU first, SIGKILL a second later
     _lower_limit(resource.RLIMIT_NPROC, NPROC, NPROC)
@@ -295,6 +370,73 @@ def _kill_group(proc: subprocess.Popen, patience_s: float = 2.0) -> None:
         time.sleep(0.01)
 
 
+def _pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [
+            int(c)
+            for t in os.listdir(f"/proc/{pid}/task")
+            for c in open(f"/proc/{pid}/task/{t}/children").read().split()
+        ]
+    except OSError:
+        return []
+
+
+def _leftovers(namespace: str | None, marker: bytes) -> list[int]:
+    """PIDs in the program's PID namespace, or whose initial environment holds its HOME marker.
+
+    The namespace catches everything (root, or where user namespaces are allowed). The marker is
+    the fallback without namespaces: it finds processes we may read (root: all; else our uid)
+    that still carry the sandbox's HOME, i.e. all but code that re-execs with a new environment.
+    """
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if namespace is not None and _pid_namespace(pid) == namespace:
+            found.append(pid)
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read():
+                    found.append(pid)
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _kill_everything(proc: subprocess.Popen, namespace: str | None, marker: bytes, patience_s: float = 2.0) -> None:
+    """SIGKILL the program, its process group and whatever it started wherever it moved.
+
+    With a PID namespace, the program is the init of ``namespace`` (the shim's child): killing it
+    makes the kernel kill the whole namespace. The scan after it catches stragglers either way.
+    """
+    for init in _children(proc.pid):
+        try:
+            os.kill(init, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _kill_group(proc, patience_s)
+    deadline = time.monotonic() + patience_s
+    while pids := [p for p in _leftovers(namespace, marker) if p != os.getpid()]:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc.poll()
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
 def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int | None = None) -> SandboxResult:
     """Run ``code`` as a fresh Python program inside the sandbox; never raises for bad code."""
     cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
@@ -322,6 +464,11 @@ def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_
                 close_fds=True,
                 preexec_fn=functools.partial(_child_setup, memory_mb * 1024 * 1024, cpu_s, run_as),
             )
+            # Popen returns once the program has exec'd: as the shim's child, in its own PID
+            # namespace when one could be made (else no children, or one in our namespace).
+            namespace = next(iter(_pid_namespace(c) for c in _children(proc.pid)), None)
+            if namespace == _pid_namespace(os.getpid()):
+                namespace = None
             try:
                 proc.wait(timeout=timeout_s)
                 timed_out = False
@@ -329,7 +476,7 @@ def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_
                 timed_out = True
             finally:
                 seconds = time.monotonic() - start
-                _kill_group(proc)  # also ends anything the program left behind
+                _kill_everything(proc, namespace, f"HOME={work}\0".encode())  # and all it left behind
                 proc.wait()
         status = _status(proc.returncode, timed_out)
         stdout, stderr = _read_output(io_dir / "stdout"), _read_output(io_dir / "stderr")

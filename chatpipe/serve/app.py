@@ -39,6 +39,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,11 +82,20 @@ class ChatRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=5)
     top_k: int | None = Field(None, ge=0)
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # torch.Generator.manual_seed takes a 64-bit seed
     stream: bool = True
 
 
 # --------------------------------------------------------------------------- engine pool
+
+
+class Admission:
+    """A request let in by :meth:`EnginePool.check_capacity` whose reply has not started yet.
+
+    The pool holds these weakly: a client that goes away before its stream starts drops its
+    Admission with the response, and its place in the queue is free again."""
+
+    __slots__ = ("__weakref__",)
 
 
 class EnginePool:
@@ -96,19 +106,32 @@ class EnginePool:
         self.executor = ThreadPoolExecutor(size, thread_name_prefix="engine")
         self.slots = asyncio.Semaphore(size)
         self.active = self.waiting = self.served = self.cancelled = 0
+        self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
 
-    def check_capacity(self) -> None:
-        """Refuse (503) before streaming starts when the queue is full."""
-        if self.active >= self.size and self.waiting >= self.max_queue:
+    def check_capacity(self) -> Admission:
+        """Refuse (503) before streaming starts when the queue is full; else hold a place.
+
+        Requests admitted but not yet streaming count too (a streaming reply starts only after
+        the response headers go out), so at most ``size + max_queue`` requests are ever in.
+        """
+        pending = len(self.admitted)
+        if self.active + self.waiting + pending >= self.size + self.max_queue:
             raise ApiError(
                 503,
-                f"server busy: {self.active} replies generating and {self.waiting} queued "
+                f"server busy: {self.active} replies generating and {self.waiting + pending} queued "
                 f"(serve.max_queue={self.max_queue}); retry shortly",
             )
+        admission = Admission()
+        self.admitted.add(admission)
+        return admission
 
-    async def stream(self, prompt: list[int], stats: dict[str, Any], **kw: Any) -> AsyncIterator[tuple[str, str]]:
+    async def stream(
+        self, prompt: list[int], stats: dict[str, Any], admission: Admission | None = None, **kw: Any
+    ) -> AsyncIterator[tuple[str, str]]:
         """Deltas of one reply, generated in a worker thread; closing this iterator cancels it."""
         self.waiting += 1
+        if admission is not None:
+            self.admitted.discard(admission)  # now counted as waiting
         try:
             await self.slots.acquire()
         finally:
@@ -246,7 +269,7 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
             prompt = prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
         except ValueError as e:  # roles out of order, or too long for the context
             raise ApiError(413 if isinstance(e, ContextTooLong) else 422, str(e)) from None
-        pool.check_capacity()
+        admission = pool.check_capacity()
         top_k = cfg.top_k if req.top_k is None else req.top_k
         kw = dict(
             max_tokens=max_tokens,
@@ -274,14 +297,14 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
 
         if not req.stream:
             parts: list[dict[str, str]] = []
-            async for kind, text in pool.stream(prompt, stats, **kw):
+            async for kind, text in pool.stream(prompt, stats, admission, **kw):
                 append_part(parts, kind, text)
             return summary(parts)
 
         async def events() -> AsyncIterator[str]:
             parts: list[dict[str, str]] = []
             try:
-                async for kind, text in pool.stream(prompt, stats, **kw):
+                async for kind, text in pool.stream(prompt, stats, admission, **kw):
                     append_part(parts, kind, text)
                     yield f"data: {json.dumps({'kind': kind, 'text': text})}\n\n"
                 yield f"data: {json.dumps({'done': True, **summary(parts)})}\n\n"

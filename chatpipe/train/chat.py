@@ -25,9 +25,11 @@ from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
     WORK,
+    carried_over,
     latest_checkpoint,
     load_checkpoint,
     load_model,
+    producing_runs,
     save_checkpoint,
     save_model_dir,
 )
@@ -108,11 +110,11 @@ def train_chat(
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
-    start_step, start_row = 0, 0
+    start_step, start_row, carried = 0, 0, {}
     ckpt = latest_checkpoint(work, run_fp)
     if ckpt is not None:
         meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
-        start_step, start_row = meta["step"], meta["loader"]["row"]
+        start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
         log.info("resuming from %s (step %d)", ckpt, start_step)
 
     loader_kw = dict(
@@ -145,6 +147,7 @@ def train_chat(
             "inputs": inputs,
             "loader": train_loader.state(),
             "total_steps": total_steps,
+            "carried": {"train_seconds": t_train, "mlflow_run_ids": run_ids},
         }
 
     # --- loop
@@ -163,7 +166,9 @@ def train_chat(
         metrics = Curves(tracking.MetricBuffer(run), stage, ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, stage, initial=start_step, unit="step")
         metrics.log({"packing/fill_ratio": fill}, 0)
-        step, val_loss, bpb, t_train = start_step, float("nan"), float("nan"), 0.0
+        step, val_loss, bpb = start_step, float("nan"), float("nan")
+        t_train = carried.get("train_seconds", 0.0)  # resume from the final checkpoint: same summary
+        run_ids = producing_runs(carried, run, trains=start_step < total_steps)
         while True:
             last = step == total_steps
             if last or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -217,7 +222,15 @@ def train_chat(
         metrics.flush()
         if rt.is_main:
             save_model_dir(
-                out_dir, model, {**checkpoint_meta(), "step": step, "summary": summary, "source_stage": stage}
+                out_dir,
+                model,
+                {
+                    **checkpoint_meta(),
+                    "step": step,
+                    "summary": summary,
+                    "source_stage": stage,
+                    "mlflow_run_id": run_ids[-1] if run_ids else None,
+                },
             )
             if run is not None:
                 import mlflow

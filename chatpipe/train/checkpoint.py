@@ -78,40 +78,125 @@ def save_checkpoint(
     """Collectively write ``work_dir/step_<step>``: every rank must call this.
 
     Rank 0 writes model and optimizer state and ``meta.json``; each rank writes its RNG state.
+    A write that fails (full disk, quota) removes the temp dir and raises :class:`OSError` naming
+    the file and the free space left. Then rank 0 prunes by :func:`prune_checkpoints`.
     Returns the final path on rank 0.
     """
     name = f"{STEP_PREFIX}{step:06d}"
     tmp = work_dir / f".{name}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        sweep_temps(work_dir)  # leftovers of a save a kill interrupted; runs of a stage never overlap
         tmp.mkdir(parents=True)
     _barrier()
-    torch.save(rng_state(), tmp / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save([opt.state_dict() for opt in optimizers], tmp / "optim.pt")
+    try:
+        _write(tmp / f"rank{rank}.pt", rng_state())
+        if rank == 0:
+            _write(tmp / "model.pt", model.state_dict())
+            _write(tmp / "optim.pt", [opt.state_dict() for opt in optimizers])
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     final = work_dir / name
     if rank == 0:
-        files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.pt"))}
-        write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
+        try:
+            files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.pt"))}
+            write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {_free_space(work_dir)}") from e
         replace_dir(tmp, final)
-        prune_checkpoints(work_dir, keep)
+        prune_checkpoints(work_dir, keep, meta.get("fingerprint"), newest=final)
     _barrier()
     return final if rank == 0 else None
 
 
-def list_checkpoints(work_dir: Path) -> list[Path]:
-    """Step dirs in ``work_dir``, newest first."""
+def _free_space(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB free on {path}"
+    except OSError:
+        return f"free space on {path} unknown"
+
+
+def _write(path: Path, obj: Any) -> None:
+    """torch.save that turns a failed write into an OSError naming the file (torch raises a
+    RuntimeError from its zip writer, ``inline_container.cc``, when the disk fills up)."""
+    try:
+        torch.save(obj, path)
+    except (OSError, RuntimeError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise OSError(
+            getattr(e, "errno", None) or 28, f"could not write {path}: {reason}; {_free_space(path.parent)}"
+        ) from e
+
+
+def sweep_temps(work_dir: Path) -> list[Path]:
+    """Remove hidden temp entries (``.step_*.tmp``, ``.<name>.tmp<pid>``, ``.<name>.old<pid>``) that a
+    killed save left in ``work_dir``; returns what was removed.
+
+    Safe only while no other process writes into ``work_dir``: DVC's lock keeps one run per stage.
+    """
+    removed = []
+    if not work_dir.exists():
+        return removed
+    for p in work_dir.iterdir():
+        if p.name.startswith(".") and (".tmp" in p.name or ".old" in p.name):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name[len(STEP_PREFIX) :])
+    except ValueError:
+        return -1
+
+
+def _fingerprint_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / "meta.json").read_text()).get("fingerprint")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def list_checkpoints(work_dir: Path, fingerprint_: str | None = None) -> list[Path]:
+    """Step dirs in ``work_dir`` (only those of run ``fingerprint_`` when given), highest step first.
+
+    Ordered by the step number, not the name, so ``step_1000000`` comes before ``step_999999``.
+    """
     if not work_dir.exists():
         return []
-    return sorted(work_dir.glob(f"{STEP_PREFIX}*"), reverse=True)
+    found = [p for p in work_dir.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p) >= 0]
+    if fingerprint_ is not None:
+        found = [p for p in found if _fingerprint_of(p) == fingerprint_]
+    return sorted(found, key=_step_of, reverse=True)
 
 
-def prune_checkpoints(work_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
-    for old in list_checkpoints(work_dir)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(work_dir: Path, keep: int, fingerprint_: str | None = None, newest: Path | None = None) -> None:
+    """Keep the ``keep`` newest checkpoints of run ``fingerprint_`` ending at ``newest`` (just written).
+
+    The rule, applied by rank 0 after each save (``newest`` verified by its writer):
+
+    * the current run (same fingerprint): ``newest`` and the ``keep - 1`` next lower steps stay;
+      same-run steps above ``newest`` are dropped: resume skipped them, so they failed verification;
+    * other runs (another fingerprint, or an unreadable meta.json): dropped, since the current run
+      now has a valid checkpoint of its own. Their final models live on in ``artifacts/`` and
+      the DVC cache; only their mid-run resume points go.
+
+    Without ``fingerprint_``, every run's checkpoints count alike (newest ``keep`` steps stay).
+    """
+    keep = max(1, keep)
+    if fingerprint_ is None:
+        for old in list_checkpoints(work_dir)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    ours = list_checkpoints(work_dir, fingerprint_)
+    top = _step_of(newest) if newest is not None else (_step_of(ours[0]) if ours else -1)
+    kept = [p for p in ours if _step_of(p) <= top][:keep]
+    for path in list_checkpoints(work_dir):
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -171,16 +256,39 @@ def load_checkpoint(
     return meta
 
 
+def carried_over(meta: dict[str, Any] | None) -> dict[str, Any]:
+    """What a resumed run continues from its checkpoint's ``carried`` record: running totals
+    (train seconds, tokens) and the MLflow run ids that trained the steps so far."""
+    return dict((meta or {}).get("carried") or {})
+
+
+def producing_runs(carried: dict[str, Any], run, *, trains: bool) -> list[str]:
+    """MLflow run ids that trained this model: those carried over, plus ``run`` if it trains a step.
+
+    A resume from the final checkpoint trains nothing, so it adds nothing and the stage output
+    (its meta.json included) comes out byte-identical to the one the training run wrote.
+    """
+    ids = list(carried.get("mlflow_run_ids") or [])
+    if trains and run is not None:
+        ids.append(run.info.run_id)
+    return ids
+
+
 # --------------------------------------------------------------------------- stage outputs
 
 
 def save_model_dir(out_dir: Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
     """Atomically write a stage's final model (``model.pt`` + ``meta.json``) to ``out_dir``."""
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torch.save(model.state_dict(), tmp / "model.pt")
-    write_json_atomic(tmp / "meta.json", {**meta, "files": {"model.pt": sha256_file(tmp / "model.pt")}})
+    try:
+        _write(tmp / "model.pt", model.state_dict())
+        write_json_atomic(tmp / "meta.json", {**meta, "files": {"model.pt": sha256_file(tmp / "model.pt")}})
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replace_dir(tmp, out_dir)
 
 
@@ -192,12 +300,34 @@ def read_meta(model_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def verify_model_dir(model_dir: Path, meta: dict[str, Any] | None = None) -> None:
+    """Raise ValueError naming the file when a file of a stage output does not match the sha256
+    recorded in its meta.json (a bit flip, a truncated copy, a hand-edited file)."""
+    meta = read_meta(model_dir) if meta is None else meta
+    recorded = meta.get("files")
+    if not recorded:
+        raise ValueError(
+            f"{model_dir / 'meta.json'}: no 'files' sha256 record; re-run the stage that wrote {model_dir}"
+        )
+    for name, digest in recorded.items():
+        path = model_dir / name
+        if not path.exists():
+            raise ValueError(f"{path}: missing (listed in {model_dir / 'meta.json'})")
+        actual = sha256_file(path)
+        if actual != digest:
+            raise ValueError(
+                f"{path}: sha256 {actual[:12]}... does not match {digest[:12]}... recorded in "
+                f"{model_dir / 'meta.json'} (corrupted or modified); re-run the stage that wrote it"
+            )
+
+
 def load_model(model_dir: Path | str, device: str | torch.device = "cpu"):
     """Load a stage's final GPT from ``model_dir`` (e.g. ``artifacts/base``); returns (model, meta)."""
     from chatpipe.model.gpt import GPT, GPTConfig  # local import keeps this module light for the flow
 
     model_dir = Path(model_dir)
     meta = read_meta(model_dir)
+    verify_model_dir(model_dir, meta)
     # Built on the target device (not "meta") so non-persistent buffers such as rotary tables exist.
     with torch.device(device):
         model = GPT(GPTConfig.from_dict(meta["model_config"]))

@@ -42,6 +42,8 @@ class CustomJSON(Task):
         if not path:
             raise ValueError("customjson: 'path' to a .jsonl file is required")
         rows = conversation_rows(path, to_conversation)
+        if not rows:
+            raise ValueError(f"{path}: no rows (the file is empty or blank); expected one conversation per line")
         if split != "all":
             rows = hash_split(rows, split, lambda c: str(c["messages"][0]["content"]))
         super().__init__(limit_rows(rows, limit), split)
