@@ -22,8 +22,14 @@ log = logging.getLogger(__name__)
 
 SHA_TAG = "model_sha256"
 LATEST, CHAMPION = "latest", "champion"
-# (version tag, higher is better): chat ability first, then base-model quality, then bits per byte
-SCORE_ORDER: list[tuple[str, bool]] = [("ChatCORE", True), ("CORE", True), ("bpb", False)]
+# (version tag, higher is better): chat ability first, then base-model quality (the published DCLM
+# CORE before our tiny-world CORE: they are different metrics), then bits per byte
+SCORE_ORDER: list[tuple[str, bool]] = [
+    ("ChatCORE", True),
+    ("DCLM CORE", True),
+    ("tiny-world CORE", True),
+    ("bpb", False),
+]
 
 
 def _number(tags: dict[str, str], key: str) -> float | None:

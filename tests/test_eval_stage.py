@@ -101,7 +101,7 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
             "import json, mlflow; from chatpipe import tracking; from chatpipe.settings import TrackingSettings, load_section;"
             "tracking.configure(load_section(TrackingSettings)); c = mlflow.MlflowClient();"
             f"print(sorted(a.path for a in c.list_artifacts('{parent}', 'report')));"
-            "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['CORE'])"
+            "v = c.search_model_versions(\"name = 'chatpipe'\")[0]; print(v.tags['stage'], v.tags['tiny-world CORE'])"
         ),
     )
     listed, registered = check.stdout.strip().splitlines()[-2:]

@@ -113,8 +113,8 @@ def test_same_sha256_is_registered_once_and_champion_moves_only_on_better_number
 
 def test_beats_compares_the_first_metric_both_have() -> None:
     assert registry.beats({"ChatCORE": "0.2", "bpb": "2"}, {"ChatCORE": "0.1", "bpb": "1"})[0]
-    assert not registry.beats({"CORE": "0.1", "bpb": "0.9"}, {"CORE": "0.2", "bpb": "1.0"})[0]
-    assert registry.beats({"ChatCORE": "0.3", "bpb": "0.9"}, {"CORE": "0.2", "bpb": "1.0"}) == (
+    assert not registry.beats({"DCLM CORE": "0.1", "bpb": "0.9"}, {"DCLM CORE": "0.2", "bpb": "1.0"})[0]
+    assert registry.beats({"ChatCORE": "0.3", "bpb": "0.9"}, {"DCLM CORE": "0.2", "bpb": "1.0"}) == (
         True,
         "bpb 0.9000 vs 1.0000",
     )
