@@ -139,7 +139,8 @@ def test_scheduled_deployment_fires_runs_on_a_worker_and_links_mlflow(stack):
             "/flow_runs/filter",
             {"deployments": {"id": {"any_": [nightly_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 20},
         )
-        assert runs, "the schedule created no run" if time.monotonic() > deadline - 420 else "waiting"
+        # the scheduler's loop creates the runs; allow it two minutes before calling the schedule dead
+        assert runs or time.monotonic() < deadline - 420, "the schedule created no run in 120 s"
         done = [r for r in runs if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
         if done:
             run = done[0]
