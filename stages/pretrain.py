@@ -31,9 +31,8 @@ from chatpipe.train.checkpoint import (
     ARTIFACTS,
     WORK,
     carried_over,
-    latest_checkpoint,
-    load_checkpoint,
     producing_runs,
+    resume_latest,
     save_checkpoint,
     save_model_dir,
 )
@@ -119,11 +118,9 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     start_step, start_row, carried = 0, 0, {}
-    ckpt = latest_checkpoint(work, run_fp)
-    if ckpt is not None:
-        meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
+    meta = resume_latest(work, run_fp, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
+    if meta is not None:
         start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
-        log.info("resuming from %s (step %d)", ckpt, start_step)
 
     train_loader = RowLoader(
         train_docs,

@@ -48,10 +48,9 @@ from chatpipe.train.checkpoint import (
     ARTIFACTS,
     WORK,
     carried_over,
-    latest_checkpoint,
-    load_checkpoint,
     load_model,
     producing_runs,
+    resume_latest,
     save_checkpoint,
     save_model_dir,
 )
@@ -130,14 +129,12 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     }
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     start_step, prompt_log, first_eval, carried = 0, [], None, {}
-    ckpt = latest_checkpoint(work, run_fp)
-    if ckpt is not None:
-        meta = load_checkpoint(
-            ckpt, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank, world_size=rt.world_size
-        )
+    meta = resume_latest(
+        work, run_fp, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank, world_size=rt.world_size
+    )
+    if meta is not None:
         start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
         first_eval, carried = meta["first_eval"], carried_over(meta)
-        log.info("resuming from %s (step %d)", ckpt, start_step)
 
     train_policy = DDP(policy) if rt.world_size > 1 else policy
     train_critic = (DDP(critic) if rt.world_size > 1 else critic) if critic else None

@@ -256,6 +256,21 @@ def load_checkpoint(
     return meta
 
 
+def resume_latest(
+    work_dir: Path, fingerprint_: str, *, model: torch.nn.Module, optimizers: list, rank: int = 0, world_size: int = 1
+) -> dict[str, Any] | None:
+    """Load the newest valid checkpoint of the run ``fingerprint_`` into model and optimizers.
+
+    Returns its meta dict, or None when the run has no checkpoint yet (a fresh start).
+    """
+    ckpt = latest_checkpoint(work_dir, fingerprint_)
+    if ckpt is None:
+        return None
+    meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rank, world_size=world_size)
+    log.info("resuming from %s (step %d)", ckpt, meta["step"])
+    return meta
+
+
 def carried_over(meta: dict[str, Any] | None) -> dict[str, Any]:
     """What a resumed run continues from its checkpoint's ``carried`` record: running totals
     (train seconds, tokens) and the MLflow run ids that trained the steps so far."""
