@@ -4,8 +4,8 @@
     python bench/slurm_overhead.py [--stages data tokenizer pretrain] [--small]
 
 Two fresh copies of this repo (tests/project.py), the same params and the same math:
-- local: ``python -m chatpipe.launch <stage>`` on ``local_cwd``, multi-process stages as 1 node x 2
-  gloo processes;
+- local: ``python -m chatpipe.launch <stage>`` on ``local_cwd`` with the ``slurm`` profile's params,
+  multi-process stages as 1 node x 2 gloo processes;
 - slurm: the same command under the ``slurm`` profile, multi-process stages as 2 nodes x 1 process
   (a heterogeneous job), one-process stages as one-node jobs.
 Stages run in pipeline order, one after the other; each is timed from the launcher's start to its exit
@@ -25,13 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "out" / "slurm"
-STAGES = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
 
+from chatpipe.settings import STAGES  # noqa: E402
 from tests.project import make_project, project_env  # noqa: E402
 from tests.test_slurm import PIPELINE_PARAMS  # noqa: E402  (small rl/eval that divide over 2 ranks)
 
@@ -64,14 +62,23 @@ def main() -> None:
     args = p.parse_args()
     if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
         raise SystemExit("no Slurm cluster: run `bash scripts/slurm-local.sh up` and export SLURM_CONF")
-    params = (
-        dict(PIPELINE_PARAMS) if args.small else {k: v for k, v in PIPELINE_PARAMS.items() if k in ("midtrain", "sft")}
-    )
-    params["profile"] = "tiny"
+    # tiny as it is (the slurm profile splits its batches over the 2 ranks), or the test suite's small params
+    params = dict(PIPELINE_PARAMS) if args.small else {}
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
         for name, launch_env in (
-            ("local", {"CHATPIPE_LAUNCH__NPROC_PER_NODE": "2"}),
+            # the slurm profile's params (batches split over 2 ranks) on local_cwd: only the launch differs
+            (
+                "local",
+                {
+                    "CHATPIPE_PROFILE": "slurm",
+                    "CHATPIPE_LAUNCH__SCHEDULER": "local_cwd",
+                    "CHATPIPE_LAUNCH__NNODES": "1",
+                    "CHATPIPE_LAUNCH__NPROC_PER_NODE": "2",
+                    "CHATPIPE_LAUNCH__RDZV_BACKEND": "c10d",
+                    "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port()),
+                },
+            ),
             ("slurm", {"CHATPIPE_PROFILE": "slurm", "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port())}),
         ):
             project = make_project(Path(tmp) / name, params, small=args.small)

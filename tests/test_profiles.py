@@ -55,3 +55,19 @@ def test_unknown_section_in_profiles_file_names_the_file(params_file, monkeypatc
 
     with pytest.raises(ParamsError, match=r"profiles\.yaml: broken has unknown section"):
         validate_all()
+
+
+@pytest.mark.parametrize("profile", ["tiny", "slurm", "tiny_nanochat", "rehearsal"])
+def test_cpu_profiles_split_every_training_batch_over_their_ranks(params_file, monkeypatch, profile):
+    """A CPU profile's batches divide over its nodes x processes, so every stage starts (no batch-math error)."""
+    from chatpipe.settings import LaunchSettings, MidtrainSettings, SFTSettings
+    from chatpipe.train.loop import grad_accum_steps
+
+    monkeypatch.setenv("CHATPIPE_PROFILE", profile)
+    launch = load_section(LaunchSettings)
+    world = launch.nnodes * launch.nproc_per_node
+    pretrain = load_section(PretrainSettings)
+    grad_accum_steps(pretrain.total_batch_size, pretrain.device_batch_size, pretrain.sequence_len, world)
+    for cls in (MidtrainSettings, SFTSettings):
+        cfg = load_section(cls)
+        grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.max_seq_len, world)
