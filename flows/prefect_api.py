@@ -61,6 +61,9 @@ class TemporaryServer:
             ],
             env=env,
             stdin=subprocess.DEVNULL,
+            # its own session: a Ctrl-C or SIGTERM to the terminal's process group reaches the flow
+            # but not the server, so the flow can still report the crash before stopping it
+            start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -222,6 +223,24 @@ def test_stopping_dvc_or_killing_the_launcher_takes_the_workers_down(tmp_path):
         proc.kill()
         proc.wait(timeout=10)
         assert not _wait_gone(project, "stages.pretrain", 5), "worker outlived a kill -9 of its launcher"
+        # 3. Ctrl-C or SIGTERM to the flow's whole process group (a terminal's job control, `kill -- -PGID`):
+        # every process of the group gets it at once, the flow's temporary Prefect server included
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "flows.pipeline", "--stages", "pretrain"],
+                cwd=project,
+                env=project_env(project),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            wait_for_worker()
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the flow hung for 60 s after {sig.name} to its process group") from None
+            assert not _wait_gone(project, "", 30), f"processes outlived {sig.name} to the flow's group"
     finally:
-        for p in _stage_procs(project, "pretrain"):
+        for p in _stage_procs(project, ""):  # anything still running in the project: a hung flow too
             p.kill()
