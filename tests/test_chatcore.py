@@ -117,8 +117,8 @@ class ScriptedGen:
 
 @pytest.fixture
 def scripted_samples(monkeypatch):
-    def fake(engine, tokenizer, conv, *, num_samples, **kw):
-        return [str(j) for j in range(num_samples)]
+    def fake(engine, tokenizer, convs, *, num_samples, **kw):
+        return [[str(j) for j in range(num_samples)] for _ in convs]
 
     monkeypatch.setattr(chatcore_mod, "generate_completions", fake)
 

@@ -43,15 +43,17 @@ def test_val_loss_and_bpb_count_only_trained_targets():
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """Engine.generate_batch returns a reply chosen by the test instead of sampling a model."""
+    """Engine.generate_many returns replies chosen by the test instead of sampling a model."""
     replies: dict[str, list[int]] = {}
 
-    def fake(self, prompt_ids, num_samples=1, **kw):
-        text = TOK.decode(prompt_ids)
-        new = next(v for k, v in replies.items() if k in text)
-        return [list(prompt_ids) + new], [[0] * len(prompt_ids) + [1] * len(new)]
+    def fake(self, prompts, num_samples=1, **kw):
+        out = []
+        for prompt_ids in prompts:
+            new = next(v for k, v in replies.items() if k in TOK.decode(prompt_ids))
+            out.append(([list(prompt_ids) + new], [[0] * len(prompt_ids) + [1] * len(new)]))
+        return out
 
-    monkeypatch.setattr(Engine, "generate_batch", fake)
+    monkeypatch.setattr(Engine, "generate_many", fake)
     return replies
 
 
@@ -63,8 +65,7 @@ def test_complete_and_end_token_rate(scripted):
     scripted["stops"] = TOK.encode("fine") + [END]
     scripted["rambles"] = TOK.encode("and on and on")
     engine = Engine(None, TOK)
-    assert chateval.complete(engine, convs[0], max_tokens=8) == ("fine", True)
-    assert chateval.complete(engine, convs[1], max_tokens=8) == ("and on and on", False)
+    assert chateval.complete(engine, convs, max_tokens=8) == [("fine", True), ("and on and on", False)]
     assert chateval.end_token_rate(None, TOK, convs) == 0.5
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chatpipe.inference.engine import Engine, sample_next
@@ -65,6 +66,33 @@ def test_sampling_is_reproducible_and_seed_dependent():
     assert len(set(map(tuple, seqs))) > 1  # rows sample independently after the shared prefill
     for seq, mask in zip(seqs, masks):
         assert seq[:3] == prompt and mask[:3] == [0, 0, 0] and len(seq) == len(mask)
+
+
+def test_generate_many_batches_equal_lengths_and_matches_one_prompt_at_a_time():
+    model = random_model(2)
+    engine = Engine(model, TOK)
+    prompts = [[S["<|bos|>"], *TOK.encode(t)] for t in ("ab", "cd", "hello", "xy", "world")]  # lengths 3,3,6,3,6
+    calls = []
+    real = engine.generate_batch
+    engine.generate_batch = lambda p, **kw: calls.append(len(p)) or real(p, **kw)
+    batched = engine.generate_many(prompts, num_samples=2, max_tokens=10, temperature=0.0)
+    assert sorted(calls) == [2, 3]  # two calls: the three 3-token prompts, the two 6-token ones
+    for prompt, (seqs, masks) in zip(prompts, batched):
+        alone = real(prompt, num_samples=2, max_tokens=10, temperature=0.0)
+        assert (seqs, masks) == alone  # greedy: same tokens whether batched or not
+        assert all(s[: len(prompt)] == prompt for s in seqs)
+    split = engine.generate_many(prompts, num_samples=2, max_tokens=10, temperature=0.0, max_rows=2)
+    assert split == batched and len(calls) == 2 + 5  # max_rows=2 leaves one prompt per call
+
+
+def test_prompts_of_different_lengths_in_one_generate_are_refused():
+    engine = Engine(random_model(), TOK)
+    with pytest.raises(ValueError, match=r"equal lengths, got \[2, 3\].*generate_many"):
+        engine.generate_batch([[1, 2], [1, 2, 3]], max_tokens=2)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate_batch([], max_tokens=2)
+    with pytest.raises(ValueError, match="max_rows = 2 must be >= num_samples = 4"):
+        engine.generate_many([[1]], num_samples=4, max_rows=2)
 
 
 def test_top_k_limits_choices_and_temperature_zero_is_argmax():

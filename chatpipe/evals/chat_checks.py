@@ -18,17 +18,18 @@ log = logging.getLogger(__name__)
 
 
 def complete(
-    engine: Engine, conversation: dict[str, Any], *, max_tokens: int, temperature: float = 0.0, seed: int = 0
-) -> tuple[str, bool]:
-    """The assistant's reply to ``conversation`` (its gold answer dropped) and whether it ended its turn."""
+    engine: Engine, conversations: Sequence[dict[str, Any]], *, max_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> list[tuple[str, bool]]:
+    """The assistant's reply to each conversation (its gold answer dropped) and whether it ended its turn."""
     tok = engine.tokenizer
-    prompt = tok.render_for_completion(conversation)
-    seqs, masks = engine.generate_batch(
-        prompt, num_samples=1, max_tokens=max_tokens, temperature=temperature, seed=seed
-    )
-    new = seqs[0][len(prompt) :]
-    ended = bool(new) and new[-1] == engine.assistant_end and masks[0][-1] == 1
-    return tok.decode(new[:-1] if ended else new), ended
+    prompts = [tok.render_for_completion(c) for c in conversations]
+    out = []
+    generated = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    for prompt, (seqs, masks) in zip(prompts, generated):
+        new = seqs[0][len(prompt) :]
+        ended = bool(new) and new[-1] == engine.assistant_end and masks[0][-1] == 1
+        out.append((tok.decode(new[:-1] if ended else new), ended))
+    return out
 
 
 def end_token_rate(
@@ -41,12 +42,10 @@ def end_token_rate(
     seed: int = 0,
 ) -> float:
     """Fraction of sampled replies that end with ``<|assistant_end|>`` within ``max_tokens``."""
-    engine = Engine(model, tokenizer)
-    ended = [
-        complete(engine, c, max_tokens=max_tokens, temperature=temperature, seed=seed + i)[1]
-        for i, c in enumerate(conversations)
-    ]
-    return sum(ended) / max(1, len(ended))
+    replies = complete(
+        Engine(model, tokenizer), conversations, max_tokens=max_tokens, temperature=temperature, seed=seed
+    )
+    return sum(ended for _, ended in replies) / max(1, len(replies))
 
 
 def task_accuracy(
@@ -56,12 +55,11 @@ def task_accuracy(
 
     ``samples``, when given, receives ``(prompt text, reply, correct)`` for inspection.
     """
-    engine = Engine(model, tokenizer)
     n = len(task) if n is None else min(n, len(task))
+    convs = [task[i] for i in range(n)]
+    replies = complete(Engine(model, tokenizer), convs, max_tokens=max_tokens, temperature=0.0)
     correct = 0
-    for i in range(n):
-        conv = task[i]
-        reply, _ = complete(engine, conv, max_tokens=max_tokens, temperature=0.0)
+    for conv, (reply, _) in zip(convs, replies):
         ok = task.evaluate(conv, reply)
         correct += ok
         if samples is not None:

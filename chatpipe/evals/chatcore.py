@@ -86,27 +86,30 @@ def choose_letters(
 def generate_completions(
     engine: Engine,
     tokenizer: Any,
-    conversation: dict,
+    conversations: list[dict],
     *,
     num_samples: int,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     seed: int,
-) -> list[str]:
-    """``num_samples`` assistant completions (text after the prompt, stop token removed)."""
-    prompt = _fit(tokenizer.render_for_completion(conversation), engine.model, room=max_new_tokens)
-    seqs, _ = engine.generate_batch(
-        prompt, num_samples=num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+) -> list[list[str]]:
+    """``num_samples`` assistant completions per conversation (text after the prompt, stop token removed)."""
+    prompts = [_fit(tokenizer.render_for_completion(c), engine.model, room=max_new_tokens) for c in conversations]
+    generated = engine.generate_many(
+        prompts, num_samples=num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
     )
     stops = engine.stop_ids()
-    completions = []
-    for seq in seqs:
-        new = seq[len(prompt) :]
-        if new and new[-1] in stops:
-            new = new[:-1]
-        completions.append(tokenizer.decode(new))
-    return completions
+    out = []
+    for prompt, (seqs, _) in zip(prompts, generated):
+        completions = []
+        for seq in seqs:
+            new = seq[len(prompt) :]
+            if new and new[-1] in stops:
+                new = new[:-1]
+            completions.append(tokenizer.decode(new))
+        out.append(completions)
+    return out
 
 
 def _item_indices(n: int, max_examples: int | None) -> list[int]:
@@ -162,19 +165,18 @@ def evaluate_task(
                 for conv, letter in zip(convs, choose_letters(model, tokenizer, convs, device)):
                     score += bool(task.evaluate(conv, letter))
         else:
-            engine = Engine(model, tokenizer)
-            for i in mine:
-                conv = task[i]
-                completions = generate_completions(
-                    engine,
-                    tokenizer,
-                    conv,
-                    num_samples=num_samples,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_k=top_k,
-                    seed=seed + i,
-                )
+            convs = [task[i] for i in mine]
+            per_item = generate_completions(
+                Engine(model, tokenizer),
+                tokenizer,
+                convs,
+                num_samples=num_samples,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                seed=seed + 1_000_003 * rank,
+            )
+            for conv, completions in zip(convs, per_item):
                 correct = sum(bool(task.evaluate(conv, c)) for c in completions)
                 score += pass_at_k(num_samples, correct, k)
     finally:

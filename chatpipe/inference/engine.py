@@ -117,7 +117,7 @@ class Engine:
     @torch.inference_mode()
     def generate(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | list[list[int]],
         num_samples: int = 1,
         max_tokens: int = 64,
         temperature: float = 1.0,
@@ -128,26 +128,28 @@ class Engine:
     ) -> Iterator[tuple[list[int], list[int]]]:
         """Stream (tokens, masks), one column per step, until every row stopped or ``max_tokens``.
 
+        ``prompt_ids`` is one prompt, or a list of prompts of equal length (see :meth:`generate_many`
+        for any lengths); prompt ``i`` owns rows ``i * num_samples .. (i + 1) * num_samples - 1``.
         Rows that have finished keep yielding ``bos`` with mask 0 as padding; callers ignore it
         (the engine never forces ``bos``, so a masked ``bos`` is always padding).
         """
-        if not prompt_ids:
-            raise ValueError("prompt_ids must hold at least one token (e.g. <|bos|>)")
+        prompts = _as_prompts(prompt_ids)
         device = next(self.model.parameters()).device
         rng = torch.Generator(device=device)
         rng.manual_seed(seed)
         stops = self.stop_ids(stop_tokens)
         config = self.model.config
+        length, num_rows = len(prompts[0]), len(prompts) * num_samples
 
-        # prefill once with batch 1, then share the prompt's keys/values across all rows
-        prompt_cache = KVCache.from_config(config, batch_size=1, max_len=len(prompt_ids))
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        logits = self.model(ids, kv_cache=prompt_cache)[:, -1, :].expand(num_samples, -1)
-        cache = KVCache.from_config(config, batch_size=num_samples, max_len=len(prompt_ids) + max_tokens)
+        # prefill each prompt once, then share its keys/values across its rows
+        prompt_cache = KVCache.from_config(config, batch_size=len(prompts), max_len=length)
+        ids = torch.tensor(prompts, dtype=torch.long, device=device)
+        logits = self.model(ids, kv_cache=prompt_cache)[:, -1, :].repeat_interleave(num_samples, dim=0)
+        cache = KVCache.from_config(config, batch_size=num_rows, max_len=length + max_tokens)
         cache.prefill(prompt_cache)
         del prompt_cache
 
-        rows = [_Row() for _ in range(num_samples)]
+        rows = [_Row() for _ in range(num_rows)]
         for step in range(max_tokens):
             sampled = sample_next(logits, rng, temperature, top_k, top_p).tolist()
             tokens, masks = [], []
@@ -173,16 +175,18 @@ class Engine:
             logits = self.model(column, kv_cache=cache)[:, -1, :]
 
     def generate_batch(
-        self, prompt_ids: list[int], num_samples: int = 1, **kw: Any
+        self, prompt_ids: list[int] | list[list[int]], num_samples: int = 1, **kw: Any
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Full sequences (prompt + generated, ending at the stop token if one came) and their masks.
 
-        Masks are 0 on the prompt and on forced tool-output tokens, 1 on sampled tokens.
+        Masks are 0 on the prompt and on forced tool-output tokens, 1 on sampled tokens. Several
+        prompts of equal length give their rows in order, ``num_samples`` per prompt.
         """
         stops = self.stop_ids(kw.get("stop_tokens"))
-        seqs = [list(prompt_ids) for _ in range(num_samples)]
-        masks = [[0] * len(prompt_ids) for _ in range(num_samples)]
-        done = [False] * num_samples
+        prompts = _as_prompts(prompt_ids)
+        seqs = [list(p) for p in prompts for _ in range(num_samples)]
+        masks = [[0] * len(p) for p in prompts for _ in range(num_samples)]
+        done = [False] * len(seqs)
         for tokens, column_masks in self.generate(prompt_ids, num_samples=num_samples, **kw):
             for i, (tok, m) in enumerate(zip(tokens, column_masks)):
                 if done[i] or (m == 0 and tok == self.bos):  # padding after the row stopped (e.g. a cut call)
@@ -194,6 +198,34 @@ class Engine:
             if all(done):
                 break
         return seqs, masks
+
+    def generate_many(
+        self, prompts: list[list[int]], num_samples: int = 1, *, seed: int = 0, max_rows: int = 128, **kw: Any
+    ) -> list[tuple[list[list[int]], list[list[int]]]]:
+        """:meth:`generate_batch` for each of ``prompts`` (any lengths), in their order.
+
+        A tiny model's decode step costs about the same for 4 rows as for 100 (per-op overhead
+        dominates), so prompts of equal length are generated together, up to ``max_rows`` rows per
+        call. A group's random stream is seeded by ``seed`` plus the index of its first prompt, so
+        results depend only on the prompts, ``seed`` and ``max_rows``.
+        """
+        if max_rows < num_samples:
+            raise ValueError(f"max_rows = {max_rows} must be >= num_samples = {num_samples}")
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        per_call = max_rows // num_samples
+        out: list[tuple[list[list[int]], list[list[int]]]] = [([], [])] * len(prompts)
+        for indices in by_length.values():
+            for start in range(0, len(indices), per_call):
+                group = indices[start : start + per_call]
+                seqs, masks = self.generate_batch(
+                    [prompts[i] for i in group], num_samples=num_samples, seed=seed + group[0], **kw
+                )
+                for k, i in enumerate(group):
+                    rows = slice(k * num_samples, (k + 1) * num_samples)
+                    out[i] = (seqs[rows], masks[rows])
+        return out
 
     def stream(
         self, prompt_ids: list[int], stats: dict[str, Any] | None = None, **kw: Any
@@ -239,3 +271,16 @@ class Engine:
             yield kind, self.tokenizer.decode(pending)
         if self.tool_stats["cut"] > cuts:
             stats["finish_reason"] = "tool_cut"
+
+
+def _as_prompts(prompt_ids: list[int] | list[list[int]]) -> list[list[int]]:
+    """One prompt or several of equal length, as a list of prompts (each at least one token)."""
+    prompts = [prompt_ids] if prompt_ids and isinstance(prompt_ids[0], int) else prompt_ids
+    if not prompts or not all(prompts):
+        raise ValueError("prompt_ids must hold at least one token (e.g. <|bos|>)")
+    if len({len(p) for p in prompts}) > 1:
+        raise ValueError(
+            f"prompts batched in one generate() must have equal lengths, got {sorted({len(p) for p in prompts})}; "
+            "use generate_many() for prompts of any lengths"
+        )
+    return [list(p) for p in prompts]

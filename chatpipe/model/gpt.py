@@ -264,23 +264,25 @@ class KVCache:
         self.pos += t
 
     def prefill(self, other: KVCache) -> None:
-        """Copy ``other``'s filled positions into this cache, broadcasting a batch-1 cache to every row.
+        """Copy ``other``'s filled positions into this cache, each of its rows repeated over a block of rows.
 
-        The engine prefills the prompt once with batch 1, then expands it to num_samples rows.
+        The engine prefills P prompts once (batch P), then expands them to P x num_samples rows:
+        source row i fills rows ``i * num_samples .. (i + 1) * num_samples - 1``.
         """
         same = (0, 2, 4)  # layers, kv heads, head_dim must match; batch and max_len may differ
         if any(other.shape[i] != self.shape[i] for i in same):
             raise ValueError(f"cache shapes differ: {other.shape} vs {self.shape}")
-        if other.batch_size not in (1, self.batch_size):
+        if self.batch_size % other.batch_size:
             raise ValueError(f"cannot expand batch {other.batch_size} to {self.batch_size}")
         if other.pos > self.max_len:
             raise ValueError(f"source has {other.pos} positions, more than max_len {self.max_len}")
+        repeats = self.batch_size // other.batch_size
         if other.k is not None:
             self._allocate(other.k.dtype, other.k.device)
-            self.k[:, :, :, : other.pos] = other.k[:, :, :, : other.pos]
-            self.v[:, :, :, : other.pos] = other.v[:, :, :, : other.pos]
+            self.k[:, :, :, : other.pos] = other.k[:, :, :, : other.pos].repeat_interleave(repeats, dim=1)
+            self.v[:, :, :, : other.pos] = other.v[:, :, :, : other.pos].repeat_interleave(repeats, dim=1)
         if other.prev_embed is not None:
-            self.prev_embed = other.prev_embed.expand(self.batch_size, -1, -1).clone()
+            self.prev_embed = other.prev_embed.repeat_interleave(repeats, dim=0)
         self.pos = other.pos
 
 

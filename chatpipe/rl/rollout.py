@@ -154,20 +154,15 @@ def collect_rollouts(
 ) -> Rollouts:
     """Sample ``group_size`` responses per problem (tool use on) and score them with each problem's verifier.
 
-    ``seed`` makes the batch reproducible: problem ``j`` samples with seed ``seed + j``.
+    ``seed`` makes the batch reproducible (see :meth:`Engine.generate_many` for how it is split).
     """
     tok = engine.tokenizer
     seqs, masks, scores, ended, lengths, groups, completions = [], [], [], [], [], [], []
-    for j, problem in enumerate(problems):
-        prompt = tok.render_for_completion(problem.conversation)
-        out, out_masks = engine.generate_batch(
-            prompt,
-            num_samples=group_size,
-            max_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed + j,
-        )
+    prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
+    generated = engine.generate_many(
+        prompts, num_samples=group_size, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    )
+    for j, (problem, prompt, (out, out_masks)) in enumerate(zip(problems, prompts, generated)):
         for s, mk in zip(out, out_masks):
             gen, gen_mask = s[len(prompt) :], mk[len(prompt) :]
             stopped = bool(gen) and gen[-1] == engine.assistant_end and gen_mask[-1] == 1
@@ -223,16 +218,11 @@ def evaluate_problems(
 ) -> list[list[bool]]:
     """Per-problem lists of sample correctness (score > 0), for pass@k."""
     out = []
-    for j, problem in enumerate(problems):
-        prompt = engine.tokenizer.render_for_completion(problem.conversation)
-        seqs, _ = engine.generate_batch(
-            prompt,
-            num_samples=num_samples,
-            max_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed + j,
-        )
+    prompts = [engine.tokenizer.render_for_completion(problem.conversation) for problem in problems]
+    generated = engine.generate_many(
+        prompts, num_samples=num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    )
+    for problem, prompt, (seqs, _) in zip(problems, prompts, generated):
         texts = [engine.tokenizer.decode([t for t in s[len(prompt) :] if t != engine.assistant_end]) for s in seqs]
         out.append([problem.score(t) > 0 for t in texts])
     return out
