@@ -179,7 +179,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         # totals and run ids continue from the checkpoint, so a resume from the final one
         # rewrites the same summary (and the same artifact hash) as the run that trained it
         t_train, tokens_seen = carried.get("train_seconds", 0.0), carried.get("tokens", 0)
-        run_ids = producing_runs(carried, run, trains=start_step < total_steps)
+        run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
         while True:
             last = step == total_steps
             if last or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -246,16 +246,13 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
                     "mlflow_run_id": run_ids[-1] if run_ids else None,
                 },
             )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
             write_metrics("pretrain", summary)
             log.info("saved artifacts/base (val bpb %.4f)", bpb)
     runtime.barrier()
 
 
-def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run, step: int) -> None:
+def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun, step: int) -> None:
     """Greedy continuations of a few prompts, logged and saved to MLflow as text."""
     engine = Engine(model, tok)
     lines = []
@@ -264,10 +261,7 @@ def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run, step: int)
         seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
         lines.append(tok.decode(seqs[0][1:]))
     log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
-    if run is not None:
-        import mlflow
-
-        mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
+    run.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
 
 
 if __name__ == "__main__":

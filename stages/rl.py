@@ -202,7 +202,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         step, evals = start_step, {}
         t_gen_total, t_train_total = carried.get("gen_seconds", 0.0), carried.get("train_seconds", 0.0)
         gen_tokens_total = carried.get("gen_tokens", 0)
-        run_ids = producing_runs(carried, run, trains=start_step < cfg.max_steps)
+        run_ids = producing_runs(carried, run.id, trains=start_step < cfg.max_steps)
         while True:
             last = step == cfg.max_steps
             if last or step == start_step or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -355,10 +355,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                     "mlflow_run_id": run_ids[-1] if run_ids else None,
                 },
             )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
             write_metrics("rl", summary)
             log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     runtime.barrier()

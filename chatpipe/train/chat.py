@@ -36,8 +36,8 @@ from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_ste
 from chatpipe.train.optim import build_optimizers
 
 log = logging.getLogger("chattrain")
-# rank 0's end-of-training hook: (model, tokenizer, MLflow run or None) -> extra summary metrics
-Finish = Callable[[torch.nn.Module, Tokenizer, object], dict[str, float]]
+# rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics
+Finish = Callable[[torch.nn.Module, Tokenizer, tracking.StageRun], dict[str, float]]
 
 
 def train_chat(
@@ -165,7 +165,7 @@ def train_chat(
         metrics.log({"packing/fill_ratio": fill}, 0)
         step, val_loss, bpb = start_step, float("nan"), float("nan")
         t_train = carried.get("train_seconds", 0.0)  # resume from the final checkpoint: same summary
-        run_ids = producing_runs(carried, run, trains=start_step < total_steps)
+        run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
         while True:
             last = step == total_steps
             if last or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -229,10 +229,7 @@ def train_chat(
                     "mlflow_run_id": run_ids[-1] if run_ids else None,
                 },
             )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
+            run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
             write_metrics(stage, summary)
             log.info("saved %s (val loss %.4f, bpb %.4f)", out_dir, val_loss, bpb)
     runtime.barrier()
