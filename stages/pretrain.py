@@ -25,19 +25,12 @@ from chatpipe.model.gpt import GPT, enable_fp8
 from chatpipe.plan import batch_and_steps, check_memory_fits, compile_pays, estimate_memory_bytes, model_config_for
 from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
-from chatpipe.stage_metrics import Curves, write_metrics
+from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import (
-    ARTIFACTS,
-    WORK,
-    carried_over,
-    producing_runs,
-    resume_latest,
-    save_checkpoint,
-    save_model_dir,
-)
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, producing_runs, resume_latest, save_checkpoint
 from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
+from chatpipe.train.stage import finish_stage
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -232,23 +225,19 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             "tokens": tokens_seen,
             "tokens_per_s": tokens_seen / max(t_train, 1e-9),
         }
-        metrics.log({"final/val_bpb": bpb}, step)
-        metrics.flush()
-        if rt.is_main:
-            save_model_dir(
-                ARTIFACTS / "base",
-                model,
-                {
-                    **checkpoint_meta(step),
-                    "step": step,
-                    "summary": summary,
-                    "source_stage": "pretrain",
-                    "mlflow_run_id": run_ids[-1] if run_ids else None,
-                },
-            )
-            run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
-            write_metrics("pretrain", summary)
-            log.info("saved artifacts/base (val bpb %.4f)", bpb)
+        finish_stage(
+            "pretrain",
+            ARTIFACTS / "base",
+            model,
+            checkpoint_meta(step),
+            summary,
+            step=step,
+            run=run,
+            run_ids=run_ids,
+            metrics=metrics,
+            rt=rt,
+            final={"final/val_bpb": bpb},
+        )
     runtime.barrier()
 
 

@@ -42,7 +42,7 @@ from chatpipe.settings import (
     math_settings,
     snapshot,
 )
-from chatpipe.stage_metrics import Curves, write_metrics
+from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -52,9 +52,9 @@ from chatpipe.train.checkpoint import (
     producing_runs,
     resume_latest,
     save_checkpoint,
-    save_model_dir,
 )
 from chatpipe.train.optim import apply_schedules, build_optimizers
+from chatpipe.train.stage import finish_stage
 
 log = logging.getLogger("rl")
 
@@ -342,22 +342,18 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             **{f"first_{k}": v for k, v in (first_eval or {}).items()},
             **{f"final_{k}": v for k, v in evals.items()},
         }
-        metrics.flush()
-        if rt.is_main:
-            save_model_dir(
-                ARTIFACTS / "rl",
-                policy,
-                {
-                    **checkpoint_meta(),
-                    "step": step,
-                    "summary": summary,
-                    "source_stage": "rl",
-                    "mlflow_run_id": run_ids[-1] if run_ids else None,
-                },
-            )
-            run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
-            write_metrics("rl", summary)
-            log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+        finish_stage(
+            "rl",
+            ARTIFACTS / "rl",
+            policy,
+            checkpoint_meta(),
+            summary,
+            step=step,
+            run=run,
+            run_ids=run_ids,
+            metrics=metrics,
+            rt=rt,
+        )
     runtime.barrier()
 
 

@@ -20,7 +20,7 @@ from chatpipe.data.tasks import build_mixture
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.progress import progress
 from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
-from chatpipe.stage_metrics import Curves, write_metrics
+from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import (
     ARTIFACTS,
@@ -30,10 +30,10 @@ from chatpipe.train.checkpoint import (
     producing_runs,
     resume_latest,
     save_checkpoint,
-    save_model_dir,
 )
 from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_steps, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
+from chatpipe.train.stage import finish_stage
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics
@@ -215,21 +215,17 @@ def train_chat(
         summary = {"val_loss": val_loss, "val_bpb": bpb, "fill_ratio": fill, "train_seconds": t_train}
         if rt.is_main and finish is not None:
             summary.update(finish(model, tok, run))
-        metrics.log({"final/val_loss": val_loss, "final/val_bpb": bpb}, step)
-        metrics.flush()
-        if rt.is_main:
-            save_model_dir(
-                out_dir,
-                model,
-                {
-                    **checkpoint_meta(),
-                    "step": step,
-                    "summary": summary,
-                    "source_stage": stage,
-                    "mlflow_run_id": run_ids[-1] if run_ids else None,
-                },
-            )
-            run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
-            write_metrics(stage, summary)
-            log.info("saved %s (val loss %.4f, bpb %.4f)", out_dir, val_loss, bpb)
+        finish_stage(
+            stage,
+            out_dir,
+            model,
+            checkpoint_meta(),
+            summary,
+            step=step,
+            run=run,
+            run_ids=run_ids,
+            metrics=metrics,
+            rt=rt,
+            final={"final/val_loss": val_loss, "final/val_bpb": bpb},
+        )
     runtime.barrier()
