@@ -24,13 +24,13 @@ from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.gpt import GPT, enable_fp8
 from chatpipe.plan import batch_and_steps, check_memory_fits, compile_pays, estimate_memory_bytes, model_config_for
 from chatpipe.progress import progress
-from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
+from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, producing_runs, resume_latest, save_checkpoint
-from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, producing_runs, save_checkpoint
+from chatpipe.train.loop import due, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
-from chatpipe.train.stage import finish_stage
+from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
-    work = WORK / "pretrain"
+    work, out_dir = WORK / "pretrain", ARTIFACTS / "base"
     tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
 
     # --- data: tokenize the text shards once (ranks split the shards), then pack rows
@@ -109,38 +109,29 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
-    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
+    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
     start_step, start_row, carried = 0, 0, {}
-    meta = resume_latest(work, run_fp, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
-    if meta is not None:
+    if meta:
         start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
 
-    train_loader = RowLoader(
-        train_docs,
+    loader_kw = dict(
         batch_size=cfg.device_batch_size,
         seq_len=cfg.sequence_len,
         rank=rt.rank,
         world_size=rt.world_size,
         device=rt.device,
-        start_row=start_row,
     )
+    train_loader = RowLoader(train_docs, start_row=start_row, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if use_compile else ddp_model
     eval_model = torch.compile(model) if use_compile else model
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
 
     def val_bpb() -> float:
-        loader = RowLoader(
-            val_docs,
-            batch_size=cfg.device_batch_size,
-            seq_len=cfg.sequence_len,
-            rank=rt.rank,
-            world_size=rt.world_size,
-            device=rt.device,
-        )
+        loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
         return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
 
-    def checkpoint_meta(step: int) -> dict:
+    def checkpoint_meta() -> dict:
         return {
             "stage": "pretrain",
             "fingerprint": run_fp,
@@ -162,9 +153,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         "world_size": rt.world_size,
         "total_steps": total_steps,
     }
-    with tracking.stage_run(
-        "pretrain", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
-    ) as run:
+    with tracked_run("pretrain", params, rt) as run:
         metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, "pretrain", initial=start_step, unit="step")
         peak = peak_flops(rt.device) * rt.world_size
@@ -175,19 +164,19 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
         while True:
             last = step == total_steps
-            if last or (cfg.eval_every and step % cfg.eval_every == 0):
+            if last or due(step, cfg.eval_every):
                 bpb = val_bpb()
                 metrics.log({"val/bpb": bpb}, step)
                 log.info("step %d | val bpb %.4f", step, bpb)
             if rt.is_main and cfg.sample_every and (last or step % cfg.sample_every == 0) and step > 0:
                 log_samples(model, tok, rt, run, step)
-            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            if step > start_step and (last or due(step, cfg.checkpoint_every)):
                 save_checkpoint(
                     work,
                     step,
                     model=model,
                     optimizers=optimizers,
-                    meta=checkpoint_meta(step),
+                    meta=checkpoint_meta(),
                     rank=rt.rank,
                     keep=cfg.keep_checkpoints,
                 )
@@ -225,18 +214,9 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             "tokens": tokens_seen,
             "tokens_per_s": tokens_seen / max(t_train, 1e-9),
         }
+        final = {"final/val_bpb": bpb}
         finish_stage(
-            "pretrain",
-            ARTIFACTS / "base",
-            model,
-            checkpoint_meta(step),
-            summary,
-            step=step,
-            run=run,
-            run_ids=run_ids,
-            metrics=metrics,
-            rt=rt,
-            final={"final/val_bpb": bpb},
+            out_dir, model, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt, final=final
         )
     runtime.barrier()
 

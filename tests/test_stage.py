@@ -1,4 +1,4 @@
-"""The training stages' shared end (chatpipe/train/stage.py): model handed on, summary, metrics files."""
+"""The training stages' shared start and end (chatpipe/train/stage.py): resume-or-fresh, model handed on, summary."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from chatpipe import tracking
 from chatpipe.runtime import Runtime
 from chatpipe.stage_metrics import Curves
 from chatpipe.train.checkpoint import load_model
-from chatpipe.train.stage import finish_stage
+from chatpipe.train.stage import finish_stage, resume_or_fresh
 
 
 class Recorder:
@@ -36,14 +36,12 @@ def _finish(tmp_path, rank: int):
     metrics = Curves(buffer, "pretrain", ["val/bpb"], enabled=rt.is_main, root=tmp_path / "plots")
     meta = {"stage": "pretrain", "model_config": model.config.to_dict(), "carried": {"mlflow_run_ids": ["r1", "r2"]}}
     finish_stage(
-        "pretrain",
         tmp_path / "artifacts" / "base",
         model,
         meta,
         {"val_bpb": 1.25, "tokens": 4096},
         step=10,
         run=tracking.StageRun(),
-        run_ids=["r1", "r2"],
         metrics=metrics,
         rt=rt,
         final={"final/val_bpb": 1.25, "val/bpb": 1.25},
@@ -70,3 +68,24 @@ def test_other_ranks_flush_and_write_nothing(tmp_path, monkeypatch):
     _, buffer = _finish(tmp_path, rank=1)
     assert buffer.flushed == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_or_fresh_starts_fresh_then_resumes_only_the_same_run(tmp_path):
+    from chatpipe.settings import PretrainSettings
+    from chatpipe.train.checkpoint import save_checkpoint
+
+    rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    cfg = PretrainSettings()
+    model = torch.nn.Linear(4, 4)
+    opts = [torch.optim.AdamW(model.parameters())]
+    run_fp, meta = resume_or_fresh(tmp_path, cfg, {"data": "a"}, model=model, optimizers=opts, rt=rt)
+    assert meta == {}
+    save_checkpoint(tmp_path, 5, model=model, optimizers=opts, meta={"fingerprint": run_fp, "world_size": 1})
+    with torch.no_grad():
+        model.weight.zero_()
+    # a resume-neutral setting may change; the run and its checkpoint stay the same
+    same = cfg.model_copy(update={"log_every": cfg.log_every + 1})
+    assert resume_or_fresh(tmp_path, same, {"data": "a"}, model=model, optimizers=opts, rt=rt)[1]["step"] == 5
+    assert model.weight.abs().sum() > 0  # the checkpoint's weights are back
+    other_fp, fresh = resume_or_fresh(tmp_path, cfg, {"data": "b"}, model=model, optimizers=opts, rt=rt)
+    assert fresh == {} and other_fp != run_fp  # other inputs: another run
