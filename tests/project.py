@@ -188,3 +188,19 @@ def prefect_task_runs(name: str) -> list:
             return [r for r in runs if r.name == name]
 
     return asyncio.run(read())
+
+
+def final_weights(project: Path) -> dict:
+    """The state dict the project's pretrain saved in artifacts/base."""
+    import torch
+
+    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    """Two state dicts hold the same tensors, bit for bit."""
+    import torch
+
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"

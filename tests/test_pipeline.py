@@ -13,24 +13,22 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from flows.pipeline import dvc_stages
-from tests.project import BIN, dvc, make_project, prefect_task_runs, project_env, run, set_params
+from tests.project import (
+    BIN,
+    assert_bitwise_equal,
+    dvc,
+    final_weights,
+    make_project,
+    prefect_task_runs,
+    project_env,
+    run,
+    set_params,
+)
 
 pytestmark = pytest.mark.slow
 FOUNDATION = ["data", "tokenizer", "pretrain"]
-
-
-def final_weights(project: Path) -> dict[str, torch.Tensor]:
-    """The state dict saved in artifacts/base."""
-    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ: {different[:5]}"
 
 
 def kill_workers_after_checkpoint(proc: subprocess.Popen, project: Path, stage: str, timeout_s: float = 300) -> int:

@@ -21,9 +21,19 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
-from tests.project import REPO, SMALL_EVAL, SMALL_RL, loss_curve, make_project, prefect_task_runs, project_env, run
+from tests.project import (
+    REPO,
+    SMALL_EVAL,
+    SMALL_RL,
+    assert_bitwise_equal,
+    final_weights,
+    loss_curve,
+    make_project,
+    prefect_task_runs,
+    project_env,
+    run,
+)
 
 SCRIPT = REPO / "scripts" / "slurm-local.sh"
 MULTI = ("pretrain", "midtrain", "sft", "rl", "eval")  # stages that run as 2 nodes x 1 process
@@ -109,16 +119,6 @@ def workers(project: Path, stage: str = "pretrain") -> list[psutil.Process]:
         ):
             found.append(p)
     return found
-
-
-def weights(project: Path) -> dict[str, torch.Tensor]:
-    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ: {different[:5]}"
 
 
 def copy_project(src: Path, dest: Path, forget: tuple[str, ...] = ()) -> Path:
@@ -238,7 +238,7 @@ def test_pipeline_runs_every_stage_as_slurm_jobs_and_matches_local(slurm_pipelin
     local_report = json.loads((local / "artifacts" / "report" / "report.json").read_text())["summary"]
     assert slurm_report == local_report
     assert any(v is not None for cols in slurm_report.values() for v in cols.values())
-    assert_bitwise_equal(weights(local), weights(project))
+    assert_bitwise_equal(final_weights(local), final_weights(project))
 
 
 @pytest.mark.slow
@@ -325,7 +325,7 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
     """The fault fails the task, Prefect retries it, the retry resumes from the newest checkpoint."""
     from flows.pipeline import pipeline
 
-    reference = weights(slurm_pipeline)  # the uninterrupted Slurm run
+    reference = final_weights(slurm_pipeline)  # the uninterrupted Slurm run
     project = copy_project(slurm_pipeline, tmp_path / "fault", forget=("pretrain",))
     for key, value in {**project_env(project), **slurm_env(project)}.items():
         monkeypatch.setenv(key, value)
@@ -346,7 +346,7 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
     assert first & {"CANCELLED", "FAILED"}, first
     retry_log = (project / "logs" / "slurm" / f"pretrain-{jobs[1]}-pretrain-0.out").read_text()
     assert re.search(r"resuming from checkpoints/pretrain/step_\d+", retry_log), retry_log[-2000:]
-    assert_bitwise_equal(weights(project), reference)
+    assert_bitwise_equal(final_weights(project), reference)
 
 
 @pytest.mark.slow
