@@ -27,7 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from chatpipe.model.gpt import GPT, config_from_depth  # noqa: E402
+from chatpipe.model.gpt import GPT  # noqa: E402
+from chatpipe.plan import model_config_for  # noqa: E402
 from chatpipe.settings import PretrainSettings, load_section  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 
@@ -61,16 +62,7 @@ def stage_tokens_per_s(steps: int, profile: str) -> float:
 def bare_tokens_per_s(cfg: PretrainSettings, vocab_size: int, steps: int) -> float:
     """The same model and optimizers stepping on random tokens, nothing else around them."""
     torch.manual_seed(0)
-    model = GPT(
-        config_from_depth(
-            cfg.depth,
-            vocab_size,
-            cfg.sequence_len,
-            head_dim=cfg.head_dim,
-            n_kv_head=cfg.n_kv_head or None,
-            window_pattern=cfg.window_pattern,
-        )
-    )
+    model = GPT(model_config_for(cfg, vocab_size))  # the stage's own config, recipe options included
     model.init_weights()
     opts = build_optimizers(
         model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr

@@ -2,8 +2,10 @@
 
 The flow creates the parent run and passes its id to stages in ``CHATPIPE_PARENT_RUN_ID``;
 a stage started without it (plain ``dvc repro``) gets a top-level run. Only rank 0 logs.
-Per-step metrics go through :class:`MetricBuffer`, which sends them in batches so the training
-loop never waits on the store for each metric.
+:func:`stage_run` yields a :class:`StageRun`: stages log through its methods (``run.log_metrics``,
+``run.log_text``, ...), which do nothing when tracking is off or on ranks other than 0, so no stage
+imports MLflow or guards its calls. Per-step metrics go through :class:`MetricBuffer`, which sends them
+in batches so the training loop never waits on the store for each metric.
 
 Run names say what ran: ``pretrain · tiny`` under a pipeline run named ``pipeline · tiny · <time>``;
 a stage that ``dvc exp run`` started (DVC sets ``DVC_EXP_NAME``) is named ``pretrain · tiny · exp
@@ -246,17 +248,88 @@ def dvc_exp_parent(experiment_id: str, profile: str) -> str | None:
     return client.create_run(experiment_id, run_name=SEP.join([f"exp {name}", profile]), tags=tags).info.run_id
 
 
+class StageRun:
+    """The MLflow run of a stage, or its stand-in when tracking is off: then every method does nothing.
+
+    Wraps the active run that :func:`stage_run` opened. ``id`` and ``info`` are None when disabled;
+    ``client`` is an ``MlflowClient`` for what the methods do not cover (the registry, other runs).
+    """
+
+    def __init__(self, active: Any = None) -> None:
+        self._active, self._mlflow = active, None
+        if active is not None:  # imported only for a real run: a stage with tracking off never loads MLflow
+            import mlflow
+
+            self._mlflow = mlflow
+
+    @property
+    def enabled(self) -> bool:
+        """True when there is a real run to log to."""
+        return self._active is not None
+
+    @property
+    def info(self) -> Any:
+        """MLflow's ``RunInfo`` of the run (run_id, experiment_id, artifact_uri), or None."""
+        return self._active.info if self._active is not None else None
+
+    @property
+    def id(self) -> str | None:
+        """The run id, or None when tracking is off."""
+        return self._active.info.run_id if self._active is not None else None
+
+    @property
+    def client(self) -> Any:
+        """An ``MlflowClient`` on the configured store (None when tracking is off)."""
+        return self._mlflow.MlflowClient() if self._mlflow else None
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Log ``metrics`` (one value each, at ``step`` or 0) on this run."""
+        if self._mlflow:
+            self._mlflow.log_metrics(metrics, step=step, run_id=self.id)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Save ``text`` as the artifact ``artifact_file`` of this run."""
+        if self._mlflow:
+            self._mlflow.log_text(text, artifact_file, run_id=self.id)
+
+    def log_dict(self, dictionary: dict[str, Any], artifact_file: str) -> None:
+        """Save ``dictionary`` as a JSON or YAML artifact (by the file's extension) of this run."""
+        if self._mlflow:
+            self._mlflow.log_dict(dictionary, artifact_file, run_id=self.id)
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy one file into this run's artifacts (under ``artifact_path`` when given)."""
+        if self._mlflow:
+            self._mlflow.log_artifact(str(local_path), artifact_path, run_id=self.id)
+
+    def log_artifacts(
+        self, local_dir: str | Path, artifact_path: str | None = None, *, run_id: str | None = None
+    ) -> None:
+        """Copy a directory's files into the artifacts of this run, or of ``run_id`` (e.g. the parent run)."""
+        if self._mlflow:
+            self.client.log_artifacts(run_id or self.id, str(local_dir), artifact_path)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set ``tags`` on this run."""
+        if self._mlflow:
+            client = self.client
+            for key, value in tags.items():
+                client.set_tag(self.id, key, value)
+
+
 @contextmanager
-def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, enabled: bool = True) -> Iterator[Any]:
+def stage_run(
+    stage: str, settings, params: dict[str, Any], *, profile: str, enabled: bool = True
+) -> Iterator[StageRun]:
     """Open the MLflow run of a stage (nested under the flow's parent run when there is one).
 
-    Yields the active run, or None when tracking is disabled (e.g. ranks other than 0). First closes
+    Yields a :class:`StageRun`, a no-op one when tracking is disabled (e.g. ranks other than 0). First closes
     this stage's runs that a killed process left RUNNING (:func:`close_stale_runs`). The run ends
     FINISHED, KILLED (SIGTERM/Ctrl-C: ``SystemExit``/``KeyboardInterrupt``) or FAILED (any other
     exception); a process killed outright is closed by the stage's next run.
     """
     if not enabled or not settings.enabled:
-        yield None
+        yield StageRun()
         return
     import mlflow
 
@@ -274,7 +347,7 @@ def stage_run(stage: str, settings, params: dict[str, Any], *, profile: str, ena
         items = list(flat.items())
         for i in range(0, len(items), 100):  # log_params takes at most 100 per call
             mlflow.log_params(dict(items[i : i + 100]))
-        yield run
+        yield StageRun(run)
     except (KeyboardInterrupt, SystemExit):
         status = "KILLED"
         mlflow.end_run(status)
@@ -350,8 +423,8 @@ def tag_stage_runs(parent_run_id: str, stage: str, tags: dict[str, str]) -> int:
 class MetricBuffer:
     """Collects step metrics and writes them with one ``log_batch`` call every few seconds."""
 
-    def __init__(self, run, flush_every_s: float = 5.0, max_items: int = 500) -> None:
-        self.run_id = run.info.run_id if run is not None else None
+    def __init__(self, run: StageRun | None, flush_every_s: float = 5.0, max_items: int = 500) -> None:
+        self.run_id = run.id if run is not None else None
         self.flush_every_s, self.max_items = flush_every_s, max_items
         self.items: list = []
         self.last_flush = time.monotonic()

@@ -46,11 +46,7 @@ def main(argv: list[str] | None = None) -> None:
             local_dir=Path(cfg.local_dir) if cfg.local_dir else None,
             cache_dir=Path(cfg.cache_dir),
         )
-        if run is not None:
-            import mlflow
-
-            mlflow.log_metrics(tracking.numeric_leaves(manifest))
-            mlflow.log_metric("seconds", time.time() - t0)
+        run.log_metrics({**tracking.numeric_leaves(manifest), "seconds": time.time() - t0})
     print(f"data: {manifest}")
 
 

@@ -227,10 +227,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                     )
                 log.info("%s | ChatCORE %.4f", stage, out["chatcore"])
             results[stage] = r
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics(stage_metrics(stage, r))
+            run.log_metrics(stage_metrics(stage, r))
             del model
 
         # --- write results (DVC out) and attach them to the MLflow run
@@ -241,7 +238,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                 "profile": active_profile(),
                 "settings": snapshot(cfg),
                 "stages": results,
-                "mlflow_run_id": run.info.run_id if run is not None else None,  # the report credits this run
+                "mlflow_run_id": run.id,  # the report credits this run (None without tracking)
             }
             tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
             tmp.mkdir(parents=True, exist_ok=True)
@@ -255,10 +252,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
                     for s, r in results.items()
                 },
             )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_artifact(str(OUT / "results.json"))
+            run.log_artifact(OUT / "results.json")
             log.info("wrote %s", OUT / "results.json")
     runtime.barrier()
 

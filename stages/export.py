@@ -56,12 +56,9 @@ def main(argv: list[str] | None = None) -> None:
             return
 
         # --- MLflow: the pipeline run's artifact and the registered version's files
-        if run is not None:
-            import mlflow
-
-            client = mlflow.MlflowClient()
-            parent_id = os.environ.get(tracking.PARENT_ENV) or run.info.run_id
-            version = log_to_mlflow(client, parent_id, out, report.model_name if report.register_model else None)
+        if run.enabled:
+            parent_id = os.environ.get(tracking.PARENT_ENV) or run.id
+            version = log_to_mlflow(run.client, parent_id, out, report.model_name if report.register_model else None)
             log.info("logged %s as artifact 'hf' of run %s (registered version: %s)", out, parent_id, version)
 
         # --- the Hub, when asked

@@ -24,20 +24,13 @@ from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.gpt import GPT, enable_fp8
 from chatpipe.plan import batch_and_steps, check_memory_fits, compile_pays, estimate_memory_bytes, model_config_for
 from chatpipe.progress import progress
-from chatpipe.settings import PretrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
-from chatpipe.stage_metrics import Curves, write_metrics
+from chatpipe.settings import PretrainSettings, snapshot
+from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import (
-    ARTIFACTS,
-    WORK,
-    carried_over,
-    producing_runs,
-    resume_latest,
-    save_checkpoint,
-    save_model_dir,
-)
-from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, producing_runs, save_checkpoint
+from chatpipe.train.loop import due, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
+from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -48,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
-    work = WORK / "pretrain"
+    work, out_dir = WORK / "pretrain", ARTIFACTS / "base"
     tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
 
     # --- data: tokenize the text shards once (ranks split the shards), then pack rows
@@ -116,38 +109,29 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
-    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
+    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
     start_step, start_row, carried = 0, 0, {}
-    meta = resume_latest(work, run_fp, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
-    if meta is not None:
+    if meta:
         start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
 
-    train_loader = RowLoader(
-        train_docs,
+    loader_kw = dict(
         batch_size=cfg.device_batch_size,
         seq_len=cfg.sequence_len,
         rank=rt.rank,
         world_size=rt.world_size,
         device=rt.device,
-        start_row=start_row,
     )
+    train_loader = RowLoader(train_docs, start_row=start_row, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if use_compile else ddp_model
     eval_model = torch.compile(model) if use_compile else model
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
 
     def val_bpb() -> float:
-        loader = RowLoader(
-            val_docs,
-            batch_size=cfg.device_batch_size,
-            seq_len=cfg.sequence_len,
-            rank=rt.rank,
-            world_size=rt.world_size,
-            device=rt.device,
-        )
+        loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
         return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
 
-    def checkpoint_meta(step: int) -> dict:
+    def checkpoint_meta() -> dict:
         return {
             "stage": "pretrain",
             "fingerprint": run_fp,
@@ -169,9 +153,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         "world_size": rt.world_size,
         "total_steps": total_steps,
     }
-    with tracking.stage_run(
-        "pretrain", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
-    ) as run:
+    with tracked_run("pretrain", params, rt) as run:
         metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, "pretrain", initial=start_step, unit="step")
         peak = peak_flops(rt.device) * rt.world_size
@@ -179,22 +161,22 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         # totals and run ids continue from the checkpoint, so a resume from the final one
         # rewrites the same summary (and the same artifact hash) as the run that trained it
         t_train, tokens_seen = carried.get("train_seconds", 0.0), carried.get("tokens", 0)
-        run_ids = producing_runs(carried, run, trains=start_step < total_steps)
+        run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
         while True:
             last = step == total_steps
-            if last or (cfg.eval_every and step % cfg.eval_every == 0):
+            if last or due(step, cfg.eval_every):
                 bpb = val_bpb()
                 metrics.log({"val/bpb": bpb}, step)
                 log.info("step %d | val bpb %.4f", step, bpb)
             if rt.is_main and cfg.sample_every and (last or step % cfg.sample_every == 0) and step > 0:
                 log_samples(model, tok, rt, run, step)
-            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            if step > start_step and (last or due(step, cfg.checkpoint_every)):
                 save_checkpoint(
                     work,
                     step,
                     model=model,
                     optimizers=optimizers,
-                    meta=checkpoint_meta(step),
+                    meta=checkpoint_meta(),
                     rank=rt.rank,
                     keep=cfg.keep_checkpoints,
                 )
@@ -232,30 +214,14 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             "tokens": tokens_seen,
             "tokens_per_s": tokens_seen / max(t_train, 1e-9),
         }
-        metrics.log({"final/val_bpb": bpb}, step)
-        metrics.flush()
-        if rt.is_main:
-            save_model_dir(
-                ARTIFACTS / "base",
-                model,
-                {
-                    **checkpoint_meta(step),
-                    "step": step,
-                    "summary": summary,
-                    "source_stage": "pretrain",
-                    "mlflow_run_id": run_ids[-1] if run_ids else None,
-                },
-            )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
-            write_metrics("pretrain", summary)
-            log.info("saved artifacts/base (val bpb %.4f)", bpb)
+        final = {"final/val_bpb": bpb}
+        finish_stage(
+            out_dir, model, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt, final=final
+        )
     runtime.barrier()
 
 
-def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run, step: int) -> None:
+def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun, step: int) -> None:
     """Greedy continuations of a few prompts, logged and saved to MLflow as text."""
     engine = Engine(model, tok)
     lines = []
@@ -264,10 +230,7 @@ def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run, step: int)
         seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
         lines.append(tok.decode(seqs[0][1:]))
     log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
-    if run is not None:
-        import mlflow
-
-        mlflow.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
+    run.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
 
 
 if __name__ == "__main__":

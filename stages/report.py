@@ -69,14 +69,12 @@ def report(cfg: ReportSettings) -> None:
     with tracking.stage_run("report", track, {"report": snapshot(cfg)}, profile=active_profile()) as run:
         # --- curves and wall times from MLflow
         plots, timings = [], "(MLflow tracking disabled: no timings)"
-        if run is not None:
-            import mlflow
-
-            client = mlflow.MlflowClient()
+        if run.enabled:
+            client = run.client
             runs = artifact_runs(client, run.info.experiment_id, ARTIFACTS)  # the runs behind these artifacts
             plots = [f"{name}.png" for name in CURVES if plot_curves(client, runs, name, tmp / f"{name}.png")]
             timings, total_s, total_cost = timing_table(runs, cfg.cost_per_hour)
-            mlflow.log_metrics({"pipeline/wall_seconds": total_s, "pipeline/est_cost_usd": total_cost})
+            run.log_metrics({"pipeline/wall_seconds": total_s, "pipeline/est_cost_usd": total_cost})
 
         # --- report.md
         resolved = resolve_params()
@@ -102,20 +100,16 @@ def report(cfg: ReportSettings) -> None:
         log.info("wrote %s (%d plots)", OUT / "report.md", len(plots))
 
         # --- MLflow: report on the parent run, final model in the registry
-        if run is not None:
-            import mlflow
-
-            client = mlflow.MlflowClient()
-            client.log_artifacts(parent_id or run.info.run_id, str(OUT), "report")
-            values = summary_values(results)
-            mlflow.log_metrics(
-                {f"summary/{row}/{col}": v for row, cols in values.items() for col, v in cols.items() if v is not None}
-            )
-            if cfg.register_model:
-                register_final_model(client, run, cfg.model_name, results, values)
+        run.log_artifacts(OUT, "report", run_id=parent_id)
+        values = summary_values(results)
+        run.log_metrics(
+            {f"summary/{row}/{col}": v for row, cols in values.items() for col, v in cols.items() if v is not None}
+        )
+        if run.enabled and cfg.register_model:
+            register_final_model(run, cfg.model_name, results, values)
 
 
-def register_final_model(client, run, name: str, results: dict, values: dict) -> None:
+def register_final_model(run: tracking.StageRun, name: str, results: dict, values: dict) -> None:
     """Log the last model stage as a pyfunc model on ``run`` and register it, once per model sha256.
 
     Re-running the report on the same weights registers nothing new; a new model becomes a new
@@ -131,6 +125,7 @@ def register_final_model(client, run, name: str, results: dict, values: dict) ->
         log.warning(
             "artifacts/%s/model.pt changed since eval (sha256 %s != %s)", final, sha[:12], r["model_sha256"][:12]
         )
+    client = run.client
     version = registry.find_version(client, name, sha)
     if version is not None:
         log.info(
@@ -152,11 +147,10 @@ def register_final_model(client, run, name: str, results: dict, values: dict) ->
             "bpb": f"{r.get('bpb', float('nan')):.4f}",
             **{row: f"{cols[final]:.4f}" for row, cols in values.items() if cols.get(final) is not None},
         }
-        version = registry.register(client, name, info.model_uri, run.info.run_id, tags)
+        version = registry.register(client, name, info.model_uri, run.id, tags)
         log.info("registered %s version %s from artifacts/%s (sha256 %s)", name, version.version, final, sha[:12])
     held = registry.update_aliases(client, name, version)
-    client.set_tag(run.info.run_id, "registered_model", f"models:/{name}/{version.version}")
-    client.set_tag(run.info.run_id, "model_aliases", ",".join(held) or "none")
+    run.set_tags({"registered_model": f"models:/{name}/{version.version}", "model_aliases": ",".join(held) or "none"})
 
 
 if __name__ == "__main__":

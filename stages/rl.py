@@ -27,34 +27,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
 from chatpipe.inference.engine import Engine
-from chatpipe.io import fingerprint, sha256_file
+from chatpipe.io import sha256_file
 from chatpipe.progress import progress
 from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import collect_rollouts, evaluate_problems, load_problems, rank_indices
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
-from chatpipe.settings import (
-    RLSettings,
-    TrackingSettings,
-    TrainSettings,
-    active_profile,
-    load_section,
-    math_settings,
-    snapshot,
-)
-from chatpipe.stage_metrics import Curves, write_metrics
+from chatpipe.settings import RLSettings, TrainSettings, snapshot
+from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import (
-    ARTIFACTS,
-    WORK,
-    carried_over,
-    load_model,
-    producing_runs,
-    resume_latest,
-    save_checkpoint,
-    save_model_dir,
-)
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs, save_checkpoint
+from chatpipe.train.loop import due
 from chatpipe.train.optim import apply_schedules, build_optimizers
+from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
 
 log = logging.getLogger("rl")
 
@@ -127,12 +112,9 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         "init": sha256_file(init_dir / "model.pt"),
         "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
     }
-    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
+    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=state, optimizers=policy_opts + critic_opts, rt=rt)
     start_step, prompt_log, first_eval, carried = 0, [], None, {}
-    meta = resume_latest(
-        work, run_fp, model=state, optimizers=policy_opts + critic_opts, rank=rt.rank, world_size=rt.world_size
-    )
-    if meta is not None:
+    if meta:
         start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
         first_eval, carried = meta["first_eval"], carried_over(meta)
 
@@ -189,9 +171,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         "world_size": rt.world_size,
         "init_lrs": init_lrs,
     }
-    with tracking.stage_run(
-        "rl", load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
-    ) as run:
+    with tracked_run("rl", params, rt) as run:
         metrics = Curves(
             tracking.MetricBuffer(run),
             "rl",
@@ -202,15 +182,15 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         step, evals = start_step, {}
         t_gen_total, t_train_total = carried.get("gen_seconds", 0.0), carried.get("train_seconds", 0.0)
         gen_tokens_total = carried.get("gen_tokens", 0)
-        run_ids = producing_runs(carried, run, trains=start_step < cfg.max_steps)
+        run_ids = producing_runs(carried, run.id, trains=start_step < cfg.max_steps)
         while True:
             last = step == cfg.max_steps
-            if last or step == start_step or (cfg.eval_every and step % cfg.eval_every == 0):
+            if last or step == start_step or due(step, cfg.eval_every):
                 evals = pass_at_k()
                 first_eval = first_eval or evals
                 metrics.log(evals, step)
                 log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in evals.items()))
-            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            if step > start_step and (last or due(step, cfg.checkpoint_every)):
                 save_checkpoint(
                     work,
                     step,
@@ -342,25 +322,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             **{f"first_{k}": v for k, v in (first_eval or {}).items()},
             **{f"final_{k}": v for k, v in evals.items()},
         }
-        metrics.flush()
-        if rt.is_main:
-            save_model_dir(
-                ARTIFACTS / "rl",
-                policy,
-                {
-                    **checkpoint_meta(),
-                    "step": step,
-                    "summary": summary,
-                    "source_stage": "rl",
-                    "mlflow_run_id": run_ids[-1] if run_ids else None,
-                },
-            )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
-            write_metrics("rl", summary)
-            log.info("saved artifacts/rl | %s", " | ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+        finish_stage(ARTIFACTS / "rl", policy, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt)
     runtime.barrier()
 
 

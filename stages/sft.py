@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from chatpipe import runtime
+from chatpipe import runtime, tracking
 from chatpipe.data.tasks import build_task
 from chatpipe.evals.chat_checks import end_token_rate, task_accuracy
 from chatpipe.settings import SFTSettings
@@ -43,7 +43,9 @@ def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:
     )
 
 
-def chat_checks(cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, run) -> dict[str, float]:
+def chat_checks(
+    cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun
+) -> dict[str, float]:
     """End-token rate on sampled held-out prompts; tool-use arithmetic accuracy of sft vs base."""
     out: dict[str, float] = {}
     model.eval()
@@ -67,16 +69,10 @@ def chat_checks(cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, ru
             out["arith_accuracy_base"] = task_accuracy(base, tok, arith, max_tokens=cfg.eval_max_tokens)
         lines = [f"{'OK ' if ok else 'BAD'} {q!r} -> {reply!r}" for q, reply, ok in samples[:20]]
         log.info("arithmetic samples:\n  %s", "\n  ".join(lines))
-        if run is not None:
-            import mlflow
-
-            mlflow.log_text("\n".join(lines), "samples/arithmetic.txt")
+        run.log_text("\n".join(lines), "samples/arithmetic.txt")
     model.train()
     log.info("chat checks (%.1f s): %s", time.perf_counter() - t0, out)
-    if run is not None:
-        import mlflow
-
-        mlflow.log_metrics({f"eval/{k}": v for k, v in out.items()})
+    run.log_metrics({f"eval/{k}": v for k, v in out.items()})
     return out
 
 

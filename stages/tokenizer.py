@@ -79,11 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             },
         )
 
-        if run is not None:
-            import mlflow
-
-            mlflow.log_metrics(tracking.numeric_leaves(report))
-            mlflow.log_artifact(str(out_dir / "report.json"))
+        run.log_metrics(tracking.numeric_leaves(report))
+        run.log_artifact(out_dir / "report.json")
     print(f"tokenizer: vocab {tok.vocab_size}, trained on {n_chars:,} chars in {train_s:.1f}s; {report}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -71,6 +72,30 @@ SMALL_PARAMS = {
 }
 
 
+# Small RL and eval sections for the tests that run those stages (not in SMALL_PARAMS: most tests stop earlier).
+SMALL_RL = {
+    "num_train_problems": 16,
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "max_new_tokens": 12,
+    "max_steps": 4,
+    "eval_every": 2,
+    "eval_problems": 4,
+    "eval_samples": 2,
+    "checkpoint_every": 2,
+    "device_batch_size": 8,
+    "log_every": 1,
+}
+SMALL_EVAL = {
+    "max_per_task": 6,
+    "generative_max_per_task": 2,
+    "max_new_tokens": 12,
+    "bpb_tokens": 1024,
+    "device_batch_size": 4,
+    "tinyworld_examples": 20,
+}
+
+
 def _merge(base: dict, overlay: dict) -> dict:
     out = dict(base)
     for k, v in overlay.items():
@@ -134,3 +159,48 @@ def run(project: Path, *cmd: str, check: bool = True, **env: str) -> subprocess.
 def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run the venv's dvc in the project."""
     return run(project, str(BIN / "dvc"), *args, check=check)
+
+
+def loss_curve(project: Path) -> list[float]:
+    """train/loss per step of the newest pretrain run in the project's MLflow store."""
+    script = (
+        "import json, mlflow\n"
+        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
+        "c = mlflow.MlflowClient()\n"
+        "exp = c.get_experiment_by_name('chatpipe')\n"
+        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
+        "h = sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)\n"
+        "print(json.dumps([m.value for m in h]))\n"
+    )
+    return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
+
+
+def prefect_task_runs(name: str) -> list:
+    """The task runs named ``name`` on the Prefect server this process talks to, newest first."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    async def read() -> list:
+        async with get_client() as client:
+            runs = await client.read_task_runs(limit=200, sort=TaskRunSort.ID_DESC)
+            return [r for r in runs if r.name == name]
+
+    return asyncio.run(read())
+
+
+def final_weights(project: Path) -> dict:
+    """The state dict the project's pretrain saved in artifacts/base."""
+    import torch
+
+    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    """Two state dicts hold the same tensors, bit for bit."""
+    import torch
+
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"

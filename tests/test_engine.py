@@ -12,6 +12,15 @@ from tests.chatmodel import ByteTokenizer
 TOK = ByteTokenizer()
 S = TOK.special
 VOCAB = 256 + len(S) + 35  # 300
+# a scripted model's calculator call from <|python_start|> on: "2+3", then "!" after the output, then the end
+CALL_2_PLUS_3 = {
+    S["<|python_start|>"]: TOK.encode("2")[0],
+    TOK.encode("2")[0]: TOK.encode("+")[0],
+    TOK.encode("+")[0]: TOK.encode("3")[0],
+    TOK.encode("3")[0]: S["<|python_end|>"],
+    S["<|output_end|>"]: TOK.encode("!")[0],
+    TOK.encode("!")[0]: S["<|assistant_end|>"],
+}
 
 
 def random_model(seed: int = 0, **kw) -> GPT:
@@ -123,15 +132,7 @@ class ScriptedGPT(GPT):
 
 def test_tool_use_forces_calculator_output():
     b = TOK.encode
-    script = {
-        S["<|assistant_start|>"]: S["<|python_start|>"],
-        S["<|python_start|>"]: b("2")[0],
-        b("2")[0]: b("+")[0],
-        b("+")[0]: b("3")[0],
-        b("3")[0]: S["<|python_end|>"],
-        S["<|output_end|>"]: b("!")[0],
-        b("!")[0]: S["<|assistant_end|>"],
-    }
+    script = {S["<|assistant_start|>"]: S["<|python_start|>"], **CALL_2_PLUS_3}
     engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
     prompt = [S["<|bos|>"], S["<|user_start|>"], *b("hi"), S["<|user_end|>"], S["<|assistant_start|>"]]
     seqs, masks = engine.generate_batch(prompt, num_samples=2, max_tokens=30, temperature=0.0)
@@ -151,18 +152,23 @@ def test_tool_use_forces_calculator_output():
         assert mask == [0] * len(prompt) + want_mask
 
 
-def test_rejected_tool_call_forces_nothing_and_padding_after_stop():
-    b = TOK.encode
+def rejected_call_engine() -> Engine:
+    """An engine whose model calls the calculator with ``x`` (a call it rejects), then ends its reply."""
+    x = TOK.encode("x")[0]
     script = {
         S["<|assistant_start|>"]: S["<|python_start|>"],
-        S["<|python_start|>"]: b("x")[0],
-        b("x")[0]: S["<|python_end|>"],
+        S["<|python_start|>"]: x,
+        x: S["<|python_end|>"],
         S["<|python_end|>"]: S["<|assistant_end|>"],
     }
-    engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
+    return Engine(ScriptedGPT(script, default=TOK.encode("?")[0]), TOK)
+
+
+def test_rejected_tool_call_forces_nothing_and_padding_after_stop():
+    engine = rejected_call_engine()
     cols = list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
     tokens = [c[0][0] for c in cols]
-    assert tokens == [S["<|python_start|>"], b("x")[0], S["<|python_end|>"], S["<|assistant_end|>"]]
+    assert tokens == [S["<|python_start|>"], TOK.encode("x")[0], S["<|python_end|>"], S["<|assistant_end|>"]]
     assert all(c[1] == [1] for c in cols)  # nothing forced: "x" is not a valid expression
 
 
@@ -183,12 +189,7 @@ def test_stream_yields_text_deltas_by_part_and_holds_split_characters():
         b("a")[0]: e_acute[0],
         e_acute[0]: e_acute[1],
         e_acute[1]: S["<|python_start|>"],
-        S["<|python_start|>"]: b("2")[0],
-        b("2")[0]: b("+")[0],
-        b("+")[0]: b("3")[0],
-        b("3")[0]: S["<|python_end|>"],
-        S["<|output_end|>"]: b("!")[0],
-        b("!")[0]: S["<|assistant_end|>"],
+        **CALL_2_PLUS_3,
     }
     engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
     stats: dict = {}
@@ -228,13 +229,6 @@ def test_runaway_tool_call_is_cut_and_counted_as_failed():
 
 
 def test_rejected_and_good_calls_are_counted():
-    b = TOK.encode
-    script = {
-        S["<|assistant_start|>"]: S["<|python_start|>"],
-        S["<|python_start|>"]: b("x")[0],
-        b("x")[0]: S["<|python_end|>"],
-        S["<|python_end|>"]: S["<|assistant_end|>"],
-    }
-    engine = Engine(ScriptedGPT(script, default=b("?")[0]), TOK)
+    engine = rejected_call_engine()
     list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
     assert engine.tool_stats == {"calls": 1, "failed": 1, "cut": 0}

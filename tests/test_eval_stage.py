@@ -8,17 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.project import dvc, make_project, run
+from tests.project import SMALL_EVAL, dvc, make_project, run
 
 EVAL_PARAMS = {
     "pretrain": {"max_steps": 8, "eval_every": 4, "checkpoint_every": 4},  # still 3 bpb points for the plot
     "eval": {
-        "max_per_task": 6,
-        "generative_max_per_task": 2,
-        "max_new_tokens": 12,
-        "bpb_tokens": 1024,
-        "device_batch_size": 4,
-        "tinyworld_examples": 20,
+        **SMALL_EVAL,
         "chatcore_stages": ["base"],
         "chatcore_tasks": {
             "MMLU": {"task": "tinyworld_mc"},

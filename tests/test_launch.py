@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -12,7 +11,7 @@ import pytest
 
 from chatpipe.launch import build_app, main, scheduler_cfg
 from chatpipe.settings import LaunchSettings, load_section
-from tests.project import dvc, make_project, run
+from tests.project import dvc, loss_curve, make_project, run
 
 
 def _launch(**overrides) -> LaunchSettings:
@@ -93,20 +92,6 @@ def test_local_cwd_logs_go_to_log_dir(params_file):
     assert Path(cfg["log_dir"]).is_absolute() and cfg["log_dir"].endswith("somewhere")
 
 
-def _loss_curve(project: Path) -> list[float]:
-    """train/loss per step of the newest pretrain run in the project's MLflow store."""
-    script = (
-        "import json, mlflow\n"
-        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        "c = mlflow.MlflowClient()\n"
-        "exp = c.get_experiment_by_name('chatpipe')\n"
-        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
-        "h = sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)\n"
-        "print(json.dumps([m.value for m in h]))\n"
-    )
-    return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     """2 gloo workers through torchx == 1 worker accumulating 2 micro-batches (fp32)."""
@@ -120,7 +105,7 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
         shutil.rmtree(project / "checkpoints", ignore_errors=True)
         out = run(project, "python", "-m", "chatpipe.launch", "pretrain", "--nproc_per_node", str(nproc))
         assert f"world {nproc}" in out.stdout and "SUCCEEDED" in out.stdout
-        curves[nproc] = _loss_curve(project)
+        curves[nproc] = loss_curve(project)
     assert len(curves[1]) == len(curves[2]) == 8
     for a, b in zip(curves[1], curves[2]):
         assert abs(a - b) <= 1e-4 * abs(a), (curves[1], curves[2])

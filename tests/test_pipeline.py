@@ -13,24 +13,22 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from flows.pipeline import dvc_stages
-from tests.project import BIN, dvc, make_project, project_env, run, set_params
+from tests.project import (
+    BIN,
+    assert_bitwise_equal,
+    dvc,
+    final_weights,
+    make_project,
+    prefect_task_runs,
+    project_env,
+    run,
+    set_params,
+)
 
 pytestmark = pytest.mark.slow
 FOUNDATION = ["data", "tokenizer", "pretrain"]
-
-
-def final_weights(project: Path) -> dict[str, torch.Tensor]:
-    """The state dict saved in artifacts/base."""
-    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ: {different[:5]}"
 
 
 def kill_workers_after_checkpoint(proc: subprocess.Popen, project: Path, stage: str, timeout_s: float = 300) -> int:
@@ -174,8 +172,6 @@ def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, tmp_path
     """
     import threading
 
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.sorting import TaskRunSort
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import pipeline
@@ -202,15 +198,7 @@ def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, tmp_path
     with prefect_test_harness(server_startup_timeout=180):
         state = pipeline(stages=FOUNDATION, return_state=True)
         assert state.is_completed(), state
-
-        async def pretrain_runs():
-            async with get_client() as client:
-                runs = await client.read_task_runs(limit=200, sort=TaskRunSort.ID_DESC)
-                return [r for r in runs if r.name == "pretrain"]
-
-        import asyncio
-
-        runs = asyncio.run(pretrain_runs())
+        runs = prefect_task_runs("pretrain")
     thread.join(timeout=5)
     assert killed, "the pretrain workers were never killed"
     assert len(runs) == 1 and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]

@@ -50,6 +50,20 @@ class Proc:
                 self.proc.wait()
 
 
+def wait_http(url: str, proc: Proc, timeout_s: float = 180) -> None:
+    """Wait until ``url`` answers 200; fail with the server's log when it exits or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.proc.poll() is None, f"server exited:\n{proc.tail()}"
+        assert time.monotonic() < deadline, f"{url} not up in {timeout_s} s:\n{proc.tail()}"
+        time.sleep(1)
+
+
 @pytest.fixture
 def stack(tmp_path):
     """A project copy whose nightly deployment runs every minute (data stage only), a server and env."""
@@ -80,16 +94,7 @@ def stack(tmp_path):
     )
     procs = [server]
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{env['PREFECT_API_URL']}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.proc.poll() is None, f"prefect server exited:\n{server.tail()}"
-            assert time.monotonic() < deadline, f"prefect server not up in 180 s:\n{server.tail()}"
-            time.sleep(1)
+        wait_http(f"{env['PREFECT_API_URL']}/health", server)
         yield project, env, procs, tmp_path
     finally:
         for p in reversed(procs):

@@ -66,7 +66,7 @@ def report_register(settings, chatcore: float, bpb: float) -> None:
 
     results = results_for(sha256_file(Path("artifacts/sft/model.pt")), chatcore, bpb)
     with tracking.stage_run("report", settings, {}, profile="tiny") as run:
-        register_final_model(mlflow.MlflowClient(), run, "chatpipe", results, summary_values(results))
+        register_final_model(run, "chatpipe", results, summary_values(results))
 
 
 def aliases(client) -> dict[str, str]:

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,37 +167,35 @@ def _listener() -> tuple[socket.socket, list[bool]]:
     return server, hits
 
 
-def test_socket_to_localhost_fails() -> None:
+def _assert_none_connects(programs: Callable[[int], list[str]]) -> None:
+    """Run each program of ``programs(port)`` (a listener's port on localhost): each ends in an error, none connects."""
     server, hits = _listener()
-    port = server.getsockname()[1]
     try:
-        for code in (
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
-            f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))",
-        ):
-            r = run_program(code)
-            _assert_contained(r, "error")
-        time.sleep(0.6)
+        for code in programs(server.getsockname()[1]):
+            _assert_contained(run_program(code), "error")
+        time.sleep(0.6)  # longer than the listener's accept timeout
         assert hits == []
     finally:
         server.close()
+
+
+def test_socket_to_localhost_fails() -> None:
+    _assert_none_connects(
+        lambda port: [
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+            f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))",
+        ]
+    )
 
 
 @privileges_dropped
 def test_raw_socket_bypassing_prelude_fails() -> None:
-    server, hits = _listener()
-    port = server.getsockname()[1]
-    code = (
-        "import sys\nsys.modules.pop('_socket')\nimport _socket\n"
-        f"s = _socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))"
+    _assert_none_connects(
+        lambda port: [
+            "import sys\nsys.modules.pop('_socket')\nimport _socket\n"
+            f"s = _socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))"
+        ]
     )
-    try:
-        r = run_program(code)
-        _assert_contained(r, "error")
-        time.sleep(0.6)
-        assert hits == []
-    finally:
-        server.close()
 
 
 def test_killing_the_parent_fails_and_parent_survives() -> None:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.parse
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.project import BIN, dvc, make_project, project_env, run, set_params
-from tests.test_prefect_schedule import Proc, free_port
+from tests.test_prefect_schedule import Proc, free_port, wait_http
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")
 from tests.test_browser import CHROMIUM_ARGS, chromium_path  # noqa: E402
@@ -31,19 +29,6 @@ VEGA = {  # what dvc_render's HTML asks the CDN for -> the file npm's package ho
     "https://cdn.jsdelivr.net/npm/vega-lite@5.2.0": "vega-lite-5.2.0/build/vega-lite.min.js",
     "https://cdn.jsdelivr.net/npm/vega-embed@6.18.2": "vega-embed-6.18.2/build/vega-embed.min.js",
 }
-
-
-def wait_http(url: str, proc: Proc, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.proc.poll() is None, f"server exited:\n{proc.tail()}"
-        assert time.monotonic() < deadline, f"{url} not up in {timeout_s} s:\n{proc.tail()}"
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")

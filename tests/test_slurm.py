@@ -21,36 +21,26 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
-from tests.project import REPO, make_project, project_env, run
+from tests.project import (
+    REPO,
+    SMALL_EVAL,
+    SMALL_RL,
+    assert_bitwise_equal,
+    final_weights,
+    loss_curve,
+    make_project,
+    prefect_task_runs,
+    project_env,
+    run,
+)
 
 SCRIPT = REPO / "scripts" / "slurm-local.sh"
 MULTI = ("pretrain", "midtrain", "sft", "rl", "eval")  # stages that run as 2 nodes x 1 process
 PIPELINE_PARAMS = {  # tests/project.py SMALL_PARAMS plus small rl/eval, on the `slurm` profile
     "profile": "slurm",
-    "rl": {
-        "num_train_problems": 16,
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "max_new_tokens": 12,
-        "max_steps": 4,
-        "eval_every": 2,
-        "eval_problems": 4,
-        "eval_samples": 2,
-        "checkpoint_every": 2,
-        "device_batch_size": 8,
-        "log_every": 1,
-    },
-    "eval": {
-        "max_per_task": 6,
-        "generative_max_per_task": 2,
-        "max_new_tokens": 12,
-        "bpb_tokens": 1024,
-        "device_batch_size": 4,
-        "tinyworld_examples": 20,
-        "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}},
-    },
+    "rl": SMALL_RL,
+    "eval": {**SMALL_EVAL, "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}}},
     "pretrain": {"dtype": "float32"},
     # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
     "midtrain": {"total_batch_size": 1024},
@@ -129,16 +119,6 @@ def workers(project: Path, stage: str = "pretrain") -> list[psutil.Process]:
         ):
             found.append(p)
     return found
-
-
-def weights(project: Path) -> dict[str, torch.Tensor]:
-    return torch.load(project / "artifacts" / "base" / "model.pt", map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"tensors differ: {different[:5]}"
 
 
 def copy_project(src: Path, dest: Path, forget: tuple[str, ...] = ()) -> Path:
@@ -258,7 +238,7 @@ def test_pipeline_runs_every_stage_as_slurm_jobs_and_matches_local(slurm_pipelin
     local_report = json.loads((local / "artifacts" / "report" / "report.json").read_text())["summary"]
     assert slurm_report == local_report
     assert any(v is not None for cols in slurm_report.values() for v in cols.values())
-    assert_bitwise_equal(weights(local), weights(project))
+    assert_bitwise_equal(final_weights(local), final_weights(project))
 
 
 @pytest.mark.slow
@@ -281,20 +261,6 @@ def test_two_slurm_nodes_match_one_local_process_with_grad_accum(slurm_pipeline,
     for a, b in zip(curves["local"], curves["slurm"]):
         assert abs(a - b) <= 1e-4 * abs(a), curves
     assert curves["local"][-1] < curves["local"][0]
-
-
-def loss_curve(project: Path) -> list[float]:
-    """train/loss per step of the newest pretrain run in the project's MLflow store."""
-    script = (
-        "import json, mlflow\n"
-        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        "c = mlflow.MlflowClient()\n"
-        "exp = c.get_experiment_by_name('chatpipe')\n"
-        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
-        "h = sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)\n"
-        "print(json.dumps([m.value for m in h]))\n"
-    )
-    return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- faults, from the Prefect flow
@@ -357,14 +323,9 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
     fault, slurm_pipeline, prefect_api, tmp_path, monkeypatch
 ):
     """The fault fails the task, Prefect retries it, the retry resumes from the newest checkpoint."""
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.sorting import TaskRunSort
-
     from flows.pipeline import pipeline
 
-    reference = weights(slurm_pipeline)  # the uninterrupted Slurm run
+    reference = final_weights(slurm_pipeline)  # the uninterrupted Slurm run
     project = copy_project(slurm_pipeline, tmp_path / "fault", forget=("pretrain",))
     for key, value in {**project_env(project), **slurm_env(project)}.items():
         monkeypatch.setenv(key, value)
@@ -377,12 +338,7 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
     assert done, "the fault was never injected"
     assert state.is_completed(), state
 
-    async def pretrain_runs():
-        async with get_client() as client:
-            runs = await client.read_task_runs(limit=200, sort=TaskRunSort.ID_DESC)
-            return [r for r in runs if r.name == "pretrain"]
-
-    runs = asyncio.run(pretrain_runs())
+    runs = prefect_task_runs("pretrain")
     assert runs and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]
     jobs = sorted({j["id"].partition("+")[0] for j in project_jobs(project)}, key=int)
     assert len(jobs) == 2, jobs  # the faulted job and the retry's
@@ -390,7 +346,7 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
     assert first & {"CANCELLED", "FAILED"}, first
     retry_log = (project / "logs" / "slurm" / f"pretrain-{jobs[1]}-pretrain-0.out").read_text()
     assert re.search(r"resuming from checkpoints/pretrain/step_\d+", retry_log), retry_log[-2000:]
-    assert_bitwise_equal(weights(project), reference)
+    assert_bitwise_equal(final_weights(project), reference)
 
 
 @pytest.mark.slow

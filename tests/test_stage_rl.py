@@ -21,22 +21,9 @@ from chatpipe.io import sha256_file
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import save_model_dir
-from tests.project import dvc, make_project, project_env, run
+from tests.project import SMALL_RL, dvc, make_project, project_env, run
 
-RL_PARAMS = {
-    "init_dir": "init_model",
-    "num_train_problems": 16,
-    "prompts_per_step": 2,
-    "group_size": 4,
-    "max_new_tokens": 12,
-    "max_steps": 4,
-    "eval_every": 2,
-    "eval_problems": 4,
-    "eval_samples": 2,
-    "checkpoint_every": 2,
-    "device_batch_size": 8,
-    "log_every": 1,
-}
+RL_PARAMS = {"init_dir": "init_model", **SMALL_RL}
 
 
 def setup_project(tmp_path: Path, **rl_overrides) -> Path:

@@ -158,3 +158,53 @@ def test_a_store_at_an_absolute_path_is_not_rebased(clean_env, monkeypatch):
     assert tracking.configure(settings) == exp_id
     location = mlflow.MlflowClient().get_experiment(exp_id).artifact_location
     assert location == (clean_env / "mlruns/artifacts").as_uri()
+
+
+def test_a_disabled_run_does_nothing(clean_env):
+    # tracking off in params, or a rank other than 0: the stage logs through the same calls
+    off = settings_at(clean_env).model_copy(update={"enabled": False})
+    for settings, enabled in ((off, True), (settings_at(clean_env), False)):
+        with tracking.stage_run("pretrain", settings, {"x": 1}, profile="tiny", enabled=enabled) as run:
+            assert not run.enabled and run.id is None and run.info is None and run.client is None
+            run.log_metrics({"a": 1.0}, step=3)
+            run.log_text("t", "t.txt")
+            run.log_dict({"a": 1}, "d.json")
+            run.log_artifact(clean_env / "missing.txt")  # not even looked at
+            run.log_artifacts(clean_env, "dir", run_id="someone-else")
+            run.set_tags({"k": "v"})
+            buffer = tracking.MetricBuffer(run)
+            buffer.log({"loss": 1.0}, step=1)
+            buffer.flush()
+            assert buffer.items == []
+    assert not (clean_env / "mlruns").exists()  # no store was created or touched
+
+
+def test_a_real_run_logs_metrics_artifacts_and_tags(clean_env):
+    settings = settings_at(clean_env)
+    (clean_env / "out").mkdir()
+    (clean_env / "out" / "report.md").write_text("# report")
+    (clean_env / "one.json").write_text("{}")
+    with tracking.stage_run("report", settings, {"x": 1}, profile="tiny") as run:
+        assert run.enabled and run.id == run.info.run_id
+        other = run.client.create_run(run.info.experiment_id).info.run_id  # e.g. the pipeline's parent run
+        run.log_metrics({"summary/a": 1.5})
+        run.log_metrics({"b": 2.0}, step=7)
+        run.log_text("hello", "samples/step_000001.txt")
+        run.log_dict({"k": 1}, "d.json")
+        run.log_artifact(clean_env / "one.json")
+        run.log_artifacts(clean_env / "out", "report", run_id=other)
+        run.set_tags({"registered_model": "models:/chatpipe/1"})
+        buffer = tracking.MetricBuffer(run)
+        buffer.log({"train/loss": 3.0}, step=1)
+        buffer.log({"train/loss": 2.0}, step=2)
+        buffer.flush()
+    client = mlflow.MlflowClient()
+    got = client.get_run(run.id)
+    assert got.data.metrics == {"summary/a": 1.5, "b": 2.0, "train/loss": 2.0}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.id, "b")] == [(7, 2.0)]
+    assert [m.step for m in client.get_metric_history(run.id, "train/loss")] == [1, 2]
+    assert got.data.params == {"x": "1"} and got.data.tags["registered_model"] == "models:/chatpipe/1"
+    assert {f.path for f in client.list_artifacts(run.id)} == {"samples", "d.json", "one.json"}
+    assert mlflow.artifacts.load_text(f"{got.info.artifact_uri}/samples/step_000001.txt") == "hello"
+    assert [f.path for f in client.list_artifacts(other, "report")] == ["report/report.md"]
+    assert client.list_artifacts(run.id, "report") == []

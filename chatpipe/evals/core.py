@@ -354,33 +354,6 @@ def score_items(
     return out
 
 
-def _count_correct(
-    model: torch.nn.Module | None,
-    tokenizer: Tokenizer | None,
-    task: TaskConfig,
-    rows: list[dict],
-    *,
-    device: torch.device | str,
-    max_seq_len: int,
-    max_examples: int | None,
-    rank: int,
-    world_size: int,
-    scorer: Scorer | None,
-) -> tuple[int, int]:
-    """(correct, total) over this rank's items, summed over ranks when torch.distributed is up."""
-    items = _item_indices(len(rows), max_examples)
-    mine = [i for pos, i in enumerate(items) if pos % world_size == rank]
-    correct = sum(
-        score_items(model, tokenizer, task, rows, mine, device=device, max_seq_len=max_seq_len, scorer=scorer)
-    )
-    total = len(mine)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        counts = torch.tensor([correct, total], dtype=torch.long, device=device)
-        torch.distributed.all_reduce(counts)
-        correct, total = (int(x) for x in counts.tolist())
-    return correct, total
-
-
 def evaluate_task(
     model: torch.nn.Module | None,
     tokenizer: Tokenizer | None,
@@ -402,18 +375,16 @@ def evaluate_task(
     """
     if scorer is None and (model is None or tokenizer is None):
         raise ValueError("evaluate_task needs a model and tokenizer, or a scorer")
-    correct, total = _count_correct(
-        model,
-        tokenizer,
-        task,
-        rows,
-        device=device,
-        max_seq_len=max_seq_len,
-        max_examples=max_examples,
-        rank=rank,
-        world_size=world_size,
-        scorer=scorer,
+    items = _item_indices(len(rows), max_examples)
+    mine = [i for pos, i in enumerate(items) if pos % world_size == rank]
+    correct = sum(
+        score_items(model, tokenizer, task, rows, mine, device=device, max_seq_len=max_seq_len, scorer=scorer)
     )
+    total = len(mine)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        counts = torch.tensor([correct, total], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(counts)
+        correct, total = (int(x) for x in counts.tolist())
     if total == 0:
         raise ValueError(f"CORE task {task.label!r}: no items evaluated")
     return correct / total
@@ -468,19 +439,21 @@ def evaluate_core(
             continue
         rows = read_task_rows(path, task)
         t0 = time.perf_counter()
-        correct, total = _count_correct(
-            model,
-            tokenizer,
-            task,
-            rows,
-            device=device,
-            max_seq_len=max_seq_len,
-            max_examples=max_per_task,
-            rank=rank,
-            world_size=world_size,
-            scorer=scorer,
-        )
-        acc = correct / total if total else 0.0
+        total = len(_item_indices(len(rows), max_per_task))  # every rank's share together
+        acc = 0.0
+        if total:
+            acc = evaluate_task(
+                model,
+                tokenizer,
+                task,
+                rows,
+                device=device,
+                max_seq_len=max_seq_len,
+                max_examples=max_per_task,
+                rank=rank,
+                world_size=world_size,
+                scorer=scorer,
+            )
         results[task.label] = {
             "accuracy": acc,
             "centered": centered_accuracy(acc, task.random_baseline),

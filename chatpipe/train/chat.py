@@ -17,27 +17,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from chatpipe import runtime, tracking
 from chatpipe.data.packing import ConversationLoader, fill_ratio, pack_rows, render_all
 from chatpipe.data.tasks import build_mixture
-from chatpipe.io import fingerprint, sha256_file
+from chatpipe.io import sha256_file
 from chatpipe.progress import progress
-from chatpipe.settings import ChatTrainSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
-from chatpipe.stage_metrics import Curves, write_metrics
+from chatpipe.settings import ChatTrainSettings, snapshot
+from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import (
-    ARTIFACTS,
-    WORK,
-    carried_over,
-    load_model,
-    producing_runs,
-    resume_latest,
-    save_checkpoint,
-    save_model_dir,
-)
-from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_steps, scheduled_train_step
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs, save_checkpoint
+from chatpipe.train.loop import due, evaluate_loss_bpb, fixed_batches, grad_accum_steps, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
+from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
 
 log = logging.getLogger("chattrain")
-# rank 0's end-of-training hook: (model, tokenizer, MLflow run or None) -> extra summary metrics
-Finish = Callable[[torch.nn.Module, Tokenizer, object], dict[str, float]]
+# rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics
+Finish = Callable[[torch.nn.Module, Tokenizer, tracking.StageRun], dict[str, float]]
 
 
 def train_chat(
@@ -108,10 +100,9 @@ def train_chat(
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
-    run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
+    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
     start_step, start_row, carried = 0, 0, {}
-    meta = resume_latest(work, run_fp, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
-    if meta is not None:
+    if meta:
         start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
 
     loader_kw = dict(
@@ -157,22 +148,20 @@ def train_chat(
         "train_rows": len(train_rows),
         "train_conversations": len(train_mix),
     }
-    with tracking.stage_run(
-        stage, load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main
-    ) as run:
+    with tracked_run(stage, params, rt) as run:
         metrics = Curves(tracking.MetricBuffer(run), stage, ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, stage, initial=start_step, unit="step")
         metrics.log({"packing/fill_ratio": fill}, 0)
         step, val_loss, bpb = start_step, float("nan"), float("nan")
         t_train = carried.get("train_seconds", 0.0)  # resume from the final checkpoint: same summary
-        run_ids = producing_runs(carried, run, trains=start_step < total_steps)
+        run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
         while True:
             last = step == total_steps
-            if last or (cfg.eval_every and step % cfg.eval_every == 0):
+            if last or due(step, cfg.eval_every):
                 val_loss, bpb = val_metrics()
                 metrics.log({"val/loss": val_loss, "val/bpb": bpb}, step)
                 log.info("step %d | val loss %.4f | val bpb %.4f", step, val_loss, bpb)
-            if step > start_step and (last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            if step > start_step and (last or due(step, cfg.checkpoint_every)):
                 save_checkpoint(
                     work,
                     step,
@@ -215,24 +204,8 @@ def train_chat(
         summary = {"val_loss": val_loss, "val_bpb": bpb, "fill_ratio": fill, "train_seconds": t_train}
         if rt.is_main and finish is not None:
             summary.update(finish(model, tok, run))
-        metrics.log({"final/val_loss": val_loss, "final/val_bpb": bpb}, step)
-        metrics.flush()
-        if rt.is_main:
-            save_model_dir(
-                out_dir,
-                model,
-                {
-                    **checkpoint_meta(),
-                    "step": step,
-                    "summary": summary,
-                    "source_stage": stage,
-                    "mlflow_run_id": run_ids[-1] if run_ids else None,
-                },
-            )
-            if run is not None:
-                import mlflow
-
-                mlflow.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
-            write_metrics(stage, summary)
-            log.info("saved %s (val loss %.4f, bpb %.4f)", out_dir, val_loss, bpb)
+        final = {"final/val_loss": val_loss, "final/val_bpb": bpb}
+        finish_stage(
+            out_dir, model, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt, final=final
+        )
     runtime.barrier()

@@ -277,15 +277,16 @@ def carried_over(meta: dict[str, Any] | None) -> dict[str, Any]:
     return dict((meta or {}).get("carried") or {})
 
 
-def producing_runs(carried: dict[str, Any], run, *, trains: bool) -> list[str]:
-    """MLflow run ids that trained this model: those carried over, plus ``run`` if it trains a step.
+def producing_runs(carried: dict[str, Any], run_id: str | None, *, trains: bool) -> list[str]:
+    """MLflow run ids that trained this model: those carried over, plus ``run_id`` if it trains a step.
 
     A resume from the final checkpoint trains nothing, so it adds nothing and the stage output
     (its meta.json included) comes out byte-identical to the one the training run wrote.
+    ``run_id`` is None when tracking is off.
     """
     ids = list(carried.get("mlflow_run_ids") or [])
-    if trains and run is not None:
-        ids.append(run.info.run_id)
+    if trains and run_id is not None:
+        ids.append(run_id)
     return ids
 
 

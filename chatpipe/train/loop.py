@@ -19,6 +19,11 @@ from chatpipe.train.optim import apply_schedules, lr_multiplier, muon_momentum
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
+def due(step: int, every: int) -> bool:
+    """True at every ``every``-th step (eval, checkpoint, sample cadences); never when ``every`` is 0."""
+    return bool(every) and step % every == 0
+
+
 def grad_accum_steps(total_batch_size: int, device_batch_size: int, seq_len: int, world_size: int) -> int:
     """Micro-steps per optimizer step so that 1 GPU and N GPUs do the same math."""
     per_micro = device_batch_size * seq_len * world_size

@@ -12,8 +12,7 @@ from typing import Any
 
 from chatpipe.data.tasks.base import (
     MultipleChoiceTask,
-    check_source,
-    check_split,
+    check_split_source,
     checked_rows,
     hash_split,
     limit_rows,
@@ -51,8 +50,7 @@ class ARC(MultipleChoiceTask):
         if subset not in ("easy", "challenge"):
             raise ValueError(f"arc: subset = {subset!r}; allowed: easy, challenge")
         self.name = f"arc_{subset}"
-        check_split(split, self.name)
-        check_source(source, ("local", "hf"), self.name)
+        check_split_source(split, source, self.name)
         if source == "local":
             file = Path(path or "data/core") / f"arc_{subset}.jsonl"
             rows = checked_rows(file, _local_row, "ARC row")

@@ -76,6 +76,12 @@ def check_split(split: str, task: str, allowed: Sequence[str] = ("train", "val",
         raise ValueError(f"{task}: split = {split!r}; allowed: {', '.join(allowed)}")
 
 
+def check_split_source(split: str, source: str, task: str, sources: Sequence[str] = ("local", "hf")) -> None:
+    """Both checks a task with a hub dataset makes before reading: a known split, a supported source."""
+    check_split(split, task)
+    check_source(source, sources, task)
+
+
 def checked_rows(path: Path | str, convert: Callable[[Any], dict[str, Any]], what: str = "row") -> list[dict[str, Any]]:
     """Read a JSONL file and convert + validate every row now, so a bad row stops a stage before training.
 

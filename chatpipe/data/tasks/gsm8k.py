@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chatpipe.data.synthetic import split_of
-from chatpipe.data.tasks.base import NumericAnswerTask, check_source, check_split, checked_rows, limit_rows, load_hf
+from chatpipe.data.tasks.base import NumericAnswerTask, check_split_source, checked_rows, limit_rows, load_hf
 
 _CALL = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 
@@ -60,8 +60,7 @@ class GSM8K(NumericAnswerTask):
     def __init__(
         self, split: str = "train", source: str = "local", path: str | Path = "", limit: int | None = None
     ) -> None:
-        check_split(split, self.name)
-        check_source(source, ("local", "hf"), self.name)
+        check_split_source(split, source, self.name)
         if source == "local":
             rows = _local_rows(Path(path or "data/gsm8k"), split)
         else:

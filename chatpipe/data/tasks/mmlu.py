@@ -11,8 +11,7 @@ from typing import Any
 
 from chatpipe.data.tasks.base import (
     MultipleChoiceTask,
-    check_source,
-    check_split,
+    check_split_source,
     checked_rows,
     limit_rows,
     load_hf,
@@ -35,8 +34,7 @@ class MMLU(MultipleChoiceTask):
     def __init__(
         self, split: str = "train", source: str = "hf", path: str | Path = "", limit: int | None = None
     ) -> None:
-        check_split(split, self.name)
-        check_source(source, ("local", "hf"), self.name)
+        check_split_source(split, source, self.name)
         if source == "local":
             file = Path(path or "data/mmlu") / f"{split}.jsonl"
             rows = checked_rows(file, _check, "MMLU row")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from chatpipe.data.tasks.base import Task, check_source, check_split, conversation_rows, limit_rows, load_hf
+from chatpipe.data.tasks.base import Task, check_split_source, conversation_rows, limit_rows, load_hf
 
 HF_SPLITS = {"train": "train", "val": "test", "test": "test"}
 
@@ -26,8 +26,7 @@ class SmolTalk(Task):
     def __init__(
         self, split: str = "train", source: str = "hf", path: str | Path = "", limit: int | None = None
     ) -> None:
-        check_split(split, self.name)
-        check_source(source, ("local", "hf"), self.name)
+        check_split_source(split, source, self.name)
         if source == "local":
             rows = conversation_rows(Path(path or "data/smoltalk") / f"{split}.jsonl", _messages)
         else:
