@@ -8,8 +8,9 @@ Two fresh copies of this repo (tests/project.py), the same params and the same m
   multi-process stages as 1 node x 2 gloo processes;
 - slurm: the same command under the ``slurm`` profile, multi-process stages as 2 nodes x 1 process
   (a heterogeneous job), one-process stages as one-node jobs.
-Stages run in pipeline order, one after the other; each is timed from the launcher's start to its exit
-(submission, scheduling, rendezvous, the work, accounting). Printed per stage: both wall times, the
+Stages run in pipeline order, each on both launchers back to back (so a change in load hits both);
+each is timed from the launcher's start to its exit (submission, scheduling, rendezvous, the work,
+accounting). Printed per stage: both wall times, the
 difference (Slurm's launch overhead) and their ratio; the total ratio comes last. Logs go to
 bench/out/slurm/.
 """
@@ -40,19 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_stages(project: Path, stages: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
-    """Wall seconds of ``python -m chatpipe.launch <stage>`` for each stage, in order (a failure aborts)."""
-    seconds = {}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        for stage in stages:
-            t0 = time.perf_counter()
-            cmd = [sys.executable, "-m", "chatpipe.launch", stage]
-            if subprocess.run(cmd, cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT).returncode:
-                raise SystemExit(f"{stage} failed; see {log}")
-            seconds[stage] = time.perf_counter() - t0
-            print(f"  {log.stem} {stage}: {seconds[stage]:.1f} s", flush=True)
-    return seconds
+def time_stage(stage: str, project: Path, env: dict[str, str], log: Path) -> float:
+    """Wall seconds of ``python -m chatpipe.launch <stage>`` in ``project`` (a failure aborts the bench)."""
+    t0 = time.perf_counter()
+    with log.open("a") as out:
+        cmd = [sys.executable, "-m", "chatpipe.launch", stage]
+        if subprocess.run(cmd, cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"{stage} failed; see {log}")
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -64,28 +60,36 @@ def main() -> None:
         raise SystemExit("no Slurm cluster: run `bash scripts/slurm-local.sh up` and export SLURM_CONF")
     # tiny as it is (the slurm profile splits its batches over the 2 ranks), or the test suite's small params
     params = dict(PIPELINE_PARAMS) if args.small else {}
+    launchers = {
+        # the slurm profile's params (batches split over 2 ranks) on local_cwd: only the launch differs
+        "local": {
+            "CHATPIPE_PROFILE": "slurm",
+            "CHATPIPE_LAUNCH__SCHEDULER": "local_cwd",
+            "CHATPIPE_LAUNCH__NNODES": "1",
+            "CHATPIPE_LAUNCH__NPROC_PER_NODE": "2",
+            "CHATPIPE_LAUNCH__RDZV_BACKEND": "c10d",
+            "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port()),
+        },
+        "slurm": {"CHATPIPE_PROFILE": "slurm", "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port())},
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, float]] = {name: {} for name in launchers}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {}
-        for name, launch_env in (
-            # the slurm profile's params (batches split over 2 ranks) on local_cwd: only the launch differs
-            (
-                "local",
-                {
-                    "CHATPIPE_PROFILE": "slurm",
-                    "CHATPIPE_LAUNCH__SCHEDULER": "local_cwd",
-                    "CHATPIPE_LAUNCH__NNODES": "1",
-                    "CHATPIPE_LAUNCH__NPROC_PER_NODE": "2",
-                    "CHATPIPE_LAUNCH__RDZV_BACKEND": "c10d",
-                    "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port()),
-                },
-            ),
-            ("slurm", {"CHATPIPE_PROFILE": "slurm", "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port())}),
-        ):
+        runs = {}
+        for name, launch_env in launchers.items():
             project = make_project(Path(tmp) / name, params, small=args.small)
             env = project_env(project, **launch_env)
-            env.pop("OMP_NUM_THREADS")  # every core, as a user would
-            print(f"{name}: {' '.join(args.stages)}", flush=True)
-            results[name] = time_stages(project, args.stages, env, OUT / f"{name}.log")
+            # one thread per rank on both launchers: the two Slurm "nodes" share this host's cores, and
+            # torchrun already gives each of its 2 local processes one thread, so only the launch differs
+            env["OMP_NUM_THREADS"] = "1"
+            (OUT / f"{name}.log").write_text("")
+            runs[name] = (project, env)
+        # each stage on both launchers back to back, so a change in the machine's load hits both alike
+        for stage in args.stages:
+            for name, (project, env) in runs.items():
+                results[name][stage] = time_stage(stage, project, env, OUT / f"{name}.log")
+            lo, sl = results["local"][stage], results["slurm"][stage]
+            print(f"  {stage}: local {lo:.1f} s, slurm {sl:.1f} s", flush=True)
     print(f"{'stage':<10} {'local s':>8} {'slurm s':>8} {'overhead s':>10} {'ratio':>6}")
     for stage in args.stages:
         lo, sl = results["local"][stage], results["slurm"][stage]
