@@ -496,7 +496,7 @@ _RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearl
 
 
 class RLSettings(RunSettings):
-    """RL on verifiable rewards (`rl` stage, SPEC §8): GRPO-lite or PPO, chosen by `algorithm`."""
+    """RL on verifiable rewards (`rl` stage): GRPO-lite or PPO, chosen by `algorithm`."""
 
     section: ClassVar[str] = "rl"
     removed: ClassVar[dict[str, str]] = {

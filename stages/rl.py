@@ -1,4 +1,4 @@
-"""RL stage: GRPO-lite or PPO on verifiable rewards (SPEC §8), starting from the SFT model.
+"""RL stage: GRPO-lite or PPO on verifiable rewards, starting from the SFT model.
 
     python -m stages.rl                                   # one process, params.yaml `rl` section
     python -m stages.rl --algorithm=ppo --max_steps=20

@@ -16,7 +16,7 @@ D20_FLOPS = 6 * (D20_PARAMS - WTE) + 12 * 10 * 128 * 2048 * 20  # matmuls + caus
 
 def test_d20_plan_matches_hand_computation(params_file):
     plan = make_plan("d20", gpu="H100", mfu=0.5, usd_per_gpu_hour=2.0)
-    assert D20_PARAMS == 560_988_160 and plan.num_params == D20_PARAMS  # SPEC: d20 ~ 561M
+    assert D20_PARAMS == 560_988_160 and plan.num_params == D20_PARAMS  # d20 has ~561M parameters
     assert plan.flops_per_token == D20_FLOPS
     assert plan.steps == 20 * D20_PARAMS // 524_288 == 21_400
     assert plan.tokens == 21_400 * 524_288

@@ -1,4 +1,4 @@
-"""ChatCORE: how well a chat model answers ARC, MMLU, GSM8K, HumanEval and SpellingBee (SPEC §9).
+"""ChatCORE: how well a chat model answers ARC, MMLU, GSM8K, HumanEval and SpellingBee.
 
     from chatpipe.evals.chatcore import evaluate_chatcore
     from chatpipe.data.tasks import build_task

@@ -1,4 +1,4 @@
-"""CORE (DCLM) evaluator: 22 in-context-learning tasks scored with a base model (SPEC §9).
+"""CORE (DCLM) evaluator: 22 in-context-learning tasks scored with a base model.
 
     from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
     config = load_core_config(DEFAULT_CONFIG)          # chatpipe/evals/core_tasks.yaml

@@ -1,4 +1,4 @@
-"""Small evaluation metrics shared by the eval stages (SPEC §9).
+"""Small evaluation metrics shared by the eval stages.
 
     from chatpipe.evals.metrics import pass_at_k, centered, bits_per_byte, chatcore
     pass_at_k(n=10, c=3, k=1)                      # 0.3
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-# ChatCORE tasks and their random baselines (SPEC §9). Generative tasks have baseline 0.
+# ChatCORE tasks and their random baselines. Generative tasks have baseline 0.
 CHATCORE_BASELINES: dict[str, float] = {
     "ARC-Easy": 0.25,
     "ARC-Challenge": 0.25,

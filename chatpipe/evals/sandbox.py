@@ -5,7 +5,7 @@
     r.passed, r.status, r.stdout            # True, "passed", "2\\n"
     check_humaneval(prompt, completion, test, entry_point).passed
 
-Layers, outermost first (SPEC §9: separate process, limits, no network, temp dir, no project):
+Layers, outermost first (a separate process, limits, no network, a temp dir, no project files):
 1. A fresh ``python -I -S -B`` interpreter (no PYTHON* env, no site-packages, so not even the
    installed project) started in its own session and, where the kernel allows (root, or user
    namespaces), in its own PID namespace under a trusted init: when the run ends, the namespace

@@ -1,4 +1,4 @@
-"""Safe calculator for the model's tool use: never ``eval``/``exec`` of model text (SPEC §9).
+"""Safe calculator for the model's tool use: never ``eval``/``exec`` of model text.
 
 The expression is parsed with ``ast.parse(mode="eval")`` and walked over a whitelist of nodes:
 int/float literals, + - * / // % **, unary +/-, parentheses, and on string literals only

@@ -1,4 +1,4 @@
-"""Inference engine: KV-cached sampling with calculator tool use (SPEC §4, §9).
+"""Inference engine: KV-cached sampling with calculator tool use.
 
 The prompt is prefilled once with batch 1, its KV cache copied into ``num_samples`` rows, then
 one token per row is produced per step. When a row emits ``<|python_end|>``, the text since

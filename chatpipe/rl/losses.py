@@ -1,4 +1,4 @@
-"""RL math for the `rl` stage (SPEC §8): advantages, KL, GAE, PPO losses, KL control, reward shaping.
+"""RL math for the `rl` stage: advantages, KL, GAE, PPO losses, KL control, reward shaping.
 
 Pure tensor functions, no model or I/O, so every formula is unit-tested against hand-computed
 numbers (tests/test_rl.py). Shapes: one row per sampled response, one column per *target* position

@@ -1,4 +1,4 @@
-"""Verifiable rewards for RL (SPEC §8): answer extraction and pluggable reward functions.
+"""Verifiable rewards for RL: answer extraction and pluggable reward functions.
 
 GSM8K and the tiny-world arithmetic both end an answer with ``#### <number>``; the reward is 1.0
 when the completion's extracted number equals the gold one.

@@ -1,4 +1,4 @@
-"""One RL update from a batch of rollouts: GRPO-lite and PPO, with micro-batching (SPEC §8).
+"""One RL update from a batch of rollouts: GRPO-lite and PPO, with micro-batching.
 
     stats = grpo_update(model, optimizers, batch, scores, group_size=8, micro_batch=16)
     stats = ppo_update(model, ref, critic, policy_opts, critic_opts, batch, scores, kl_ctl,

@@ -1,4 +1,4 @@
-"""PPO critic: a value head on a copy of the policy's transformer trunk (SPEC §8).
+"""PPO critic: a value head on a copy of the policy's transformer trunk.
 
     critic = ValueModel.from_policy(policy)     # deep copy of the trunk, zero-initialised head
     values = critic(inputs)                     # [B, T]: V of the state before predicting targets[:, t]

@@ -15,7 +15,7 @@ import torch
 from chatpipe.runtime import Runtime, all_reduce_sum
 from chatpipe.train.optim import apply_schedules, lr_multiplier, muon_momentum
 
-# Dense bf16 peak FLOP/s per GPU, for MFU (SPEC §6). Unknown devices report no MFU.
+# Dense bf16 peak FLOP/s per GPU, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 

@@ -1,4 +1,4 @@
-"""Optimizers and schedules: AdamW for embedding/lm_head, Muon for the hidden matrices (SPEC §6).
+"""Optimizers and schedules: AdamW for embedding/lm_head, Muon for the hidden matrices.
 
 Two recipes (``optimizer`` argument of :func:`build_optimizers`, params ``pretrain.optimizer``):
 
