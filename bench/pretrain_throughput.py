@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chatpipe.model.gpt import GPT  # noqa: E402
-from chatpipe.plan import model_config_for  # noqa: E402
+from chatpipe.plan import compile_pays, model_config_for  # noqa: E402
 from chatpipe.settings import PretrainSettings, load_section  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 
@@ -60,20 +60,32 @@ def stage_tokens_per_s(steps: int, profile: str) -> float:
 
 
 def bare_tokens_per_s(cfg: PretrainSettings, vocab_size: int, steps: int) -> float:
-    """The same model and optimizers stepping on random tokens, nothing else around them."""
+    """The same model and optimizers stepping on random tokens, nothing else around them.
+
+    Compiled where the stage would compile (``compile`` / ``compile_pays``), so both run the same code.
+    """
     torch.manual_seed(0)
     model = GPT(model_config_for(cfg, vocab_size))  # the stage's own config, recipe options included
     model.init_weights()
+    cpu = torch.device("cpu")
     opts = build_optimizers(
-        model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr
+        model,
+        matrix_lr=cfg.matrix_lr,
+        embedding_lr=cfg.embedding_lr,
+        unembedding_lr=cfg.unembedding_lr,
+        weight_decay=cfg.weight_decay,
+        optimizer=cfg.optimizer,
+        scalar_lr=cfg.scalar_lr,
+        compile=compile_pays(cfg.compile, steps, cpu, part="optimizer"),
     )
+    step_model = torch.compile(model) if compile_pays(cfg.compile, steps, cpu) else model
     accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.sequence_len)
     x = torch.randint(0, vocab_size, (cfg.device_batch_size, cfg.sequence_len))
     train_time = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
         for _ in range(accum):
-            (model(x, x) / accum).backward()
+            (step_model(x, x) / accum).backward()
         for opt in opts:
             opt.step()
         model.zero_grad(set_to_none=True)

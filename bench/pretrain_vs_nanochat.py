@@ -1,123 +1,359 @@
 """Pretraining tokens/s: chatpipe eager and compiled against nanochat's ``base_train`` on this machine.
 
-    python bench/pretrain_vs_nanochat.py [--steps 12] [--recipe tiny|nanochat] [--nanochat DIR]
+    python bench/pretrain_vs_nanochat.py [--steps 12] [--rounds 2] [--threads N] [--nanochat DIR [--nanochat-python PY]]
 
-The config is the issue's: depth 4 (n_embd 256), sequence 256, batch 16 x 256 = 4096 tokens per
-step, vocab 1024, fp32, CPU. Random tokens; model and optimizers only (the loop every stage runs).
+The config is the issue's: depth 4 (n_embd 256, head_dim 64), sequence 256, batch 16 x 256 = 4096
+tokens per step, vocab 1024, fp32, CPU. Every measurement runs in its own process, and a step is
+what the pretrain stage times: the loader's next batch, forward/backward, the optimizer, the loss
+read back (:func:`chatpipe.train.loop.train_step`); nanochat's logged step covers the same.
 
-1. chatpipe eager: ``--steps`` optimizer steps after one warm-up step;
-2. chatpipe compiled (``torch.compile`` of the model): the compile time (first step) is reported
-   apart, then ``--steps`` steady steps; the break-even step count (when compiling pays for itself)
-   is ``compile_s / (eager_step_s - compiled_step_s)``;
-3. with ``--nanochat DIR`` (a checkout of karpathy/nanochat), its ``scripts.base_train`` at the same
-   config, tokens/s parsed from its log (median of its steps after the first); otherwise skipped
-   with the reason.
+1. ``nanochat`` recipe (our model with every nanochat option: value embeddings, lambdas, smear,
+   backout, SSSL quarter windows, q/k scale, vocab padding; MuonAdamW), compiled and eager;
+2. with ``--nanochat DIR`` (a checkout of karpathy/nanochat), its ``scripts.base_train`` at the same
+   config (its defaults, ``--depth 4 --head-dim 64``), tokens/s parsed from its log; rounds of
+   (ours compiled, nanochat, ours eager) interleave so load from other processes hits both alike,
+   and the ratio is the median of the per-round ratios. Without a checkout it says so and why;
+3. the ``tiny`` profile's own recipe (params.yaml), eager and compiled.
 
-``--recipe nanochat`` runs our model with every nanochat option and MuonAdamW; ``tiny`` is the
-tiny profile's model and optimizer. Keep --steps small: the machine's cores are shared.
+Steady rates are medians over the steps after the first. The first compiled step includes
+compiling the model and the optimizer; the break-even step count (when compiling pays for itself)
+is ``compile_s / (eager_step_s - compiled_step_s)``. The first compiled run uses an empty
+inductor cache (a fresh machine); later ones reuse it, as a re-run of the stage would.
+
+nanochat needs its own environment and data (it downloads both from the hub otherwise). Once:
+
+    python3 -m venv /work/nanochat-venv
+    /work/nanochat-venv/bin/pip install torch==2.13.0 filelock numpy psutil pyarrow rustbpe tiktoken \\
+        jinja2 requests wandb pyyaml
+    python bench/pretrain_vs_nanochat.py --nanochat DIR --nanochat-python /work/nanochat-venv/bin/python
+
+The script writes synthetic text shards (chatpipe's tiny world) as nanochat's parquet dataset and
+trains its tokenizer (vocab 1024) with its own ``scripts.tok_train``, under ``--nanochat-base``
+(its NANOCHAT_BASE_DIR), and reuses them on later runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from chatpipe.data.loader import RowLoader, TokenDocs  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options  # noqa: E402
+from chatpipe.plan import model_config_for  # noqa: E402
+from chatpipe.runtime import Runtime  # noqa: E402
+from chatpipe.settings import PretrainSettings, resolve_params  # noqa: E402
+from chatpipe.train.loop import train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 
-DEPTH, SEQ, BATCH, VOCAB = 4, 256, 16, 1024
+DEPTH, HEAD_DIM, SEQ, BATCH, VOCAB = 4, 64, 256, 16, 1024
+TOKENS = BATCH * SEQ
+DEFAULT_BASE = Path(tempfile.gettempdir()) / "chatpipe_bench_nanochat"
 
 
-def make(recipe: str) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Optimizer]]:
     """The model and optimizers of ``recipe`` at the benchmark config (seeded)."""
     torch.manual_seed(0)
     if recipe == "nanochat":
-        config = config_from_depth(DEPTH, VOCAB, SEQ, head_dim=64, window_pattern="SSSL", **nanochat_options(SEQ))
-        optimizer = "muon_adamw"
-    else:
-        config = config_from_depth(DEPTH, VOCAB, SEQ, head_dim=64)
-        optimizer = "muon"
-    model = GPT(config)
+        config = config_from_depth(DEPTH, VOCAB, SEQ, head_dim=HEAD_DIM, window_pattern="SSSL", **nanochat_options(SEQ))
+        model = GPT(config)
+        model.init_weights()
+        opts = build_optimizers(
+            model,
+            optimizer="muon_adamw",
+            embedding_lr=0.3,
+            unembedding_lr=0.008,
+            weight_decay=0.28,
+            compile=compile_optimizer,
+        )
+        return model, opts
+    params = resolve_params(profile="tiny")["pretrain"]
+    cfg = PretrainSettings(**{**params, "depth": DEPTH, "head_dim": HEAD_DIM, "sequence_len": SEQ})
+    model = GPT(model_config_for(cfg, VOCAB))
     model.init_weights()
-    return model, build_optimizers(model, optimizer=optimizer)
+    opts = build_optimizers(
+        model,
+        matrix_lr=cfg.matrix_lr,
+        embedding_lr=cfg.embedding_lr,
+        unembedding_lr=cfg.unembedding_lr,
+        weight_decay=cfg.weight_decay,
+        optimizer=cfg.optimizer,
+        scalar_lr=cfg.scalar_lr,
+        compile=compile_optimizer,
+    )
+    return model, opts
 
 
-def run(recipe: str, steps: int, compiled: bool) -> tuple[float, list[float]]:
-    """(seconds of the first step, seconds of each of the next ``steps`` steps)."""
-    model, opts = make(recipe)
-    step_model = torch.compile(model) if compiled else model
-    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    y = torch.roll(x, -1, dims=1)
-    times = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
-        step_model(x, y).backward()
-        for opt in opts:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return times[0], times[1:]
+def random_docs(directory: Path, n_docs: int = 2000, seed: int = 0) -> TokenDocs:
+    """Token documents of random ids and lengths (about the tiny world's: ~250 tokens) for the loader."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(40, 460, n_docs)
+    tokens = rng.integers(0, VOCAB, int(lengths.sum())).astype(np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    np.savez(directory / "train_000.npz", tokens=tokens, offsets=offsets)
+    return TokenDocs(directory, "train")
 
 
-def nanochat_tokens_per_s(checkout: Path, steps: int) -> float:
-    """nanochat's base_train at the benchmark config; median tok/sec of its logged steps after the first."""
+def worker(recipe: str, compiled: bool, steps: int) -> dict:
+    """Run ``steps + 1`` training steps the way the stage does; seconds of each."""
+    model, opts = make(recipe, compile_optimizer=compiled)
+    step_model = torch.compile(model, dynamic=False) if compiled else model
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        loader = RowLoader(random_docs(Path(tmp)), batch_size=BATCH, seq_len=SEQ)
+        times, cpu = [], []
+        for _ in range(steps + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            train_step(step_model, loader.next_batch, opts, grad_accum=1, rt=rt)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return {"first_s": times[0], "step_s": times[1:], "cpu_s": cpu[1:], "threads": torch.get_num_threads()}
+
+
+def ours(recipe: str, compiled: bool, steps: int, env: dict[str, str]) -> dict:
+    """:func:`worker` in a fresh process (compiling starts from that process's inductor cache)."""
+    cmd = [sys.executable, __file__, "--worker", recipe, "compiled" if compiled else "eager", str(steps)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result["rate"] = TOKENS / statistics.median(result["step_s"])
+    return result
+
+
+def prepare_nanochat_base(checkout: Path, python: str, base: Path) -> None:
+    """nanochat's dataset (parquet shards, the last one is its val split) and tokenizer under ``base``."""
+    from chatpipe.data import synthetic
+
+    data_dir = base / "base_data_climbmix"
+    if not sorted(data_dir.glob("shard_*.parquet")):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        data_dir.mkdir(parents=True, exist_ok=True)
+        docs = synthetic.pretrain_documents(seed=42, num_docs=4000)
+        for i in range(2):
+            part = pa.table({"text": docs[i * 2000 : (i + 1) * 2000]})
+            pq.write_table(part, data_dir / f"shard_{i:05d}.parquet", row_group_size=500)
+    if not (base / "tokenizer" / "token_bytes.pt").exists():
+        env = {**os.environ, "NANOCHAT_BASE_DIR": str(base)}
+        cmd = [python, "-m", "scripts.tok_train", f"--vocab-size={VOCAB}", "--max-chars=2000000"]
+        r = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"nanochat tok_train failed ({' '.join(cmd)}):\n{r.stderr[-2000:]}")
+
+
+def nanochat(checkout: Path, python: str, base: Path, steps: int) -> dict:
+    """nanochat's base_train at the benchmark config: median tok/sec of its logged steps after the first."""
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "scripts.base_train",
         f"--depth={DEPTH}",
+        f"--head-dim={HEAD_DIM}",
         f"--max-seq-len={SEQ}",
         f"--device-batch-size={BATCH}",
-        f"--total-batch-size={BATCH * SEQ}",
+        f"--total-batch-size={TOKENS}",
         f"--num-iterations={steps + 1}",
         "--eval-every=-1",
         "--core-metric-every=-1",
         "--sample-every=-1",
     ]
-    r = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(base)}
+    r = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, check=False)
     if r.returncode != 0:
-        raise RuntimeError(f"nanochat base_train failed ({' '.join(cmd)}):\n{r.stderr[-2000:]}")
-    rates = [float(m.replace(",", "")) for m in re.findall(r"tok/sec:\s*([\d,\.]+)", r.stdout + r.stderr)]
-    if len(rates) < 2:
-        raise RuntimeError("no 'tok/sec:' lines in nanochat's output; its log format changed")
-    return statistics.median(rates[1:])
+        raise RuntimeError(f"nanochat base_train failed ({' '.join(cmd)}):\n{(r.stdout + r.stderr)[-3000:]}")
+    dts = [float(m) / 1000 for m in re.findall(r"\| dt: ([\d.]+)ms", r.stdout + r.stderr)]
+    if len(dts) < 2:
+        raise RuntimeError("no 'dt: ...ms' step lines in nanochat's output; its log format changed")
+    return {"first_s": dts[0], "step_s": dts[1:], "rate": TOKENS / statistics.median(dts[1:])}
+
+
+# nanochat's own GPT and optimizer, built the way its base_train builds them, timed per step in
+# process CPU seconds (run with its Python, in its checkout; prints one JSON line)
+NANOCHAT_CPU_PROBE = """
+import json, sys, time, torch
+from nanochat.gpt import GPT, GPTConfig
+depth, head_dim, seq, batch, vocab, steps = map(int, sys.argv[1:7])
+dim = depth * 64
+config = GPTConfig(sequence_len=seq, vocab_size=vocab, n_layer=depth, n_head=dim // head_dim,
+                   n_kv_head=dim // head_dim, n_embd=dim, window_pattern="SSSL")
+with torch.device("meta"):
+    model = GPT(config)
+model.to_empty(device="cpu")
+model.init_weights()
+step_model = torch.compile(model, dynamic=False)
+opt = model.setup_optimizer(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, weight_decay=0.28, scalar_lr=0.5)
+gen = torch.Generator().manual_seed(1)
+times, cpu = [], []
+for _ in range(steps + 1):
+    t0, c0 = time.perf_counter(), time.process_time()
+    rows = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    loss = step_model(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+    loss.backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    loss.item()
+    times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
+print(json.dumps({"first_s": times[0], "step_s": times[1:], "cpu_s": cpu[1:]}))
+"""
+
+
+def nanochat_cpu(checkout: Path, python: str, steps: int) -> dict:
+    """nanochat's compiled model and MuonAdamW on random tokens: CPU seconds per step (see NANOCHAT_CPU_PROBE)."""
+    args = [str(v) for v in (DEPTH, HEAD_DIM, SEQ, BATCH, VOCAB, steps)]
+    r = subprocess.run(
+        [python, "-c", NANOCHAT_CPU_PROBE, *args], cwd=checkout, capture_output=True, text=True, check=False
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"nanochat CPU-time probe failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def nanochat_skip_reason(checkout: Path | None, python: str) -> str | None:
+    """Why nanochat cannot run here, or None when it can."""
+    if checkout is None:
+        return "no --nanochat DIR given (a checkout of karpathy/nanochat)"
+    if not (checkout / "scripts" / "base_train.py").exists():
+        return f"{checkout} has no scripts/base_train.py: not a nanochat checkout"
+    probe = "import torch, rustbpe, tiktoken, pyarrow, wandb, filelock, yaml"
+    r = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        return (
+            f"{python} lacks nanochat's dependencies ({r.stderr.strip().splitlines()[-1]}); see this file's docstring"
+        )
+    return None
+
+
+def load_average() -> str:
+    """The 1-minute load average (other processes share the cores)."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
+    """Rounds of (ours compiled, nanochat compiled) at 1 thread, compared in CPU seconds per step.
+
+    A loaded machine stretches wall time but hardly the CPU time a single-threaded step needs, so
+    this ratio holds while other jobs run. It times nanochat's model and optimizer (not its
+    base_train loop, whose log has wall time only) on random tokens, like our worker.
+    """
+    os.environ["OMP_NUM_THREADS"] = "1"
+    print(f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, 1 thread, CPU seconds per step")
+    env = dict(os.environ)
+    ratios, ours_cpu, nc_cpu = [], [], []
+    for r in range(args.rounds):
+        mine = statistics.median(ours("nanochat", True, args.steps, env)["cpu_s"])
+        line = f"round {r + 1} (load {load_average()}): ours {TOKENS / mine:,.0f} tok/CPU-s"
+        ours_cpu.append(mine)
+        if skip is None:
+            theirs = statistics.median(nanochat_cpu(args.nanochat, nc_python, args.steps)["cpu_s"])
+            nc_cpu.append(theirs)
+            ratios.append(theirs / mine)
+            line += f", nanochat {TOKENS / theirs:,.0f} tok/CPU-s, ratio {theirs / mine:.3f}"
+        print(line, flush=True)
+    print(f"ours compiled: {TOKENS / statistics.median(ours_cpu):,.0f} tokens per CPU-second (median)")
+    if skip is not None:
+        print(f"nanochat: skipped ({skip})")
+        return
+    print(f"nanochat compiled: {TOKENS / statistics.median(nc_cpu):,.0f} tokens per CPU-second (median)")
+    print(f"ours / nanochat (CPU time): {statistics.median(ratios):.3f} (median of per-round ratios)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--recipe", choices=["tiny", "nanochat"], default="tiny")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per run, after the first")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of (ours compiled, nanochat, ours eager)")
     p.add_argument("--nanochat", type=Path, help="a karpathy/nanochat checkout to run base_train from")
-    args = p.parse_args()
-    tokens = BATCH * SEQ
-    print(
-        f"d{DEPTH} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, recipe {args.recipe}, {torch.get_num_threads()} threads"
+    p.add_argument("--nanochat-python", help="Python with nanochat's dependencies (default: DIR/.venv/bin/python)")
+    p.add_argument("--nanochat-base", type=Path, default=DEFAULT_BASE, help="NANOCHAT_BASE_DIR for its data")
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="compare process CPU seconds per step at 1 thread instead (steady under load from other processes)",
     )
-    _, eager = run(args.recipe, args.steps, compiled=False)
-    eager_s = statistics.median(eager)
-    print(f"chatpipe eager:     {tokens / eager_s:,.0f} tok/s (median of {len(eager)} steps)")
-    compile_s, comp = run(args.recipe, args.steps, compiled=True)
-    comp_s = statistics.median(comp)
-    print(f"chatpipe compiled:  {tokens / comp_s:,.0f} tok/s steady; first step (compiling) {compile_s:.1f} s")
-    if comp_s < eager_s:
-        print(f"compiling pays after ~{(compile_s - comp_s) / (eager_s - comp_s):.0f} steps")
+    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run, ours and nanochat's (default: torch's)")
+    p.add_argument("--worker", nargs=3, metavar=("RECIPE", "MODE", "STEPS"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        recipe, mode, steps = args.worker
+        print(json.dumps(worker(recipe, mode == "compiled", int(steps))))
+        return
+
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every run below
+        torch.set_num_threads(args.threads)
+    nc_python = args.nanochat_python or (str(args.nanochat / ".venv" / "bin" / "python") if args.nanochat else "")
+    skip = nanochat_skip_reason(args.nanochat, nc_python)
+    if skip is None:
+        prepare_nanochat_base(args.nanochat, nc_python, args.nanochat_base)
+    if args.cpu_time:
+        cpu_time_comparison(args, nc_python, skip)
+        return
+    print(
+        f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, {args.steps} timed steps per run, "
+        f"{torch.get_num_threads()} threads, load average {load_average()}"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # empty at first: the first compile is cold
+        rows: list[dict] = []
+        for r in range(args.rounds):
+            row = {"load": load_average(), "compiled": ours("nanochat", True, args.steps, env)}
+            if skip is None:
+                row["nanochat"] = nanochat(args.nanochat, nc_python, args.nanochat_base, args.steps)
+            row["eager"] = ours("nanochat", False, args.steps, env)
+            rows.append(row)
+            line = f"round {r + 1} (load {row['load']}): ours compiled {row['compiled']['rate']:,.0f} tok/s"
+            line += f" (first step {row['compiled']['first_s']:.1f} s)"
+            if "nanochat" in row:
+                nc = row["nanochat"]
+                line += f", nanochat {nc['rate']:,.0f} (first step {nc['first_s']:.1f} s)"
+                line += f", ratio {row['compiled']['rate'] / nc['rate']:.2f}"
+            print(line + f", ours eager {row['eager']['rate']:,.0f}", flush=True)
+        tiny_eager = ours("tiny", False, args.steps, env)
+        tiny_compiled = ours("tiny", True, args.steps, env)
+
+    med = statistics.median
+    comp, eager = med(r["compiled"]["rate"] for r in rows), med(r["eager"]["rate"] for r in rows)
+    print(f"nanochat recipe, ours eager:    {eager:,.0f} tok/s (median of {len(rows)} runs)")
+    print(f"nanochat recipe, ours compiled: {comp:,.0f} tok/s steady")
+    for name, res_e, res_c in [("nanochat", rows[0]["eager"], rows[0]["compiled"])] + (
+        [("nanochat (warm cache)", rows[-1]["eager"], rows[-1]["compiled"])] if len(rows) > 1 else []
+    ):
+        e_s, c_s = med(res_e["step_s"]), med(res_c["step_s"])
+        compile_s = res_c["first_s"] - c_s
+        if c_s < e_s:
+            print(f"  {name}: compiling costs {compile_s:.1f} s, pays after ~{compile_s / (e_s - c_s):.0f} steps")
+        else:
+            print(f"  {name}: compiling costs {compile_s:.1f} s and does not pay at this config")
+    e_s, c_s = med(tiny_eager["step_s"]), med(tiny_compiled["step_s"])
+    print(f"tiny recipe, ours eager:        {TOKENS / e_s:,.0f} tok/s")
+    print(f"tiny recipe, ours compiled:     {TOKENS / c_s:,.0f} tok/s steady", end="")
+    if c_s < e_s:
+        compile_s = tiny_compiled["first_s"] - c_s
+        print(f"; compiling costs {compile_s:.1f} s (warm cache), pays after ~{compile_s / (e_s - c_s):.0f} steps")
     else:
-        print("compiling does not pay at this config")
-    if args.nanochat is None:
-        print("nanochat: skipped (no --nanochat DIR: no checkout of karpathy/nanochat given)")
-    else:
-        rate = nanochat_tokens_per_s(args.nanochat, args.steps)
-        print(f"nanochat base_train: {rate:,.0f} tok/s; ours compiled / nanochat = {tokens / comp_s / rate:.2f}")
+        print("; compiling does not pay at this config")
+    if skip is not None:
+        print(f"nanochat: skipped ({skip})")
+        return
+    nc_rate = med(r["nanochat"]["rate"] for r in rows)
+    ratio = med(r["compiled"]["rate"] / r["nanochat"]["rate"] for r in rows)
+    print(f"nanochat base_train:            {nc_rate:,.0f} tok/s steady (median of {len(rows)} runs)")
+    print(f"ours compiled / nanochat: {ratio:.2f} (median of per-round ratios)")
 
 
 if __name__ == "__main__":

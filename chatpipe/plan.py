@@ -27,11 +27,13 @@ AUTO_BATCH_REF_TOKENS = 5e9
 AUTO_BATCH_REF_SIZE = 1 << 19
 AUTO_BATCH_EXPONENT = 0.383
 
-# torch.compile on the project's 2-core CPU, tiny model (issue 18's measurements): eager 4,143
-# tok/s, compiled 5,500 steady, 3,340 over a 40-step run. So compiling costs ~19 s and saves
-# ~0.24 s per 4096-token step: break-even ~80 steps for the train step, about twice that with the
-# separately compiled eval model. bench/pretrain_vs_nanochat.py re-measures both numbers.
-COMPILE_MIN_STEPS_CPU = 150
+# torch.compile on the project's 2-core CPU, tiny model (bench/pretrain_vs_nanochat.py, bench/README.md):
+# compiling the model costs ~25 s with an empty inductor cache (~6 s warm) and saves ~0.15 s per
+# 4096-token step; compiling the optimizer costs another ~25 s (~2 s warm) and saves ~0.03 s. So
+# the model pays after ~200 steps from a cold cache (the eval model, compiled with it, adds more),
+# the optimizer only after ~800. ``auto`` follows the cold numbers: a fresh machine pays them.
+COMPILE_MIN_STEPS_CPU = 200
+COMPILE_OPTIMIZER_MIN_STEPS_CPU = 800
 
 
 def model_config_for(cfg: PretrainSettings, vocab_size: int) -> GPTConfig:
@@ -78,11 +80,16 @@ def batch_and_steps(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple
     return batch, steps
 
 
-def compile_pays(setting: bool | str, total_steps: int, device: torch.device) -> bool:
-    """Resolve ``compile: auto``: always on CUDA, on CPU only for runs of COMPILE_MIN_STEPS_CPU+ steps."""
+def compile_pays(setting: bool | str, total_steps: int, device: torch.device, part: str = "model") -> bool:
+    """Resolve ``compile: auto`` for the ``model`` or the ``optimizer``: always on CUDA; on CPU
+    only for runs of at least COMPILE_MIN_STEPS_CPU (model) or COMPILE_OPTIMIZER_MIN_STEPS_CPU
+    (optimizer) steps, where the per-step saving has paid back the compile time."""
+    if part not in ("model", "optimizer"):
+        raise ValueError(f"part={part!r}; allowed: 'model', 'optimizer'")
     if setting != "auto":
         return bool(setting)
-    return device.type == "cuda" or total_steps >= COMPILE_MIN_STEPS_CPU
+    min_steps = COMPILE_MIN_STEPS_CPU if part == "model" else COMPILE_OPTIMIZER_MIN_STEPS_CPU
+    return device.type == "cuda" or total_steps >= min_steps
 
 
 @dataclass

@@ -106,6 +106,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         fused=rt.device.type == "cuda",
         optimizer=cfg.optimizer,
         scalar_lr=cfg.scalar_lr,
+        compile=compile_pays(cfg.compile, total_steps, rt.device, part="optimizer"),
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs

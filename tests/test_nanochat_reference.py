@@ -150,7 +150,9 @@ def _worst_relative(model: GPT, expected: dict[str, torch.Tensor]) -> float:
     return max(((params[k] - v).abs().max() / v.abs().max()).item() for k, v in expected.items())
 
 
-def _run_reference_steps(model, ref, grads, rank: int = 0, world: int = 1, reduce_grads: bool = False):
+def _run_reference_steps(
+    model, ref, grads, rank: int = 0, world: int = 1, reduce_grads: bool = False, compile: bool = False
+):
     """Three steps on the reference gradients; with ``world`` > 1 each rank gets a different share
     whose mean is the reference gradient. Returns the params after step 1 and step 3.
 
@@ -160,7 +162,9 @@ def _run_reference_steps(model, ref, grads, rank: int = 0, world: int = 1, reduc
     """
     from chatpipe.train.optim import build_optimizers
 
-    [opt] = build_optimizers(model, optimizer="muon_adamw", reduce_grads=reduce_grads, **ref["setup_optimizer_kwargs"])
+    [opt] = build_optimizers(
+        model, optimizer="muon_adamw", reduce_grads=reduce_grads, compile=compile, **ref["setup_optimizer_kwargs"]
+    )
     params = dict(model.named_parameters())
     snapshots = []
     for step, g in enumerate(grads):
@@ -176,9 +180,10 @@ def _run_reference_steps(model, ref, grads, rank: int = 0, world: int = 1, reduc
     return snapshots, [g["lr"] for g in opt.param_groups]
 
 
-def test_muon_adamw_equals_reference_after_steps_1_and_3():
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_muon_adamw_equals_reference_after_steps_1_and_3(compile):
     model, ref, grads, after = _optim_case()
-    snapshots, lrs = _run_reference_steps(model, ref, grads)
+    snapshots, lrs = _run_reference_steps(model, ref, grads, compile=compile)
     assert lrs == pytest.approx(ref["lrs"][0], rel=1e-12)
     for snap, expected in zip(snapshots, after):
         model.load_state_dict(snap)
@@ -232,11 +237,21 @@ def test_fp8_errors_clearly_on_cpu():
 
 
 def test_compile_auto_follows_step_count_and_auto_batch_is_a_power_of_two():
-    from chatpipe.plan import COMPILE_MIN_STEPS_CPU, auto_total_batch_size, compile_pays
+    from chatpipe.plan import (
+        COMPILE_MIN_STEPS_CPU,
+        COMPILE_OPTIMIZER_MIN_STEPS_CPU,
+        auto_total_batch_size,
+        compile_pays,
+    )
 
     cpu = torch.device("cpu")
     assert not compile_pays("auto", COMPILE_MIN_STEPS_CPU - 1, cpu) and compile_pays("auto", COMPILE_MIN_STEPS_CPU, cpu)
     assert compile_pays(True, 1, cpu) and not compile_pays(False, 10**6, cpu)
+    opt_min = COMPILE_OPTIMIZER_MIN_STEPS_CPU
+    assert not compile_pays("auto", opt_min - 1, cpu, part="optimizer") and compile_pays(
+        "auto", opt_min, cpu, "optimizer"
+    )
+    assert compile_pays("auto", 1, torch.device("cuda"), part="optimizer")
     assert auto_total_batch_size(5e9, 32768) == 1 << 19
     assert auto_total_batch_size(4 * 5e9, 32768) == 1 << 20  # 4**0.383 = 1.7 -> next power of two
     assert auto_total_batch_size(1e3, 4096) == 4096  # never below one micro-batch per rank

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.optim._muon as _torch_muon
@@ -42,13 +43,14 @@ def build_optimizers(
     optimizer: str = "muon",
     scalar_lr: float = 0.5,
     reduce_grads: bool = False,
+    compile: bool = False,
 ) -> list[torch.optim.Optimizer]:
     """Return ``[adamw, muon]`` (``optimizer="muon"``) or ``[MuonAdamW]`` (``"muon_adamw"``).
 
     Built over ``model.param_groups()`` (a :class:`chatpipe.model.gpt.GPT`). AdamW lrs are scaled
     by (n_embd / 768) ** -0.5 so wider models take smaller embedding steps; Muon's lr is used as
     given (its update is already shape-normalised). ``scalar_lr`` is the lambdas' lr.
-    ``reduce_grads``: see :class:`MuonAdamW` (only that recipe).
+    ``reduce_grads`` and ``compile``: see :class:`MuonAdamW` (only that recipe).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
@@ -62,6 +64,7 @@ def build_optimizers(
                 weight_decay=weight_decay,
                 scalar_lr=scalar_lr,
                 reduce_grads=reduce_grads,
+                compile=compile,
             )
         ]
     groups = model.param_groups()
@@ -251,6 +254,53 @@ def muon_update(
     return x * (step_size * (v_norm / v_norm_new.clamp_min(1e-10)))
 
 
+def adamw_update_(p, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wd) -> None:
+    """One decoupled-weight-decay AdamW step of one parameter, in place (moments too).
+
+    ``lr``, ``beta1``, ``beta2`` and ``wd`` are fp32 0-d tensors: the rounding of nanochat's fused
+    step. Under torch.compile ``step`` and ``eps`` are 0-d tensors as well, so one graph serves
+    every step and every lr the schedule sets.
+    """
+    p.mul_(1 - lr * wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+    denom = (exp_avg_sq / bias2).sqrt() + eps
+    p.add_(exp_avg / denom * -(lr / bias1))
+
+
+def muon_step_(params, grads, momentum_buffer, second_moment, *, momentum, beta2, lr, wd, ns_steps: int) -> None:
+    """:func:`muon_update` of a stack of same-shaped matrices, then the cautious-decay step of each, in place.
+
+    ``lr`` and ``wd`` are fp32 0-d tensors; under torch.compile ``momentum`` and ``beta2`` are too.
+    """
+    update = muon_update(
+        torch.stack([g.float() for g in grads]),
+        momentum_buffer,
+        second_moment,
+        momentum=momentum,
+        beta2=beta2,
+        ns_steps=ns_steps,
+    )
+    for p, u in zip(params, update.unbind(0)):
+        u = u.to(p.dtype)
+        mask = (u * p) >= 0  # cautious: decay only where the update pulls the same way
+        p.sub_(lr * u + lr * wd * p * mask)
+
+
+_COMPILED: dict[str, Callable] = {}
+# AdamW params smaller than this (lambdas, gates) step eagerly even when compiling: their ops cost
+# microseconds, less than the seconds a graph per extra shape takes to compile
+COMPILE_MIN_NUMEL = 4096
+
+
+def _compiled(fn: Callable) -> Callable:
+    """``fn`` under torch.compile, built once per process (a graph per parameter shape)."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[fn.__name__]
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """nanochat's combined optimizer: AdamW groups and Muon groups (``kind`` = "adamw" | "muon").
 
@@ -263,9 +313,14 @@ class MuonAdamW(torch.optim.Optimizer):
     ``reduce_grads=True`` averages gradients over the default process group before stepping (for
     callers without DDP); under DDP leave it False, gradients arrive averaged already. State is
     replicated on every rank (nanochat shards it, ZeRO-2 style; same arithmetic).
+
+    ``compile=True`` runs each parameter's AdamW step and each Muon group's step as one
+    torch.compile'd graph: the same math (up to float rounding), without the dozens of separate
+    elementwise passes and temporaries per parameter. It costs a few seconds of compiling per
+    parameter shape on the first step (see ``chatpipe.plan.compile_pays``).
     """
 
-    def __init__(self, param_groups: list[dict], *, reduce_grads: bool = False) -> None:
+    def __init__(self, param_groups: list[dict], *, reduce_grads: bool = False, compile: bool = False) -> None:
         for g in param_groups:
             if g.get("kind") not in ("adamw", "muon"):
                 raise ValueError(f"MuonAdamW group needs kind 'adamw' or 'muon', got {g.get('kind')!r}")
@@ -273,6 +328,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError("MuonAdamW: a muon group's params must share one shape (they are stacked)")
         super().__init__(param_groups, {})
         self.reduce_grads = reduce_grads
+        self.compiled = compile
+        # 0-d fp32 scalars refilled every step: a compiled graph takes them as inputs, not constants
+        self._scalars = {k: torch.zeros((), dtype=torch.float32) for k in ("step", "lr", "b1", "b2", "eps", "wd")}
 
     def _reduce(self) -> None:
         import torch.distributed as dist
@@ -304,8 +362,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._muon(group)
         return loss
 
+    def _scalar(self, name: str, value: float) -> torch.Tensor:
+        """The preallocated fp32 0-d CPU tensor ``name``, set to ``value`` (CPU 0-d tensors mix with any device)."""
+        return self._scalars[name].fill_(value)
+
     def _adamw(self, group: dict) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             if p.grad is None:
@@ -316,15 +377,36 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
-            step = state["step"]
+            if self.compiled and p.numel() >= COMPILE_MIN_NUMEL:
+                _compiled(adamw_update_)(
+                    p,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=self._scalar("step", state["step"]),
+                    lr=self._scalar("lr", group["lr"]),
+                    beta1=self._scalar("b1", beta1),
+                    beta2=self._scalar("b2", beta2),
+                    eps=self._scalar("eps", group["eps"]),
+                    wd=self._scalar("wd", group["weight_decay"]),
+                )
+                continue
             # scalars as fp32 0-d tensors: the same rounding as nanochat's fused step
-            lr_t, wd_t, b1, b2 = (torch.tensor(v, dtype=torch.float32) for v in (lr, wd, beta1, beta2))
-            p.mul_(1 - lr_t * wd_t)
-            state["exp_avg"].lerp_(p.grad, 1 - b1)
-            state["exp_avg_sq"].lerp_(p.grad.square(), 1 - b2)
-            bias1, bias2 = 1 - b1**step, 1 - b2**step
-            denom = (state["exp_avg_sq"] / bias2).sqrt() + eps
-            p.add_(state["exp_avg"] / denom * -(lr_t / bias1))
+            lr_t, wd_t, b1, b2 = (
+                torch.tensor(v, dtype=torch.float32) for v in (group["lr"], group["weight_decay"], beta1, beta2)
+            )
+            adamw_update_(
+                p,
+                p.grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                step=state["step"],
+                lr=lr_t,
+                beta1=b1,
+                beta2=b2,
+                eps=group["eps"],
+                wd=wd_t,
+            )
 
     def _muon(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -339,21 +421,25 @@ class MuonAdamW(torch.optim.Optimizer):
             state["second_momentum_buffer"] = torch.zeros(vshape, dtype=torch.float32, device=params[0].device)
         if len(params) != n:
             raise RuntimeError("MuonAdamW: every param of a muon group needs a gradient (or none of them)")
-        stacked = torch.stack([p.grad.float() for p in params])
-        update = muon_update(
-            stacked,
+        lr = group["lr"] * max(1.0, rows / cols) ** 0.5
+        if self.compiled:
+            step_fn = _compiled(muon_step_)
+            momentum, beta2 = self._scalar("b1", group["momentum"]), self._scalar("b2", group["beta2"])
+            lr_t, wd_t = self._scalar("lr", lr), self._scalar("wd", group["weight_decay"])
+        else:
+            step_fn, momentum, beta2 = muon_step_, group["momentum"], group["beta2"]
+            lr_t, wd_t = (torch.tensor(v, dtype=torch.float32) for v in (lr, group["weight_decay"]))
+        step_fn(
+            params,
+            [p.grad for p in params],
             state["momentum_buffer"],
             state["second_momentum_buffer"],
-            momentum=group["momentum"],
-            beta2=group["beta2"],
+            momentum=momentum,
+            beta2=beta2,
+            lr=lr_t,
+            wd=wd_t,
             ns_steps=group["ns_steps"],
         )
-        lr = torch.tensor(group["lr"] * max(1.0, rows / cols) ** 0.5, dtype=torch.float32)
-        wd = torch.tensor(group["weight_decay"], dtype=torch.float32)
-        for p, u in zip(params, update.unbind(0)):
-            u = u.to(p.dtype)
-            mask = (u * p) >= 0  # cautious: decay only where the update pulls the same way
-            p.sub_(lr * u + lr * wd * p * mask)
 
 
 def build_muon_adamw(
@@ -365,6 +451,7 @@ def build_muon_adamw(
     weight_decay: float = 0.0,
     scalar_lr: float = 0.5,
     reduce_grads: bool = False,
+    compile: bool = False,
 ) -> MuonAdamW:
     """nanochat's ``setup_optimizer``: the groups, betas, weight decays and lr scalings of its recipe.
 
@@ -400,7 +487,7 @@ def build_muon_adamw(
         }
         for _, ps in by_shape.items()
     ]
-    opt = MuonAdamW([g for g in adam_groups if g["params"]] + muon_groups, reduce_grads=reduce_grads)
+    opt = MuonAdamW([g for g in adam_groups if g["params"]] + muon_groups, reduce_grads=reduce_grads, compile=compile)
     for group in opt.param_groups:
         group["initial_lr"] = group["lr"]
     return opt
