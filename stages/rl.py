@@ -36,10 +36,10 @@ from chatpipe.rl.value import ValueModel
 from chatpipe.settings import RLSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs, save_checkpoint
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs
 from chatpipe.train.loop import due
 from chatpipe.train.optim import apply_schedules, build_optimizers
-from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta, tracked_run
 
 log = logging.getLogger("rl")
 
@@ -68,8 +68,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     # --- optimizers: a fraction of the init model's LRs, decayed linearly to 0
     init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
-        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default)
-        for k in ("matrix_lr", "embedding_lr", "unembedding_lr")
+        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
     }
     policy_opts = build_optimizers(
         policy, **{k: v * cfg.lr_frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
@@ -145,13 +144,8 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     def checkpoint_meta() -> dict:
         return {
-            "stage": "rl",
-            "fingerprint": run_fp,
-            "world_size": rt.world_size,
+            **run_meta("rl", run_fp, cfg, inputs, rt, policy.config),
             "kl_coef": kl_ctl.value,
-            "model_config": policy.config.to_dict(),
-            "settings": snapshot(cfg),
-            "inputs": inputs,
             "init_dir": str(init_dir),
             "total_steps": cfg.max_steps,
             "prompt_indices": prompt_log,
@@ -163,6 +157,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 "mlflow_run_ids": run_ids,
             },
         }
+
+    checkpoints = Checkpointer(
+        work, cfg, state, policy_opts + critic_opts, meta=checkpoint_meta, rt=rt, start_step=start_step
+    )
 
     # --- loop
     params = {
@@ -190,16 +188,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 first_eval = first_eval or evals
                 metrics.log(evals, step)
                 log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in evals.items()))
-            if step > start_step and (last or due(step, cfg.checkpoint_every)):
-                save_checkpoint(
-                    work,
-                    step,
-                    model=state,
-                    optimizers=policy_opts + critic_opts,
-                    meta=checkpoint_meta(),
-                    rank=rt.rank,
-                    keep=cfg.keep_checkpoints,
-                )
+            checkpoints.save_if_due(step, last=last)
             if last:
                 break
 
