@@ -83,22 +83,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     kl_ctl = rl.KLController(
         cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
     )
-    ppo_config = PPOConfig(
-        group_size=cfg.group_size,
-        epochs=cfg.ppo_epochs,
-        num_minibatches=cfg.num_minibatches,
-        micro_batch=cfg.device_batch_size,
-        clip_eps=cfg.clip_eps,
-        value_clip=cfg.value_clip,
-        value_coef=cfg.value_coef,
-        gamma=cfg.gamma,
-        lam=cfg.lam,
-        kl_estimator=cfg.kl_estimator,
-        whiten=cfg.whiten,
-        normalize_std=cfg.normalize_std,
-        max_ratio=cfg.max_ratio,
-        seed=cfg.seed,
-    )
+    ppo_config = PPOConfig.from_settings(cfg)
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
     train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source)
