@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from chatpipe.settings import MODEL_STAGES, STAGES
+from chatpipe.tracking import first_run
 
 # Summary table: row label -> (where in a stage's eval results, key). The tiny-world CORE (our
 # synthetic in-context tasks) and the DCLM CORE (the published 22-task metric) are different
@@ -172,11 +173,9 @@ def stage_runs(client: Any, experiment_id: str, parent_run_id: str | None) -> di
             runs.setdefault(run.data.tags.get("stage", run.info.run_name), run)
     for stage in PIPELINE_STAGES:
         if stage not in runs:
-            found = client.search_runs(
-                [experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time DESC"], max_results=1
-            )
+            found = first_run(client, experiment_id, f"tags.stage = '{stage}'")
             if found:
-                runs[stage] = found[0]
+                runs[stage] = found
     return {s: runs[s] for s in PIPELINE_STAGES if s in runs}
 
 
@@ -203,14 +202,9 @@ def artifact_runs(client: Any, experiment_id: str, artifacts: Path = Path("artif
     for stage in PIPELINE_STAGES:
         record = ARTIFACT_RECORDS.get(stage)
         if record is None:
-            found = client.search_runs(
-                [experiment_id],
-                f"tags.stage = '{stage}' and attributes.status = 'FINISHED'",
-                order_by=["attributes.start_time DESC"],
-                max_results=1,
-            )
+            found = first_run(client, experiment_id, f"tags.stage = '{stage}' and attributes.status = 'FINISHED'")
             if found:
-                runs[stage] = found[0]
+                runs[stage] = found
             continue
         path = artifacts / record
         try:

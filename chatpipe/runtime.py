@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,12 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def shard(self) -> dict[str, Any]:
+        """``rank``, ``world_size`` and ``device`` as keyword arguments: what the row loaders need to
+        give this rank its own rows on its own device."""
+        return {"rank": self.rank, "world_size": self.world_size, "device": self.device}
 
     def autocast(self):
         """bf16 autocast on GPU; a no-op context in fp32."""

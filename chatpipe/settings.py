@@ -257,6 +257,13 @@ class TrainSettings(RunSettings):
     grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
     eval_tokens: int = resume_neutral(32768, ge=1)
 
+    # the learning rates build_optimizers takes (Muon matrices, AdamW embeddings and head)
+    LR_KEYS: ClassVar[tuple[str, ...]] = ("matrix_lr", "embedding_lr", "unembedding_lr")
+
+    def lrs(self, frac: float = 1.0) -> dict[str, float]:
+        """The :attr:`LR_KEYS` learning rates times ``frac``, as keyword arguments of build_optimizers."""
+        return {k: getattr(self, k) * frac for k in self.LR_KEYS}
+
 
 class PretrainSettings(TrainSettings):
     """Base-model pretraining (`pretrain` stage); `depth` derives the model shape."""

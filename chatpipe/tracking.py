@@ -217,6 +217,15 @@ def pipeline_run_name(profile: str) -> str:
     return SEP.join(["pipeline", profile, time.strftime("%Y-%m-%d %H:%M")])
 
 
+def first_run(client, experiment_id: str, filter_string: str, *, oldest: bool = False) -> Any | None:
+    """The newest run (``oldest``: the oldest) of the experiment that matches ``filter_string``, or None."""
+    order = "ASC" if oldest else "DESC"
+    found = client.search_runs(
+        [experiment_id], filter_string, order_by=[f"attributes.start_time {order}"], max_results=1
+    )
+    return found[0] if found else None
+
+
 def dvc_exp_parent(experiment_id: str, profile: str) -> str | None:
     """Inside ``dvc exp run``: the id of the parent run of this DVC experiment (created by its first stage).
 
@@ -230,14 +239,9 @@ def dvc_exp_parent(experiment_id: str, profile: str) -> str | None:
 
     client = mlflow.MlflowClient()
     baseline = os.environ.get(DVC_BASELINE_ENV, "")
-    found = client.search_runs(
-        [experiment_id],
-        f"tags.dvc_exp = '{name}' and tags.stage = 'dvc exp'",
-        order_by=["attributes.start_time ASC"],
-        max_results=1,
-    )
+    found = first_run(client, experiment_id, f"tags.dvc_exp = '{name}' and tags.stage = 'dvc exp'", oldest=True)
     if found:
-        return found[0].info.run_id
+        return found.info.run_id
     tags = {
         **base_tags("dvc exp", profile),
         "dvc_exp": name,

@@ -148,14 +148,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
 
             # --- bits per byte on val text
             steps = max(1, cfg.bpb_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
-            loader = RowLoader(
-                docs,
-                batch_size=cfg.device_batch_size,
-                seq_len=seq_len,
-                rank=rt.rank,
-                world_size=rt.world_size,
-                device=rt.device,
-            )
+            loader = RowLoader(docs, batch_size=cfg.device_batch_size, seq_len=seq_len, **rt.shard)
             r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), token_bytes, rt)
             log.info("%s | val bpb %.4f", stage, r["bpb"])
 

@@ -27,10 +27,10 @@ from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, producing_runs, save_checkpoint
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, producing_runs
 from chatpipe.train.loop import due, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
-from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -99,9 +99,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     # --- optimizer
     optimizers = build_optimizers(
         model,
-        matrix_lr=cfg.matrix_lr,
-        embedding_lr=cfg.embedding_lr,
-        unembedding_lr=cfg.unembedding_lr,
+        **cfg.lrs(),
         weight_decay=cfg.weight_decay,
         fused=rt.device.type == "cuda",
         optimizer=cfg.optimizer,
@@ -111,17 +109,9 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
-    start_step, start_row, carried = 0, 0, {}
-    if meta:
-        start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
+    start_step, start_row, carried = resume_point(meta)
 
-    loader_kw = dict(
-        batch_size=cfg.device_batch_size,
-        seq_len=cfg.sequence_len,
-        rank=rt.rank,
-        world_size=rt.world_size,
-        device=rt.device,
-    )
+    loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len, **rt.shard)
     train_loader = RowLoader(train_docs, start_row=start_row, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if use_compile else ddp_model
@@ -134,16 +124,13 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     def checkpoint_meta() -> dict:
         return {
-            "stage": "pretrain",
-            "fingerprint": run_fp,
-            "world_size": rt.world_size,
-            "model_config": model_config.to_dict(),
-            "settings": snapshot(cfg),
-            "inputs": inputs,
+            **run_meta("pretrain", run_fp, cfg, inputs, rt, model_config),
             "loader": train_loader.state(),
             "total_steps": total_steps,
             "carried": {"train_seconds": t_train, "tokens": tokens_seen, "mlflow_run_ids": run_ids},
         }
+
+    checkpoints = Checkpointer(work, cfg, model, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
 
     # --- loop
     params = {
@@ -171,16 +158,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
                 log.info("step %d | val bpb %.4f", step, bpb)
             if rt.is_main and cfg.sample_every and (last or step % cfg.sample_every == 0) and step > 0:
                 log_samples(model, tok, rt, run, step)
-            if step > start_step and (last or due(step, cfg.checkpoint_every)):
-                save_checkpoint(
-                    work,
-                    step,
-                    model=model,
-                    optimizers=optimizers,
-                    meta=checkpoint_meta(),
-                    rank=rt.rank,
-                    keep=cfg.keep_checkpoints,
-                )
+            checkpoints.save_if_due(step, last=last)
             if last:
                 break
 

@@ -36,10 +36,10 @@ from chatpipe.rl.value import ValueModel
 from chatpipe.settings import RLSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs, save_checkpoint
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs
 from chatpipe.train.loop import due
 from chatpipe.train.optim import apply_schedules, build_optimizers
-from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta, tracked_run
 
 log = logging.getLogger("rl")
 
@@ -68,8 +68,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     # --- optimizers: a fraction of the init model's LRs, decayed linearly to 0
     init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
-        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default)
-        for k in ("matrix_lr", "embedding_lr", "unembedding_lr")
+        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
     }
     policy_opts = build_optimizers(
         policy, **{k: v * cfg.lr_frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
@@ -84,22 +83,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     kl_ctl = rl.KLController(
         cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
     )
-    ppo_config = PPOConfig(
-        group_size=cfg.group_size,
-        epochs=cfg.ppo_epochs,
-        num_minibatches=cfg.num_minibatches,
-        micro_batch=cfg.device_batch_size,
-        clip_eps=cfg.clip_eps,
-        value_clip=cfg.value_clip,
-        value_coef=cfg.value_coef,
-        gamma=cfg.gamma,
-        lam=cfg.lam,
-        kl_estimator=cfg.kl_estimator,
-        whiten=cfg.whiten,
-        normalize_std=cfg.normalize_std,
-        max_ratio=cfg.max_ratio,
-        seed=cfg.seed,
-    )
+    ppo_config = PPOConfig.from_settings(cfg)
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
     train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source)
@@ -145,13 +129,8 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     def checkpoint_meta() -> dict:
         return {
-            "stage": "rl",
-            "fingerprint": run_fp,
-            "world_size": rt.world_size,
+            **run_meta("rl", run_fp, cfg, inputs, rt, policy.config),
             "kl_coef": kl_ctl.value,
-            "model_config": policy.config.to_dict(),
-            "settings": snapshot(cfg),
-            "inputs": inputs,
             "init_dir": str(init_dir),
             "total_steps": cfg.max_steps,
             "prompt_indices": prompt_log,
@@ -163,6 +142,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 "mlflow_run_ids": run_ids,
             },
         }
+
+    checkpoints = Checkpointer(
+        work, cfg, state, policy_opts + critic_opts, meta=checkpoint_meta, rt=rt, start_step=start_step
+    )
 
     # --- loop
     params = {
@@ -190,16 +173,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                 first_eval = first_eval or evals
                 metrics.log(evals, step)
                 log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in evals.items()))
-            if step > start_step and (last or due(step, cfg.checkpoint_every)):
-                save_checkpoint(
-                    work,
-                    step,
-                    model=state,
-                    optimizers=policy_opts + critic_opts,
-                    meta=checkpoint_meta(),
-                    rank=rt.rank,
-                    keep=cfg.keep_checkpoints,
-                )
+            checkpoints.save_if_due(step, last=last)
             if last:
                 break
 

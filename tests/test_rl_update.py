@@ -106,8 +106,18 @@ def test_grpo_rejects_batch_not_made_of_groups():
 
 
 def ppo_cfg(**kw) -> PPOConfig:
-    base = dict(group_size=2, epochs=1, num_minibatches=1, whiten="none", max_ratio=0.0)
-    return PPOConfig(**{**base, **kw})
+    base = dict(group_size=2, epochs=1, num_minibatches=1, micro_batch=16, clip_eps=0.2, value_clip=0.2)
+    base |= dict(value_coef=0.1, gamma=1.0, lam=0.95, kl_estimator="k1", whiten="none", normalize_std=False)
+    return PPOConfig(**{**base, "max_ratio": 0.0, "seed": 0, **kw})
+
+
+def test_ppo_config_from_settings_takes_every_knob_of_the_rl_section():
+    from chatpipe.settings import RLSettings
+
+    cfg = RLSettings.model_construct(ppo_epochs=3, device_batch_size=5)  # the other knobs: their defaults
+    config = PPOConfig.from_settings(cfg)
+    assert config.epochs == 3 and config.micro_batch == 5
+    assert config.clip_eps == cfg.clip_eps and config.whiten == cfg.whiten and config.seed == cfg.seed
 
 
 def test_ppo_without_critic_first_step_equals_policy_gradient():

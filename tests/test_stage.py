@@ -89,3 +89,20 @@ def test_resume_or_fresh_starts_fresh_then_resumes_only_the_same_run(tmp_path):
     assert model.weight.abs().sum() > 0  # the checkpoint's weights are back
     other_fp, fresh = resume_or_fresh(tmp_path, cfg, {"data": "b"}, model=model, optimizers=opts, rt=rt)
     assert fresh == {} and other_fp != run_fp  # other inputs: another run
+
+
+def test_checkpointer_saves_every_n_steps_and_the_last_but_never_the_start_step(tmp_path):
+    from chatpipe.settings import PretrainSettings
+    from chatpipe.train.checkpoint import list_checkpoints
+    from chatpipe.train.stage import Checkpointer, resume_point
+
+    rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    cfg = PretrainSettings(checkpoint_every=2, keep_checkpoints=10)
+    model = torch.nn.Linear(2, 2)
+    meta = {"fingerprint": "fp", "world_size": 1, "loader": {"row": 7}, "carried": {"train_seconds": 1.5}}
+    saver = Checkpointer(tmp_path, cfg, model, [], meta=lambda: meta, rt=rt, start_step=2)
+    for step in range(2, 6):
+        saver.save_if_due(step, last=step == 5)
+    assert sorted(p.name for p in list_checkpoints(tmp_path)) == ["step_000004", "step_000005"]
+    assert resume_point({}) == (0, 0, {})
+    assert resume_point({**meta, "step": 5}) == (5, 7, {"train_seconds": 1.5})

@@ -19,110 +19,26 @@ import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 SPLITS = ("train", "val", "test")
 WORLD_SEED = 20240601  # the world never changes; only sampling depends on the caller's seed
 
-NAMES = [
-    ("Alice", "she"),
-    ("Bruno", "he"),
-    ("Clara", "she"),
-    ("Dev", "he"),
-    ("Elena", "she"),
-    ("Felix", "he"),
-    ("Greta", "she"),
-    ("Hugo", "he"),
-    ("Iris", "she"),
-    ("Jonas", "he"),
-    ("Kira", "she"),
-    ("Leo", "he"),
-    ("Mira", "she"),
-    ("Nils", "he"),
-    ("Olga", "she"),
-    ("Pablo", "he"),
-    ("Quinn", "she"),
-    ("Rafi", "he"),
-    ("Sofia", "she"),
-    ("Tomas", "he"),
-    ("Uma", "she"),
-    ("Victor", "he"),
-    ("Wanda", "she"),
-    ("Yusuf", "he"),
-]
-TOWNS = [
-    "Oakton",
-    "Millbrook",
-    "Stonebridge",
-    "Fernvale",
-    "Ashford",
-    "Redcliff",
-    "Willowmere",
-    "Brightwater",
-    "Pinehollow",
-    "Copperhill",
-]
-RIVERS = ["Lumen", "Shale", "Amber", "Tansy", "Corrin", "Vell", "Ossel", "Marrow", "Fenn", "Idle"]
-SIZES = ["tiny village", "small village", "market town", "busy town", "big city"]
-# animal: (sound, legs, where it lives)
-ANIMALS = {
-    "cow": ("moo", 4, "fields"),
-    "dog": ("woof", 4, "houses"),
-    "cat": ("meow", 4, "houses"),
-    "duck": ("quack", 2, "ponds"),
-    "hen": ("cluck", 2, "coops"),
-    "sheep": ("baa", 4, "meadows"),
-    "horse": ("neigh", 4, "stables"),
-    "frog": ("croak", 4, "ponds"),
-    "owl": ("hoot", 2, "trees"),
-    "bee": ("buzz", 6, "hives"),
-    "pig": ("oink", 4, "pens"),
-    "snake": ("hiss", 0, "long grass"),
-}
-# job: (what they do, what they make for word problems)
-JOBS = {
-    "baker": ("bakes bread", "loaves"),
-    "farmer": ("grows carrots", "carrots"),
-    "teacher": ("teaches children", "lessons"),
-    "doctor": ("helps sick people", "visits"),
-    "fisher": ("catches fish", "fish"),
-    "painter": ("paints pictures", "pictures"),
-    "carpenter": ("builds chairs", "chairs"),
-    "potter": ("makes pots", "pots"),
-    "tailor": ("sews coats", "coats"),
-    "miller": ("grinds flour", "sacks of flour"),
-    "singer": ("sings songs", "songs"),
-    "builder": ("builds houses", "walls"),
-}
-COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "pink", "brown", "grey"]
-FOODS = ["apples", "bread", "cheese", "soup", "pears", "rice", "honey", "plums", "carrots", "cake", "fish", "noodles"]
-PET_NAMES = [
-    "Rex",
-    "Tilly",
-    "Biscuit",
-    "Pip",
-    "Mango",
-    "Shadow",
-    "Bean",
-    "Pepper",
-    "Nutmeg",
-    "Ziggy",
-    "Clover",
-    "Sprout",
-    "Moss",
-    "Button",
-    "Fudge",
-    "Pebble",
-    "Juniper",
-    "Toffee",
-    "Wren",
-    "Maple",
-    "Olive",
-    "Socks",
-    "Dot",
-    "Bramble",
-]
-THINGS = ["apples", "pears", "plums", "eggs", "buns", "cookies", "shells", "marbles", "stickers", "acorns"]
+# the world's word tables live in a data file; tuples, as the code below unpacks and never changes them
+_WORDS = yaml.safe_load(Path(__file__).with_name("tinyworld.yaml").read_text(encoding="utf-8"))
+NAMES: list[tuple[str, str]] = [tuple(row) for row in _WORDS["names"]]  # (name, pronoun)
+TOWNS: list[str] = _WORDS["towns"]
+RIVERS: list[str] = _WORDS["rivers"]
+SIZES: list[str] = _WORDS["sizes"]
+ANIMALS: dict[str, tuple[str, int, str]] = {k: tuple(v) for k, v in _WORDS["animals"].items()}  # (sound, legs, home)
+JOBS: dict[str, tuple[str, str]] = {k: tuple(v) for k, v in _WORDS["jobs"].items()}  # (what they do, what they make)
+COLOURS: list[str] = _WORDS["colours"]
+FOODS: list[str] = _WORDS["foods"]
+PET_NAMES: list[str] = _WORDS["pet_names"]
+THINGS: list[str] = _WORDS["things"]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     stats = grpo_update(model, optimizers, batch, scores, group_size=8, micro_batch=16)
     stats = ppo_update(model, ref, critic, policy_opts, critic_opts, batch, scores, kl_ctl,
-                       PPOConfig(group_size=8, epochs=2, num_minibatches=2), step=step)
+                       PPOConfig.from_settings(cfg), step=step)
 
 The math (advantages, KL, GAE, clipped losses) lives in :mod:`chatpipe.rl.losses`; this module
 runs it over a batch: which rows go into which forward pass, when gradients are synced across
@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from chatpipe import runtime
 from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import Rollouts, token_logprobs
 from chatpipe.rl.value import token_values
+
+if TYPE_CHECKING:
+    from chatpipe.settings import RLSettings
 
 Autocast = Callable[[], AbstractContextManager]
 
@@ -87,22 +91,33 @@ def grpo_update(
 
 @dataclass
 class PPOConfig:
-    """The knobs of :func:`ppo_update` (names follow the ``rl`` params section)."""
+    """The knobs of :func:`ppo_update`, named as in the ``rl`` params section but for ``epochs``
+    (``ppo_epochs``) and ``micro_batch`` (``device_batch_size``).
+
+    No defaults here: :class:`chatpipe.settings.RLSettings` holds them (and documents and validates
+    each), and :meth:`from_settings` builds the config from it.
+    """
 
     group_size: int
-    epochs: int = 2
-    num_minibatches: int = 2
-    micro_batch: int = 16
-    clip_eps: float = 0.2
-    value_clip: float = 0.2
-    value_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_estimator: str = "k1"
-    whiten: str = "batch"  # batch | group | none
-    normalize_std: bool = False
-    max_ratio: float = 5.0
-    seed: int = 0
+    epochs: int
+    num_minibatches: int
+    micro_batch: int
+    clip_eps: float
+    value_clip: float
+    value_coef: float
+    gamma: float
+    lam: float
+    kl_estimator: str
+    whiten: str  # batch | group | none
+    normalize_std: bool
+    max_ratio: float
+    seed: int
+
+    @classmethod
+    def from_settings(cls, cfg: RLSettings) -> PPOConfig:
+        """The PPO knobs of the ``rl`` section's settings."""
+        renamed = {"epochs": cfg.ppo_epochs, "micro_batch": cfg.device_batch_size}
+        return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(cfg, f.name) for f in fields(cls)})
 
 
 def ppo_update(

@@ -22,10 +22,10 @@ from chatpipe.progress import progress
 from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs, save_checkpoint
+from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model, producing_runs
 from chatpipe.train.loop import due, evaluate_loss_bpb, fixed_batches, grad_accum_steps, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
-from chatpipe.train.stage import finish_stage, resume_or_fresh, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics
@@ -90,29 +90,13 @@ def train_chat(
     )
 
     # --- optimizer
-    f = cfg.init_lr_frac
-    optimizers = build_optimizers(
-        model,
-        matrix_lr=cfg.matrix_lr * f,
-        embedding_lr=cfg.embedding_lr * f,
-        unembedding_lr=cfg.unembedding_lr * f,
-        weight_decay=cfg.weight_decay,
-    )
+    optimizers = build_optimizers(model, **cfg.lrs(cfg.init_lr_frac), weight_decay=cfg.weight_decay)
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
-    start_step, start_row, carried = 0, 0, {}
-    if meta:
-        start_step, start_row, carried = meta["step"], meta["loader"]["row"], carried_over(meta)
+    start_step, start_row, carried = resume_point(meta)
 
-    loader_kw = dict(
-        batch_size=cfg.device_batch_size,
-        seq_len=cfg.max_seq_len,
-        pad_id=tok.bos_id,
-        rank=rt.rank,
-        world_size=rt.world_size,
-        device=rt.device,
-    )
+    loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.max_seq_len, pad_id=tok.bos_id, **rt.shard)
     train_loader = ConversationLoader(train_data, train_rows, start_row=start_row, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
@@ -127,16 +111,13 @@ def train_chat(
 
     def checkpoint_meta() -> dict:
         return {
-            "stage": stage,
-            "fingerprint": run_fp,
-            "world_size": rt.world_size,
-            "model_config": model_config.to_dict(),
-            "settings": snapshot(cfg),
-            "inputs": inputs,
+            **run_meta(stage, run_fp, cfg, inputs, rt, model_config),
             "loader": train_loader.state(),
             "total_steps": total_steps,
             "carried": {"train_seconds": t_train, "mlflow_run_ids": run_ids},
         }
+
+    checkpoints = Checkpointer(work, cfg, model, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
 
     # --- loop
     params = {
@@ -161,16 +142,7 @@ def train_chat(
                 val_loss, bpb = val_metrics()
                 metrics.log({"val/loss": val_loss, "val/bpb": bpb}, step)
                 log.info("step %d | val loss %.4f | val bpb %.4f", step, val_loss, bpb)
-            if step > start_step and (last or due(step, cfg.checkpoint_every)):
-                save_checkpoint(
-                    work,
-                    step,
-                    model=model,
-                    optimizers=optimizers,
-                    meta=checkpoint_meta(),
-                    rank=rt.rank,
-                    keep=cfg.keep_checkpoints,
-                )
+            checkpoints.save_if_due(step, last=last)
             if last:
                 break
 

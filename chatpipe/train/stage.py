@@ -17,8 +17,9 @@ model, optimizer, loop) and keeps its own loop state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ from pydantic import BaseModel
 
 from chatpipe.io import fingerprint
 from chatpipe.runtime import Runtime
-from chatpipe.settings import TrackingSettings, active_profile, load_section, math_settings
+from chatpipe.settings import RunSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tracking import StageRun, stage_run
-from chatpipe.train.checkpoint import resume_latest, save_model_dir
+from chatpipe.train.checkpoint import carried_over, resume_latest, save_checkpoint, save_model_dir
+from chatpipe.train.loop import due
 
 
 @contextmanager
@@ -53,6 +55,57 @@ def resume_or_fresh(
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     meta = resume_latest(work, run_fp, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
     return run_fp, meta or {}
+
+
+def resume_point(meta: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
+    """``(step, loader row, carried totals)`` a loader-driven stage starts from: its checkpoint's
+    (``meta`` from :func:`resume_or_fresh`), or ``(0, 0, {})`` for a fresh start."""
+    if not meta:
+        return 0, 0, {}
+    return meta["step"], meta["loader"]["row"], carried_over(meta)
+
+
+def run_meta(
+    stage: str, run_fp: str, cfg: BaseModel, inputs: dict[str, Any], rt: Runtime, model_config: Any
+) -> dict[str, Any]:
+    """What identifies a stage run in its checkpoints and final ``meta.json``: stage, fingerprint,
+    world size, model config, settings and input hashes; each stage adds its loop state."""
+    return {
+        "stage": stage,
+        "fingerprint": run_fp,
+        "world_size": rt.world_size,
+        "model_config": model_config.to_dict(),
+        "settings": snapshot(cfg),
+        "inputs": inputs,
+    }
+
+
+@dataclass
+class Checkpointer:
+    """A stage's resumable checkpoints in ``work``: every ``cfg.checkpoint_every`` steps and at the
+    last one, keeping the newest ``cfg.keep_checkpoints``; ``meta()`` builds the loop state when one is due."""
+
+    work: Path
+    cfg: RunSettings
+    model: torch.nn.Module
+    optimizers: list
+    meta: Callable[[], dict[str, Any]]
+    rt: Runtime
+    start_step: int = 0
+
+    def save_if_due(self, step: int, *, last: bool) -> None:
+        """Collectively save step ``step`` when due (every rank calls it). The step the run started
+        or resumed from is never saved again: it is the fresh model or the checkpoint just loaded."""
+        if step > self.start_step and (last or due(step, self.cfg.checkpoint_every)):
+            save_checkpoint(
+                self.work,
+                step,
+                model=self.model,
+                optimizers=self.optimizers,
+                meta=self.meta(),
+                rank=self.rt.rank,
+                keep=self.cfg.keep_checkpoints,
+            )
 
 
 def finish_stage(
