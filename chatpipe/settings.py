@@ -521,6 +521,11 @@ class RLSettings(RunSettings):
     reward: str = Field("exact", description="reward function name in chatpipe.rl.rewards")
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
     num_train_problems: int = Field(512, ge=1)
+    keep_tasks: list[MixItem] = Field(
+        default_factory=list,
+        description="train prompts of other tasks (limit: how many) added to the pool, each rewarded by its "
+        "own grader, so RL on `task` does not wear away those skills; held-out pass@k stays on `task`",
+    )
     max_steps: int = Field(30, ge=1)
     weight_decay: float = Field(0.0, ge=0)
     prompts_per_step: int = Field(16, ge=1, description="prompts per step over all ranks")
@@ -529,6 +534,13 @@ class RLSettings(RunSettings):
     temperature: float = Field(1.0, gt=0)
     top_k: int = Field(50, ge=0, description="0: no top-k filtering")
     lr_frac: float = Field(0.05, gt=0, description="policy LR = lr_frac x the init model's LRs, linear decay to 0")
+    embedding_lr_frac: float | None = Field(
+        None,
+        ge=0,
+        description="the same for the token embedding and lm_head (AdamW) LRs; None: lr_frac. Adam moves every "
+        "embedding row RL's samples touch by about its LR each step, whatever the gradient's size, so the "
+        "words RL's task shares with other skills drift",
+    )
     value_lr_frac: float = Field(1.0, gt=0, description="critic LR = value_lr_frac x the init model's LRs")
     normalize_std: bool = Field(False, description="GRPO: divide advantages by the group's std")
     # PPO

@@ -70,8 +70,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
         k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
     }
+    embedding_frac = cfg.lr_frac if cfg.embedding_lr_frac is None else cfg.embedding_lr_frac
+    policy_frac = {"matrix_lr": cfg.lr_frac, "embedding_lr": embedding_frac, "unembedding_lr": embedding_frac}
     policy_opts = build_optimizers(
-        policy, **{k: v * cfg.lr_frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
+        policy, **{k: v * policy_frac[k] for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
     )
     critic_opts = (
         build_optimizers(
@@ -87,6 +89,11 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
     train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source)
+    for keep in cfg.keep_tasks:  # skills RL must not wear away: their prompts join the training pool
+        n = keep.limit or cfg.num_train_problems
+        train_problems += load_problems(
+            keep.task, "train", n, cfg.seed, source=keep.source or "", words=keep.words, path=keep.path
+        )
     eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source)[
         rt.rank :: rt.world_size
     ]

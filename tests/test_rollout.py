@@ -159,3 +159,19 @@ def test_load_problems_tinyworld_held_out():
     assert not questions & {p.conversation["messages"][0]["content"] for p in val}
     gold = val[0].conversation["messages"][-1]["content"][-1]["text"]
     assert val[0].score(gold) == 1.0 and val[0].score("#### -1") == 0.0
+
+
+def test_keep_tasks_load_with_their_own_options_and_grader():
+    """RL's keep_tasks (e.g. spelling alongside arithmetic) load with task options and score by the task's grader."""
+    from chatpipe.settings import RLSettings
+
+    cfg = RLSettings(keep_tasks=[{"task": "spellingbee", "limit": 4, "words": "tinyworld"}])
+    keep = cfg.keep_tasks[0]
+    problems = load_problems(keep.task, "train", keep.limit, words=keep.words, path=keep.path)
+    assert len(problems) == 4
+    for p in problems:
+        gold = p.conversation["messages"][-1]["content"]
+        gold = gold if isinstance(gold, str) else "".join(part["text"] for part in gold)
+        assert p.score(gold) == 1.0 and p.score("#### 987654") == 0.0
+    with pytest.raises(ValueError, match="does not take"):
+        load_problems("tinyworld_arith", "train", 2, words="tinyworld")

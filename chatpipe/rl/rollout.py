@@ -38,14 +38,15 @@ def gold_text(conversation: dict[str, Any]) -> str:
 
 
 def load_problems(
-    task: str, split: str, n: int, seed: int = 0, reward: str = "exact", source: str = ""
+    task: str, split: str, n: int, seed: int = 0, reward: str = "exact", source: str = "", **task_kw: Any
 ) -> list[Problem]:
     """``n`` problems of ``task`` ("tinyworld_arith", "gsm8k", ...) from ``split``.
 
     Uses :func:`chatpipe.data.tasks.build_task` when that package exists (its ``reward`` wins unless a
     reward name other than "exact" is asked for; ``source`` picks hf | local | synthetic where the
-    task has sources, "" its default). Without that package the tiny-world arithmetic comes from
-    the synthetic generator directly (``seed`` only matters there).
+    task has sources, "" its default; ``task_kw`` such as ``words`` or ``path`` go to the task).
+    Without that package the tiny-world arithmetic comes from the synthetic generator directly
+    (``seed`` only matters there).
     """
     reward_fn = get_reward(reward)
     try:
@@ -53,7 +54,7 @@ def load_problems(
     except ImportError:
         build_task = None
     if build_task is not None:
-        t = build_task(task, split, limit=n, source=source or None)
+        t = build_task(task, split, limit=n, source=source or None, **task_kw)
         convs = [t[i] for i in range(min(n, len(t)))]
         if reward == "exact" and hasattr(t, "reward"):
             return [Problem(c, lambda text, c=c: float(t.reward(c, text))) for c in convs]
