@@ -69,14 +69,7 @@ def bare_tokens_per_s(cfg: PretrainSettings, vocab_size: int, steps: int) -> flo
     model.init_weights()
     cpu = torch.device("cpu")
     opts = build_optimizers(
-        model,
-        matrix_lr=cfg.matrix_lr,
-        embedding_lr=cfg.embedding_lr,
-        unembedding_lr=cfg.unembedding_lr,
-        weight_decay=cfg.weight_decay,
-        optimizer=cfg.optimizer,
-        scalar_lr=cfg.scalar_lr,
-        compile=compile_pays(cfg.compile, steps, cpu, part="optimizer"),
+        model, **cfg.optimizer_kwargs(), compile=compile_pays(cfg.compile, steps, cpu, part="optimizer")
     )
     step_model = torch.compile(model) if compile_pays(cfg.compile, steps, cpu) else model
     accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.sequence_len)

@@ -84,16 +84,7 @@ def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Op
     cfg = PretrainSettings(**{**params, "depth": DEPTH, "head_dim": HEAD_DIM, "sequence_len": SEQ})
     model = GPT(model_config_for(cfg, VOCAB))
     model.init_weights()
-    opts = build_optimizers(
-        model,
-        matrix_lr=cfg.matrix_lr,
-        embedding_lr=cfg.embedding_lr,
-        unembedding_lr=cfg.unembedding_lr,
-        weight_decay=cfg.weight_decay,
-        optimizer=cfg.optimizer,
-        scalar_lr=cfg.scalar_lr,
-        compile=compile_optimizer,
-    )
+    opts = build_optimizers(model, **cfg.optimizer_kwargs(), compile=compile_optimizer)
     return model, opts
 
 

@@ -300,6 +300,16 @@ class PretrainSettings(TrainSettings):
     scalar_lr: float = Field(0.5, gt=0, description="muon_adamw: lr of the x0 lambdas (resid lambdas: x0.01)")
     fp8: bool = Field(False, description="FP8 matmuls via torchao; needs CUDA with compute capability >= 8.9")
 
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The recipe's keyword arguments of build_optimizers (LRs, weight decay, optimizer, scalar LR), so a
+        benchmark builds exactly the optimizer the stage does."""
+        return {
+            **self.lrs(),
+            "weight_decay": self.weight_decay,
+            "optimizer": self.optimizer,
+            "scalar_lr": self.scalar_lr,
+        }
+
 
 TaskName = Literal[
     "tinyworld_chat",

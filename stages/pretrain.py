@@ -99,11 +99,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     # --- optimizer
     optimizers = build_optimizers(
         model,
-        **cfg.lrs(),
-        weight_decay=cfg.weight_decay,
+        **cfg.optimizer_kwargs(),
         fused=rt.device.type == "cuda",
-        optimizer=cfg.optimizer,
-        scalar_lr=cfg.scalar_lr,
         compile=compile_pays(cfg.compile, total_steps, rt.device, part="optimizer"),
     )
 
