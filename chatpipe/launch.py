@@ -15,6 +15,7 @@ succeeded, so DVC and Prefect see a crashed or killed worker as a failed stage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -255,7 +256,8 @@ def run_stage(
         return 0 if ok else 1
     except (KeyboardInterrupt, SignalException):
         if not dryrun and "handle" in locals():
-            print(f"[launch] {stage}: interrupted, cancelling {handle}", flush=True)
+            with contextlib.suppress(OSError):  # a broken log pipe (killed flow) must not skip the cancel
+                print(f"[launch] {stage}: interrupted, cancelling {handle}", flush=True)
             runner.cancel(handle)
         return 130  # the conventional exit status of an interrupted command
     finally:

@@ -21,6 +21,7 @@ SIGINT/SIGTERM/SIGHUP to the launcher, or the death of its parent (DVC), cancel 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -323,9 +324,12 @@ def run(runner, app, cfg: dict, stage: str, log_dir: Path, poll_s: float = 1.0) 
         # DVC, signalled with this process, exits and its death signals here again: let nothing cut the cancel short.
         for sig in blocked:
             signal.signal(sig, signal.SIG_IGN)
-        print(f"[launch] {stage}: interrupted, cancelling slurm job {job_id}", flush=True)
+        # Whoever reads our log may be gone already (a killed flow): a broken pipe must not skip the cancel.
+        with contextlib.suppress(OSError):
+            print(f"[launch] {stage}: interrupted, cancelling slurm job {job_id}", flush=True)
         status = cancel(job_id)
-        print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'} slurm job {job_id}", flush=True)
+        with contextlib.suppress(OSError):
+            print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'} slurm job {job_id}", flush=True)
         return 130
     finally:
         marker.unlink(missing_ok=True)

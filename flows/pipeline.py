@@ -96,16 +96,28 @@ def _bin(name: str) -> str:
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
-    """SIGTERM ``proc``'s process group, wait for it, SIGKILL the group after ``grace_s``."""
+    """SIGTERM ``proc``'s process group and wait until none of it is left; SIGKILL it after ``grace_s``.
+
+    Waiting for DVC alone is not enough: DVC dies at once, while the launcher under it is still
+    cancelling its workers or Slurm job, and a flow that exited then would close the pipe the
+    launcher logs to.
+    """
     import signal
 
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for sig, wait_s in ((signal.SIGKILL, grace_s), (None, 10.0)):  # after SIGKILL, gone within moments
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap DVC, so a dead leader does not keep the group alive
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
 
 
 @task(name="stage", retries=2, retry_delay_seconds=[1, 5], task_run_name="{stage}")
@@ -137,10 +149,10 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         proc.wait()
     finally:
         _DVC_CHILDREN.discard(proc)
-        if proc.poll() is None:
-            # Interrupted (SIGTERM/SIGINT raise here): DVC does not pass a SIGTERM on to its command,
-            # so signal the whole group; the launcher then cancels its workers or Slurm job.
-            _stop_group(proc)
+        # Interrupted (SIGTERM/SIGINT raise here): DVC does not pass a SIGTERM on to its command, so
+        # signal the whole group and wait for the launcher to cancel its workers or Slurm job. After a
+        # normal end the group is already empty.
+        _stop_group(proc)
     if proc.returncode != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
     if parent_run_id and not skipped:

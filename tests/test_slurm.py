@@ -351,6 +351,8 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
 
 @pytest.mark.slow
 def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, tmp_path):
+    """The flow exits only after its launcher has cancelled the job (an earlier flow exited when DVC did,
+    and a launcher still cancelling then could lose its log pipe, and with it the cancel)."""
     project = copy_project(slurm_pipeline, tmp_path / "term", forget=("pretrain",))
     env = project_env(project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000")
     proc = subprocess.Popen(
@@ -370,6 +372,8 @@ def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+    live = [r for r in queued(project) if r.split("|")[1] in ("PENDING", "RUNNING", "CONFIGURING")]
+    assert not live, ("the flow exited while its job still ran", live, out[-3000:])
     deadline = time.monotonic() + 30
     while (queued(project) or workers(project)) and time.monotonic() < deadline:
         time.sleep(0.5)
