@@ -536,6 +536,15 @@ class RLSettings(RunSettings):
         description="train prompts of other tasks (limit: how many) added to the pool, each rewarded by its "
         "own grader, so RL on `task` does not wear away those skills; held-out pass@k stays on `task`",
     )
+    replay: list[MixItem] = Field(
+        default_factory=list,
+        description="chat-stage conversations trained on (assistant-only LM loss) beside every RL optimizer "
+        "step, as InstructGPT's PPO-ptx replays pretraining data, so skills RL does not reward are not "
+        "worn away; [] turns it off",
+    )
+    replay_rows: int = Field(4, ge=1, description="replay rows per rank per optimizer step")
+    replay_seq_len: int = Field(256, ge=8, description="tokens per replay row (conversations packed best-fit)")
+    replay_coef: float = Field(1.0, ge=0, description="weight of the replay loss against the RL loss")
     max_steps: int = Field(30, ge=1)
     weight_decay: float = Field(0.0, ge=0)
     prompts_per_step: int = Field(16, ge=1, description="prompts per step over all ranks")

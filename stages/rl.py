@@ -10,8 +10,10 @@ with the engine (calculator tool use on) and scores them with the verifier. GRPO
 policy-gradient step with advantage = score - group mean. PPO adds a frozen reference policy (KL
 penalty folded into the token rewards), a critic (GAE) and clipped updates over epochs x
 minibatches; both updates are library functions (chatpipe/rl/update.py, unit-tested against
-hand-computed values). Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
-reference, optimizers, KL coefficient, step, RNG) in ``checkpoints/rl/``; the final policy goes to
+hand-computed values). With ``replay`` set, each optimizer step also follows the assistant-only LM
+loss of a few packed chat-stage rows, so what RL does not reward (spelling, multiple choice) is not
+worn away. Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
+reference, optimizers, KL coefficient, step, replay cursor, RNG) in ``checkpoints/rl/``; the final policy goes to
 ``artifacts/rl/``.
 """
 
@@ -26,6 +28,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
+from chatpipe.data.packing import ConversationLoader, pack
+from chatpipe.data.tasks import build_mixture
 from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
 from chatpipe.progress import progress
@@ -97,6 +101,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source)[
         rt.rank :: rt.world_size
     ]
+    # replay: chat-stage conversations whose LM loss joins every optimizer step (rl.replay)
+    replay_pack = (
+        pack(build_mixture(cfg.replay, "train", seed=cfg.seed), tok, cfg.replay_seq_len) if cfg.replay else None
+    )
 
     # --- resume from the newest checkpoint made with the same settings and init model
     inputs = {
@@ -108,6 +116,19 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     if meta:
         start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
         first_eval, carried = meta["first_eval"], carried_over(meta)
+    replay_loader = None
+    if replay_pack:
+        replay_loader = ConversationLoader(
+            *replay_pack,
+            batch_size=cfg.replay_rows,
+            seq_len=cfg.replay_seq_len,
+            pad_id=tok.bos_id,
+            start_row=meta["replay"]["row"] if meta else 0,
+            **rt.shard,
+        )
+
+    def replay(model) -> torch.Tensor:
+        return cfg.replay_coef * model(*replay_loader.next_batch())
 
     train_policy = DDP(policy) if rt.world_size > 1 else policy
     train_critic = (DDP(critic) if rt.world_size > 1 else critic) if critic else None
@@ -141,6 +162,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             "init_dir": str(init_dir),
             "total_steps": cfg.max_steps,
             "prompt_indices": prompt_log,
+            "replay": replay_loader.state() if replay_loader else None,
             "first_eval": first_eval,
             "carried": {
                 "gen_seconds": t_gen_total,
@@ -230,6 +252,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                     normalize_std=cfg.normalize_std,
                     micro_batch=cfg.device_batch_size,
                     autocast=rt.autocast,
+                    replay=replay if replay_loader else None,
                 )
             else:
                 stats = ppo_update(
@@ -244,6 +267,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
                     ppo_config,
                     step=step,
                     autocast=rt.autocast,
+                    replay=replay if replay_loader else None,
                 )
                 rl.ema_update(ref, policy, cfg.ref_ema)
             t_train = time.perf_counter() - t1

@@ -98,6 +98,37 @@ def test_grpo_micro_batches_accumulate_to_the_full_batch_gradient():
     assert whole.w.tolist() != pytest.approx([0.3, -0.1])
 
 
+def replay_token_0(coef: float):
+    """A replay loss: coef x the LM loss of one row whose target is token 0, i.e. coef x -log p(0)."""
+    targets = torch.tensor([[0]])
+    return lambda model: coef * model(torch.zeros_like(targets), targets).mean()
+
+
+def test_grpo_with_replay_steps_along_the_sum_of_both_gradients():
+    # policy gradient (-1/4, +1/4) as above; replay 0.5 x -log p(0) has gradient 0.5 x -(e0 - p) = (-1/4, +1/4)
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=1, replay=replay_token_0(0.5))
+    assert model.w.tolist() == pytest.approx([0.5, -0.5])
+    assert stats["loss/replay"] == pytest.approx(0.5 * math.log(2))
+
+
+def test_ppo_replays_one_batch_per_optimizer_step():
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    calls = []
+
+    def replay(m):
+        calls.append(1)
+        return replay_token_0(0.5)(m)
+
+    stats = ppo_update(model, Unigram([0.0, 0.0]), None, sgd(model), [], batch, batch.scores, KLController(0.1),
+                       ppo_cfg(), replay=replay)  # fmt: skip
+    assert model.w.tolist() == pytest.approx([0.5, -0.5])  # as GRPO with replay: ratio 1 on the first step
+    assert len(calls) == stats["ppo/updates"] == 1.0
+    assert stats["loss/replay"] == pytest.approx(0.5 * math.log(2))
+
+
 def test_grpo_rejects_batch_not_made_of_groups():
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1], [0]], [[1.0], [1.0], [1.0]], [1.0, 0.0, 0.0])

@@ -23,7 +23,13 @@ from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import save_model_dir
 from tests.project import SMALL_RL, dvc, make_project, project_env, run
 
-RL_PARAMS = {"init_dir": "init_model", **SMALL_RL}
+# replay on: its loader's cursor is part of what a resume must restore, and its loss the last backward DDP syncs
+REPLAY = {
+    "replay": [{"task": "simplespelling", "limit": 16, "words": "tinyworld"}],
+    "replay_rows": 2,
+    "replay_seq_len": 64,
+}
+RL_PARAMS = {"init_dir": "init_model", **SMALL_RL, **REPLAY}
 
 
 def setup_project(tmp_path: Path, **rl_overrides) -> Path:
@@ -59,6 +65,7 @@ def test_two_workers_through_dvc_sample_disjoint_prompts(tmp_path):
         assert len(per_rank) == 2 and all(len(r) == 1 for r in per_rank)
         assert not set(per_rank[0]) & set(per_rank[1]), f"step {step}: ranks sampled the same prompt"
     assert "eval/pass_at_1" in " ".join(meta["summary"])
+    assert meta["replay"]["row"] == 4 * 2 * 2  # steps x rows x ranks: every step replayed one batch per rank
     # DVC recorded the stage; a second repro is a no-op
     assert "rl" in (project / "dvc.lock").read_text()
     assert "didn't change" in dvc(project, "repro", "--single-item", "rl").stdout
@@ -86,6 +93,7 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, out
     want = sha256_file(project / "artifacts" / "rl" / "model.pt")
+    want_replay = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())["replay"]
     for d in ("artifacts/rl", "checkpoints/rl"):
         subprocess.run(["rm", "-rf", str(project / d)], check=True)
 
@@ -105,5 +113,6 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     assert "resuming from" in out
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     assert meta["step"] == 6 and len(meta["prompt_indices"]) == 6
+    assert meta["replay"] == want_replay == {"row": 6 * 4 * 2}  # steps x PPO updates x replay rows
     # policy, critic, optimizers, KL coefficient and sampling seeds all restored: same final weights
     assert sha256_file(project / "artifacts" / "rl" / "model.pt") == want

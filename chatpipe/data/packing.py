@@ -102,6 +102,13 @@ def pack_rows(lengths: Sequence[int], capacity: int, window: int = 128) -> list[
     return rows
 
 
+def pack(task: Sequence[dict[str, Any]], tokenizer, seq_len: int) -> tuple[Rendered, list[list[tuple[int, int]]]]:
+    """Render ``task`` and plan its rows for a loader of ``seq_len`` tokens per row (steps 1 and 2 above)."""
+    capacity = seq_len + 1  # inputs and targets are the row shifted by one
+    data = render_all(task, tokenizer, capacity)
+    return data, pack_rows(data.lengths, capacity)
+
+
 def fill_ratio(rows: list[list[tuple[int, int]]], capacity: int) -> float:
     """Fraction of row tokens that are real (not padding)."""
     used = sum(n for row in rows for _, n in row)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from chatpipe.settings import RLSettings
 
 Autocast = Callable[[], AbstractContextManager]
+# model -> the (weighted) replay loss of one batch of chat-stage rows; see :func:`replay_backward`
+Replay = Callable[[torch.nn.Module], torch.Tensor]
 
 
 def micro_batches(n_rows: int, size: int) -> list[slice]:
@@ -55,6 +57,18 @@ def _zero(modules: list) -> None:
             m.zero_grad(set_to_none=True)
 
 
+def replay_backward(model, replay: Replay, autocast: Autocast = contextlib.nullcontext) -> float:
+    """Add the gradient of one replay batch's loss; the last backward of an optimizer step, so DDP syncs here.
+
+    Replay keeps skills RL does not reward: the chat-stage LM loss is trained beside the RL loss
+    (InstructGPT's PPO-ptx), and the step follows the sum of both gradients.
+    """
+    with autocast():
+        loss = replay(model)
+    loss.backward()
+    return loss.item()
+
+
 def grpo_update(
     model,
     optimizers: list,
@@ -65,13 +79,15 @@ def grpo_update(
     normalize_std: bool = False,
     micro_batch: int = 16,
     autocast: Autocast = contextlib.nullcontext,
+    replay: Replay | None = None,
 ) -> dict[str, float]:
     """One policy-gradient step: advantage = score - group mean, loss over the batch's action tokens.
 
     Rows are consecutive groups of ``group_size`` samples of one prompt. The loss of every
     micro-batch is divided by the action tokens of the *whole* batch, so accumulating the
-    micro-batches' gradients equals one pass over all rows. Returns ``loss/policy`` (the summed
-    loss) and ``adv/abs_mean``.
+    micro-batches' gradients equals one pass over all rows. With ``replay`` the step also follows
+    one replay batch's loss (:func:`replay_backward`). Returns ``loss/policy`` (the summed loss),
+    ``adv/abs_mean`` and, with replay, ``loss/replay``.
     """
     if len(scores) % group_size:
         raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
@@ -79,14 +95,17 @@ def grpo_update(
     num_tokens = batch.mask.sum().item()
     chunks = micro_batches(len(scores), micro_batch)
     total = 0.0
+    stats = {}
     for i, rows in enumerate(chunks):
-        with _no_sync(model, i == len(chunks) - 1), autocast():
+        with _no_sync(model, i == len(chunks) - 1 and replay is None), autocast():
             logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
             loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
         loss.backward()
         total += loss.item()
+    if replay is not None:
+        stats["loss/replay"] = replay_backward(model, replay, autocast)
     _step(optimizers, [model])
-    return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item()}
+    return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
 
 
 @dataclass
@@ -133,11 +152,13 @@ def ppo_update(
     *,
     step: int = 0,
     autocast: Autocast = contextlib.nullcontext,
+    replay: Replay | None = None,
 ) -> dict[str, float]:
     """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches.
 
     Each epoch shuffles the rows (seeded by ``cfg.seed`` and ``step``) into ``num_minibatches``
-    minibatches; each minibatch is one optimizer step, accumulated over micro-batches. When any
+    minibatches; each minibatch is one optimizer step, accumulated over micro-batches (and, with
+    ``replay``, one replay batch: :func:`replay_backward`). When any
     action token's importance ratio exceeds ``cfg.max_ratio`` (on any rank) the minibatch's
     gradients are dropped and the update stops. The KL controller is moved by the batch's mean
     sequence KL. Returns mean losses, clip fraction and approximate KL per optimizer step,
@@ -161,6 +182,8 @@ def ppo_update(
     rows_per_mb = max(1, n // cfg.num_minibatches)
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     stats = {"loss/policy": 0.0, "loss/value": 0.0, "ppo/clip_frac": 0.0, "ppo/approx_kl": 0.0, "ppo/updates": 0.0}
+    if replay is not None:
+        stats["loss/replay"] = 0.0
     device = batch.inputs.device
     stopped = False
     for _ in range(cfg.epochs):
@@ -177,7 +200,7 @@ def ppo_update(
                 mask = batch.mask[rows]
                 last = i == len(chunks) - 1
                 with contextlib.ExitStack() as stack:
-                    stack.enter_context(_no_sync(model, last))
+                    stack.enter_context(_no_sync(model, last and replay is None))
                     if critic is not None:
                         stack.enter_context(_no_sync(critic, last))
                     stack.enter_context(autocast())
@@ -201,13 +224,16 @@ def ppo_update(
                 stopped = True
                 _zero([model, critic])
                 break
+            if replay is not None:
+                stats["loss/replay"] += replay_backward(model, replay, autocast)
             _step(policy_opts + critic_opts, [model, critic])
             stats["ppo/updates"] += 1
         if stopped:
             break
     updates = max(stats["ppo/updates"], 1.0)
-    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl"):
-        stats[k] /= updates
+    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "loss/replay"):
+        if k in stats:
+            stats[k] /= updates
     stats["ppo/early_stop"] = float(stopped)
     seq_kl = kl.sum(1)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
-from chatpipe.data.packing import ConversationLoader, fill_ratio, pack_rows, render_all
+from chatpipe.data.packing import ConversationLoader, fill_ratio, pack
 from chatpipe.data.tasks import build_mixture
 from chatpipe.io import sha256_file
 from chatpipe.progress import progress
@@ -56,9 +56,8 @@ def train_chat(
     val_mix = build_mixture(cfg.mixture, "val", seed=cfg.seed, cap=cfg.val_limit, **identity)
     tok = Tokenizer.load(tok_dir)
     token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
-    capacity = cfg.max_seq_len + 1  # inputs and targets are the row shifted by one
-    train_data, val_data = render_all(train_mix, tok, capacity), render_all(val_mix, tok, capacity)
-    train_rows, val_rows = pack_rows(train_data.lengths, capacity), pack_rows(val_data.lengths, capacity)
+    (train_data, train_rows), (val_data, val_rows) = (pack(m, tok, cfg.max_seq_len) for m in (train_mix, val_mix))
+    capacity = cfg.max_seq_len + 1
     fill = fill_ratio(train_rows, capacity)
     log.info(
         "mixture: %d conversations -> %d rows of %d tokens, fill %.1f%% (val: %d conversations, %d rows)",
