@@ -52,8 +52,8 @@ def main() -> None:
         model(torch.randint(0, model.config.vocab_size, tuple(shape)))
     bare_s = time.perf_counter() - t0
     print(f"CORE on tiny-world tasks: {result.get('core', float('nan')):.4f}, {len(shapes)} batches, {tokens:,} tokens")
-    print(f"evaluator: {evaluator_s:.2f} s, {tokens / evaluator_s:,.0f} tokens/s")
-    print(f"bare forward passes: {bare_s:.2f} s, {tokens / bare_s:,.0f} tokens/s")
+    for name, seconds in (("evaluator", evaluator_s), ("bare forward passes", bare_s)):
+        print(f"{name}: {seconds:.2f} s, {tokens / seconds:,.0f} tokens/s")
     print(f"ratio evaluator/bare tokens/s: {bare_s / evaluator_s:.3f}")
 
 

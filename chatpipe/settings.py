@@ -260,9 +260,16 @@ class TrainSettings(RunSettings):
     # the learning rates build_optimizers takes (Muon matrices, AdamW embeddings and head)
     LR_KEYS: ClassVar[tuple[str, ...]] = ("matrix_lr", "embedding_lr", "unembedding_lr")
 
+    # the LR schedule's knobs, as lr_multiplier names them
+    SCHEDULE_KEYS: ClassVar[tuple[str, ...]] = ("warmup_steps", "warmdown_ratio", "final_lr_frac", "schedule")
+
     def lrs(self, frac: float = 1.0) -> dict[str, float]:
         """The :attr:`LR_KEYS` learning rates times ``frac``, as keyword arguments of build_optimizers."""
         return {k: getattr(self, k) * frac for k in self.LR_KEYS}
+
+    def lr_schedule(self) -> dict[str, Any]:
+        """The :attr:`SCHEDULE_KEYS` settings, as keyword arguments of lr_multiplier."""
+        return {k: getattr(self, k) for k in self.SCHEDULE_KEYS}
 
 
 class PretrainSettings(TrainSettings):

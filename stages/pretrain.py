@@ -28,7 +28,15 @@ from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import ARTIFACTS, WORK, producing_runs
-from chatpipe.train.loop import due, evaluate_bpb, fixed_batches, grad_accum_steps, peak_flops, scheduled_train_step
+from chatpipe.train.loop import (
+    due,
+    evaluate_bpb,
+    fixed_batches,
+    grad_accum_steps,
+    peak_flops,
+    report_step,
+    scheduled_train_step,
+)
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
 
@@ -166,30 +174,13 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             t_train += dt
             tokens_seen += cfg.total_batch_size
             tok_per_s = cfg.total_batch_size / dt
-            row = {"train/loss": loss, "lr_mult": lr_mult, "tokens_per_s": tok_per_s}
-            if peak:
-                row["mfu"] = flops_per_token * tok_per_s / peak
-            metrics.log(row, step)
-            bar.update(loss=loss)
-            if step % cfg.log_every == 0 or step == total_steps:
-                log.info(
-                    "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s",
-                    step,
-                    total_steps,
-                    loss,
-                    lr_mult,
-                    tok_per_s,
-                    f" | mfu {row['mfu']:.1%}" if peak else "",
-                )
+            mfu = {"mfu": flops_per_token * tok_per_s / peak} if peak else {}
+            report_step(log, metrics, bar, step, total_steps, cfg.log_every, loss, lr_mult, tok_per_s, **mfu)
 
         # --- save the final model for the next stage
         bar.close()
-        summary = {
-            "val_bpb": bpb,
-            "train_seconds": t_train,
-            "tokens": tokens_seen,
-            "tokens_per_s": tokens_seen / max(t_train, 1e-9),
-        }
+        tokens_per_s = tokens_seen / max(t_train, 1e-9)
+        summary = {"val_bpb": bpb, "train_seconds": t_train, "tokens": tokens_seen, "tokens_per_s": tokens_per_s}
         final = {"final/val_bpb": bpb}
         finish_stage(
             out_dir, model, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt, final=final

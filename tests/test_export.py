@@ -130,18 +130,6 @@ def test_model_card_has_report_numbers_and_lineage(exported):
         assert lineage[key] and f"`{lineage[key]}`" in card
 
 
-@dataclasses.dataclass
-class _NanochatConfig(GPTConfig):
-    """GPTConfig with the nanochat-2026 option fields, as another branch adds them."""
-
-    value_embeds: bool = False
-    lambdas: bool = False
-    smear: bool = False
-    backout: bool = False
-    qk_scale: float = 1.0
-    pad_vocab_to: int = 1
-
-
 def test_options_the_builtin_class_lacks_are_refused_by_name(artifacts, tmp_path):
     sliding = GPTConfig(
         sequence_len=64, vocab_size=512, n_layer=3, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"
@@ -149,8 +137,8 @@ def test_options_the_builtin_class_lacks_are_refused_by_name(artifacts, tmp_path
     with pytest.raises(hf.ExportError, match=r"window_pattern='SL'"):
         hf.check_supported(sliding)
     hf.check_supported(dataclasses.replace(sliding, window_pattern="L"))
-    hf.check_supported(_NanochatConfig())  # every option off: exportable
-    on = _NanochatConfig(value_embeds=True, smear=True, qk_scale=1.2, pad_vocab_to=64, vocab_size=500)
+    hf.check_supported(GPTConfig())  # every nanochat-2026 option off: exportable
+    on = GPTConfig(value_embeds=True, smear=True, qk_scale=1.2, pad_vocab_to=64, vocab_size=500)
     with pytest.raises(hf.ExportError) as e:
         hf.check_supported(on)
     for name in ("value_embeds=True", "smear=True", "qk_scale=1.2", "pad_vocab_to=64"):

@@ -429,6 +429,7 @@ def evaluate_core(
         config = [t for t in config if t.label in set(tasks)]
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
+    run_kw = {"device": device, "max_seq_len": max_seq_len, "rank": rank, "world_size": world_size, "scorer": scorer}
     for task in config:
         path = task_file(bundle_dir, task)
         if path is None:
@@ -440,20 +441,7 @@ def evaluate_core(
         rows = read_task_rows(path, task)
         t0 = time.perf_counter()
         total = len(_item_indices(len(rows), max_per_task))  # every rank's share together
-        acc = 0.0
-        if total:
-            acc = evaluate_task(
-                model,
-                tokenizer,
-                task,
-                rows,
-                device=device,
-                max_seq_len=max_seq_len,
-                max_examples=max_per_task,
-                rank=rank,
-                world_size=world_size,
-                scorer=scorer,
-            )
+        acc = evaluate_task(model, tokenizer, task, rows, max_examples=max_per_task, **run_kw) if total else 0.0
         results[task.label] = {
             "accuracy": acc,
             "centered": centered_accuracy(acc, task.random_baseline),

@@ -177,15 +177,9 @@ def config_from_depth(
     if n_kv_head < 1 or n_head % n_kv_head:
         divisors = [d for d in range(1, n_head + 1) if n_head % d == 0]
         raise ValueError(f"n_kv_head={n_kv_head} must divide n_head={n_head}; allowed: {divisors}")
+    shape = {"n_layer": depth, "n_head": n_head, "n_kv_head": n_kv_head, "n_embd": n_embd}
     return GPTConfig(
-        sequence_len=sequence_len,
-        vocab_size=vocab_size,
-        n_layer=depth,
-        n_head=n_head,
-        n_kv_head=n_kv_head,
-        n_embd=n_embd,
-        window_pattern=window_pattern,
-        **options,
+        sequence_len=sequence_len, vocab_size=vocab_size, window_pattern=window_pattern, **shape, **options
     )
 
 
@@ -409,16 +403,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: list[AttentionSpan],
-        kv_cache: KVCache | None,
-        ve: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(norm(x), cos, sin, plan, kv_cache, ve)
+    def forward(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
+        """``attn_args``: what :meth:`CausalSelfAttention.forward` takes after its input."""
+        x = x + self.attn(norm(x), *attn_args)
         return x + self.mlp(norm(x))
 
 

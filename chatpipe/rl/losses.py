@@ -153,8 +153,13 @@ def policy_gradient_loss(
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
+    return -token_mean(logp * advantages, mask, num_tokens)
+
+
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """Sum over the masked (action) tokens divided by ``num_tokens``, by default the mask's count."""
     denom = mask.sum() if num_tokens is None else num_tokens
-    return -masked_sum(logp * advantages, mask) / max(float(denom), 1.0)
+    return masked_sum(per_token, mask) / max(float(denom), 1.0)
 
 
 def clipped_surrogate(
@@ -174,9 +179,7 @@ def clipped_surrogate(
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = torch.maximum(unclipped, clipped)
-    denom = mask.sum() if num_tokens is None else num_tokens
-    loss = masked_sum(per_token, mask) / max(float(denom), 1.0)
+    loss = token_mean(torch.maximum(unclipped, clipped), mask, num_tokens)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
@@ -191,14 +194,14 @@ def clipped_value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip: float = 0.2,
+    *,
+    clip: float,
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """PPO value loss: 0.5 * mean max((V - R)^2, (old + clip(V - old, -c, c) - R)^2); returns (loss, clip_frac)."""
     v_clipped = old_values + (values - old_values).clamp(-clip, clip)
     a, b = (values - returns) ** 2, (v_clipped - returns) ** 2
-    denom = mask.sum() if num_tokens is None else num_tokens
-    loss = 0.5 * masked_sum(torch.maximum(a, b), mask) / max(float(denom), 1.0)
+    loss = 0.5 * token_mean(torch.maximum(a, b), mask, num_tokens)
     return loss, masked_mean((b > a).float(), mask).item()
 
 

@@ -210,7 +210,7 @@ def ppo_update(
                     if critic is not None:
                         values = critic(batch.inputs[rows])
                         v_loss, _ = rl.clipped_value_loss(
-                            values, old_values[rows], returns[rows], mask, cfg.value_clip, num_tokens
+                            values, old_values[rows], returns[rows], mask, clip=cfg.value_clip, num_tokens=num_tokens
                         )
                         stats["loss/value"] += v_loss.item()
                         loss = loss + cfg.value_coef * v_loss

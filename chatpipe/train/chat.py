@@ -23,7 +23,14 @@ from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model, producing_runs
-from chatpipe.train.loop import due, evaluate_loss_bpb, fixed_batches, grad_accum_steps, scheduled_train_step
+from chatpipe.train.loop import (
+    due,
+    evaluate_loss_bpb,
+    fixed_batches,
+    grad_accum_steps,
+    report_step,
+    scheduled_train_step,
+)
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
 
@@ -150,25 +157,8 @@ def train_chat(
             )
             step += 1
             t_train += dt
-            metrics.log(
-                {
-                    "train/loss": loss,
-                    "lr_mult": lr_mult,
-                    "tokens_per_s": cfg.total_batch_size / dt,
-                    "epoch": train_loader.epoch,
-                },
-                step,
-            )
-            bar.update(loss=loss)
-            if step % cfg.log_every == 0 or step == total_steps:
-                log.info(
-                    "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s",
-                    step,
-                    total_steps,
-                    loss,
-                    lr_mult,
-                    cfg.total_batch_size / dt,
-                )
+            tok_per_s, epoch = cfg.total_batch_size / dt, train_loader.epoch
+            report_step(log, metrics, bar, step, total_steps, cfg.log_every, loss, lr_mult, tok_per_s, epoch=epoch)
 
         # --- stage-specific checks, then save the final model for the next stage
         bar.close()

@@ -6,13 +6,16 @@ Stages call these from their own top-to-bottom loop; there is no trainer class t
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 
+from chatpipe.progress import Progress
 from chatpipe.runtime import Runtime, all_reduce_sum
+from chatpipe.stage_metrics import Curves
 from chatpipe.train.optim import apply_schedules, lr_multiplier, muon_momentum
 
 # Dense bf16 peak FLOP/s per GPU, for MFU. Unknown devices report no MFU.
@@ -85,18 +88,11 @@ def scheduled_train_step(
 ) -> tuple[float, float, float]:
     """Step ``step`` of ``total_steps``: set its LR multiplier and Muon momentum, then :func:`train_step`.
 
-    ``cfg`` is a stage's settings with the schedule fields (``warmup_steps``, ``warmdown_ratio``,
-    ``final_lr_frac``, ``schedule``, ``momentum_warmup_steps``, ``grad_clip``).
+    ``cfg`` is a stage's :class:`~chatpipe.settings.TrainSettings` (LR schedule, Muon momentum warmup,
+    ``grad_clip``).
     Returns ``(loss, lr multiplier, seconds)``.
     """
-    lr_mult = lr_multiplier(
-        step,
-        total_steps,
-        warmup_steps=cfg.warmup_steps,
-        warmdown_ratio=cfg.warmdown_ratio,
-        final_lr_frac=cfg.final_lr_frac,
-        schedule=cfg.schedule,
-    )
+    lr_mult = lr_multiplier(step, total_steps, **cfg.lr_schedule())
     apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
     t0 = time.perf_counter()
     loss = train_step(model, next_batch, optimizers, grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
@@ -106,6 +102,29 @@ def scheduled_train_step(
 
 
 @torch.no_grad()
+def report_step(
+    log: logging.Logger,
+    metrics: Curves,
+    bar: Progress,
+    step: int,
+    total_steps: int,
+    every: int,
+    loss: float,
+    lr_mult: float,
+    tokens_per_s: float,
+    **extra: float,
+) -> None:
+    """Record a finished training step: its metrics row, the progress bar, and every ``every`` steps
+    (and the last) a log line with loss, LR multiplier, throughput and ``extra``."""
+    metrics.log({"train/loss": loss, "lr_mult": lr_mult, "tokens_per_s": tokens_per_s, **extra}, step)
+    bar.update(loss=loss)
+    if step % every == 0 or step == total_steps:
+        tail = "".join(f" | {k} {v:.3g}" for k, v in extra.items())
+        log.info(
+            "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s", step, total_steps, loss, lr_mult, tokens_per_s, tail
+        )
+
+
 def evaluate_loss_bpb(
     model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes: torch.Tensor, rt: Runtime
 ) -> tuple[float, float]:

@@ -55,18 +55,14 @@ def build_optimizers(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     if optimizer == "muon_adamw":
-        return [
-            build_muon_adamw(
-                model,
-                unembedding_lr=unembedding_lr,
-                embedding_lr=embedding_lr,
-                matrix_lr=matrix_lr,
-                weight_decay=weight_decay,
-                scalar_lr=scalar_lr,
-                reduce_grads=reduce_grads,
-                compile=compile,
-            )
-        ]
+        lrs = {"unembedding_lr": unembedding_lr, "embedding_lr": embedding_lr, "matrix_lr": matrix_lr}
+        recipe = {
+            "scalar_lr": scalar_lr,
+            "weight_decay": weight_decay,
+            "reduce_grads": reduce_grads,
+            "compile": compile,
+        }
+        return [build_muon_adamw(model, **lrs, **recipe)]
     groups = model.param_groups()
     scale = (model.config.n_embd / 768) ** -0.5
     extra = [  # the nanochat model options' parameters, when the model has them
@@ -445,15 +441,17 @@ class MuonAdamW(torch.optim.Optimizer):
 def build_muon_adamw(
     model: torch.nn.Module,
     *,
-    unembedding_lr: float = 0.004,
-    embedding_lr: float = 0.2,
-    matrix_lr: float = 0.02,
-    weight_decay: float = 0.0,
-    scalar_lr: float = 0.5,
-    reduce_grads: bool = False,
-    compile: bool = False,
+    unembedding_lr: float,
+    embedding_lr: float,
+    matrix_lr: float,
+    weight_decay: float,
+    scalar_lr: float,
+    reduce_grads: bool,
+    compile: bool,
 ) -> MuonAdamW:
     """nanochat's ``setup_optimizer``: the groups, betas, weight decays and lr scalings of its recipe.
+
+    Called through :func:`build_optimizers` (``optimizer="muon_adamw"``), which holds the defaults.
 
     AdamW lrs of the embedding-like groups scale by (n_embd / 768) ** -0.5. Groups whose option is
     off in the model are left out. Every group stores ``initial_lr`` for the schedules.
