@@ -102,6 +102,11 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         rt.rank :: rt.world_size
     ]
     # replay: chat-stage conversations whose LM loss joins every optimizer step (rl.replay)
+    if cfg.replay and cfg.replay_seq_len > policy.config.sequence_len:
+        raise ValueError(
+            f"rl.replay_seq_len = {cfg.replay_seq_len} is longer than the model's sequence_len "
+            f"{policy.config.sequence_len} ({init_dir}); set it to at most that"
+        )
     replay_pack = (
         pack(build_mixture(cfg.replay, "train", seed=cfg.seed), tok, cfg.replay_seq_len) if cfg.replay else None
     )

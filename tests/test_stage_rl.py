@@ -116,3 +116,13 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     assert meta["replay"] == want_replay == {"row": 6 * 4 * 2}  # steps x PPO updates x replay rows
     # policy, critic, optimizers, KL coefficient and sampling seeds all restored: same final weights
     assert sha256_file(project / "artifacts" / "rl" / "model.pt") == want
+
+
+@pytest.mark.slow
+def test_replay_rows_longer_than_the_model_stop_before_anything_is_written(tmp_path):
+    project = setup_project(tmp_path, replay_seq_len=128)  # the init model's sequence_len is 64
+    proc = _stage(project)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "rl.replay_seq_len = 128 is longer than the model's sequence_len 64" in out, out[-2000:]
+    assert not (project / "checkpoints" / "rl").exists() and not (project / "artifacts" / "rl").exists()
