@@ -117,7 +117,19 @@ def scheduler_cfg(launch: LaunchSettings) -> dict[str, object]:
     return {k: v for k, v in {"namespace": launch.namespace, "queue": launch.queue}.items() if v}
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _interrupt(signum, frame) -> None:
+    """The first stop signal raises KeyboardInterrupt (the launcher then cancels its app); later ones do nothing.
+
+    A stop brings several at once (the flow's SIGTERM to the group, then DVC's death signal): a second
+    KeyboardInterrupt raised while the first is being handled would end the launcher before its cancel.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # held pending for good: the launcher is stopping
+    if getattr(_interrupt, "fired", False):
+        return
+    _interrupt.fired = True
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -229,7 +241,7 @@ def run_stage(
     runner = get_runner()
     # torchx starts local workers in their own session: a SIGTERM/SIGHUP sent to DVC or Prefect would
     # not reach them, so turn those signals into the KeyboardInterrupt path below, which cancels the app.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupt)
     try:
         if launch.scheduler == "slurm":  # own job watching, logs, cancel (chatpipe/slurm.py)

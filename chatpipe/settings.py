@@ -550,7 +550,9 @@ class RLSettings(RunSettings):
         "worn away; [] turns it off",
     )
     replay_rows: int = Field(4, ge=1, description="replay rows per rank per optimizer step")
-    replay_seq_len: int = Field(256, ge=8, description="tokens per replay row (conversations packed best-fit)")
+    replay_seq_len: int | None = Field(
+        None, ge=8, description="tokens per replay row (conversations packed best-fit); None: the model's sequence_len"
+    )
     replay_coef: float = Field(1.0, ge=0, description="weight of the replay loss against the RL loss")
     max_steps: int = Field(30, ge=1)
     weight_decay: float = Field(0.0, ge=0)

@@ -102,14 +102,13 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         rt.rank :: rt.world_size
     ]
     # replay: chat-stage conversations whose LM loss joins every optimizer step (rl.replay)
-    if cfg.replay and cfg.replay_seq_len > policy.config.sequence_len:
+    replay_seq_len = cfg.replay_seq_len or policy.config.sequence_len
+    if cfg.replay and replay_seq_len > policy.config.sequence_len:
         raise ValueError(
-            f"rl.replay_seq_len = {cfg.replay_seq_len} is longer than the model's sequence_len "
-            f"{policy.config.sequence_len} ({init_dir}); set it to at most that"
+            f"rl.replay_seq_len = {replay_seq_len} is longer than the model's sequence_len "
+            f"{policy.config.sequence_len} ({init_dir}); set it to at most that, or null for the model's"
         )
-    replay_pack = (
-        pack(build_mixture(cfg.replay, "train", seed=cfg.seed), tok, cfg.replay_seq_len) if cfg.replay else None
-    )
+    replay_pack = pack(build_mixture(cfg.replay, "train", seed=cfg.seed), tok, replay_seq_len) if cfg.replay else None
 
     # --- resume from the newest checkpoint made with the same settings and init model
     inputs = {
@@ -126,7 +125,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         replay_loader = ConversationLoader(
             *replay_pack,
             batch_size=cfg.replay_rows,
-            seq_len=cfg.replay_seq_len,
+            seq_len=replay_seq_len,
             pad_id=tok.bos_id,
             start_row=meta["replay"]["row"] if meta else 0,
             **rt.shard,

@@ -229,3 +229,25 @@ def test_stopping_dvc_or_killing_the_launcher_takes_the_workers_down(tmp_path):
     finally:
         for p in _stage_procs(project, ""):  # anything still running in the project: a hung flow too
             p.kill()
+
+
+def test_only_the_first_stop_signal_interrupts_the_launcher(monkeypatch):
+    """A stop sends the launcher several signals at once (the flow's SIGTERM to the group, then DVC's death
+    signal): a second KeyboardInterrupt while the first is handled would end it before it cancels."""
+    import signal
+
+    from chatpipe import launch
+
+    monkeypatch.setattr(launch._interrupt, "fired", False, raising=False)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch._interrupt(signal.SIGTERM, None)
+        for later in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                launch._interrupt(later, None)
+            except KeyboardInterrupt:
+                pytest.fail(f"a later signal {later!r} interrupted the launcher again")
+        assert set(launch.STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, [])  # held from now on
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
