@@ -321,10 +321,9 @@ def run(runner, app, cfg: dict, stage: str, log_dir: Path, poll_s: float = 1.0) 
     except KeyboardInterrupt:
         if job_id is None:
             return 130
-        # DVC, signalled with this process, exits and its death signals here again: let nothing cut the cancel short.
-        for sig in blocked:
-            signal.signal(sig, signal.SIG_IGN)
-        # Whoever reads our log may be gone already (a killed flow): a broken pipe must not skip the cancel.
+        # Later stop signals (DVC's death signal follows the flow's SIGTERM) are held by the launcher's
+        # handler (chatpipe.launch._interrupt), so nothing cuts the cancel short. Whoever reads our log
+        # may be gone already (a killed flow): a broken pipe must not skip the cancel.
         with contextlib.suppress(OSError):
             print(f"[launch] {stage}: interrupted, cancelling slurm job {job_id}", flush=True)
         status = cancel(job_id)

@@ -98,7 +98,7 @@ def _bin(name: str) -> str:
 def _stop_group(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
     """SIGTERM ``proc``'s process group and wait until none of it is left; SIGKILL it after ``grace_s``.
 
-    Waiting for DVC alone is not enough: DVC dies at once, while the launcher under it is still
+    Waiting for DVC alone is not enough: DVC may die while the launcher under it is still
     cancelling its workers or Slurm job, and a flow that exited then would close the pipe the
     launcher logs to.
     """
