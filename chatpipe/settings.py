@@ -305,6 +305,11 @@ class PretrainSettings(TrainSettings):
         "muon", description="muon: torch AdamW + Muon; muon_adamw: nanochat's MuonAdamW"
     )
     scalar_lr: float = Field(0.5, gt=0, description="muon_adamw: lr of the x0 lambdas (resid lambdas: x0.01)")
+    polar_express: Literal["direct", "gram"] = Field(
+        "direct",
+        description="muon_adamw: 'direct' is nanochat's Polar Express; 'gram' computes the same polynomial of "
+        "matrices at least 2:1 in their small side's Gram space, 33% fewer FLOPs at the MLP's 4:1, rounded differently",
+    )
     fp8: bool = Field(False, description="FP8 matmuls via torchao; needs CUDA with compute capability >= 8.9")
 
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -315,6 +320,7 @@ class PretrainSettings(TrainSettings):
             "weight_decay": self.weight_decay,
             "optimizer": self.optimizer,
             "scalar_lr": self.scalar_lr,
+            "polar_express": self.polar_express,
         }
 
 

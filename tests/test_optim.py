@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chatpipe.model.gpt import GPT, GPTConfig
-from chatpipe.train.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum
+from chatpipe.train.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum, polar_express
 
 
 def model_with_width(n_embd: int) -> GPT:
@@ -122,3 +122,45 @@ def test_cpu_muon_step_restores_torch_function():
     opt.step()
     assert torch_muon._zeropower_via_newtonschulz is before
     assert not torch.equal(w0, w.detach())
+
+
+def _polar_stack(rows: int, cols: int, rank: int | None) -> torch.Tensor:
+    """A stack of normalised matrices, ill-conditioned (low rank + 1% noise) when ``rank`` is given."""
+    gen = torch.Generator().manual_seed(rows + cols)
+    g = torch.randn(3, rows, cols, generator=gen)
+    if rank is not None:
+        g = torch.randn(3, rows, rank, generator=gen) @ torch.randn(3, rank, cols, generator=gen) + 0.01 * g
+    return g / (1.01 * g.norm(dim=(-2, -1), keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (64, 128)])
+@pytest.mark.parametrize("rank", [None, 4])
+def test_gram_space_polar_express_computes_the_direct_polynomial(shape, rank):
+    x = _polar_stack(*shape, rank)
+    exact = polar_express(x.double())  # the direct form in float64
+    direct, gram = polar_express(x), polar_express(x, form="gram")
+
+    def err(y):
+        return ((y.double() - exact).norm() / exact.norm()).item()
+
+    # float32 rounding only: within a few times the direct form's own error, far below a wrong polynomial's
+    assert err(gram) < max(10 * err(direct), 1e-5)
+    assert err(polar_express(x, steps=4, form="gram")) > 100 * err(gram)  # one iteration fewer is visibly different
+    assert not torch.equal(direct, gram)  # the gram form really ran
+
+
+def test_gram_space_polar_express_leaves_square_stacks_direct_and_rejects_unknown_forms():
+    x = _polar_stack(64, 64, None)
+    assert torch.equal(polar_express(x, form="gram"), polar_express(x))  # no saving at 1:1, so the direct form
+    with pytest.raises(ValueError, match="form='fast'.*direct, gram"):
+        polar_express(x, form="fast")
+
+
+def test_polar_express_setting_reaches_muon_adamw_and_needs_it():
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
+    [opt] = build_optimizers(model, optimizer="muon_adamw", polar_express="gram")
+    assert opt.polar_express == "gram"
+    with pytest.raises(ValueError, match="needs optimizer='muon_adamw'"):
+        build_optimizers(model, optimizer="muon", polar_express="gram")
+    with pytest.raises(ValueError, match="polar_express='gramm'; allowed: direct, gram"):
+        build_optimizers(model, optimizer="muon_adamw", polar_express="gramm")
