@@ -8,12 +8,18 @@ what the pretrain stage times: the loader's next batch, forward/backward, the op
 read back (:func:`chatpipe.train.loop.train_step`); nanochat's logged step covers the same.
 
 1. ``nanochat`` recipe (our model with every nanochat option: value embeddings, lambdas, smear,
-   backout, SSSL quarter windows, q/k scale, vocab padding; MuonAdamW), compiled and eager;
+   backout, SSSL quarter windows, q/k scale, vocab padding; MuonAdamW in nanochat's order of
+   operations), compiled and eager;
 2. with ``--nanochat DIR`` (a checkout of karpathy/nanochat), its ``scripts.base_train`` at the same
-   config (its defaults, ``--depth 4 --head-dim 64``), tokens/s parsed from its log; rounds of
-   (ours compiled, nanochat, ours eager) interleave so load from other processes hits both alike,
-   and the ratio is the median of the per-round ratios. Without a checkout it says so and why;
-3. the ``tiny`` profile's own recipe (params.yaml), eager and compiled.
+   config (its defaults, ``--depth 4 --head-dim 64``), tokens/s parsed from its log;
+3. ``nanochat_gram``: recipe 1 with ``polar_express="gram"`` (the same polynomial in Gram space,
+   as profile ``tiny_nanochat`` runs it), compiled;
+4. the ``tiny`` profile's own recipe (params.yaml: full attention, MuonAdamW), eager and compiled,
+   once at the end.
+
+Rounds of (ours compiled, nanochat, ours gram compiled, ours eager) interleave so load from other
+processes hits all alike; each ratio is the median of the per-round ratios. Without a checkout it
+says so and why.
 
 Steady rates are medians over the steps after the first. The first compiled step includes
 compiling the model and the optimizer; the break-even step count (when compiling pays for itself)
@@ -67,7 +73,7 @@ DEFAULT_BASE = Path(tempfile.gettempdir()) / "chatpipe_bench_nanochat"
 def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Optimizer]]:
     """The model and optimizers of ``recipe`` at the benchmark config (seeded)."""
     torch.manual_seed(0)
-    if recipe == "nanochat":
+    if recipe in ("nanochat", "nanochat_gram"):
         config = config_from_depth(DEPTH, VOCAB, SEQ, head_dim=HEAD_DIM, window_pattern="SSSL", **nanochat_options(SEQ))
         model = GPT(config)
         model.init_weights()
@@ -78,6 +84,7 @@ def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Op
             unembedding_lr=0.008,
             weight_decay=0.28,
             compile=compile_optimizer,
+            polar_express="gram" if recipe == "nanochat_gram" else "direct",
         )
         return model, opts
     params = resolve_params(profile="tiny")["pretrain"]
@@ -236,7 +243,7 @@ def load_average() -> str:
 
 
 def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
-    """Rounds of (ours compiled, nanochat compiled) at 1 thread, compared in CPU seconds per step.
+    """Rounds of (ours compiled: nanochat recipe, direct and gram; nanochat compiled) at 1 thread, CPU s per step.
 
     A loaded machine stretches wall time but hardly the CPU time a single-threaded step needs, so
     this ratio holds while other jobs run. It times nanochat's model and optimizer (not its
@@ -245,23 +252,31 @@ def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | No
     os.environ["OMP_NUM_THREADS"] = "1"
     print(f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, 1 thread, CPU seconds per step")
     env = dict(os.environ)
-    ratios, ours_cpu, nc_cpu = [], [], []
+    ours_cpu, gram_cpu, nc_cpu = [], [], []
     for r in range(args.rounds):
         mine = statistics.median(ours("nanochat", True, args.steps, env)["cpu_s"])
-        line = f"round {r + 1} (load {load_average()}): ours {TOKENS / mine:,.0f} tok/CPU-s"
+        gram = statistics.median(ours("nanochat_gram", True, args.steps, env)["cpu_s"])
         ours_cpu.append(mine)
+        gram_cpu.append(gram)
+        line = f"round {r + 1} (load {load_average()}): ours {TOKENS / mine:,.0f} tok/CPU-s, gram {TOKENS / gram:,.0f}"
         if skip is None:
             theirs = statistics.median(nanochat_cpu(args.nanochat, nc_python, args.steps)["cpu_s"])
             nc_cpu.append(theirs)
-            ratios.append(theirs / mine)
-            line += f", nanochat {TOKENS / theirs:,.0f} tok/CPU-s, ratio {theirs / mine:.3f}"
+            line += f", nanochat {TOKENS / theirs:,.0f} tok/CPU-s, ratios {theirs / mine:.3f} / {theirs / gram:.3f}"
         print(line, flush=True)
-    print(f"ours compiled: {TOKENS / statistics.median(ours_cpu):,.0f} tokens per CPU-second (median)")
-    if skip is not None:
+    print(
+        f"ours compiled (nanochat recipe): {TOKENS / statistics.median(ours_cpu):,.0f} tokens per CPU-second (median)"
+    )
+    print(
+        f"ours compiled (gram):            {TOKENS / statistics.median(gram_cpu):,.0f} tokens per CPU-second (median)"
+    )
+    if skip is None:
+        print(f"nanochat compiled: {TOKENS / statistics.median(nc_cpu):,.0f} tokens per CPU-second (median)")
+        for recipe, mine in (("nanochat recipe", ours_cpu), ("nanochat recipe, gram", gram_cpu)):
+            ratio = statistics.median(t / m for t, m in zip(nc_cpu, mine))
+            print(f"ours ({recipe}) / nanochat (CPU time): {ratio:.3f} (median of per-round ratios)")
+    else:
         print(f"nanochat: skipped ({skip})")
-        return
-    print(f"nanochat compiled: {TOKENS / statistics.median(nc_cpu):,.0f} tokens per CPU-second (median)")
-    print(f"ours / nanochat (CPU time): {statistics.median(ratios):.3f} (median of per-round ratios)")
 
 
 def main() -> None:
@@ -305,6 +320,7 @@ def main() -> None:
             row = {"load": load_average(), "compiled": ours("nanochat", True, args.steps, env)}
             if skip is None:
                 row["nanochat"] = nanochat(args.nanochat, nc_python, args.nanochat_base, args.steps)
+            row["gram"] = ours("nanochat_gram", True, args.steps, env)
             row["eager"] = ours("nanochat", False, args.steps, env)
             rows.append(row)
             line = f"round {r + 1} (load {row['load']}): ours compiled {row['compiled']['rate']:,.0f} tok/s"
@@ -313,9 +329,12 @@ def main() -> None:
                 nc = row["nanochat"]
                 line += f", nanochat {nc['rate']:,.0f} (first step {nc['first_s']:.1f} s)"
                 line += f", ratio {row['compiled']['rate'] / nc['rate']:.2f}"
-            print(line + f", ours eager {row['eager']['rate']:,.0f}", flush=True)
+            line += f"; ours gram compiled {row['gram']['rate']:,.0f}"
+            if "nanochat" in row:
+                line += f", ratio {row['gram']['rate'] / row['nanochat']['rate']:.2f}"
+            print(line + f"; ours eager {row['eager']['rate']:,.0f}", flush=True)
         tiny_eager = ours("tiny", False, args.steps, env)
-        tiny_compiled = ours("tiny", True, args.steps, env)
+        tiny_c = ours("tiny", True, args.steps, env)
 
     med = statistics.median
     comp, eager = med(r["compiled"]["rate"] for r in rows), med(r["eager"]["rate"] for r in rows)
@@ -330,11 +349,12 @@ def main() -> None:
             print(f"  {name}: compiling costs {compile_s:.1f} s, pays after ~{compile_s / (e_s - c_s):.0f} steps")
         else:
             print(f"  {name}: compiling costs {compile_s:.1f} s and does not pay at this config")
-    e_s, c_s = med(tiny_eager["step_s"]), med(tiny_compiled["step_s"])
+    print(f"nanochat recipe, ours compiled, polar_express gram: {med(r['gram']['rate'] for r in rows):,.0f} tok/s")
+    e_s, c_s = med(tiny_eager["step_s"]), med(tiny_c["step_s"])
     print(f"tiny recipe, ours eager:        {TOKENS / e_s:,.0f} tok/s")
     print(f"tiny recipe, ours compiled:     {TOKENS / c_s:,.0f} tok/s steady", end="")
     if c_s < e_s:
-        compile_s = tiny_compiled["first_s"] - c_s
+        compile_s = tiny_c["first_s"] - c_s
         print(f"; compiling costs {compile_s:.1f} s (warm cache), pays after ~{compile_s / (e_s - c_s):.0f} steps")
     else:
         print("; compiling does not pay at this config")
@@ -342,9 +362,10 @@ def main() -> None:
         print(f"nanochat: skipped ({skip})")
         return
     nc_rate = med(r["nanochat"]["rate"] for r in rows)
-    ratio = med(r["compiled"]["rate"] / r["nanochat"]["rate"] for r in rows)
     print(f"nanochat base_train:            {nc_rate:,.0f} tok/s steady (median of {len(rows)} runs)")
-    print(f"ours compiled / nanochat: {ratio:.2f} (median of per-round ratios)")
+    for recipe, key in (("nanochat recipe", "compiled"), ("nanochat recipe, gram", "gram")):
+        ratio = med(r[key]["rate"] / r["nanochat"]["rate"] for r in rows)
+        print(f"ours compiled ({recipe}) / nanochat: {ratio:.2f} (median of per-round ratios)")
 
 
 if __name__ == "__main__":
