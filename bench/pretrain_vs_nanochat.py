@@ -121,6 +121,36 @@ def worker(recipe: str, compiled: bool, steps: int) -> dict:
     return {"first_s": times[0], "step_s": times[1:], "cpu_s": cpu[1:], "threads": torch.get_num_threads()}
 
 
+def optimizer_forms(steps: int) -> None:
+    """MuonAdamW's step, Polar Express direct vs gram, interleaved step by step in this one process.
+
+    Both optimizers step copies of the nanochat-recipe model on the same gradients (one backward
+    pass), eagerly, so the ratio is the optimizer's own and holds on a machine whose speed drifts
+    between processes.
+    """
+    times: dict[str, list[float]] = {"direct": [], "gram": []}
+    pairs = {}
+    for form in times:
+        model, _ = make("nanochat", compile_optimizer=False)
+        idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        model(idx[:, :-1], idx[:, 1:]).backward()
+        [opt] = build_optimizers(
+            model, optimizer="muon_adamw", embedding_lr=0.3, unembedding_lr=0.008, weight_decay=0.28, polar_express=form
+        )
+        pairs[form] = opt
+    for i in range(steps + 1):
+        for form, opt in pairs.items():
+            c0 = time.process_time()
+            opt.step()
+            if i:  # the first step allocates the optimizer state
+                times[form].append(time.process_time() - c0)
+    direct, gram = (statistics.median(times[f]) for f in ("direct", "gram"))
+    print(
+        f"MuonAdamW step (eager, {steps} interleaved steps, CPU s): direct {direct * 1000:.0f} ms, "
+        f"gram {gram * 1000:.0f} ms, direct / gram {direct / gram:.2f}"
+    )
+
+
 def ours(recipe: str, compiled: bool, steps: int, env: dict[str, str]) -> dict:
     """:func:`worker` in a fresh process (compiling starts from that process's inductor cache)."""
     cmd = [sys.executable, __file__, "--worker", recipe, "compiled" if compiled else "eager", str(steps)]
@@ -335,6 +365,7 @@ def main() -> None:
             print(line + f"; ours eager {row['eager']['rate']:,.0f}", flush=True)
         tiny_eager = ours("tiny", False, args.steps, env)
         tiny_c = ours("tiny", True, args.steps, env)
+    optimizer_forms(args.steps)
 
     med = statistics.median
     comp, eager = med(r["compiled"]["rate"] for r in rows), med(r["eager"]["rate"] for r in rows)
