@@ -241,9 +241,11 @@ def _polar_express_gram(x: torch.Tensor, steps: int) -> torch.Tensor:
     :data:`GRAM_SPACE_RESTART` iterations X is formed and its Gram matrix taken afresh, which drops
     the rounding the m x m recurrence has gathered.
     """
+    coeffs = POLAR_EXPRESS_COEFFS[:steps]
+    if not coeffs:
+        return x
     eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
     gram, product = x @ x.mT, None
-    coeffs = POLAR_EXPRESS_COEFFS[:steps]
     for i, (a, b, c) in enumerate(coeffs):
         if i == GRAM_SPACE_RESTART:
             x = product @ x
@@ -363,7 +365,8 @@ class MuonAdamW(torch.optim.Optimizer):
     parameter shape on the first step (see ``chatpipe.plan.compile_pays``).
 
     ``polar_express`` ("direct" | "gram"): the form of the Muon groups' Polar Express, see
-    :func:`polar_express`. Like ``compile`` it changes rounding only, so it is not optimizer state.
+    :func:`polar_express`. It changes rounding only and is a constructor choice, like ``compile``,
+    not optimizer state (the pretrain stage's settings fingerprint records it).
     """
 
     def __init__(
