@@ -71,6 +71,7 @@ def init(device: str = "auto", dtype: str = "auto") -> Runtime:
         torch.backends.cudnn.allow_tf32 = True
     else:
         dev = torch.device("cpu")
+        keep_freed_memory_in_heap()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
     chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -78,6 +79,37 @@ def init(device: str = "auto", dtype: str = "auto") -> Runtime:
         chosen = torch.bfloat16 if use_cuda else torch.float32
     setup_logging(rank)
     return Runtime(rank, local_rank, world_size, dev, chosen)
+
+
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+# mallopt() parameter numbers from glibc's malloc.h
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory_in_heap(limit_bytes: int = 2**31 - 1) -> bool:
+    """Make glibc's malloc keep freed blocks of up to ``limit_bytes`` for reuse (CPU training).
+
+    A CPU training step frees and reallocates the same activation and gradient buffers (MBs
+    each) every step. glibc's default hands large blocks back to the kernel (``munmap``, heap
+    trimming), so the next step faults every page back in, zero-filled. On 2 CPU cores (d4,
+    batch 16 x 256, bench/cpu_allocator.py) keeping them makes a step 1.04x faster at vocab
+    1024, 1.33x at 4096 and 1.42x at 32768, where the logits and their gradients are largest.
+    Serving blocks below ``limit_bytes`` (at most what ``mallopt`` takes, 2 GiB) from the heap
+    and not trimming it keeps the step's peak memory resident, which the next step needs anyway.
+    Returns whether the settings were applied: not on non-glibc systems, and not when the user
+    set glibc's malloc environment variables (theirs win).
+    """
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in MALLOC_ENV):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    settings = ((_M_MMAP_THRESHOLD, limit_bytes), (_M_TRIM_THRESHOLD, limit_bytes), (_M_TOP_PAD, 64 << 20))
+    return all(mallopt(param, value) == 1 for param, value in settings)  # stops at the first refusal
 
 
 def run_stage(settings_cls, body, argv: list[str] | None = None) -> None:
