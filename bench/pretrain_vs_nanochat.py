@@ -18,8 +18,8 @@ read back (:func:`chatpipe.train.loop.train_step`); nanochat's logged step cover
    round, eager once at the end.
 
 Rounds of (ours compiled, nanochat, ours gram compiled, tiny compiled, ours eager) interleave so
-load from other processes hits all alike; each ratio is the median of the per-round ratios. Without a checkout it
-says so and why.
+load from other processes hits all alike; each ratio is the median of the per-round ratios.
+Without a checkout it says so and why.
 
 Steady rates are medians over the steps after the first. The first compiled step includes
 compiling the model and the optimizer; the break-even step count (when compiling pays for itself)
@@ -310,7 +310,9 @@ def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="timed steps per run, after the first")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of (ours compiled, nanochat, ours eager)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds of (ours compiled, nanochat, gram, tiny, ours eager)"
+    )
     p.add_argument("--nanochat", type=Path, help="a karpathy/nanochat checkout to run base_train from")
     p.add_argument("--nanochat-python", help="Python with nanochat's dependencies (default: DIR/.venv/bin/python)")
     p.add_argument("--nanochat-base", type=Path, default=DEFAULT_BASE, help="NANOCHAT_BASE_DIR for its data")
