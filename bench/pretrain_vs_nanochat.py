@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 from chatpipe.data.loader import RowLoader, TokenDocs  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options  # noqa: E402
 from chatpipe.plan import model_config_for  # noqa: E402
-from chatpipe.runtime import Runtime, keep_freed_memory_in_heap  # noqa: E402
+from chatpipe.runtime import init  # noqa: E402
 from chatpipe.settings import PretrainSettings, resolve_params  # noqa: E402
 from chatpipe.train.loop import train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
@@ -107,10 +107,9 @@ def random_docs(directory: Path, n_docs: int = 2000, seed: int = 0) -> TokenDocs
 
 def worker(recipe: str, compiled: bool, steps: int) -> dict:
     """Run ``steps + 1`` training steps the way the stage does; seconds of each."""
-    keep_freed_memory_in_heap()  # as the stage's runtime does on CPU
+    rt = init("cpu", "float32")  # the stage's runtime, with its CPU allocator setting
     model, opts = make(recipe, compile_optimizer=compiled)
     step_model = torch.compile(model, dynamic=False) if compiled else model
-    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
         loader = RowLoader(random_docs(Path(tmp)), batch_size=BATCH, seq_len=SEQ)
         times, cpu = [], []
