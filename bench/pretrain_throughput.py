@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chatpipe.model.gpt import GPT  # noqa: E402
-from chatpipe.plan import compile_pays, model_config_for  # noqa: E402
+from chatpipe.plan import compile_pays, model_config_for, polar_express_dtype  # noqa: E402
+from chatpipe.runtime import Runtime  # noqa: E402
 from chatpipe.settings import PretrainSettings, load_section  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 
@@ -69,7 +70,10 @@ def bare_tokens_per_s(cfg: PretrainSettings, vocab_size: int, steps: int) -> flo
     model.init_weights()
     cpu = torch.device("cpu")
     opts = build_optimizers(
-        model, **cfg.optimizer_kwargs(), compile=compile_pays(cfg.compile, steps, cpu, part="optimizer")
+        model,
+        **cfg.optimizer_kwargs(),
+        compile=compile_pays(cfg.compile, steps, cpu, part="optimizer"),
+        polar_dtype=polar_express_dtype(cfg, Runtime(0, 0, 1, cpu, torch.float32)),
     )
     step_model = torch.compile(model) if compile_pays(cfg.compile, steps, cpu) else model
     accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.sequence_len)

@@ -59,8 +59,8 @@ sys.path.insert(0, str(REPO))
 
 from chatpipe.data.loader import RowLoader, TokenDocs  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options  # noqa: E402
-from chatpipe.plan import model_config_for  # noqa: E402
-from chatpipe.runtime import init  # noqa: E402
+from chatpipe.plan import model_config_for, polar_express_dtype  # noqa: E402
+from chatpipe.runtime import Runtime, init  # noqa: E402
 from chatpipe.settings import PretrainSettings, resolve_params  # noqa: E402
 from chatpipe.train.loop import train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
@@ -91,7 +91,10 @@ def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Op
     cfg = PretrainSettings(**{**params, "depth": DEPTH, "head_dim": HEAD_DIM, "sequence_len": SEQ})
     model = GPT(model_config_for(cfg, VOCAB))
     model.init_weights()
-    opts = build_optimizers(model, **cfg.optimizer_kwargs(), compile=compile_optimizer)
+    cpu_fp32 = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    opts = build_optimizers(
+        model, **cfg.optimizer_kwargs(), compile=compile_optimizer, polar_dtype=polar_express_dtype(cfg, cpu_fp32)
+    )
     return model, opts
 
 

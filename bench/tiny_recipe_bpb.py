@@ -13,6 +13,9 @@ follows the fraction of the budget spent. Val bpb over every full row of the hel
 - ``new``: every nanochat option (SSSL quarter windows) and MuonAdamW (its speedrun lrs, wd 0.2);
 - ``exportable``: the options transformers' built-in NanoChat class also has (full attention, rotary
   base 100000) with MuonAdamW and the same lrs: what a model must be to export without remote code.
+
+``--polar-dtype bfloat16`` runs MuonAdamW's Polar Express in bfloat16 (what ``polar_express_dtype:
+auto`` picks on a CPU with bfloat16 dot products); ``--seed`` varies the init and the batches.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", choices=["old", "new", "exportable"], required=True)
     p.add_argument("--cpu-seconds", type=float, default=150.0)
+    p.add_argument("--polar-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
     torch.set_num_threads(1)
     tok, train, val = data()
-    torch.manual_seed(1337)
+    torch.manual_seed(args.seed)
     if args.recipe == "new":
         config = config_from_depth(4, tok.vocab_size, SEQ, head_dim=64, window_pattern="SSSL", **nanochat_options(SEQ))
     elif args.recipe == "exportable":
@@ -65,11 +70,12 @@ def main() -> None:
     model = GPT(config)
     model.init_weights()
     if args.recipe in ("new", "exportable"):
-        opts = build_optimizers(model, optimizer="muon_adamw", embedding_lr=0.3, unembedding_lr=0.008, weight_decay=0.2)
+        recipe = {"optimizer": "muon_adamw", "embedding_lr": 0.3, "unembedding_lr": 0.008, "weight_decay": 0.2}
+        opts = build_optimizers(model, **recipe, polar_dtype=getattr(torch, args.polar_dtype))
     else:
         opts = build_optimizers(model)
     token_bytes = tok.token_bytes()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(args.seed)
     start, step = time.process_time(), 0
     while (spent := time.process_time() - start) < args.cpu_seconds:
         frac = spent / args.cpu_seconds

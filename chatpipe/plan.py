@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, quarter_window
+from chatpipe.runtime import Runtime, cpu_multiplies_bf16
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
 from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
 
@@ -90,6 +91,19 @@ def compile_pays(setting: bool | str, total_steps: int, device: torch.device, pa
         return bool(setting)
     min_steps = COMPILE_MIN_STEPS_CPU if part == "model" else COMPILE_OPTIMIZER_MIN_STEPS_CPU
     return device.type == "cuda" or total_steps >= min_steps
+
+
+def polar_express_dtype(cfg: PretrainSettings, rt: Runtime) -> torch.dtype:
+    """Resolve ``polar_express_dtype: auto`` (MuonAdamW only; the muon recipe stays float32): bfloat16
+    where the run trains in bfloat16 (nanochat's choice on GPU) or the CPU multiplies bfloat16
+    natively (a third faster than float32 Polar Express on the tiny model, with lower val bpb per
+    CPU-second: bench/README.md), float32 elsewhere."""
+    if cfg.optimizer != "muon_adamw" or cfg.polar_express_dtype == "float32":
+        return torch.float32
+    if cfg.polar_express_dtype == "bfloat16":
+        return torch.bfloat16
+    native = rt.dtype == torch.bfloat16 or (rt.device.type == "cpu" and cpu_multiplies_bf16())
+    return torch.bfloat16 if native else torch.float32
 
 
 @dataclass

@@ -45,6 +45,18 @@ class Runtime:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
 
+def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16), read from
+    the kernel's CPU flags. There oneDNN's bf16 matmul runs 2-3x faster than fp32; without them torch
+    emulates bf16 and it is slower. False where the flags cannot be read (other OSes)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def setup_logging(rank: int = 0) -> None:
     """Plain timestamped logs; non-zero ranks only log warnings."""
     logging.basicConfig(

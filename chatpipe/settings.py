@@ -310,6 +310,11 @@ class PretrainSettings(TrainSettings):
         description="muon_adamw: 'direct' is nanochat's Polar Express; 'gram' computes the same polynomial of "
         "matrices at least 2:1 in their small side's Gram space, 33% fewer FLOPs at the MLP's 4:1, rounded differently",
     )
+    polar_express_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="muon_adamw: precision of Polar Express's matmuls; auto: bfloat16 where the run trains in "
+        "bfloat16 (nanochat) or the CPU has bfloat16 dot products (AVX512-BF16, AMX), else float32",
+    )
     fp8: bool = Field(False, description="FP8 matmuls via torchao; needs CUDA with compute capability >= 8.9")
 
     def optimizer_kwargs(self) -> dict[str, Any]:

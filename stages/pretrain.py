@@ -22,7 +22,14 @@ from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.gpt import GPT, enable_fp8
-from chatpipe.plan import batch_and_steps, check_memory_fits, compile_pays, estimate_memory_bytes, model_config_for
+from chatpipe.plan import (
+    batch_and_steps,
+    check_memory_fits,
+    compile_pays,
+    estimate_memory_bytes,
+    model_config_for,
+    polar_express_dtype,
+)
 from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
@@ -105,11 +112,15 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     )
 
     # --- optimizer
+    polar_dtype = polar_express_dtype(cfg, rt)
+    if cfg.optimizer == "muon_adamw":
+        log.info("Polar Express in %s (polar_express_dtype: %s)", polar_dtype, cfg.polar_express_dtype)
     optimizers = build_optimizers(
         model,
         **cfg.optimizer_kwargs(),
         fused=rt.device.type == "cuda",
         compile=compile_pays(cfg.compile, total_steps, rt.device, part="optimizer"),
+        polar_dtype=polar_dtype,
     )
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs

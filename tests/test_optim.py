@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from chatpipe.model.gpt import GPT, GPTConfig
-from chatpipe.train.optim import apply_schedules, build_optimizers, lr_multiplier, muon_momentum, polar_express
+from chatpipe.train.optim import (
+    apply_schedules,
+    build_optimizers,
+    lr_multiplier,
+    muon_momentum,
+    muon_update,
+    polar_express,
+)
 
 
 def model_with_width(n_embd: int) -> GPT:
@@ -164,3 +171,39 @@ def test_polar_express_setting_reaches_muon_adamw_and_needs_it():
         build_optimizers(model, optimizer="muon", polar_express="gram")
     with pytest.raises(ValueError, match="polar_express='gramm'; allowed: direct, gram"):
         build_optimizers(model, optimizer="muon_adamw", polar_express="gramm")
+
+
+def _muon_update_in(dtype: torch.dtype, grads: torch.Tensor) -> torch.Tensor:
+    """A first Muon update of ``grads`` with Polar Express's matmuls in ``dtype`` (fresh buffers)."""
+    n, rows, cols = grads.shape
+    buffers = (torch.zeros_like(grads), torch.zeros(n, rows, 1) if rows >= cols else torch.zeros(n, 1, cols))
+    return muon_update(grads, *buffers, momentum=0.95, beta2=0.9, ns_steps=5, polar_dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (64, 64)])
+def test_bfloat16_polar_express_gives_the_float32_update_to_bfloat16_precision(shape):
+    grads = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0))
+    fp32, bf16 = _muon_update_in(torch.float32, grads), _muon_update_in(torch.bfloat16, grads)
+    assert bf16.dtype == torch.float32  # only Polar Express's matmuls are bf16; the update is float32
+    rel = ((bf16 - fp32).norm() / fp32.norm()).item()
+    # bf16 keeps 8 mantissa bits and five iterations compound them: ~3-5% of the update, as on nanochat's GPUs
+    assert 1e-3 < rel < 0.1
+    random = _muon_update_in(torch.float32, torch.randn(3, *shape, generator=torch.Generator().manual_seed(1)))
+    assert ((random - fp32).norm() / fp32.norm()).item() > 1.0  # what an unrelated update looks like
+
+
+def test_polar_dtype_reaches_muon_adamw_keeps_float32_state_and_needs_the_recipe():
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
+    [opt] = build_optimizers(model, optimizer="muon_adamw", polar_dtype=torch.bfloat16)
+    assert opt.polar_dtype == torch.bfloat16
+    before = model.blocks[0].attn.c_q.weight.detach().clone()
+    model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))).backward()
+    opt.step()
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert state and all(t.dtype == torch.float32 for t in state)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not torch.equal(before, model.blocks[0].attn.c_q.weight)
+    with pytest.raises(ValueError, match="needs optimizer='muon_adamw'"):
+        build_optimizers(model, optimizer="muon", polar_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="polar_dtype=torch.float16; allowed: torch.float32, torch.bfloat16"):
+        build_optimizers(model, optimizer="muon_adamw", polar_dtype=torch.float16)

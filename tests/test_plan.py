@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from chatpipe.plan import check_memory_fits, estimate_memory_bytes, format_plan, main, make_plan
+from chatpipe import plan
+from chatpipe.plan import check_memory_fits, estimate_memory_bytes, format_plan, main, make_plan, polar_express_dtype
+from chatpipe.runtime import Runtime
+from chatpipe.settings import PretrainSettings
 
 # d20 by hand: n_embd = 20 * 64 = 1280, 10 heads of 128, vocab 65,536, seq 2048
 WTE = LM_HEAD = 65_536 * 1280
@@ -84,3 +88,28 @@ def test_cli_script_exit_status_for_a_misspelt_profile(params_file, capsys):
 
     assert cli_main(["plan", "--profile", "speedrn"]) == 2
     assert "allowed:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("setting", "optimizer", "run_dtype", "cpu_bf16", "expected"),
+    [
+        ("auto", "muon_adamw", torch.float32, True, torch.bfloat16),  # CPU with bf16 dot products
+        ("auto", "muon_adamw", torch.float32, False, torch.float32),  # CPU without: bf16 would be emulated
+        ("auto", "muon_adamw", torch.bfloat16, False, torch.bfloat16),  # a bf16 run, as nanochat
+        ("auto", "muon", torch.bfloat16, True, torch.float32),  # the muon recipe's Newton-Schulz stays float32
+        ("float32", "muon_adamw", torch.bfloat16, True, torch.float32),
+        ("bfloat16", "muon_adamw", torch.float32, False, torch.bfloat16),
+    ],
+)
+def test_polar_express_dtype_resolves_auto_from_the_run_and_the_cpu(
+    monkeypatch, setting, optimizer, run_dtype, cpu_bf16, expected
+):
+    monkeypatch.setattr(plan, "cpu_multiplies_bf16", lambda: cpu_bf16)
+    cfg = PretrainSettings(polar_express_dtype=setting, optimizer=optimizer)
+    rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=run_dtype)
+    assert polar_express_dtype(cfg, rt) == expected
+
+
+def test_polar_express_dtype_names_the_allowed_values():
+    with pytest.raises(ValidationError, match="(?s)polar_express_dtype.*'auto', 'float32' or 'bfloat16'"):
+        PretrainSettings(polar_express_dtype="fp16")

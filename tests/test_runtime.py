@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from bench.cpu_allocator import run
-from chatpipe.runtime import keep_freed_memory_in_heap
+from chatpipe.runtime import cpu_multiplies_bf16, keep_freed_memory_in_heap
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
@@ -24,3 +24,20 @@ def test_training_steps_stop_faulting_pages_back_in():
 def test_users_malloc_environment_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert keep_freed_memory_in_heap() is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ("fpu avx2 avx512f avx512_bf16 avx512_vnni", True),
+        ("fpu avx2 amx_bf16 amx_tile", True),
+        ("fpu avx2 avx512f", False),
+    ],
+)
+def test_cpu_bf16_dot_products_are_read_from_the_kernels_flags(tmp_path, flags, native):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    )
+    assert cpu_multiplies_bf16(str(cpuinfo)) is native
+    assert cpu_multiplies_bf16(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows): float32

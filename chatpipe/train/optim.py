@@ -45,18 +45,24 @@ def build_optimizers(
     reduce_grads: bool = False,
     compile: bool = False,
     polar_express: str = "direct",
+    polar_dtype: torch.dtype = torch.float32,
 ) -> list[torch.optim.Optimizer]:
     """Return ``[adamw, muon]`` (``optimizer="muon"``) or ``[MuonAdamW]`` (``"muon_adamw"``).
 
     Built over ``model.param_groups()`` (a :class:`chatpipe.model.gpt.GPT`). AdamW lrs are scaled
     by (n_embd / 768) ** -0.5 so wider models take smaller embedding steps; Muon's lr is used as
     given (its update is already shape-normalised). ``scalar_lr`` is the lambdas' lr.
-    ``reduce_grads``, ``compile`` and ``polar_express``: see :class:`MuonAdamW` (only that recipe).
+    ``reduce_grads``, ``compile``, ``polar_express`` and ``polar_dtype``: see :class:`MuonAdamW` (only
+    that recipe).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     if polar_express != "direct" and optimizer != "muon_adamw":
         raise ValueError(f"polar_express={polar_express!r} needs optimizer='muon_adamw' (muon uses Newton-Schulz)")
+    if polar_dtype != torch.float32 and optimizer != "muon_adamw":
+        raise ValueError(
+            f"polar_dtype={polar_dtype} needs optimizer='muon_adamw' (muon's Newton-Schulz runs in float32)"
+        )
     if optimizer == "muon_adamw":
         lrs = {"unembedding_lr": unembedding_lr, "embedding_lr": embedding_lr, "matrix_lr": matrix_lr}
         recipe = {
@@ -65,6 +71,7 @@ def build_optimizers(
             "reduce_grads": reduce_grads,
             "compile": compile,
             "polar_express": polar_express,
+            "polar_dtype": polar_dtype,
         }
         return [build_muon_adamw(model, **lrs, **recipe)]
     groups = model.param_groups()
@@ -230,6 +237,7 @@ def polar_express(x: torch.Tensor, steps: int = 5, form: str = "direct") -> torc
 # float64 against the direct form's 1.9e-5 (5.9e-4 without the restart).
 GRAM_SPACE_MIN_ASPECT = 2
 POLAR_EXPRESS_FORMS = ("direct", "gram")
+POLAR_EXPRESS_DTYPES = (torch.float32, torch.bfloat16)
 GRAM_SPACE_RESTART = 2
 
 
@@ -266,6 +274,7 @@ def muon_update(
     beta2: float,
     ns_steps: int,
     polar_form: str = "direct",
+    polar_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The orthogonalised, variance-normalised update of a stack of same-shaped matrices [N, r, c].
 
@@ -273,16 +282,19 @@ def muon_update(
     Polar Express; Muon+ (Frobenius norm reset to sqrt(min(r, c))); NorMuon-style variance
     reduction: a running second moment per row (tall or square) or per column (wide) rescales the
     update, which then gets its pre-rescaling Frobenius norm back. Updates the two buffers in place.
+
+    From MuonEq's scaling to the end of Polar Express the matrices are ``polar_dtype`` (nanochat:
+    bfloat16 when it trains in bfloat16), with MuonEq's norms taken in float32.
     """
     rows, cols = grads.shape[-2:]
     momentum_buffer.lerp_(grads, 1 - momentum)
-    g = grads.lerp(momentum_buffer, momentum)
+    g = grads.lerp(momentum_buffer, momentum).to(polar_dtype)
     # MuonEq: equalise row norms so no row dominates the orthogonalisation
-    row_norm = g.norm(dim=-1, keepdim=True)
-    target = g.norm(dim=(-2, -1), keepdim=True) / rows**0.5
-    g = g * (target / row_norm.clamp_min(1e-10))
+    row_norm = g.float().norm(dim=-1, keepdim=True)
+    target = g.float().norm(dim=(-2, -1), keepdim=True) / rows**0.5
+    g = g * (target / row_norm.clamp_min(1e-10)).to(polar_dtype)
     x = g / (1.01 * g.norm(dim=(-2, -1), keepdim=True) + 1e-6)
-    x = polar_express(x, ns_steps, polar_form)
+    x = polar_express(x, ns_steps, polar_form).to(grads.dtype)
     # Muon+: a semi-orthogonal matrix has Frobenius norm sqrt(min(r, c)); restore it exactly
     x = x * (min(rows, cols) ** 0.5 / x.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
     # NorMuon: normalise by a running per-row (or per-column) second moment, keep the overall norm
@@ -312,7 +324,18 @@ def adamw_update_(p, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def muon_step_(
-    params, grads, momentum_buffer, second_moment, *, momentum, beta2, lr, wd, ns_steps: int, polar_form: str
+    params,
+    grads,
+    momentum_buffer,
+    second_moment,
+    *,
+    momentum,
+    beta2,
+    lr,
+    wd,
+    ns_steps: int,
+    polar_form: str,
+    polar_dtype: torch.dtype = torch.float32,
 ) -> None:
     """:func:`muon_update` of a stack of same-shaped matrices, then the cautious-decay step of each, in place.
 
@@ -326,6 +349,7 @@ def muon_step_(
         beta2=beta2,
         ns_steps=ns_steps,
         polar_form=polar_form,
+        polar_dtype=polar_dtype,
     )
     for p, u in zip(params, update.unbind(0)):
         u = u.to(p.dtype)
@@ -366,7 +390,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     ``polar_express`` ("direct" | "gram"): the form of the Muon groups' Polar Express, see
     :func:`polar_express`. It changes rounding only and is a constructor choice, like ``compile``,
-    not optimizer state (the pretrain stage's settings fingerprint records it).
+    not optimizer state (the pretrain stage's settings fingerprint records it). ``polar_dtype``
+    (float32 | bfloat16): the precision of its matmuls, see :func:`muon_update`; a constructor
+    choice as well.
     """
 
     def __init__(
@@ -376,9 +402,12 @@ class MuonAdamW(torch.optim.Optimizer):
         reduce_grads: bool = False,
         compile: bool = False,
         polar_express: str = "direct",
+        polar_dtype: torch.dtype = torch.float32,
     ) -> None:
         if polar_express not in POLAR_EXPRESS_FORMS:
             raise ValueError(f"polar_express={polar_express!r}; allowed: {', '.join(POLAR_EXPRESS_FORMS)}")
+        if polar_dtype not in POLAR_EXPRESS_DTYPES:
+            raise ValueError(f"polar_dtype={polar_dtype}; allowed: {', '.join(map(str, POLAR_EXPRESS_DTYPES))}")
         for g in param_groups:
             if g.get("kind") not in ("adamw", "muon"):
                 raise ValueError(f"MuonAdamW group needs kind 'adamw' or 'muon', got {g.get('kind')!r}")
@@ -388,6 +417,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.reduce_grads = reduce_grads
         self.compiled = compile
         self.polar_express = polar_express
+        self.polar_dtype = polar_dtype
         # 0-d fp32 scalars refilled every step: a compiled graph takes them as inputs, not constants
         self._scalars = {k: torch.zeros((), dtype=torch.float32) for k in ("step", "lr", "b1", "b2", "eps", "wd")}
 
@@ -499,6 +529,7 @@ class MuonAdamW(torch.optim.Optimizer):
             wd=wd_t,
             ns_steps=group["ns_steps"],
             polar_form=self.polar_express,
+            polar_dtype=self.polar_dtype,
         )
 
 
@@ -513,6 +544,7 @@ def build_muon_adamw(
     reduce_grads: bool,
     compile: bool,
     polar_express: str,
+    polar_dtype: torch.dtype,
 ) -> MuonAdamW:
     """nanochat's ``setup_optimizer``: the groups, betas, weight decays and lr scalings of its recipe.
 
@@ -555,6 +587,7 @@ def build_muon_adamw(
         reduce_grads=reduce_grads,
         compile=compile,
         polar_express=polar_express,
+        polar_dtype=polar_dtype,
     )
     for group in opt.param_groups:
         group["initial_lr"] = group["lr"]
