@@ -35,6 +35,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from chatpipe.model.attention import MAX_LEN as BLOCKWISE_MAX_LEN
+from chatpipe.model.attention import BlockwiseCausal, blockwise_causal_attention
+
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
 ROTARY_LEN_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past training length
@@ -306,10 +309,14 @@ AttentionSpan = tuple[int, int, int, int, torch.Tensor | None, bool]
 CPU_ATTENTION_BLOCK = 128  # query rows per call for windowed attention over a whole sequence on CPU
 
 
-def _attention_plan(t0: int, t: int, window: int | None, device: torch.device) -> list[AttentionSpan]:
+def _attention_plan(
+    t0: int, t: int, window: int | None, device: torch.device, training: bool = False
+) -> list[AttentionSpan] | BlockwiseCausal:
     """How to compute one layer's attention: usually one call over everything.
 
-    On CPU, a sliding window over a whole sequence (training, prefill; ``window < t``) goes in
+    CPU training on a whole sequence of up to :data:`BLOCKWISE_MAX_LEN` positions goes through
+    :func:`blockwise_causal_attention` (batched matmuls at full rate; torch's CPU kernel is slower
+    there). Otherwise on CPU, a sliding window over a whole sequence (prefill; ``window < t``) goes in
     blocks of ``window - 1`` query rows (at least :data:`CPU_ATTENTION_BLOCK`): the first block is
     plain causal, each later one sees only the keys its window reaches. torch's CPU attention
     computes every (query, key) pair of a mask, so one T x T masked call costs about T^2, the blocks
@@ -317,6 +324,8 @@ def _attention_plan(t0: int, t: int, window: int | None, device: torch.device) -
     result equals the single call up to float rounding (bitwise at the tiny config, where the
     kernel's own row and key blocks line up with these).
     """
+    if device.type == "cpu" and training and t0 == 0 and 1 < t <= BLOCKWISE_MAX_LEN:
+        return BlockwiseCausal(window if window is not None and window < t else None)
     if device.type != "cpu" or t0 != 0 or window is None or window >= t:
         return [(0, t, 0, t0 + t, *_attention_mask(t0, t, window, device))]
     block = max(window - 1, CPU_ATTENTION_BLOCK)
@@ -355,7 +364,7 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: list[AttentionSpan],
+        plan: list[AttentionSpan] | BlockwiseCausal,
         kv_cache: KVCache | None,
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -372,14 +381,17 @@ class CausalSelfAttention(nn.Module):
             q, k = q * self.qk_scale, k * self.qk_scale
         if kv_cache is not None:
             k, v = kv_cache.insert(self.layer_idx, k, v)
-        gqa = self.n_kv_head != self.n_head
-        parts = [
-            F.scaled_dot_product_attention(
-                q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=m, is_causal=causal, enable_gqa=gqa
-            )
-            for q0, q1, k0, k1, m, causal in plan
-        ]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        if isinstance(plan, BlockwiseCausal):
+            y = blockwise_causal_attention(q, k, v, plan.window)
+        else:
+            gqa = self.n_kv_head != self.n_head
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=m, is_causal=causal, enable_gqa=gqa
+                )
+                for q0, q1, k0, k1, m, causal in plan
+            ]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -494,7 +506,8 @@ class GPT(nn.Module):
         if t0 + t > self.cos.size(2):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
         cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
-        plans = {w: _attention_plan(t0, t, w, idx.device) for w in set(self.windows)}  # one per distinct window
+        training = kv_cache is None and torch.is_grad_enabled()
+        plans = {w: _attention_plan(t0, t, w, idx.device, training) for w in set(self.windows)}  # one per window
         config = self.config
         x = norm(self.wte(idx))
         if config.smear:
