@@ -29,12 +29,13 @@ AUTO_BATCH_REF_SIZE = 1 << 19
 AUTO_BATCH_EXPONENT = 0.383
 
 # torch.compile on the project's 2-core CPU, tiny model (bench/pretrain_vs_nanochat.py, bench/README.md):
-# compiling the model costs ~25 s with an empty inductor cache (~6 s warm) and saves ~0.15 s per
-# 4096-token step; compiling the optimizer costs another ~25 s (~2 s warm) and saves ~0.03 s. So
-# the model pays after ~200 steps from a cold cache (the eval model, compiled with it, adds more),
-# the optimizer only after ~800. ``auto`` follows the cold numbers: a fresh machine pays them.
-COMPILE_MIN_STEPS_CPU = 200
-COMPILE_OPTIMIZER_MIN_STEPS_CPU = 800
+# compiling the model costs ~39 s with an empty inductor cache (~6 s warm) and saves ~0.08 s per
+# 4096-token step (0.75 -> 0.67 s; eager attention already runs as batched matmuls); compiling the
+# optimizer costs another ~29 s and saves ~0.01 s (72 -> 62 ms, Polar Express in bf16). So the model
+# pays after ~500 steps from a cold cache (the eval model, compiled with it, adds more), the
+# optimizer only after ~3,000. ``auto`` follows the cold numbers: a fresh machine pays them.
+COMPILE_MIN_STEPS_CPU = 500
+COMPILE_OPTIMIZER_MIN_STEPS_CPU = 3000
 
 
 def model_config_for(cfg: PretrainSettings, vocab_size: int) -> GPTConfig:
