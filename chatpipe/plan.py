@@ -97,8 +97,8 @@ def compile_pays(setting: bool | str, total_steps: int, device: torch.device, pa
 def polar_express_dtype(cfg: PretrainSettings, rt: Runtime) -> torch.dtype:
     """Resolve ``polar_express_dtype: auto`` (MuonAdamW only; the muon recipe stays float32): bfloat16
     where the run trains in bfloat16 (nanochat's choice on GPU) or the CPU multiplies bfloat16
-    natively (a third faster than float32 Polar Express on the tiny model, with lower val bpb per
-    CPU-second: bench/README.md), float32 elsewhere."""
+    natively (there Polar Express takes half the time of float32 on the tiny model, and val bpb per
+    CPU-second is lower: bench/README.md), float32 elsewhere."""
     if cfg.optimizer != "muon_adamw" or cfg.polar_express_dtype == "float32":
         return torch.float32
     if cfg.polar_express_dtype == "bfloat16":

@@ -3,7 +3,7 @@
 torch's CPU attention kernel (the flash-style ``scaled_dot_product_attention``) runs well below the
 CPU's matmul rate at training lengths. At batch 16, 4 heads of 64 and 256 positions on 2 cores, a
 causal layer's forward and backward take 28-31 ms there and 21-23 ms here (eager and compiled),
-where every product is one batched matmul; the tiny model's whole training step gets 2.5-3% faster.
+where every product is one batched matmul; the tiny model's whole training step gets 2.5-3.6% faster.
 The price is memory: the backward keeps each block's softmax (batch x heads x about T^2/2 floats
 per layer), so the model takes this path only for sequences up to :data:`MAX_LEN`.
 
