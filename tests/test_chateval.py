@@ -41,6 +41,18 @@ def test_val_loss_and_bpb_count_only_trained_targets():
     assert bpb == pytest.approx(trainloop.evaluate_bpb(model, [(x, y)], TOK.token_bytes(), RT), rel=1e-5)
 
 
+def test_evaluation_builds_no_autograd_graph():
+    # a graph per eval batch, chained through the running sums, holds every batch's activations
+    # until the end (and sends the forward down the training-only attention path)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=TOK.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    model.init_weights()
+    grad_on = []
+    model.register_forward_pre_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
+    x = torch.randint(0, 256, (2, 16))
+    trainloop.evaluate_loss_bpb(model, [(x, x), (x, x)], TOK.token_bytes(), RT)
+    assert grad_on == [False, False]
+
+
 @pytest.fixture
 def scripted(monkeypatch):
     """Engine.generate_many returns replies chosen by the test instead of sampling a model."""

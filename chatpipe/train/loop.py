@@ -125,6 +125,7 @@ def report_step(
         )
 
 
+@torch.no_grad()
 def evaluate_loss_bpb(
     model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes: torch.Tensor, rt: Runtime
 ) -> tuple[float, float]:
