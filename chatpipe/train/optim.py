@@ -290,8 +290,9 @@ def muon_update(
     momentum_buffer.lerp_(grads, 1 - momentum)
     g = grads.lerp(momentum_buffer, momentum).to(polar_dtype)
     # MuonEq: equalise row norms so no row dominates the orthogonalisation
-    row_norm = g.float().norm(dim=-1, keepdim=True)
-    target = g.float().norm(dim=(-2, -1), keepdim=True) / rows**0.5
+    g32 = g.float()  # the norms in float32 (no copy when g already is)
+    row_norm = g32.norm(dim=-1, keepdim=True)
+    target = g32.norm(dim=(-2, -1), keepdim=True) / rows**0.5
     g = g * (target / row_norm.clamp_min(1e-10)).to(polar_dtype)
     x = g / (1.01 * g.norm(dim=(-2, -1), keepdim=True) + 1e-6)
     x = polar_express(x, ns_steps, polar_form).to(grads.dtype)
