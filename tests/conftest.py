@@ -30,3 +30,19 @@ def require_shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real test data not found at {SHARED_DATA} (../shared/data beside the repo)")
     return SHARED_DATA
+
+
+# Under pytest-xdist (pyproject's addopts: two workers, `--dist loadfile`) a test file runs whole on
+# one worker, and files are handed out in collection order. The longest files (measured with
+# `pytest --durations`) go first, so that neither worker picks up a long file when the other is
+# almost done; every other file keeps its place after them.
+HEAVIEST_FIRST = (
+    "test_readme_examples.py",
+    "test_slurm.py",
+    "test_hub.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
