@@ -12,12 +12,21 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from chatpipe.evals.sandbox import SandboxResult, _interpreter, check_humaneval, run_program
+from chatpipe.evals.sandbox import (
+    DISK_BYTES,
+    FSIZE_BYTES,
+    SandboxResult,
+    _interpreter,
+    check_humaneval,
+    run_program,
+    sandbox_mode,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="sandbox limits are Linux-only")
 
@@ -260,3 +269,157 @@ def test_fork_and_setsid_through_ctypes_leaves_nothing_behind() -> None:
     finally:
         for pid in _sandbox_pids():
             os.kill(pid, 9)
+
+
+# --- issue 30: attacks that beat the Python-level prelude, run through bubblewrap ---------------
+# Each of these got through the sandbox before bubblewrap (a mount, PID and network namespace
+# boundary) was put around the program; see the report of issue 30.
+
+REPO = Path(__file__).resolve().parents[1]
+# A fresh copy of _io, loaded past the prelude's patched open/FileIO (issue 30's attack).
+RAW_IO = (
+    "import importlib.util\n"
+    "spec = importlib.util.find_spec('_io')\n"
+    "rawio = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(rawio)\n"
+)
+
+
+@pytest.fixture
+def bubblewrap() -> None:
+    """Run the test under bubblewrap; skip where it is absent, fail if CHATPIPE_REQUIRE_BWRAP is set (CI)."""
+    mode = sandbox_mode()
+    if mode != "bubblewrap":
+        if os.environ.get("CHATPIPE_REQUIRE_BWRAP"):
+            pytest.fail(f"CHATPIPE_REQUIRE_BWRAP is set but the sandbox runs in {mode}")
+        pytest.skip(f"needs bubblewrap (apt-get install bubblewrap); sandbox mode here: {mode}")
+
+
+@pytest.fixture
+def secret_in_tmp() -> Iterator[tuple[Path, str]]:
+    """A world-readable file in the real /tmp, as another user's or run's file would be."""
+    token = f"secret-{uuid.uuid4().hex}"
+    path = Path("/tmp") / f"chatpipe-secret-{uuid.uuid4().hex}.txt"
+    path.write_text(token)
+    path.chmod(0o644)
+    yield path, token
+    path.unlink(missing_ok=True)
+
+
+def test_io_reload_cannot_read_outside_the_temp_dir(bubblewrap: None, secret_in_tmp: tuple[Path, str]) -> None:
+    path, token = secret_in_tmp
+    params = (REPO / "params.yaml").read_text()
+    for target in (path, REPO / "params.yaml"):
+        r = run_program(RAW_IO + f"print(rawio.open({str(target)!r}).read())")
+        _assert_contained(r, "error")
+        assert "FileNotFoundError" in r.stderr, r
+        assert token not in r.stdout and params[:40] not in r.stdout
+
+
+def test_a_file_written_to_tmp_does_not_outlive_the_run(bubblewrap: None) -> None:
+    target = Path("/tmp") / f"chatpipe-attack-{uuid.uuid4().hex}.txt"
+    try:
+        # /tmp inside is the program's own: writing there is allowed, and it vanishes with the run.
+        r = run_program(RAW_IO + f"rawio.open({str(target)!r}, 'w').write('x')\nprint('written')")
+        assert (r.status, r.stdout) == ("passed", "written\n"), r
+        assert not target.exists(), "a file the program wrote into /tmp outlived its run"
+        r = run_program(f"import os\nassert not os.path.exists({str(target)!r})")
+        assert r.status == "passed", "the next run sees the last run's /tmp"
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def test_project_and_home_dirs_are_not_there(bubblewrap: None) -> None:
+    # posix.listdir and a raw FileIO sidestep the prelude's os.listdir and open guards.
+    for path in (REPO, REPO / "chatpipe", Path("/work"), Path("/root"), Path("/home")):
+        r = run_program(f"import posix\nprint(posix.listdir({str(path)!r}))")
+        _assert_contained(r, "error")
+        assert r.stdout == "", r
+    r = run_program(RAW_IO + f"print(rawio.FileIO({str(REPO / 'pyproject.toml')!r}).read())")
+    _assert_contained(r, "error")
+    assert r.stdout == "", r
+
+
+def test_raw_sockets_reach_nothing(bubblewrap: None) -> None:
+    # A unix socket in the real /tmp: a network namespace does not isolate those, a mount one does.
+    path = f"/tmp/chatpipe-attack-{uuid.uuid4().hex}.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen(1)
+    server.settimeout(0.5)
+    hits: list[bool] = []
+
+    def accept() -> None:
+        try:
+            server.accept()
+            hits.append(True)
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    raw = "import sys\nsys.modules.pop('_socket')\nimport _socket\n"
+    try:
+        r = run_program(raw + f"s = _socket.socket(_socket.AF_UNIX)\ns.settimeout(1)\ns.connect({path!r})")
+        _assert_contained(r, "error")
+        time.sleep(0.6)  # longer than the listener's accept timeout
+        assert hits == [], "the program connected to a unix socket outside its sandbox"
+    finally:
+        server.close()
+        os.unlink(path)
+    _assert_none_connects(
+        lambda port: [raw + f"s = _socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))"]
+    )
+
+
+def _procs_named(name: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == name:
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # gone
+    return pids
+
+
+def test_fork_and_setsid_leave_no_process(bubblewrap: None) -> None:
+    # The orphan names itself (prctl PR_SET_NAME) and forgets the sandbox's HOME, so only its name finds it.
+    name = f"cp{uuid.uuid4().hex[:12]}"
+    code = LIBC + (
+        "import time\n"
+        "if libc.fork() == 0:\n"
+        "    libc.setsid()\n"
+        "    if libc.fork() == 0:\n"
+        f"        libc.prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+        "        os.environ.clear()\n"
+        "        while True:\n"
+        "            time.sleep(0.05)\n"
+        "    libc._exit(0)\n"
+        "time.sleep(0.3)\n"
+        "print('parent done')\n"
+    )
+    try:
+        r = run_program(code, timeout_s=5.0)
+        assert (r.status, r.stdout) == ("passed", "parent done\n"), r
+        deadline = time.monotonic() + 2.0
+        while _procs_named(name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _procs_named(name) == [], "a forked + setsid process outlived its sandbox run"
+    finally:
+        for pid in _procs_named(name):
+            os.kill(pid, 9)
+
+
+def test_filling_the_disk_stops_at_the_size_limit(bubblewrap: None) -> None:
+    # Many files, each under RLIMIT_FSIZE, add up past the private /tmp's size: "No space left".
+    n = DISK_BYTES // (4 * 1024**2) + 4
+    r = run_program(f"for i in range({n}):\n    open(f'f{{i}}', 'wb').write(bytes(4 * 1024**2))\nprint('filled')")
+    _assert_contained(r, "error")
+    assert "No space left on device" in r.stderr and r.stdout == "", r
+    # One file past RLIMIT_FSIZE (flushed chunks: a single write is silently cut at the limit).
+    r = run_program(f"f = open('big', 'wb')\nfor _ in range(3):\n    f.write(bytes({FSIZE_BYTES // 2}))\n    f.flush()")
+    _assert_contained(r, "error")
+    assert "File too large" in r.stderr, r
+    r = run_program("import os\nprint(os.listdir('.'))")  # and the next run starts empty
+    assert (r.status, r.stdout) == ("passed", "[]\n"), r
