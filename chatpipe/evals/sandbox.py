@@ -532,8 +532,8 @@ def _bwrap_plan() -> tuple[_Bwrap | None, str]:
             continue
         if done.returncode == 0:
             return _Bwrap(bwrap, python, run_as), ""
-        why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        why = why[0]
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        why = lines[-1] if lines else f"exit {done.returncode}"  # bwrap's own message, e.g. no user namespaces
     return None, f"bwrap unusable here: {why}"
 
 
@@ -550,10 +550,9 @@ def sandbox_mode() -> str:
     return "bubblewrap" if plan is not None else f"fallback ({why})"
 
 
-def _log_mode_once(mode: str, _seen: set[str] = set()) -> None:  # noqa: B006 (the set is the memory)
-    if mode not in _seen:
-        _seen.add(mode)
-        (log.info if mode == "bubblewrap" else log.warning)("sandbox for model-written code: %s", mode)
+@functools.cache  # once per mode and process, not once per program
+def _log_mode(mode: str) -> None:
+    (log.info if mode == "bubblewrap" else log.warning)("sandbox for model-written code: %s", mode)
 
 
 def _run_bwrap(plan: _Bwrap, files: tuple, limits: Callable[[], None], timeout_s: float) -> tuple[int, bool]:
@@ -584,7 +583,7 @@ def _run_bwrap(plan: _Bwrap, files: tuple, limits: Callable[[], None], timeout_s
     return (-(code - 128) if code > 128 else code), timed_out
 
 
-# --- running a program ---------------------------------------------------------------------------
+# --- the fallback, and running a program in either mode ---------------------------------------
 
 
 def _run_fallback(files: tuple, memory_bytes: int, cpu_s: int, timeout_s: float) -> tuple[int, bool]:
@@ -627,7 +626,7 @@ def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_
     """Run ``code`` as a fresh Python program inside the sandbox; never raises for bad code."""
     cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
     mode = sandbox_mode()
-    _log_mode_once(mode)
+    _log_mode(mode)
     io_dir = Path(tempfile.mkdtemp(prefix="chatpipe-sandbox-io-"))  # ours; the child gets fds only
     try:
         (io_dir / "stdin").write_text(code, encoding="utf-8")
