@@ -192,6 +192,15 @@ def test_chatcore_is_mean_centered_accuracy(scripted_samples) -> None:
         evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"TriviaQA": FakeMC(2)}, device="cpu")
 
 
+def test_a_task_running_code_records_its_sandbox_mode(scripted_samples) -> None:
+    code_task = ScriptedGen([1, 1])
+    code_task.sandbox = "fallback (bwrap not found)"  # as HumanEval reports it
+    tasks = {"HumanEval": code_task, "GSM8K": ScriptedGen([1, 1])}
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
+    assert out["tasks"]["HumanEval"]["sandbox"] == "fallback (bwrap not found)"
+    assert "sandbox" not in out["tasks"]["GSM8K"]
+
+
 def test_generative_path_runs_the_real_engine() -> None:
     """A random tiny GPT through Engine: completions reach evaluate without the stop token."""
     from chatpipe.model.gpt import GPT, config_from_depth

@@ -201,7 +201,8 @@ def evaluate_chatcore(
 
     ``max_generative`` caps generative tasks separately (sampling costs far more than one
     forward pass); None means ``max_per_task``.
-    Returns ``{"tasks": {name: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``.
+    Returns ``{"tasks": {name: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``;
+    a task that runs model-written code (HumanEval) also gets ``"sandbox"``, the sandbox's mode.
     Extra keyword arguments go to :func:`evaluate_task` (rank, world_size, num_samples, k, ...).
     """
     unknown = [name for name in tasks if name not in CHATCORE_BASELINES]
@@ -212,6 +213,8 @@ def evaluate_chatcore(
         limit = max_generative if task.eval_type == "generative" and max_generative else max_per_task
         r = evaluate_task(model, tokenizer, task, device=device, max_examples=limit, **kw)
         r["centered"] = centered(r["accuracy"], CHATCORE_BASELINES[name])
+        if hasattr(task, "sandbox"):  # a task running model-written code: say in which sandbox it ran
+            r["sandbox"] = task.sandbox
         results[name] = r
     score = chatcore({name: r["accuracy"] for name, r in results.items()}) if results else None
     return {"tasks": results, "chatcore": score}

@@ -5,7 +5,19 @@
     r.passed, r.status, r.stdout            # True, "passed", "2\\n"
     check_humaneval(prompt, completion, test, entry_point).passed
 
-Layers, outermost first (a separate process, limits, no network, a temp dir, no project files):
+Where bubblewrap (``bwrap``, Debian package ``bubblewrap``) is installed and works, it is the
+boundary. The program runs in fresh namespaces of every kind (``--unshare-all``: no network, its
+own PID namespace under bwrap's reaping PID 1, ``--new-session``, ``--die-with-parent``) and sees
+only what the interpreter needs, read-only (/usr, /lib*, the interpreter's prefix), a private
+/proc and /dev, and a size-capped ``--tmpfs /tmp`` holding its cwd and HOME, which vanishes with
+it. Not the project tree, not the real /tmp, not /home, /root or /work. As root, bwrap itself is
+started as ``nobody`` so RLIMIT_NPROC applies (root ignores it).
+
+Without bwrap (or with CHATPIPE_SANDBOX=fallback), the older layers below are the documented
+fallback; they have no filesystem boundary. :func:`sandbox_mode` says which mode runs; it is
+logged and recorded with the HumanEval results.
+
+Fallback layers, outermost first (a separate process, limits, no network, a temp dir):
 1. A fresh ``python -I -S -B`` interpreter (no PYTHON* env, no site-packages, so not even the
    installed project) started in its own session and, where the kernel allows (root, or user
    namespaces), in its own PID namespace under a trusted init: when the run ends, the namespace
@@ -22,6 +34,7 @@ Layers, outermost first (a separate process, limits, no network, a temp dir, no 
 5. A prelude run before the code: sockets, fork/exec/kill, subprocess and ctypes raise, and
    open/os.* refuse writes outside the temp dir and reads outside it and the stdlib. This
    layer is Python-level and can be bypassed by determined code; 1-4 are the boundary.
+Under bubblewrap, layers 2 and 5 run too (5 keeps the statuses and messages of plain mistakes).
 
 Statuses: passed, failed (assertion or early exit), error (any other exception, including the
 sandbox's PermissionErrors and "File too large" past RLIMIT_FSIZE), timeout (wall or CPU
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import os
 import pwd
@@ -42,8 +56,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 MAX_OUTPUT_CHARS = 20_000  # per stream, kept in the result
 FSIZE_BYTES = 8 * 1024 * 1024  # any file the child writes, stdout/stderr included
@@ -52,6 +69,9 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG = 1
+
+# What a Python must import to run the runner below; probes that a candidate interpreter works.
+_PROBE = "import encodings, json, linecache, math, re, socket, traceback"
 
 # Exit codes the runner below uses to report how the program ended.
 _EXIT_STATUS = {0: "passed", 1: "failed", 2: "error", 3: "memory"}
@@ -285,22 +305,35 @@ def _drop_privileges(uid: int, gid: int) -> None:
     os.setuid(uid)
 
 
-def _child_setup(memory_bytes: int, cpu_s: int, run_as: tuple[int, int] | None) -> None:
-    """Runs in the child between fork and exec (preexec_fn): namespaces, limits, user."""
-    own_pids = _isolate_network()
-    if own_pids:
-        _enter_pid_namespace()
+def _set_limits(memory_bytes: int, cpu_s: int) -> None:
+    """The kernel limits of the program (both modes), set between fork and exec."""
     _lower_limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
     _lower_limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU first, SIGKILL a second later
     _lower_limit(resource.RLIMIT_NPROC, NPROC, NPROC)
     _lower_limit(resource.RLIMIT_FSIZE, FSIZE_BYTES, FSIZE_BYTES)
     _lower_limit(resource.RLIMIT_CORE, 0, 0)
+
+
+def _child_setup(memory_bytes: int, cpu_s: int, run_as: tuple[int, int] | None) -> None:
+    """Runs in the fallback's child between fork and exec (preexec_fn): namespaces, limits, user."""
+    own_pids = _isolate_network()
+    if own_pids:
+        _enter_pid_namespace()
+    _set_limits(memory_bytes, cpu_s)
     if run_as is not None:
         _drop_privileges(*run_as)
 
 
 def _minimal_env(home: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
+
+
+def _nobody() -> tuple[int, int]:
+    try:
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except KeyError:
+        return 65534, 65534
 
 
 @functools.lru_cache(maxsize=1)
@@ -314,16 +347,11 @@ def _interpreter() -> tuple[str, tuple[int, int] | None]:
     """
     if os.geteuid() != 0:
         return sys.executable, None
-    try:
-        entry = pwd.getpwnam("nobody")
-        ids = (entry.pw_uid, entry.pw_gid)
-    except KeyError:
-        ids = (65534, 65534)
-    probe = "import encodings, json, linecache, math, re, socket, traceback"
+    ids = _nobody()
     for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         try:
             done = subprocess.run(
-                [python, "-I", "-S", "-B", "-c", probe],
+                [python, "-I", "-S", "-B", "-c", _PROBE],
                 cwd="/",
                 env=_minimal_env("/"),
                 preexec_fn=functools.partial(_drop_privileges, *ids),
@@ -437,15 +465,170 @@ def _kill_everything(proc: subprocess.Popen, namespace: str | None, marker: byte
         time.sleep(0.01)
 
 
-def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int | None = None) -> SandboxResult:
-    """Run ``code`` as a fresh Python program inside the sandbox; never raises for bad code."""
-    cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
+# --- bubblewrap -------------------------------------------------------------------------------
+
+SANDBOX_ENV = "CHATPIPE_SANDBOX"  # "fallback" forces the fallback layers (tests; a broken bwrap)
+DISK_BYTES = 64 * 1024 * 1024  # the private /tmp under bubblewrap: cwd, HOME and all it writes
+BWRAP_WORK = "/tmp/chatpipe-sandbox-work"  # the program's cwd and HOME, inside that /tmp
+# Top-level system dirs the interpreter and its shared libraries live in (merged /usr: links).
+SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin")
+
+
+@dataclass(frozen=True)
+class _Bwrap:
+    """How to run under bubblewrap here: the bwrap binary, a Python, and the user to start it as."""
+
+    bwrap: str
+    python: str
+    run_as: tuple[int, int] | None  # as root: nobody, so RLIMIT_NPROC counts
+
+
+def _prefix(python: str) -> str:
+    """The install prefix of ``python`` (.../bin/python3 -> ...): its stdlib lives below it."""
+    return str(Path(python).resolve().parent.parent)
+
+
+def _bwrap_argv(bwrap: str, python: str) -> list[str]:
+    """bwrap's command line: mounts only the interpreter needs, read-only; fresh namespaces."""
+    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev"]
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):  # e.g. /lib -> usr/lib: the same link inside
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    prefix = _prefix(python)
+    if not any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
+        argv += ["--ro-bind", prefix, prefix]  # e.g. a pyenv Python under /root
+    argv += ["--size", str(DISK_BYTES), "--tmpfs", "/tmp", "--dir", BWRAP_WORK, "--chdir", BWRAP_WORK]
+    return argv + [str(Path(python).resolve()), "-I", "-S", "-B"]
+
+
+@functools.lru_cache(maxsize=1)
+def _bwrap_plan() -> tuple[_Bwrap | None, str]:
+    """(how to run under bubblewrap, "") where it works here, else (None, why not).
+
+    Each candidate Python is tried for real, through bwrap, as the user it will run as: as root
+    that is nobody, who cannot read a Python under /root, so a system python3 is tried next.
+    """
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return None, "bwrap not found"
+    run_as = _nobody() if os.geteuid() == 0 else None
+    own = getattr(sys, "_base_executable", sys.executable)  # a venv's python is a link to it
+    why = ""
+    for python in dict.fromkeys((own, sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")):
+        if not os.path.exists(python):
+            continue
+        try:
+            done = subprocess.run(
+                [*_bwrap_argv(bwrap, python), "-c", _PROBE],
+                env=_minimal_env(BWRAP_WORK),
+                capture_output=True,
+                timeout=30,
+                **_as_user(run_as),
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+            continue
+        if done.returncode == 0:
+            return _Bwrap(bwrap, python, run_as), ""
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        why = lines[-1] if lines else f"exit {done.returncode}"  # bwrap's own message, e.g. no user namespaces
+    return None, f"bwrap unusable here: {why}"
+
+
+def _as_user(run_as: tuple[int, int] | None) -> dict:
+    """Popen arguments that start the child as ``run_as`` (uid, gid) with no extra groups."""
+    return {} if run_as is None else {"user": run_as[0], "group": run_as[1], "extra_groups": []}
+
+
+def sandbox_mode() -> str:
+    """Which sandbox :func:`run_program` uses: "bubblewrap" or "fallback (<why>)"."""
+    if os.environ.get(SANDBOX_ENV, "") == "fallback":
+        return f"fallback ({SANDBOX_ENV}=fallback)"
+    plan, why = _bwrap_plan()
+    return "bubblewrap" if plan is not None else f"fallback ({why})"
+
+
+@functools.cache  # once per mode and process, not once per program
+def _log_mode(mode: str) -> None:
+    (log.info if mode == "bubblewrap" else log.warning)("sandbox for model-written code: %s", mode)
+
+
+def _run_bwrap(plan: _Bwrap, files: tuple, limits: Callable[[], None], timeout_s: float) -> tuple[int, bool]:
+    """Run the runner under bubblewrap; returns (returncode as Popen reports a signal, timed out)."""
+    proc = subprocess.Popen(
+        [*_bwrap_argv(plan.bwrap, plan.python), "-c", _RUNNER],
+        stdin=files[0],
+        stdout=files[1],
+        stderr=files[2],
+        cwd="/",
+        env=_minimal_env(BWRAP_WORK),
+        start_new_session=True,  # bwrap leads its group: one killpg reaches it
+        close_fds=True,
+        preexec_fn=limits,
+        **_as_user(plan.run_as),
+    )
+    try:
+        proc.wait(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        # Killing bwrap kills its PID 1 (--die-with-parent), and with it the whole namespace.
+        _kill_group(proc)
+        proc.wait()
+    code = proc.returncode
+    # bwrap's PID 1 reports a program killed by signal N as exit 128 + N.
+    return (-(code - 128) if code > 128 else code), timed_out
+
+
+# --- the fallback, and running a program in either mode ---------------------------------------
+
+
+def _run_fallback(files: tuple, memory_bytes: int, cpu_s: int, timeout_s: float) -> tuple[int, bool]:
+    """Run the runner under the fallback layers; returns (Popen's returncode, timed out)."""
     python, run_as = _interpreter()
     work = tempfile.mkdtemp(prefix="chatpipe-sandbox-")  # the child's cwd and HOME
-    io_dir = Path(tempfile.mkdtemp(prefix="chatpipe-sandbox-io-"))  # ours; the child gets fds only
     try:
         if run_as is not None:
             os.chown(work, *run_as)
+        proc = subprocess.Popen(
+            [python, "-I", "-S", "-B", "-c", _RUNNER],
+            stdin=files[0],
+            stdout=files[1],
+            stderr=files[2],
+            cwd=work,
+            env=_minimal_env(work),
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=functools.partial(_child_setup, memory_bytes, cpu_s, run_as),
+        )
+        # Popen returns once the program has exec'd: as the shim's child, in its own PID
+        # namespace when one could be made (else no children, or one in our namespace).
+        namespace = next(iter(_pid_namespace(c) for c in _children(proc.pid)), None)
+        if namespace == _pid_namespace(os.getpid()):
+            namespace = None
+        try:
+            proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_everything(proc, namespace, f"HOME={work}\0".encode())  # and all it left behind
+            proc.wait()
+        return proc.returncode, timed_out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int | None = None) -> SandboxResult:
+    """Run ``code`` as a fresh Python program inside the sandbox; never raises for bad code."""
+    cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
+    mode = sandbox_mode()
+    _log_mode(mode)
+    io_dir = Path(tempfile.mkdtemp(prefix="chatpipe-sandbox-io-"))  # ours; the child gets fds only
+    try:
         (io_dir / "stdin").write_text(code, encoding="utf-8")
         start = time.monotonic()
         with (
@@ -453,36 +636,16 @@ def run_program(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, cpu_
             (io_dir / "stdout").open("wb") as fout,
             (io_dir / "stderr").open("wb") as ferr,
         ):
-            proc = subprocess.Popen(
-                [python, "-I", "-S", "-B", "-c", _RUNNER],
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                cwd=work,
-                env=_minimal_env(work),
-                start_new_session=True,
-                close_fds=True,
-                preexec_fn=functools.partial(_child_setup, memory_mb * 1024 * 1024, cpu_s, run_as),
-            )
-            # Popen returns once the program has exec'd: as the shim's child, in its own PID
-            # namespace when one could be made (else no children, or one in our namespace).
-            namespace = next(iter(_pid_namespace(c) for c in _children(proc.pid)), None)
-            if namespace == _pid_namespace(os.getpid()):
-                namespace = None
-            try:
-                proc.wait(timeout=timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                seconds = time.monotonic() - start
-                _kill_everything(proc, namespace, f"HOME={work}\0".encode())  # and all it left behind
-                proc.wait()
-        status = _status(proc.returncode, timed_out)
+            if mode == "bubblewrap":
+                limits = functools.partial(_set_limits, memory_mb * 1024 * 1024, cpu_s)
+                returncode, timed_out = _run_bwrap(_bwrap_plan()[0], (fin, fout, ferr), limits, timeout_s)
+            else:
+                returncode, timed_out = _run_fallback((fin, fout, ferr), memory_mb * 1024 * 1024, cpu_s, timeout_s)
+        seconds = time.monotonic() - start
+        status = _status(returncode, timed_out)
         stdout, stderr = _read_output(io_dir / "stdout"), _read_output(io_dir / "stderr")
         return SandboxResult(status == "passed", status, stdout, stderr, seconds)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(io_dir, ignore_errors=True)
 
 

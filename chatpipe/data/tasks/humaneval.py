@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from chatpipe.data.tasks.base import Task, limit_rows
-from chatpipe.evals.sandbox import check_humaneval
+from chatpipe.evals.sandbox import check_humaneval, sandbox_mode
 
 
 def load_problems() -> list[dict[str, Any]]:
@@ -50,6 +50,11 @@ class HumanEval(Task):
             "test": row["test"],
             "prompt": row["prompt"],
         }
+
+    @property
+    def sandbox(self) -> str:
+        """Where :meth:`evaluate` runs the code: "bubblewrap" or "fallback (<why>)" (kept with the results)."""
+        return sandbox_mode()
 
     def evaluate(self, conversation: dict[str, Any], completion: str) -> bool:
         code = extract_code(completion)
