@@ -192,14 +192,129 @@ def _run_reference_steps(
     return snapshots, [g["lr"] for g in opt.param_groups]
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
-def test_muon_adamw_equals_reference_after_steps_1_and_3(compile):
+# Cautious weight decay, p -= lr*u + lr*wd*p*[u*p >= 0], is discontinuous in u. A Muon update entry
+# within float32 rounding of 0 takes either sign depending on the summation order of the Polar
+# Express matmuls (MKL's AVX-512 and AVX2 sgemm kernels sum differently; inductor's graph differs
+# again), and the flipped mask moves that one parameter entry by lr*wd*p: 2.0e-4 of the tensor's
+# largest entry with AVX2 MKL (the AVX2 kind's failure), 1.2e-3 with AVX-512 MKL. No fp32 tolerance covers that and
+# neither order is more right. So the check is 1e-6 of the reference everywhere except the entries
+# whose mask fp32 does not decide; there the difference may be at most the flipped decay itself.
+#
+# An entry is undecided at a step when its float64 update is within UPDATE_ROUNDING_FACTOR times
+# the measured fp32 rounding of that step's update (max |u32 - u64|) of 0. fp32 orders have rounding
+# of that size (measured, eager with AVX-512 and with AVX2 MKL: 0.6-0.9e-5 of max|u| per step), and
+# 4x leaves room for an order a few times worse. |u| is spread over ~0.05, so that exempts about
+# 3 steps * 2 * 4 * 1.4e-6 / 0.1 ~ 3e-4 of the entries (measured: 100 of the 393k Muon entries);
+# MAX_UNDECIDED_FRACTION caps it at 3x that, and an exempt entry may still differ only by its flips.
+UPDATE_ROUNDING_FACTOR = 4.0
+MAX_UNDECIDED_FRACTION = 1e-3
+# a flip's size is lr*wd*|p| with p the float64 parameter; the fp32 one differs from it by earlier
+# flips (lr*wd = 0.56% each, at most 2 before step 3) and rounding: 2% covers both
+FLIP_SLACK = 1.02
+
+
+def _muon_group_float64(group: dict, ns: list[str], grads: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One Muon group's three steps in float64 and fp32 updates side by side: per step, the mask of
+    entries undecided so far and the summed flip bound lr*wd*|p| over their undecided steps."""
+    from chatpipe.train.optim import muon_update
+
+    rows, cols = group["params"][0].shape
+    lr = group["lr"] * max(1.0, rows / cols) ** 0.5
+    lr_wd = lr * group["weight_decay"]
+    p64 = torch.stack([p.detach().double() for p in group["params"]])
+    vshape = (len(ns), rows, 1) if rows >= cols else (len(ns), 1, cols)
+    buffers = {
+        dt: (torch.zeros(p64.shape, dtype=dt), torch.zeros(vshape, dtype=dt)) for dt in (torch.float32, torch.float64)
+    }
+    kw = {"momentum": group["momentum"], "beta2": group["beta2"], "ns_steps": group["ns_steps"]}
+    undecided, bound, per_step = torch.zeros(p64.shape, dtype=torch.bool), torch.zeros_like(p64), []
+    for g in grads:
+        g64 = torch.stack([g[n].double() for n in ns])
+        u64 = muon_update(g64, *buffers[torch.float64], polar_dtype=torch.float64, **kw)
+        u32 = muon_update(g64.float(), *buffers[torch.float32], polar_dtype=torch.float32, **kw)
+        rounding = (u32.double() - u64).abs().amax(dim=(-2, -1), keepdim=True)
+        now = u64.abs() <= UPDATE_ROUNDING_FACTOR * rounding
+        undecided, bound = undecided | now, bound + now * lr_wd * p64.abs()
+        per_step.append((undecided.clone(), bound.clone()))
+        p64 = p64 - lr * u64 - lr_wd * p64 * (u64 * p64 >= 0)
+    return per_step
+
+
+def _undecided_entries(model, ref, grads) -> dict[str, list[torch.Tensor]]:
+    """Per Muon matrix and snapshot (after steps 1 and 3): the allowed extra difference per entry,
+    FLIP_SLACK * (sum of lr*wd*|p| over the steps where fp32 does not decide its cautious mask); 0
+    on every decided entry."""
+    from chatpipe.train.optim import build_optimizers
+
+    [opt] = build_optimizers(model, optimizer="muon_adamw", **ref["setup_optimizer_kwargs"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    allowed, count, total = {}, 0, 0
+    for group in (g for g in opt.param_groups if g["kind"] == "muon"):
+        ns = [names[id(p)] for p in group["params"]]
+        per_step = _muon_group_float64(group, ns, grads)
+        count, total = count + int(per_step[-1][0].sum()), total + per_step[-1][0].numel()
+        for i, n in enumerate(ns):
+            allowed[n] = [FLIP_SLACK * per_step[s][1][i] for s in (0, 2)]
+    assert count <= MAX_UNDECIDED_FRACTION * total, f"{count} of {total} Muon entries undecided in fp32"
+    return allowed
+
+
+def _reference_mismatches(snapshots: list[dict], after: list[dict], allowed: dict) -> list[str]:
+    """Tensors farther from the reference than 1e-6 of their largest entry, plus, on the entries
+    :func:`_undecided_entries` names, one flipped cautious decay per undecided step."""
+    bad = []
+    for s, (snap, expected) in enumerate(zip(snapshots, after)):
+        assert set(snap) == set(expected)
+        for k, e in expected.items():
+            diff = (snap[k].double() - e.double()).abs()
+            tol = 1e-6 * e.abs().max().double() + (allowed[k][s] if k in allowed else 0.0)
+            if (diff > tol).any():
+                bad.append(f"after step {2 * s + 1}: {k} {(diff / e.abs().max()).max().item():.2e} relative")
+    return bad
+
+
+def _snapshots_in_subprocess(tmp_path: Path, env: dict[str, str]) -> list[dict]:
+    """:func:`_run_reference_steps` (eager) in a fresh process with ``env`` added: MKL and oneDNN read
+    their instruction-set limits when they load."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import test_nanochat_reference as t; "
+        "m, r, g, _ = t._optim_case(); torch.save(t._run_reference_steps(m, r, g)[0], sys.argv[2])"
+    )
+    out = tmp_path / "snapshots.pt"
+    subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent), str(out)], check=True, env={**os.environ, **env}
+    )
+    return torch.load(out, weights_only=True)
+
+
+# the AVX2 kind's kernels on an AVX-512 machine: MKL's sgemm (the matmuls that decide the masks),
+# ATen's and oneDNN's; harmless on the AVX2 kind itself
+AVX2_ENV = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.fixture(scope="module")
+def undecided():
+    """:func:`_undecided_entries` of the reference case, computed once (float64 Polar Express, seconds)."""
+    model, ref, grads, _ = _optim_case()
+    return _undecided_entries(model, ref, grads)
+
+
+@pytest.mark.parametrize("variant", ["eager", "eager_avx2", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_muon_adamw_equals_reference_after_steps_1_and_3(variant, undecided, tmp_path):
+    """1e-6 of nanochat's parameters after steps 1 and 3, up to cautious-decay masks fp32 cannot
+    decide (see UPDATE_ROUNDING_FACTOR); an optimizer 0.1% off in its Muon lr fails the same check."""
     model, ref, grads, after = _optim_case()
-    snapshots, lrs = _run_reference_steps(model, ref, grads, compile=compile)
-    assert lrs == pytest.approx(ref["lrs"][0], rel=1e-12)
-    for snap, expected in zip(snapshots, after):
-        model.load_state_dict(snap)
-        assert _worst_relative(model, expected) <= 1e-6
+    if variant == "eager_avx2":
+        snapshots = _snapshots_in_subprocess(tmp_path, AVX2_ENV)
+    else:
+        snapshots, lrs = _run_reference_steps(model, ref, grads, compile=variant == "compiled")
+        assert lrs == pytest.approx(ref["lrs"][0], rel=1e-12)
+    assert _reference_mismatches(snapshots, after, undecided) == []
+    if variant == "eager":  # the check still fails a slightly wrong optimizer, everywhere
+        wrong = {**ref, "setup_optimizer_kwargs": {**ref["setup_optimizer_kwargs"]}}
+        wrong["setup_optimizer_kwargs"]["matrix_lr"] *= 1.001
+        bad = _reference_mismatches(_run_reference_steps(_optim_case()[0], wrong, grads)[0], after, undecided)
+        assert len(bad) >= 12, bad  # every Muon matrix, after both steps
 
 
 def test_gram_space_polar_express_steps_like_the_reference():
@@ -228,7 +343,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(tmp_path):
+def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(undecided, tmp_path):
     import socket
 
     import torch.multiprocessing as mp
@@ -241,11 +356,10 @@ def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(tmp_path):
     single, _ = _run_reference_steps(model, ref, grads)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r in ranks:
-        for snap, one, expected in zip(r, single, after):
+        for snap, one in zip(r, single):
             for k in one:
                 assert (snap[k] - one[k]).abs().max() <= 1e-6 * one[k].abs().max(), k
-            model.load_state_dict(snap)
-            assert _worst_relative(model, expected) <= 1e-6
+        assert _reference_mismatches(r, after, undecided) == []  # see UPDATE_ROUNDING_FACTOR
 
 
 # --------------------------------------------------------------------------- recipe plumbing
