@@ -351,3 +351,30 @@ def test_remote_code_tokenizer_and_chat_template_give_our_ids(speedrun_theirs, o
     ids, _ = ours.tokenizer.render_conversation(TOOL_CONVERSATION, max_tokens=1 << 20)
     got = tok.apply_chat_template(TOOL_CONVERSATION["messages"], tokenize=True, return_dict=True)["input_ids"]
     assert list(got) == ids
+
+
+NANOCHAT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "nanochat"
+
+
+@pytest.mark.skipif(not (NANOCHAT_REF / "README.md").exists(), reason="nanochat reference vectors not found")
+@pytest.mark.parametrize("case", ["d4_L_mha", "d4_SSSL_gqa"])
+def test_remote_code_export_of_nanochats_reference_model_gives_nanochats_outputs(case, tmp_path):
+    """nanochat's own logits and greedy ids (its code, not ours) from the exported directory."""
+    from chatpipe.model.nanochat_import import import_nanochat
+
+    model_dir = import_nanochat(NANOCHAT_REF / case, tmp_path / "model")
+    out = hf.export_by_name(str(model_dir), tmp_path / "hf", artifacts=tmp_path)
+    assert json.loads((out / hf.LINEAGE_FILE).read_text())["path"] == "remote_code"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    io = torch.load(NANOCHAT_REF / case / "io.pt", weights_only=True)
+    with torch.no_grad():
+        assert (model(io["idx"]).logits - io["logits"]).abs().max().item() <= 1e-4
+    prompt = torch.tensor([io["prompt"]])
+    got = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=len(io["greedy"]),
+        do_sample=False,
+        eos_token_id=None,
+    )
+    assert got[0, prompt.size(1) :].tolist() == io["greedy"]
