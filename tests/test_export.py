@@ -266,7 +266,7 @@ def _ids(tokenizer, n: int = 400) -> torch.Tensor:
 
 def test_remote_code_dir_has_modeling_file_auto_map_and_card(speedrun_dir):
     config = json.loads((speedrun_dir / "config.json").read_text())
-    assert config["model_type"] == "chatpipe" and config["use_cache"] is False
+    assert config["model_type"] == "chatpipe"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_chatpipe.ChatpipeForCausalLM"
     assert config["layer_windows"] == [129, 0] and config["value_embed_layers"] == [1]
     assert (speedrun_dir / "modeling_chatpipe.py").read_text() == Path(hf.__file__).with_name(
@@ -331,7 +331,8 @@ def test_remote_code_logits_equal_ours_for_other_option_sets(shape, ours, tmp_pa
     assert diff <= 1e-4, (shape, diff)
 
 
-def test_remote_code_greedy_generation_matches_ours(speedrun, speedrun_theirs, ours):
+@pytest.mark.parametrize("use_cache", [True, False], ids=["kv_cache", "no_cache"])
+def test_remote_code_greedy_generation_matches_ours(speedrun, speedrun_theirs, ours, use_cache):
     model, _ = speedrun_theirs
     prompt = ours.tokenizer.encode("Mia lives in", prepend=ours.tokenizer.bos_id)
     mine = list(speedrun.generate(prompt, 24))  # ours: KV cache, smear's previous embedding in it

@@ -191,7 +191,7 @@ def remote_config(config: Any, tokenizer: Any, dtype: str = "float32") -> dict[s
         "qk_scale": float(config.qk_scale),
         "final_logit_softcapping": SOFTCAP,
         "tie_word_embeddings": False,
-        "use_cache": False,  # the remote model recomputes the whole prefix (see modeling_chatpipe.py)
+        "use_cache": True,
         "bos_token_id": sp["<|bos|>"],
         "eos_token_id": sp["<|assistant_end|>"],
         "pad_token_id": sp["<|bos|>"],
@@ -337,8 +337,8 @@ def model_card(
     else:
         target = (
             f"chatpipe's own modeling code (`{MODELING}.py` in this repo, loaded with `trust_remote_code=True`): "
-            "the model uses options transformers' built-in `NanoChat` class lacks. It recomputes the whole "
-            "prefix every generation step (no KV cache) and does not take padded batches. `AutoTokenizer` "
+            "the model uses options transformers' built-in `NanoChat` class lacks. It does not take padded "
+            "batches. `AutoTokenizer` "
             "reads config.json too, so it also needs `trust_remote_code=True`"
         )
         trust = ", trust_remote_code=True"
@@ -413,7 +413,6 @@ def _write_model(tmp: Path, model: torch.nn.Module, tokenizer: Any, torch_dtype:
         bos_token_id=sp["<|bos|>"],
         eos_token_id=[sp["<|assistant_end|>"], sp["<|bos|>"]],  # where chatpipe's engine stops
         pad_token_id=sp["<|bos|>"],
-        use_cache=path == "builtin",  # the remote model has no KV cache: generate re-runs the prefix
     ).save_pretrained(tmp)
     hf_tokenizer(tokenizer).save_pretrained(tmp)
     return path

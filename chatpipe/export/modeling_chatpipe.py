@@ -18,8 +18,8 @@ The forward pass, from the formulas (pre-norm blocks, parameter-free RMSNorm eve
 - backout: ``x -= backout_lambda * (x after block num_hidden_layers // 2)``; then norm, lm_head,
   slice to ``vocab_size`` (the padded rows are dropped), ``softcap * tanh(logits / softcap)``.
 
-No KV cache: every forward recomputes the whole sequence (smear and windows make a cache model-
-specific), so config.json sets ``use_cache: false`` and ``generate()`` re-runs the prefix each step.
+``generate()`` uses transformers' ``DynamicCache`` for keys and values; smear also needs the
+previous position's normed embedding, which rides on the cache object as ``chatpipe_prev``.
 Padding is not supported: an ``attention_mask`` with zeros is refused.
 """
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 VE_GATE_CHANNELS = 12
 SMEAR_GATE_CHANNELS = 24
@@ -69,7 +69,6 @@ class ChatpipeConfig(PretrainedConfig):
         self.rope_theta, self.qk_scale = rope_theta, qk_scale
         self.final_logit_softcapping = final_logit_softcapping
         kwargs.setdefault("tie_word_embeddings", False)
-        kwargs.setdefault("use_cache", False)
         super().__init__(**kwargs)
 
 
@@ -88,6 +87,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class Attention(nn.Module):
     def __init__(self, config: ChatpipeConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.hidden_size // self.heads
         self.qk_scale, self.window = config.qk_scale, config.layer_windows[layer]
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         has_ve = layer in config.value_embed_layers
         self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.kv_heads, bias=False) if has_ve else None
 
-    def forward(self, h, cos, sin, ve):
+    def forward(self, h, cos, sin, ve, cache):
         b, t, _ = h.shape
         q = self.c_q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.c_k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -110,12 +110,12 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         q = rms(rotate(q, cos, sin)) * self.qk_scale
         k = rms(rotate(k, cos, sin)) * self.qk_scale
-        pos = torch.arange(t, device=h.device)
-        lag = pos[:, None] - pos[None, :]  # query minus key position
-        mask = (lag >= 0) & (lag < self.window) if self.window else None
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.kv_heads != self.heads
-        )
+        if cache is not None:  # keys and values of the earlier positions come first
+            k, v = cache.update(k, v, self.layer)
+        keys = torch.arange(k.size(2), device=h.device)
+        lag = keys[-t:, None] - keys[None, :]  # query minus key position
+        mask = (lag >= 0) & (lag < self.window) if self.window else lag >= 0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -135,8 +135,8 @@ class Block(nn.Module):
         self.attn = Attention(config, layer)
         self.mlp = MLP(config.hidden_size)
 
-    def forward(self, x, cos, sin, ve):
-        x = x + self.attn(rms(x), cos, sin, ve)
+    def forward(self, x, cos, sin, ve, cache):
+        x = x + self.attn(rms(x), cos, sin, ve, cache)
         return x + self.mlp(rms(x))
 
 
@@ -177,34 +177,46 @@ class ChatpipeForCausalLM(ChatpipePreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def _rotary(self, t: int, device: torch.device):
-        half = self.config.hidden_size // self.config.num_attention_heads
-        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
-        angles = torch.outer(torch.arange(t, dtype=torch.float32, device=device), inv_freq)
+    def _rotary(self, t0: int, t: int, device: torch.device):
+        """cos, sin [1, 1, t, head_dim/2] for positions t0 .. t0+t-1."""
+        dim = self.config.hidden_size // self.config.num_attention_heads
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        angles = torch.outer(torch.arange(t0 + t, dtype=torch.float32, device=device)[t0:], inv_freq)
         return angles.cos()[None, None], angles.sin()[None, None]
 
-    def _embed(self, input_ids):
+    def _embed(self, input_ids, cache):
         x = rms(self.wte(input_ids))
-        if self.config.smear:  # a gated share of the previous position's embedding (bigram path)
-            gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_GATE_CHANNELS]))
-            x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
-        return x
+        if not self.config.smear:
+            return x
+        # a gated share of the previous position's embedding (a bigram path); the first position of
+        # a sequence has none, a continuation takes it from the cache
+        prev = getattr(cache, "chatpipe_prev", None) if cache is not None and cache.get_seq_length() else None
+        before = x[:, :-1] if prev is None else torch.cat([prev.to(x.dtype), x[:, :-1]], dim=1)
+        start = 1 if prev is None else 0
+        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, start:, :SMEAR_GATE_CHANNELS]))
+        if cache is not None:
+            cache.chatpipe_prev = x[:, -1:]
+        return torch.cat([x[:, :start], x[:, start:] + gate * before], dim=1)
 
-    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+    def forward(self, input_ids, attention_mask=None, labels=None, past_key_values=None, use_cache=None, **kwargs):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError(
                 "chatpipe remote code does not support padding: pass unpadded sequences (and an all-ones "
                 "attention_mask where the prompt holds the pad id <|bos|>)"
             )
         config = self.config
-        cos, sin = self._rotary(input_ids.size(1), input_ids.device)
-        x = x0 = self._embed(input_ids)
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        t0 = cache.get_seq_length() if cache is not None else 0
+        cos, sin = self._rotary(t0, input_ids.size(1), input_ids.device)
+        x = x0 = self._embed(input_ids, cache)
         middle = None
         for i, block in enumerate(self.blocks):
             if config.lambdas:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](input_ids) if str(i) in self.value_embeds else None
-            x = block(x, cos, sin, ve)
+            x = block(x, cos, sin, ve, cache)
             if i == config.num_hidden_layers // 2:
                 middle = x
         if config.backout:  # remove part of the mid-network residual before reading out
@@ -215,4 +227,4 @@ class ChatpipeForCausalLM(ChatpipePreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
