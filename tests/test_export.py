@@ -379,3 +379,19 @@ def test_remote_code_export_of_nanochats_reference_model_gives_nanochats_outputs
         eos_token_id=None,
     )
     assert got[0, prompt.size(1) :].tolist() == io["greedy"]
+
+
+def test_a_model_with_float8_layers_exports_its_plain_weights(ours, tmp_path):
+    """torchao's Float8Linear (FP8 training) keeps the high-precision weights under the Linear's names."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = speedrun_model(ours.tokenizer.vocab_size, seed=2)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    float8.convert_to_float8_training(  # what the FP8 run does to the block matrices (dims divisible by 16)
+        model, module_filter_fn=lambda m, fqn: fqn.startswith("blocks.") and min(m.weight.shape) % 16 == 0
+    )
+    assert any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    out = hf.export_model(model, ours.tokenizer, {}, tmp_path / "hf", report_path=None)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / hf.WEIGHTS_FILE)
+    assert set(weights) == set(plain) and all(torch.equal(weights[k], v) for k, v in plain.items())
