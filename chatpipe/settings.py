@@ -521,7 +521,9 @@ class ExportSettings(StageSettings):
     model: str = Field("latest", description="stage (base|mid|sft|rl|latest), models:/<name>/<version> or a dir")
     dtype: Literal["float32", "bfloat16"] = "float32"
     on_unsupported: Literal["fail", "skip"] = Field(
-        "fail", description="a model option transformers' NanoChat lacks: fail the stage, or skip with the reason"
+        "fail",
+        description="a model option neither transformers' NanoChat nor our remote code carries (an option unknown "
+        "to the exporter): fail the stage, or skip with the reason",
     )
     push_to_hub: str = Field("", description="Hub repo id to upload to ('' = do not upload)")
     hub_private: bool = False

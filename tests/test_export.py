@@ -1,9 +1,16 @@
-"""chatpipe export -> transformers: same logits, same greedy tokens, same tokenizer and chat ids."""
+"""chatpipe export -> transformers: same logits, same greedy tokens, same tokenizer and chat ids.
+
+Both paths: transformers' built-in NanoChat class (the GQA model of tests/trained.py) and our own
+remote code (a d2 model with every speedrun option, tests/trained.py's ``speedrun_model``)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +22,7 @@ from chatpipe.export import hf
 from chatpipe.inference.engine import Engine
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.model.loading import load_chat_model
-from tests.trained import train_artifacts
+from tests.trained import speedrun_model, train_artifacts
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,6 +78,9 @@ def test_directory_has_what_from_pretrained_needs(exported):
     assert config["model_type"] == "nanochat" and config["hidden_act"] == "relu2"
     assert config["rms_norm_eps"] == pytest.approx(1.1920929e-07) and config["final_logit_softcapping"] == 15.0
     assert config["num_key_value_heads"] == 1 and config["tie_word_embeddings"] is False
+    assert "auto_map" not in config and not (exported / f"{hf.MODELING}.py").exists()
+    assert "built-in `NanoChat` class (no remote code)" in (exported / "README.md").read_text()
+    assert json.loads((exported / hf.LINEAGE_FILE).read_text())["path"] == "builtin"
 
 
 def test_logits_equal_ours_in_fp32(ours, theirs):
@@ -130,31 +140,31 @@ def test_model_card_has_report_numbers_and_lineage(exported):
         assert lineage[key] and f"`{lineage[key]}`" in card
 
 
-def test_options_the_builtin_class_lacks_are_refused_by_name(artifacts, tmp_path):
+def test_options_the_builtin_class_lacks_choose_remote_code_and_unknown_ones_are_refused(artifacts, tmp_path):
     sliding = GPTConfig(
         sequence_len=64, vocab_size=512, n_layer=3, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"
     )
-    with pytest.raises(hf.ExportError, match=r"window_pattern='SL'"):
-        hf.check_supported(sliding)
-    hf.check_supported(dataclasses.replace(sliding, window_pattern="L"))
-    hf.check_supported(GPTConfig())  # every nanochat-2026 option off: exportable
+    assert any("window_pattern='SL'" in p for p in hf.builtin_lacks(sliding))
+    assert hf.export_path(sliding) == "remote_code"
+    assert hf.export_path(dataclasses.replace(sliding, window_pattern="L")) == "builtin"
+    assert hf.export_path(GPTConfig()) == "builtin"  # every nanochat-2026 option off: the built-in class
     on = GPTConfig(value_embeds=True, smear=True, qk_scale=1.2, pad_vocab_to=64, vocab_size=500)
-    with pytest.raises(hf.ExportError) as e:
-        hf.check_supported(on)
+    lacks = " ".join(hf.builtin_lacks(on))
     for name in ("value_embeds=True", "smear=True", "qk_scale=1.2", "pad_vocab_to=64"):
-        assert name in str(e.value)
-    assert "lambdas" not in str(e.value) and "backout" not in str(e.value)
+        assert name in lacks
+    assert "lambdas" not in lacks and "backout" not in lacks
 
     @dataclasses.dataclass
     class Future(GPTConfig):
         mystery: int = 3
 
     with pytest.raises(hf.ExportError, match="mystery=3.*unknown to the exporter"):
-        hf.check_supported(Future())
-    # the exporter refuses before writing anything
-    model = GPT(sliding)
+        hf.builtin_lacks(Future())
+    # neither path carries an unknown option: refused before anything is written
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=512, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
+    model.config = Future(sequence_len=64, vocab_size=512, n_layer=1, n_head=2, n_kv_head=2, n_embd=64)
     tok = load_chat_model("sft", artifacts=artifacts, device="cpu").tokenizer
-    with pytest.raises(hf.ExportError, match="window_pattern"):
+    with pytest.raises(hf.ExportError, match="mystery"):
         hf.export_model(model, tok, {}, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -224,3 +234,164 @@ def test_export_stage_logs_the_dir_to_mlflow_and_the_registered_version(artifact
         export_stage.main([])
     export_stage.main(["--on_unsupported=skip"])
     assert "smear=True" in (tmp_path / "artifacts/export/SKIPPED.md").read_text()
+
+
+# --------------------------------------------------------------------------- the remote-code path
+
+
+@pytest.fixture(scope="module")
+def speedrun(ours):
+    """Our speedrun-architecture model (every option on) with the trained tokenizer."""
+    model = speedrun_model(ours.tokenizer.vocab_size)
+    c = model.config
+    assert c.window_pattern == "SSSL" and c.short_window == 128 and c.n_kv_head < c.n_head
+    assert c.value_embeds and c.lambdas and c.smear and c.backout and c.qk_scale == 1.2
+    assert c.padded_vocab_size != c.vocab_size
+    return model
+
+
+@pytest.fixture(scope="module")
+def speedrun_dir(speedrun, ours, tmp_path_factory) -> Path:
+    meta = {"stage": "base", "step": 0, "model_config": speedrun.config.to_dict()}
+    return hf.export_model(speedrun, ours.tokenizer, meta, tmp_path_factory.mktemp("hf") / "speedrun", report_path=None)
+
+
+def _ids(tokenizer, n: int = 400) -> torch.Tensor:
+    """Real text, longer than the 128-token window (so windowed and full layers differ)."""
+    text = " ".join(pretrain_documents(3, 40))
+    ids = tokenizer.encode(text, prepend=tokenizer.bos_id)[:n]
+    assert len(ids) == n
+    return torch.tensor([ids])
+
+
+def test_remote_code_dir_has_modeling_file_auto_map_and_card(speedrun_dir):
+    config = json.loads((speedrun_dir / "config.json").read_text())
+    assert config["model_type"] == "chatpipe"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_chatpipe.ChatpipeForCausalLM"
+    assert config["layer_windows"] == [129, 0] and config["value_embed_layers"] == [1]
+    assert (speedrun_dir / "modeling_chatpipe.py").read_text() == Path(hf.__file__).with_name(
+        "modeling_chatpipe.py"
+    ).read_text()
+    card = (speedrun_dir / "README.md").read_text()
+    assert "trust_remote_code=True" in card and "built-in `NanoChat` class lacks" in card
+    assert json.loads((speedrun_dir / hf.LINEAGE_FILE).read_text())["path"] == "remote_code"
+
+
+def test_modeling_file_imports_only_torch_and_transformers():
+    tree = ast.parse(Path(hf.__file__).with_name("modeling_chatpipe.py").read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names == {"__future__", "torch", "transformers"}
+
+
+def test_remote_code_loads_offline_without_chatpipe_and_logits_equal_ours(speedrun, speedrun_dir, ours, tmp_path):
+    ids = _ids(ours.tokenizer)
+    torch.save(ids, tmp_path / "ids.pt")
+    # a fresh interpreter, hub offline, chatpipe unimportable: what a user without chatpipe gets
+    script = (
+        "import sys, torch; sys.modules['chatpipe'] = None\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"d = {str(speedrun_dir)!r}\n"
+        "m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
+        "AutoTokenizer.from_pretrained(d, trust_remote_code=True)\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        "with torch.no_grad():\n"
+        f"    torch.save(m(ids).logits, {str(tmp_path / 'logits.pt')!r})\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": ""}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=300)
+    with torch.no_grad():
+        diff = (speedrun(ids) - torch.load(tmp_path / "logits.pt")).abs().max().item()
+    print(f"max abs logit difference (speedrun options, fp32): {diff:.3g}")
+    assert diff <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def speedrun_theirs(speedrun_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(speedrun_dir, trust_remote_code=True).eval()
+    # AutoTokenizer reads config.json too: without trust_remote_code it would ask (or fall back)
+    return model, transformers.AutoTokenizer.from_pretrained(speedrun_dir, trust_remote_code=True)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"depth": 4},  # SSSL over four layers: three windowed, value embeddings on layers 1 and 3
+        {"depth": 3, "value_embeds": False, "lambdas": False, "smear": False, "backout": False},  # windows etc.
+        {"depth": 2, "window_pattern": "SL", "short_window": "half"},  # chatpipe's original half window
+    ],
+)
+def test_remote_code_logits_equal_ours_for_other_option_sets(shape, ours, tmp_path):
+    model = speedrun_model(ours.tokenizer.vocab_size, seed=1, **shape)
+    out = hf.export_model(model, ours.tokenizer, {}, tmp_path / "hf", report_path=None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = _ids(ours.tokenizer)
+    with torch.no_grad():
+        diff = (model(ids) - theirs(ids).logits).abs().max().item()
+    assert diff <= 1e-4, (shape, diff)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["kv_cache", "no_cache"])
+def test_remote_code_greedy_generation_matches_ours(speedrun, speedrun_theirs, ours, use_cache):
+    model, _ = speedrun_theirs
+    prompt = ours.tokenizer.encode("Mia lives in", prepend=ours.tokenizer.bos_id)
+    mine = list(speedrun.generate(prompt, 24))  # ours: KV cache, smear's previous embedding in it
+    ids = torch.tensor([prompt])
+    # no eos (the random model may write one); the mask is explicit, else transformers takes
+    # <|bos|> (the pad id) for padding and the model refuses the padded batch
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=None
+    )
+    assert out[0, len(prompt) :].tolist() == mine
+
+
+def test_remote_code_tokenizer_and_chat_template_give_our_ids(speedrun_theirs, ours):
+    _, tok = speedrun_theirs
+    text = " ".join(pretrain_documents(5, 3))
+    assert tok(text)["input_ids"] == ours.tokenizer.encode(text, prepend=ours.tokenizer.bos_id)
+    ids, _ = ours.tokenizer.render_conversation(TOOL_CONVERSATION, max_tokens=1 << 20)
+    got = tok.apply_chat_template(TOOL_CONVERSATION["messages"], tokenize=True, return_dict=True)["input_ids"]
+    assert list(got) == ids
+
+
+NANOCHAT_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "nanochat"
+
+
+@pytest.mark.skipif(not (NANOCHAT_REF / "README.md").exists(), reason="nanochat reference vectors not found")
+@pytest.mark.parametrize("case", ["d4_L_mha", "d4_SSSL_gqa"])
+def test_remote_code_export_of_nanochats_reference_model_gives_nanochats_outputs(case, tmp_path):
+    """nanochat's own logits and greedy ids (its code, not ours) from the exported directory."""
+    from chatpipe.model.nanochat_import import import_nanochat
+
+    model_dir = import_nanochat(NANOCHAT_REF / case, tmp_path / "model")
+    out = hf.export_by_name(str(model_dir), tmp_path / "hf", artifacts=tmp_path)
+    assert json.loads((out / hf.LINEAGE_FILE).read_text())["path"] == "remote_code"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    io = torch.load(NANOCHAT_REF / case / "io.pt", weights_only=True)
+    with torch.no_grad():
+        assert (model(io["idx"]).logits - io["logits"]).abs().max().item() <= 1e-4
+    prompt = torch.tensor([io["prompt"]])
+    got = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=len(io["greedy"]),
+        do_sample=False,
+        eos_token_id=None,
+    )
+    assert got[0, prompt.size(1) :].tolist() == io["greedy"]
+
+
+def test_a_model_with_float8_layers_exports_its_plain_weights(ours, tmp_path):
+    """torchao's Float8Linear (FP8 training) keeps the high-precision weights under the Linear's names."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = speedrun_model(ours.tokenizer.vocab_size, seed=2)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    float8.convert_to_float8_training(  # what the FP8 run does to the block matrices (dims divisible by 16)
+        model, module_filter_fn=lambda m, fqn: fqn.startswith("blocks.") and min(m.weight.shape) % 16 == 0
+    )
+    assert any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    out = hf.export_model(model, ours.tokenizer, {}, tmp_path / "hf", report_path=None)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / hf.WEIGHTS_FILE)
+    assert set(weights) == set(plain) and all(torch.equal(weights[k], v) for k, v in plain.items())

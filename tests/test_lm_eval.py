@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from chatpipe.evals.lm_harness import CORE_LABELS, compare, write_tasks
+from chatpipe.evals.lm_harness import CORE_LABELS, _loglik, _pair, compare, run_lm_eval, write_tasks
 from chatpipe.export.hf import export_model
 from chatpipe.model.loading import load_chat_model
 from tests.conftest import require_shared_data
-from tests.trained import train_artifacts
+from tests.trained import speedrun_model, train_artifacts
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -59,3 +59,21 @@ def test_multiple_choice_differs_only_by_the_length_rule(numbers, name):
     # and lm-eval's own acc (summed log-likelihood) is off by at most the items where rules may differ
     assert abs(row["lm_eval_acc"] - row["core_acc"]) <= row["bound"] + 1e-12
     assert row["bound"] < 1.0
+
+
+def test_lm_eval_scores_a_remote_code_export_with_our_log_likelihoods(tmp_path):
+    # every speedrun option: the export ships modeling_chatpipe.py, lm-eval must trust it
+    bundle = require_shared_data() / "core"
+    loaded = load_chat_model("base", artifacts=train_artifacts(tmp_path / "artifacts", steps=1), device="cpu")
+    model = speedrun_model(loaded.tokenizer.vocab_size)
+    hf_dir = export_model(model, loaded.tokenizer, {}, tmp_path / "hf", report_path=None)
+    assert (hf_dir / "modeling_chatpipe.py").exists()
+    include = write_tasks(tmp_path / "tasks", bundle, rows=4)
+    results = run_lm_eval(hf_dir, ["chatpipe_copa"], include, max_length=512)
+    samples = sorted(results["samples"]["chatpipe_copa"], key=lambda s: s["doc_id"])
+    assert len(samples) == 4 and 0.0 <= results["results"]["chatpipe_copa"]["acc,none"] <= 1.0
+    for s in samples:  # lm-eval's log-likelihood of each choice is our model's, token for token
+        doc = s["doc"]
+        for choice, resp in zip(doc["choices"], s["filtered_resps"]):
+            ids, start = _pair(loaded.tokenizer, doc["query"] + " ", choice)
+            assert abs(_loglik(model, ids, start) - float(resp[0])) <= 1e-4

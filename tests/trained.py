@@ -43,3 +43,36 @@ def train_artifacts(root: Path, steps: int = 40, seed: int = 0) -> Path:
         meta = {"model_config": config.to_dict(), "stage": stage, "step": steps, "final_loss": loss.item()}
         save_model_dir(root / stage, model, meta)
     return root
+
+
+def speedrun_model(vocab_size: int, seed: int = 0, **shape) -> GPT:
+    """A random d2 GPT with every option of the ``speedrun`` profile (SSSL quarter windows, value
+    embeddings, lambdas, smear, backout, q/k scale, vocab padding), GQA (4 heads, 2 kv heads) and a
+    512-token context so the 128-token window matters. ``vocab_size`` is rounded to 64k + 5 so the
+    padding is real. Every parameter is perturbed (std 0.05) after init: the zero-initialised
+    gates, lambdas and output projections would otherwise hide whole paths from a comparison.
+    ``shape`` overrides the pretrain settings (depth, window_pattern, ...)."""
+    import os
+
+    from chatpipe.plan import model_config_for
+    from chatpipe.settings import PretrainSettings, load_section
+
+    before = os.environ.get("CHATPIPE_PROFILE")
+    os.environ["CHATPIPE_PROFILE"] = "speedrun"
+    try:
+        settings = load_section(
+            PretrainSettings, {"depth": 2, "sequence_len": 512, "head_dim": 32, "n_kv_head": 2, **shape}
+        )
+    finally:  # leave the environment as it was for the tests that follow
+        if before is None:
+            del os.environ["CHATPIPE_PROFILE"]
+        else:
+            os.environ["CHATPIPE_PROFILE"] = before
+    config = model_config_for(settings, -(-vocab_size // 64) * 64 + 5)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()

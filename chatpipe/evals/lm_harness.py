@@ -67,12 +67,16 @@ def write_tasks(out_dir: Path, bundle_dir: Path, rows: int | None = None) -> Pat
 def run_lm_eval(
     hf_dir: Path, tasks: list[str], include_path: Path, *, max_length: int, device: str = "cpu", batch_size: int = 1
 ) -> dict[str, Any]:
-    """lm-eval's HF backend on ``hf_dir`` (fp32, BOS first); returns its results dict (with samples)."""
+    """lm-eval's HF backend on ``hf_dir`` (fp32, BOS first); returns its results dict (with samples).
+
+    ``trust_remote_code`` is passed when the export ships its own modeling file."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only: never reach for the hub
     os.environ["HF_HUB_OFFLINE"] = "1"
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    # an export with our own modeling file (config.json auto_map) loads only with remote code allowed
+    remote = "auto_map" in json.loads((Path(hf_dir) / "config.json").read_text())
     return simple_evaluate(
         model="hf",
         model_args={
@@ -81,6 +85,7 @@ def run_lm_eval(
             "add_bos_token": True,
             "max_length": max_length,
             "device": device,
+            "trust_remote_code": remote,
         },
         tasks=tasks,
         batch_size=batch_size,

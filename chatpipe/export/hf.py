@@ -1,4 +1,4 @@
-"""Export a chatpipe model as a Hugging Face ``transformers`` directory (built-in ``NanoChat`` class).
+"""Export a chatpipe model as a Hugging Face ``transformers`` directory (built-in ``NanoChat`` class or our remote code).
 
 Run::
 
@@ -7,8 +7,10 @@ Run::
 
 What ``DIR`` holds afterwards (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(DIR)`` load it)::
 
-    model.safetensors        the weights under transformers' NanoChat names
-    config.json              model_type "nanochat" (rotary base, soft-cap, rms eps, GQA heads, ...)
+    model.safetensors        the weights under transformers' NanoChat names (remote code: our names)
+    config.json              model_type "nanochat" (rotary base, soft-cap, rms eps, GQA heads, ...),
+                             or "chatpipe" with an auto_map to modeling_chatpipe.py
+    modeling_chatpipe.py     only on the remote-code path: our model for trust_remote_code=True
     generation_config.json   bos, eos (= <|assistant_end|> and <|bos|>, where our engine stops), pad
     tokenizer.json           byte-level BPE with our ranks, split regex and special tokens
     tokenizer_config.json    PreTrainedTokenizerFast + the chat template
@@ -17,12 +19,14 @@ What ``DIR`` holds afterwards (``AutoModelForCausalLM`` / ``AutoTokenizer.from_p
     chatpipe_export.json     what was exported from where (machine-readable lineage)
 
 The built-in class computes our function exactly only for the options it has (``transformers``
-5.23, checked on the sft model: bit-identical fp32 logits). A model that uses an option it lacks
+5.23, checked on the sft model: bit-identical fp32 logits), and is the choice whenever the model
+fits it: such a directory never needs ``trust_remote_code``. A model that uses an option it lacks
 (sliding-window 'S' layers, value embeddings, residual/x0 lambdas, smear, backout, q/k scale, vocab
-padding) is refused with an error naming the option: we chose refusing over shipping remote code,
-so that an exported directory never needs ``trust_remote_code``. The check is a table of
+padding) is written with our own ``modeling_chatpipe.py`` (torch + transformers only, loaded with
+``trust_remote_code=True``; fp32 logits within 1e-4 of ours). The choice reads a table of
 (GPTConfig field, what the built-in class supports); fields a GPTConfig does not have are skipped,
-and a field the exporter knows nothing about is refused too (it might change the function).
+and a field the exporter knows nothing about is refused (it might change the function). The model
+card and ``chatpipe_export.json`` (``path``) say which path was taken.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 
 from chatpipe.io import replace_dir, sha256_file, write_json_atomic
-from chatpipe.model.gpt import ROTARY_BASE, SOFTCAP, layer_windows
+from chatpipe.model.gpt import ROTARY_BASE, SOFTCAP, has_value_embed, layer_windows
 from chatpipe.tokenizer import SPECIAL_TOKENS
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 RMS_NORM_EPS = float(torch.finfo(torch.float32).eps)
 WEIGHTS_FILE = "model.safetensors"
 LINEAGE_FILE = "chatpipe_export.json"
+MODELING = "modeling_chatpipe"  # our remote code: chatpipe/export/modeling_chatpipe.py, copied as is
 
 
 class ExportError(ValueError):
@@ -83,24 +88,31 @@ MAPPED = {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_emb
 IRRELEVANT = {"short_window"}  # the window length of 'S' layers, which window_pattern already refuses
 
 
-def check_supported(config: Any) -> None:
-    """Raise :class:`ExportError` naming every option of ``config`` the built-in NanoChat class lacks."""
-    problems = []
+def builtin_lacks(config: Any) -> list[str]:
+    """The options of ``config`` transformers' built-in NanoChat class lacks, as ``field=value (why)``.
+
+    An empty list means the built-in class computes our function. A field the exporter knows
+    nothing about raises :class:`ExportError`: it might change the function, and neither the
+    built-in class nor our remote code would carry it.
+    """
+    problems, unknown = [], []
     checks = {name: (ok, allowed) for name, ok, allowed in SUPPORTED}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name in checks:
             ok, allowed = checks[f.name]
             if not ok(value, config):
-                problems.append(f"{f.name}={value!r} (supported: {allowed})")
+                problems.append(f"{f.name}={value!r} (NanoChat supports: {allowed})")
         elif f.name not in MAPPED | IRRELEVANT:
-            problems.append(f"{f.name}={value!r} (unknown to the exporter: add it to chatpipe.export.hf.SUPPORTED)")
-    if problems:
-        raise ExportError(
-            "cannot export to transformers' built-in NanoChat class, the model uses option(s) it lacks: "
-            + "; ".join(problems)
-            + ". chatpipe refuses rather than shipping remote code (see chatpipe/export/hf.py)."
-        )
+            unknown.append(f"{f.name}={value!r} (unknown to the exporter: add it to chatpipe.export.hf.SUPPORTED)")
+    if unknown:
+        raise ExportError("cannot export a model with option(s) the exporter does not know: " + "; ".join(unknown))
+    return problems
+
+
+def export_path(config: Any) -> str:
+    """``"builtin"`` when transformers' NanoChat class fits ``config``, else ``"remote_code"``."""
+    return "remote_code" if builtin_lacks(config) else "builtin"
 
 
 # --------------------------------------------------------------------------- config and weights
@@ -149,6 +161,58 @@ def hf_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, tor
     if unmapped or missing:
         raise ExportError(f"state dict does not match the NanoChat layout: unmapped {unmapped}, missing {missing}")
     return {names[k]: v.detach().contiguous() for k, v in state.items()}
+
+
+def remote_config(config: Any, tokenizer: Any, dtype: str = "float32") -> dict[str, Any]:
+    """config.json of our own remote-code model (modeling_chatpipe.py) equal to our GPT with ``config``."""
+    sp = tokenizer.special_ids
+    n = config.n_layer
+    return {
+        "architectures": ["ChatpipeForCausalLM"],
+        "model_type": "chatpipe",
+        # both classes live in the one file copied next to config.json
+        "auto_map": {
+            "AutoConfig": f"{MODELING}.ChatpipeConfig",
+            "AutoModelForCausalLM": f"{MODELING}.ChatpipeForCausalLM",
+        },
+        "vocab_size": config.vocab_size,
+        "padded_vocab_size": config.padded_vocab_size,
+        "hidden_size": config.n_embd,
+        "num_hidden_layers": n,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "max_position_embeddings": config.sequence_len,
+        "layer_windows": [w or 0 for w in layer_windows(config)],
+        "value_embed_layers": [i for i in range(n) if config.value_embeds and has_value_embed(i, n)],
+        "lambdas": bool(config.lambdas),
+        "smear": bool(config.smear),
+        "backout": bool(config.backout),
+        "rope_theta": float(config.rotary_base),
+        "qk_scale": float(config.qk_scale),
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": sp["<|bos|>"],
+        "eos_token_id": sp["<|assistant_end|>"],
+        "pad_token_id": sp["<|bos|>"],
+        "dtype": dtype,
+    }
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as plain tensors, whatever wraps its Linear layers.
+
+    torchao's float8 training keeps high-precision weights inside ``Float8Linear`` (a Linear
+    subclass), so its state dict already has our names; a tensor subclass is unwrapped here so
+    that safetensors writes ordinary tensors.
+    """
+    out = {}
+    for name, value in model.state_dict().items():
+        value = value.detach()
+        if type(value) is not torch.Tensor:
+            value = value.dequantize() if hasattr(value, "dequantize") else torch.Tensor(value)
+        out[name] = value
+    return out
 
 
 # --------------------------------------------------------------------------- tokenizer and chat template
@@ -261,10 +325,23 @@ def hf_tokenizer(tokenizer: Any):
 # --------------------------------------------------------------------------- model card
 
 
-def model_card(meta: dict[str, Any], source: str, lineage: dict[str, Any], report: dict[str, Any] | None) -> str:
-    """README.md for the exported dir: what it is, how to load it, report numbers and lineage."""
+def model_card(
+    meta: dict[str, Any], source: str, lineage: dict[str, Any], report: dict[str, Any] | None, path: str = "builtin"
+) -> str:
+    """README.md for the exported dir: what it is, which path (``builtin`` | ``remote_code``) was
+    taken, how to load it, report numbers and lineage."""
     stage = meta.get("stage", "?")
     cfg = meta.get("model_config", {})
+    if path == "builtin":
+        target, trust = "transformers' built-in `NanoChat` class (no remote code)", ""
+    else:
+        target = (
+            f"chatpipe's own modeling code (`{MODELING}.py` in this repo, loaded with `trust_remote_code=True`): "
+            "the model uses options transformers' built-in `NanoChat` class lacks. It does not take padded "
+            "batches. `AutoTokenizer` "
+            "reads config.json too, so it also needs `trust_remote_code=True`"
+        )
+        trust = ", trust_remote_code=True"
     lines = [
         "---",
         "library_name: transformers",
@@ -275,12 +352,12 @@ def model_card(meta: dict[str, Any], source: str, lineage: dict[str, Any], repor
         "",
         f"A {cfg.get('n_layer', '?')}-layer, {cfg.get('n_embd', '?')}-wide nanochat-style GPT trained by the "
         f"chatpipe pipeline (stage `{stage}`, step {meta.get('step', '?')}), exported from `{source}` to "
-        "transformers' built-in `NanoChat` class (no remote code).",
+        f"{target}.",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'tok = AutoTokenizer.from_pretrained("DIR")',
-        'model = AutoModelForCausalLM.from_pretrained("DIR")',
+        f'tok = AutoTokenizer.from_pretrained("DIR"{trust})',
+        f'model = AutoModelForCausalLM.from_pretrained("DIR"{trust})',
         'ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,',
         '                              return_tensors="pt", return_dict=True)["input_ids"]',
         "print(tok.decode(model.generate(ids, max_new_tokens=64)[0, ids.shape[1]:]))",
@@ -309,6 +386,38 @@ def model_card(meta: dict[str, Any], source: str, lineage: dict[str, Any], repor
 # --------------------------------------------------------------------------- export
 
 
+def _write_model(tmp: Path, model: torch.nn.Module, tokenizer: Any, torch_dtype: torch.dtype, dtype: str) -> str:
+    """config, weights, generation config and tokenizer into ``tmp``; returns the path taken.
+
+    The built-in NanoChat class when it fits (no remote code to trust), else our own modeling file
+    with the weights under our names.
+    """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, NanoChatConfig
+
+    config = model.config
+    state = plain_state_dict(model)
+    path = export_path(config)
+    if path == "builtin":
+        cfg = NanoChatConfig(**{k: v for k, v in hf_config(config, tokenizer, dtype).items() if k != "architectures"})
+        cfg.architectures = ["NanoChatForCausalLM"]
+        cfg.save_pretrained(tmp)
+        state = hf_state_dict(state, config.n_layer)
+    else:
+        write_json_atomic(tmp / "config.json", remote_config(config, tokenizer, dtype))
+        shutil.copyfile(Path(__file__).with_name(f"{MODELING}.py"), tmp / f"{MODELING}.py")
+    weights = {k: v.to(torch_dtype).contiguous() for k, v in state.items()}
+    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    sp = tokenizer.special_ids
+    GenerationConfig(
+        bos_token_id=sp["<|bos|>"],
+        eos_token_id=[sp["<|assistant_end|>"], sp["<|bos|>"]],  # where chatpipe's engine stops
+        pad_token_id=sp["<|bos|>"],
+    ).save_pretrained(tmp)
+    hf_tokenizer(tokenizer).save_pretrained(tmp)
+    return path
+
+
 def export_model(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -321,13 +430,10 @@ def export_model(
     lock_path: Path = Path("dvc.lock"),
 ) -> Path:
     """Write the transformers directory for ``model`` + ``tokenizer`` atomically to ``out_dir``."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, NanoChatConfig
-
     from chatpipe import tracking
 
     config = model.config
-    check_supported(config)
+    builtin_lacks(config)  # refuses an option neither path carries, before anything is written
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise ExportError(f"dtype={dtype!r}; allowed: float32, bfloat16")
@@ -338,17 +444,7 @@ def export_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
-    cfg = NanoChatConfig(**{k: v for k, v in hf_config(config, tokenizer, dtype).items() if k != "architectures"})
-    cfg.architectures = ["NanoChatForCausalLM"]
-    cfg.save_pretrained(tmp)
-    weights = {k: v.to(torch_dtype) for k, v in hf_state_dict(model.state_dict(), config.n_layer).items()}
-    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    sp = tokenizer.special_ids
-    GenerationConfig(
-        bos_token_id=sp["<|bos|>"],
-        eos_token_id=[sp["<|assistant_end|>"], sp["<|bos|>"]],  # where chatpipe's engine stops
-        pad_token_id=sp["<|bos|>"],
-    ).save_pretrained(tmp)
+    path = _write_model(tmp, model, tokenizer, torch_dtype, dtype)
     hf_tokenizer(tokenizer).save_pretrained(tmp)
 
     report = json.loads(report_path.read_text()) if report_path and Path(report_path).exists() else None
@@ -361,14 +457,15 @@ def export_model(
         "model_pt_sha256": (meta.get("files") or {}).get("model.pt"),
         "safetensors_sha256": sha256_file(tmp / WEIGHTS_FILE),
         "dtype": dtype,
+        "path": path,
     }
     if report:
         lineage["report_git_commit"] = report.get("git_commit")
         lineage["report_dvc_lock"] = (report.get("dvc_lock") or {}).get("dvc.lock")
-    (tmp / "README.md").write_text(model_card(meta, source, lineage, report))
+    (tmp / "README.md").write_text(model_card(meta, source, lineage, report, path))
     write_json_atomic(tmp / LINEAGE_FILE, {**lineage, "model_config": meta.get("model_config")})
     replace_dir(tmp, out_dir)
-    log.info("exported %s (stage %s) to %s", source, meta.get("stage"), out_dir)
+    log.info("exported %s (stage %s) to %s (%s)", source, meta.get("stage"), out_dir, path)
     return out_dir
 
 
