@@ -21,6 +21,7 @@ import pytest
 from chatpipe.evals.sandbox import (
     DISK_BYTES,
     FSIZE_BYTES,
+    WORK_PREFIX,
     SandboxResult,
     _interpreter,
     check_humaneval,
@@ -62,13 +63,14 @@ def either_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
 
 def _sandbox_pids() -> list[int]:
-    """Live processes started by the sandbox (their HOME is a chatpipe-sandbox dir)."""
+    """Live processes this test process started in the sandbox (their HOME is one of its sandbox
+    dirs; other processes, e.g. another pytest worker's evals, run sandboxes of their own)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if b"HOME=" in (env := (entry / "environ").read_bytes()) and b"chatpipe-sandbox-" in env:
+            if b"HOME=" in (env := (entry / "environ").read_bytes()) and WORK_PREFIX.encode() in env:
                 pids.append(int(entry.name))
         except OSError:
             continue  # gone, or not ours to read

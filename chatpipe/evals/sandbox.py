@@ -469,7 +469,10 @@ def _kill_everything(proc: subprocess.Popen, namespace: str | None, marker: byte
 
 SANDBOX_ENV = "CHATPIPE_SANDBOX"  # "fallback" forces the fallback layers (tests; a broken bwrap)
 DISK_BYTES = 64 * 1024 * 1024  # the private /tmp under bubblewrap: cwd, HOME and all it writes
-BWRAP_WORK = "/tmp/chatpipe-sandbox-work"  # the program's cwd and HOME, inside that /tmp
+# The program's cwd and HOME: BWRAP_WORK inside that /tmp, or a temp dir of the fallback's; both
+# named after the process that ran the program, so its runs can be told from other processes' runs.
+WORK_PREFIX = f"chatpipe-sandbox-{os.getpid()}-"
+BWRAP_WORK = f"/tmp/{WORK_PREFIX}work"
 # Top-level system dirs the interpreter and its shared libraries live in (merged /usr: links).
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin")
 
@@ -589,7 +592,7 @@ def _run_bwrap(plan: _Bwrap, files: tuple, limits: Callable[[], None], timeout_s
 def _run_fallback(files: tuple, memory_bytes: int, cpu_s: int, timeout_s: float) -> tuple[int, bool]:
     """Run the runner under the fallback layers; returns (Popen's returncode, timed out)."""
     python, run_as = _interpreter()
-    work = tempfile.mkdtemp(prefix="chatpipe-sandbox-")  # the child's cwd and HOME
+    work = tempfile.mkdtemp(prefix=WORK_PREFIX)  # the child's cwd and HOME
     try:
         if run_as is not None:
             os.chown(work, *run_as)
