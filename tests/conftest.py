@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one thread each (OpenMP threads beyond the cores spin and slow
+    # both workers down). Commands the tests start inherit it, as tests/project.py sets anyway.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
