@@ -23,10 +23,11 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.gpt import GPT, enable_fp8
 from chatpipe.plan import (
-    batch_and_steps,
+    apply_horizon,
     check_memory_fits,
     compile_pays,
     estimate_memory_bytes,
+    horizon_for,
     model_config_for,
     polar_express_dtype,
 )
@@ -94,10 +95,19 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         cfg.device_batch_size,
     )
 
-    # --- batch math and schedule length
-    total_batch_size, total_steps = batch_and_steps(cfg, model, rt.world_size)
-    if total_batch_size != cfg.total_batch_size:
-        cfg = cfg.model_copy(update={"total_batch_size": total_batch_size})  # automatic (-1) resolved
+    # --- batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon; `chatpipe plan` shows the same)
+    horizon = horizon_for(cfg, model, rt.world_size)
+    cfg = apply_horizon(cfg, horizon)  # from here on cfg holds the resolved batch, steps, LRs and decay
+    total_steps = cfg.max_steps
+    log.info(
+        "horizon: %d steps x %d tokens | %d scaling params | LR scale %.4f (%s) | weight decay %.6g",
+        total_steps,
+        cfg.total_batch_size,
+        horizon.scaling_params,
+        horizon.batch_lr_scale,
+        "applied" if horizon.lr_scaled else "off",
+        cfg.weight_decay,
+    )
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     use_compile = compile_pays(cfg.compile, total_steps, rt.device)
     log.info(
@@ -156,6 +166,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         "grad_accum": grad_accum,
         "world_size": rt.world_size,
         "total_steps": total_steps,
+        "horizon": horizon.as_params(),
     }
     with tracked_run("pretrain", params, rt) as run:
         metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
