@@ -324,7 +324,11 @@ class PretrainSettings(TrainSettings):
         description="muon_adamw: precision of Polar Express's matmuls; auto: bfloat16 where the run trains in "
         "bfloat16 (nanochat) or the CPU has bfloat16 dot products (AVX512-BF16, AMX), else float32",
     )
-    fp8: bool = Field(False, description="FP8 matmuls via torchao; needs CUDA with compute capability >= 8.9")
+    fp8: bool = Field(
+        False,
+        description="FP8 matmuls of the block matrices via torchao (pip install -e '.[gpu]'); needs CUDA with compute "
+        "capability >= 8.9. Tests only: CHATPIPE_TEST_FP8_ON_CPU=1 emulates it on CPU (chatpipe.model.fp8)",
+    )
 
     @field_validator("target_param_data_ratio")
     @classmethod

@@ -21,7 +21,8 @@ from chatpipe import runtime, tracking
 from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
-from chatpipe.model.gpt import GPT, enable_fp8
+from chatpipe.model.fp8 import check_fp8, enable_fp8, plain_linears
+from chatpipe.model.gpt import GPT
 from chatpipe.plan import (
     apply_horizon,
     check_memory_fits,
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
+    if cfg.fp8:
+        check_fp8(rt.device)  # before any work: names the missing gpu extra, or the GPU that cannot
     work, out_dir = WORK / "pretrain", ARTIFACTS / "base"
     tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
 
@@ -79,7 +82,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         model = GPT(model_config)
     model.init_weights()
     if cfg.fp8:
-        enable_fp8(model)  # a clear error where FP8 is unsupported (CPU, GPUs before compute capability 8.9)
+        enable_fp8(model)  # block matrices only; eval, samples and saved weights go through plain Linear
     num_params, flops_per_token = model.num_params(), model.flops_per_token()
     check_memory_fits(
         estimate_memory_bytes(
@@ -146,7 +149,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     def val_bpb() -> float:
         loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
-        return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
+        with plain_linears(model):  # evaluate in the precision the model will be used in, as nanochat does
+            return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
 
     def checkpoint_meta() -> dict:
         return {
@@ -214,10 +218,11 @@ def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.S
     """Greedy continuations of a few prompts, logged and saved to MLflow as text."""
     engine = Engine(model, tok)
     lines = []
-    for prompt in SAMPLE_PROMPTS:
-        ids = tok.encode(prompt, prepend=tok.bos_id)
-        seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
-        lines.append(tok.decode(seqs[0][1:]))
+    with plain_linears(model):  # FP8 layers back to Linear: decoding shapes are not FP8's multiples of 16
+        for prompt in SAMPLE_PROMPTS:
+            ids = tok.encode(prompt, prepend=tok.bos_id)
+            seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
+            lines.append(tok.decode(seqs[0][1:]))
     log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
     run.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
 

@@ -253,7 +253,7 @@ def test_muon_adamw_on_two_gloo_ranks_equals_one_rank(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 def test_fp8_errors_clearly_on_cpu():
-    from chatpipe.model.gpt import enable_fp8
+    from chatpipe.model.fp8 import enable_fp8
 
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
     with pytest.raises(RuntimeError, match=r"fp8 needs CUDA with compute capability >= 8\.9"):

@@ -648,29 +648,3 @@ class GPT(nn.Module):
             "x0_lambdas": [self.x0_lambdas] if config.lambdas else [],
             "gates": gates,
         }
-
-
-FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
-
-
-def enable_fp8(model: GPT) -> GPT:
-    """Swap the block matrices' matmuls to FP8 (torchao's float8 training), in place.
-
-    Raises RuntimeError with the reason when this machine cannot: no CUDA, a GPU older than
-    compute capability 8.9, or torchao not installed. lm_head and embeddings stay in bf16/fp32.
-    """
-    device = model.wte.weight.device
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        where = "CPU" if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
-        raise RuntimeError(f"fp8 needs CUDA with compute capability >= 8.9 (this run is on {where}); set fp8: false")
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError:
-        raise RuntimeError("fp8 needs torchao (pip install torchao); set fp8: false") from None
-
-    def in_blocks(module: nn.Module, fqn: str) -> bool:
-        # FP8 needs both dims divisible by 16; tiny gates stay in higher precision
-        return fqn.startswith("blocks.") and isinstance(module, nn.Linear) and min(module.weight.shape) % 16 == 0
-
-    convert_to_float8_training(model, module_filter_fn=in_blocks)
-    return model
