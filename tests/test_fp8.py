@@ -5,6 +5,7 @@ CHATPIPE_TEST_FP8_ON_CPU=1 is the test-only allowance: users on CPU are refused 
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -151,3 +152,31 @@ def test_fp8_run_tracks_plain_run_evaluates_samples_saves_and_resumes_bitwise(al
     assert train(resumed, resumed_opts, RESUME_AT, STEPS, vocab) == fp8_losses[RESUME_AT:]
     for (name, a), b in zip(fp8.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_pretrain_stage_trains_in_fp8_with_the_test_allowance_and_refuses_without(tmp_path):
+    """The stage end to end: the check before any work, FP8 training, val bpb and samples with the
+    layers swapped back, a final model that loads into a plain GPT."""
+    from tests.project import BIN, make_project, run
+
+    project = make_project(
+        tmp_path, {"pretrain": {"fp8": True, "max_steps": 4, "eval_every": 2, "sample_every": 2, "checkpoint_every": 2}}
+    )
+    refused = run(project, str(BIN / "python"), "-m", "stages.pretrain", check=False)
+    assert refused.returncode != 0 and "fp8 needs CUDA with compute capability >= 8.9" in refused.stderr
+    assert not (project / "checkpoints" / "pretrain").exists()  # refused before any work
+    run(project, str(BIN / "dvc"), "repro", "pretrain", **{CPU_TEST_ENV: "1"})
+    model, meta = load_model(project / "artifacts" / "base")
+    assert float8_layers(model) == [] and math.isfinite(meta["summary"]["val_bpb"])
+    script = (  # the derived horizon is a param of the stage's MLflow run
+        "import json, mlflow\n"
+        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
+        "c = mlflow.MlflowClient()\n"
+        "exp = c.get_experiment_by_name('chatpipe')\n"
+        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
+        "print(json.dumps({k: v for k, v in run.data.params.items() if k.startswith('horizon.')}))\n"
+    )
+    params = json.loads(run(project, str(BIN / "python"), "-c", script).stdout.strip().splitlines()[-1])
+    assert params["horizon.num_iterations"] == "4" and int(params["horizon.total_batch_size"]) > 0
+    assert {"horizon.batch_lr_scale", "horizon.weight_decay", "horizon.scaling_params"} <= set(params)
