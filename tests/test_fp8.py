@@ -180,3 +180,26 @@ def test_pretrain_stage_trains_in_fp8_with_the_test_allowance_and_refuses_withou
     params = json.loads(run(project, str(BIN / "python"), "-c", script).stdout.strip().splitlines()[-1])
     assert params["horizon.num_iterations"] == "4" and int(params["horizon.total_batch_size"]) > 0
     assert {"horizon.batch_lr_scale", "horizon.weight_decay", "horizon.scaling_params"} <= set(params)
+
+
+def test_an_fp8_trained_model_exports_to_transformers_with_the_logits_of_its_plain_swap(
+    allow_cpu, one_thread, tok, tmp_path
+):
+    """Export of an FP8 run: the weights under the plain names, logits equal to the swapped-back model's.
+    (The built-in NanoChat class lacks the speedrun's options, so this model has the ones it has.)"""
+    transformers = pytest.importorskip("transformers")
+    from chatpipe.export import hf
+    from chatpipe.model.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=SEQ, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))
+    model.init_weights()
+    enable_fp8(model)
+    train(model, optimizers_for(model), 0, 3, tok.vocab_size)
+    assert float8_layers(model)
+    out = hf.export_model(model, tok, {"model_config": model.config.to_dict()}, tmp_path / "hf", report_path=None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
+    x, _ = batch(7, tok.vocab_size)
+    with torch.no_grad(), plain_linears(model):
+        ours = model(x)
+        assert torch.allclose(theirs(x).logits, ours, atol=1e-5), (theirs(x).logits - ours).abs().max()
