@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
 from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.horizon import Horizon
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.fp8 import check_fp8, enable_fp8, plain_linears
@@ -99,18 +100,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     )
 
     # --- batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon; `chatpipe plan` shows the same)
-    horizon = horizon_for(cfg, model, rt.world_size)
-    cfg = apply_horizon(cfg, horizon)  # from here on cfg holds the resolved batch, steps, LRs and decay
+    cfg, horizon = resolve_horizon(cfg, model, rt.world_size)  # cfg now holds the batch, steps, LRs and decay
     total_steps = cfg.max_steps
-    log.info(
-        "horizon: %d steps x %d tokens | %d scaling params | LR scale %.4f (%s) | weight decay %.6g",
-        total_steps,
-        cfg.total_batch_size,
-        horizon.scaling_params,
-        horizon.batch_lr_scale,
-        "applied" if horizon.lr_scaled else "off",
-        cfg.weight_decay,
-    )
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     use_compile = compile_pays(cfg.compile, total_steps, rt.device)
     log.info(
@@ -212,6 +203,21 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             out_dir, model, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt, final=final
         )
     runtime.barrier()
+
+
+def resolve_horizon(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[PretrainSettings, Horizon]:
+    """The run's settings with the derived batch, steps, LRs and weight decay in place, and the derivation."""
+    horizon = horizon_for(cfg, model, world_size)
+    log.info(
+        "horizon: %d steps x %d tokens | %d scaling params | LR scale %.4f (%s) | weight decay %.6g",
+        horizon.num_iterations,
+        horizon.total_batch_size,
+        horizon.scaling_params,
+        horizon.batch_lr_scale,
+        "applied" if horizon.lr_scaled else "off",
+        horizon.weight_decay,
+    )
+    return apply_horizon(cfg, horizon), horizon
 
 
 def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun, step: int) -> None:
