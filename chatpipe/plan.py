@@ -8,25 +8,20 @@ the ``meta`` device, so planning a 1B-parameter model allocates nothing.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
+from chatpipe.horizon import REFERENCE_DEPTH, Horizon, derive_horizon
 from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, quarter_window
 from chatpipe.runtime import Runtime, cpu_multiplies_bf16
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
 from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
 
 GIB = 1024**3
-
-# Automatic total batch: a power of two growing as tokens**0.383 (the optimal-batch exponent
-# nanochat's 2026 recipe uses), anchored at 2**19 tokens per step for 5e9 training tokens.
-AUTO_BATCH_REF_TOKENS = 5e9
-AUTO_BATCH_REF_SIZE = 1 << 19
-AUTO_BATCH_EXPONENT = 0.383
 
 # torch.compile on the project's 2-core CPU, tiny model (bench/pretrain_vs_nanochat.py, bench/README.md):
 # compiling the model costs ~39 s with an empty inductor cache (~6 s warm) and saves ~0.08 s per
@@ -59,27 +54,69 @@ def model_config_for(cfg: PretrainSettings, vocab_size: int) -> GPTConfig:
     )
 
 
-def scaling_params(model: GPT) -> int:
-    """Parameters the data:param ratio counts: all of them, minus the lookup tables when the model
-    has value embeddings (they add n_layer/2 vocab-sized tables that cost no FLOPs)."""
+def legacy_ratio_params(model: GPT) -> int:
+    """Parameters the 2025 recipe's data:param ratio counts (d20 and the fixed-batch profiles keep it):
+    all of them, minus the lookup tables when the model has value embeddings."""
     n = model.num_params()
     return n - model.num_embedding_params() if model.config.value_embeds else n
 
 
-def auto_total_batch_size(tokens: float, unit: int) -> int:
-    """Tokens per step for a run of ``tokens`` tokens: see AUTO_BATCH_*; a multiple of ``unit``."""
-    ideal = AUTO_BATCH_REF_SIZE * (tokens / AUTO_BATCH_REF_TOKENS) ** AUTO_BATCH_EXPONENT
-    size = 1 << max(0, round(math.log2(max(ideal, 1.0))))
-    return max(unit, size // unit * unit)
+def uses_nanochat_horizon(cfg: PretrainSettings) -> bool:
+    """Whether the profile asks for nanochat's 2026 derivation (chatpipe.horizon): an automatic batch,
+    LR or weight-decay scaling, or a FLOPs horizon. Otherwise the 2025 recipe's numbers stay as they were."""
+    return cfg.total_batch_size == -1 or cfg.lr_scaling or cfg.wd_scaling or cfg.target_flops > 0
 
 
-def batch_and_steps(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[int, int]:
-    """(total_batch_size, total steps) of a pretrain run, resolving the automatic values (-1)."""
+def horizon_for(cfg: PretrainSettings, model: GPT, world_size: int) -> Horizon:
+    """The run's batch, steps, LR scale and weight decay (chatpipe.horizon), counted on ``model``.
+
+    The d12 reference is the same recipe at depth 12, built on the meta device (allocates nothing).
+    """
+    if not uses_nanochat_horizon(cfg):  # fixed batch, ratio over the 2025 count, LRs and decay as given
+        return derive_horizon(
+            scaling_params=legacy_ratio_params(model),
+            reference_params=legacy_ratio_params(model),
+            flops_per_token=model.flops_per_token(),
+            ratio=cfg.target_param_data_ratio,
+            total_batch_size=cfg.total_batch_size,
+            num_iterations=cfg.max_steps,
+            weight_decay=cfg.weight_decay,
+            lr_scaling=False,
+            wd_scaling=False,
+        )
+    with torch.device("meta"):
+        reference = GPT(model_config_for(cfg.model_copy(update={"depth": REFERENCE_DEPTH}), model.config.vocab_size))
+    horizon = derive_horizon(
+        scaling_params=model.scaling_params(),
+        reference_params=reference.scaling_params(),
+        flops_per_token=model.flops_per_token(),
+        ratio=cfg.target_param_data_ratio,
+        total_batch_size=cfg.total_batch_size,
+        num_iterations=cfg.max_steps,
+        target_flops=cfg.target_flops,
+        weight_decay=cfg.weight_decay,
+        lr_scaling=cfg.lr_scaling,
+        wd_scaling=cfg.wd_scaling,
+    )
     unit = cfg.device_batch_size * cfg.sequence_len * world_size
-    tokens = cfg.target_param_data_ratio * scaling_params(model)
-    batch = cfg.total_batch_size if cfg.total_batch_size > 0 else auto_total_batch_size(tokens, unit)
-    steps = cfg.max_steps if cfg.max_steps > 0 else int(tokens // batch)
-    return batch, steps
+    if horizon.total_batch_size % unit:  # gradient accumulation needs whole micro-batches on every rank
+        raise ValueError(
+            f"pretrain.total_batch_size resolved to {horizon.total_batch_size:,} tokens, not a multiple of "
+            f"device_batch_size x sequence_len x world size = {unit:,}; lower device_batch_size"
+        )
+    return horizon
+
+
+def apply_horizon(cfg: PretrainSettings, horizon: Horizon) -> PretrainSettings:
+    """``cfg`` with the horizon's batch and steps, and its scaled LRs and weight decay where switched on."""
+    update: dict[str, Any] = {
+        "total_batch_size": horizon.total_batch_size,
+        "max_steps": horizon.num_iterations,
+        "weight_decay": horizon.weight_decay,
+    }
+    if horizon.lr_scaled:  # every AdamW and Muon LR setting, as nanochat scales its four LR arguments
+        update.update({k: getattr(cfg, k) * horizon.batch_lr_scale for k in (*cfg.LR_KEYS, "scalar_lr")})
+    return cfg.model_copy(update=update)
 
 
 def compile_pays(setting: bool | str, total_steps: int, device: torch.device, part: str = "model") -> bool:
@@ -122,6 +159,10 @@ class Plan:
     tokens: int
     steps: int
     total_batch_size: int
+    scaling_params: int  # N, what the data:param ratio counts
+    batch_lr_scale: float  # sqrt(B / 2**19)
+    lr_scaled: bool  # whether the LRs are multiplied by batch_lr_scale (lr_scaling)
+    weight_decay: float  # as the run uses it (scaled where wd_scaling is on)
     world_size: int
     grad_accum: int
     total_flops: float
@@ -188,7 +229,8 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         model = GPT(model_config_for(cfg, vocab))
     num_params, fpt = model.num_params(), model.flops_per_token()
     world = launch.nnodes * launch.nproc_per_node
-    batch, steps = batch_and_steps(cfg, model, world)
+    horizon = horizon_for(cfg, model, world)
+    batch, steps = horizon.total_batch_size, horizon.num_iterations
     tokens = steps * batch
     accum = grad_accum_steps(batch, cfg.device_batch_size, cfg.sequence_len, world)
     total_flops = float(fpt) * tokens
@@ -218,6 +260,10 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         tokens,
         steps,
         batch,
+        horizon.scaling_params,
+        horizon.batch_lr_scale,
+        horizon.lr_scaled,
+        horizon.weight_decay,
         world,
         accum,
         total_flops,
@@ -239,8 +285,12 @@ def format_plan(plan: Plan) -> str:
             f"  recipe           {plan.recipe}",
             f"  parameters       {plan.num_params:,} ({plan.num_params / 1e6:.1f}M)",
             f"  FLOPs per token  {plan.flops_per_token:.4g}",
-            f"  tokens to train  {plan.tokens:,} ({plan.tokens / plan.num_params:.1f} tokens/param)",
+            f"  tokens to train  {plan.tokens:,} ({plan.tokens / plan.scaling_params:.1f} per counted param, "
+            f"{plan.scaling_params:,} counted)",
             f"  steps            {plan.steps:,} x {plan.total_batch_size:,} tokens",
+            f"  LR scale         {plan.batch_lr_scale:.3f} (sqrt of batch / 524,288; "
+            f"{'applied to every LR' if plan.lr_scaled else 'off, LRs as set'})",
+            f"  weight decay     {plan.weight_decay:.3g}",
             f"  world size       {plan.world_size} (grad accumulation {plan.grad_accum})",
             f"  total FLOPs      {plan.total_flops:.3e}",
             f"  time on {plan.gpu}   {plan.hours:.2f} h at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s "

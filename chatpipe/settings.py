@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 # The pipeline's stages in run order (dvc.yaml lists the same, in the same order; a test checks it),
@@ -281,7 +281,16 @@ class PretrainSettings(TrainSettings):
     n_kv_head: int = Field(0, ge=0, description="0: same as n_head (no GQA)")
     window_pattern: str = Field("L", pattern=r"^[SL]+$")
     sequence_len: int = Field(256, ge=8)
-    target_param_data_ratio: float = Field(20.0, gt=0)
+    target_param_data_ratio: float = Field(
+        20.0, description="tokens to train per scaling param; -1: off (then target_flops or max_steps sets the length)"
+    )
+    target_flops: float = Field(
+        -1.0, description="train for this many FLOPs (nanochat's --target-flops; wins over the ratio); -1: off"
+    )
+    lr_scaling: bool = Field(False, description="multiply every LR by sqrt(total_batch_size / 2**19) (nanochat 2026)")
+    wd_scaling: bool = Field(
+        False, description="weight_decay * sqrt(B / 2**19) * D(d12) / D: nanochat's T_epoch scaling from a d12 value"
+    )
     sample_every: int = resume_neutral(100, ge=0)
     embedding_lr: float = Field(0.2, gt=0)
     total_batch_size: int = Field(
@@ -315,7 +324,31 @@ class PretrainSettings(TrainSettings):
         description="muon_adamw: precision of Polar Express's matmuls; auto: bfloat16 where the run trains in "
         "bfloat16 (nanochat) or the CPU has bfloat16 dot products (AVX512-BF16, AMX), else float32",
     )
-    fp8: bool = Field(False, description="FP8 matmuls via torchao; needs CUDA with compute capability >= 8.9")
+    fp8: bool = Field(
+        False,
+        description="FP8 matmuls of the block matrices via torchao (pip install -e '.[gpu]'); needs CUDA with compute "
+        "capability >= 8.9. Tests only: CHATPIPE_TEST_FP8_ON_CPU=1 emulates it on CPU (chatpipe.model.fp8)",
+    )
+
+    @field_validator("target_param_data_ratio")
+    @classmethod
+    def _ratio_positive_or_off(cls, v: float) -> float:
+        if v <= 0 and v != -1:
+            raise ValueError(f"target_param_data_ratio = {v}; allowed: a number > 0, or -1 (off: set target_flops)")
+        return v
+
+    @field_validator("target_flops")
+    @classmethod
+    def _flops_positive_or_off(cls, v: float) -> float:
+        if v <= 0 and v != -1:
+            raise ValueError(f"target_flops = {v}; allowed: a number > 0, or -1 (off)")
+        return v
+
+    @model_validator(mode="after")
+    def _horizon_is_set(self) -> PretrainSettings:
+        if self.target_param_data_ratio == -1 and self.target_flops <= 0 and self.max_steps <= 0:
+            raise ValueError("target_param_data_ratio = -1 (off) needs target_flops > 0 or max_steps > 0")
+        return self
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """The recipe's keyword arguments of build_optimizers (LRs, weight decay, optimizer, scalar LR), so a

@@ -19,14 +19,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chatpipe import runtime, tracking
 from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
+from chatpipe.horizon import Horizon
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
-from chatpipe.model.gpt import GPT, enable_fp8
+from chatpipe.model.fp8 import check_fp8, enable_fp8, plain_linears
+from chatpipe.model.gpt import GPT
 from chatpipe.plan import (
-    batch_and_steps,
+    apply_horizon,
     check_memory_fits,
     compile_pays,
     estimate_memory_bytes,
+    horizon_for,
     model_config_for,
     polar_express_dtype,
 )
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
+    if cfg.fp8:
+        check_fp8(rt.device)  # before any work: names the missing gpu extra, or the GPU that cannot
     work, out_dir = WORK / "pretrain", ARTIFACTS / "base"
     tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
 
@@ -78,7 +83,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         model = GPT(model_config)
     model.init_weights()
     if cfg.fp8:
-        enable_fp8(model)  # a clear error where FP8 is unsupported (CPU, GPUs before compute capability 8.9)
+        enable_fp8(model)  # block matrices only; eval, samples and saved weights go through plain Linear
     num_params, flops_per_token = model.num_params(), model.flops_per_token()
     check_memory_fits(
         estimate_memory_bytes(
@@ -94,10 +99,9 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         cfg.device_batch_size,
     )
 
-    # --- batch math and schedule length
-    total_batch_size, total_steps = batch_and_steps(cfg, model, rt.world_size)
-    if total_batch_size != cfg.total_batch_size:
-        cfg = cfg.model_copy(update={"total_batch_size": total_batch_size})  # automatic (-1) resolved
+    # --- batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon; `chatpipe plan` shows the same)
+    cfg, horizon = resolve_horizon(cfg, model, rt.world_size)  # cfg now holds the batch, steps, LRs and decay
+    total_steps = cfg.max_steps
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     use_compile = compile_pays(cfg.compile, total_steps, rt.device)
     log.info(
@@ -136,7 +140,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     def val_bpb() -> float:
         loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
-        return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
+        with plain_linears(model):  # evaluate in the precision the model will be used in, as nanochat does
+            return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
 
     def checkpoint_meta() -> dict:
         return {
@@ -156,6 +161,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         "grad_accum": grad_accum,
         "world_size": rt.world_size,
         "total_steps": total_steps,
+        "horizon": horizon.as_params(),
     }
     with tracked_run("pretrain", params, rt) as run:
         metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
@@ -199,14 +205,30 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     runtime.barrier()
 
 
+def resolve_horizon(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[PretrainSettings, Horizon]:
+    """The run's settings with the derived batch, steps, LRs and weight decay in place, and the derivation."""
+    horizon = horizon_for(cfg, model, world_size)
+    log.info(
+        "horizon: %d steps x %d tokens | %d scaling params | LR scale %.4f (%s) | weight decay %.6g",
+        horizon.num_iterations,
+        horizon.total_batch_size,
+        horizon.scaling_params,
+        horizon.batch_lr_scale,
+        "applied" if horizon.lr_scaled else "off",
+        horizon.weight_decay,
+    )
+    return apply_horizon(cfg, horizon), horizon
+
+
 def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun, step: int) -> None:
     """Greedy continuations of a few prompts, logged and saved to MLflow as text."""
     engine = Engine(model, tok)
     lines = []
-    for prompt in SAMPLE_PROMPTS:
-        ids = tok.encode(prompt, prepend=tok.bos_id)
-        seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
-        lines.append(tok.decode(seqs[0][1:]))
+    with plain_linears(model):  # FP8 layers back to Linear: decoding shapes are not FP8's multiples of 16
+        for prompt in SAMPLE_PROMPTS:
+            ids = tok.encode(prompt, prepend=tok.bos_id)
+            seqs, _ = engine.generate_batch(ids, num_samples=1, max_tokens=24, temperature=0.0)
+            lines.append(tok.decode(seqs[0][1:]))
     log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
     run.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
 

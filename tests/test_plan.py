@@ -62,10 +62,14 @@ def test_speedrun_is_nanochat_d24_recipe_and_plan_shows_both(params_file, capsys
     plan = make_plan("speedrun")
     assert plan.depth == 24 and plan.n_embd == 1536 and plan.vocab_size == 32_768
     assert "muon_adamw" in plan.recipe and "value_embeds" in plan.recipe and "fp8" in plan.recipe
-    # ratio 8 over the params that cost FLOPs (value embeddings and wte are lookups)
-    assert plan.total_batch_size == 524_288 and plan.tokens <= 8 * plan.num_params
+    # nanochat's d24 speedrun: ratio 8 over block matrices + lm_head, Power Lines batch from d12, sqrt LR scaling
+    assert plan.scaling_params == 729_810_624 and plan.tokens <= 8 * plan.scaling_params
+    assert (plan.steps, plan.total_batch_size, plan.grad_accum) == (5_568, 1_048_576, 4)
+    assert plan.lr_scaled and round(plan.batch_lr_scale, 3) == 1.414 and round(plan.weight_decay, 4) == 0.0597
     main(["--profile", "speedrun,d20"])
     out = capsys.readouterr().out
+    assert "5,568 x 1,048,576 tokens" in out and "LR scale         1.414" in out and "weight decay     0.0597" in out
+    assert "21,400 x 524,288 tokens" in out and "off, LRs as set" in out  # d20 keeps its 2025 numbers
     assert "profile speedrun: depth 24" in out and "profile d20: depth 20" in out
     assert format_plan(make_plan("tiny")).startswith("profile tiny")
 

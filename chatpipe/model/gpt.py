@@ -614,14 +614,22 @@ class GPT(nn.Module):
         """Lookup tables (wte and value embeddings); lm_head is a real matmul and counts as compute."""
         return self.wte.weight.numel() + sum(ve.weight.numel() for ve in self.value_embeds.values())
 
+    def scaling_params(self) -> int:
+        """Parameters the data:param ratio and the FLOPs count: the block matrices (value-embedding
+        gates included) and lm_head. Not wte or value embeddings (lookups) nor the lambdas and
+        smear gate (a few elementwise ops): nanochat's N in its scaling laws."""
+        return sum(p.numel() for p in self.blocks.parameters()) + self.lm_head.weight.numel()
+
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 * non-embedding params + attention (window-limited per layer)."""
+        """Training FLOPs per token, counted as nanochat does: 6 * the matmul weights (:meth:`scaling_params`
+        and the smear gate, a small linear) plus attention, 12 * heads * head_dim * the keys before each
+        query per layer (the whole sequence for 'L' layers, the window's left part for 'S' layers)."""
+        matmul = self.scaling_params() + (self.smear_gate.weight.numel() if self.config.smear else 0)
         head_dim = self.config.n_embd // self.config.n_head
-        attn = sum(
-            12 * self.config.n_head * head_dim * (w if w is not None else self.config.sequence_len)
-            for w in self.windows
-        )
-        return 6 * (self.num_params() - self.num_embedding_params()) + attn
+        seq = self.config.sequence_len
+        # a window of w keys includes the query itself; nanochat counts the w - 1 before it
+        attn = sum(12 * self.config.n_head * head_dim * (seq if w is None else min(w - 1, seq)) for w in self.windows)
+        return 6 * matmul + attn
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
         """Parameters by optimizer role: ``matrix`` (Muon: every block matrix, gates included);
@@ -640,29 +648,3 @@ class GPT(nn.Module):
             "x0_lambdas": [self.x0_lambdas] if config.lambdas else [],
             "gates": gates,
         }
-
-
-FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
-
-
-def enable_fp8(model: GPT) -> GPT:
-    """Swap the block matrices' matmuls to FP8 (torchao's float8 training), in place.
-
-    Raises RuntimeError with the reason when this machine cannot: no CUDA, a GPU older than
-    compute capability 8.9, or torchao not installed. lm_head and embeddings stay in bf16/fp32.
-    """
-    device = model.wte.weight.device
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        where = "CPU" if device.type != "cuda" else f"compute capability {torch.cuda.get_device_capability(device)}"
-        raise RuntimeError(f"fp8 needs CUDA with compute capability >= 8.9 (this run is on {where}); set fp8: false")
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError:
-        raise RuntimeError("fp8 needs torchao (pip install torchao); set fp8: false") from None
-
-    def in_blocks(module: nn.Module, fqn: str) -> bool:
-        # FP8 needs both dims divisible by 16; tiny gates stay in higher precision
-        return fqn.startswith("blocks.") and isinstance(module, nn.Linear) and min(module.weight.shape) % 16 == 0
-
-    convert_to_float8_training(model, module_filter_fn=in_blocks)
-    return model
