@@ -41,11 +41,7 @@ def require_shared_data() -> Path:
 # one worker, and files are handed out in collection order. The longest files (measured with
 # `pytest --durations`) go first, so that neither worker picks up a long file when the other is
 # almost done; every other file keeps its place after them.
-HEAVIEST_FIRST = (
-    "test_readme_examples.py",
-    "test_slurm.py",
-    "test_hub.py",
-)
+HEAVIEST_FIRST = ("test_readme_examples.py", "test_slurm.py", "test_hub.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
