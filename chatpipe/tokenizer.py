@@ -184,7 +184,8 @@ class Tokenizer:
         head = [] if prepend is None else [prepend if isinstance(prepend, int) else self.encode_special(prepend)]
         if isinstance(text, str):
             return head + self.enc.encode_ordinary(text)
-        return [head + ids for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
+        batch = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
+        return [head + ids for ids in batch] if head else batch  # no per-sequence copy without a head
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for ``ids``; special tokens appear as their names, broken UTF-8 as U+FFFD."""

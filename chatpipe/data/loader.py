@@ -131,15 +131,19 @@ class RowLoader:
         if self._pool is None:
             mine, cursor = self._build()
         else:
-            # Only one build is ever in flight, so the packer is never used by two threads at once.
             mine, cursor = (self._next or self._pool.submit(self._build)).result()
-            self._next = self._pool.submit(self._build)
         self.row += self.batch_size * self.world_size
         self.cursor = cursor  # the state after the batches handed out, not after the prefetched one
         batch = torch.from_numpy(mine)
         if self.device.type == "cuda":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self._pool is not None:
+            # Start the next build after the last torch call here: torch calls release the GIL,
+            # and the woken worker would then hold it for its whole build while this call waits.
+            # Only one build is ever in flight, so the packer is never used by two threads at once.
+            self._next = self._pool.submit(self._build)
+        return inputs, targets
 
     def close(self) -> None:
         """Stop the prefetch thread (after the batch in flight, if any)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 
@@ -110,17 +111,28 @@ def _tokenize_shard(shard: Path, tokenizer, dtype: np.dtype, batch_docs: int) ->
     """(tokens, offsets) of one text shard, a BOS before every document."""
     pieces: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
-    bos = tokenizer.bos_id
-    for texts in _shard_texts(shard, batch_docs):
-        # Encode without the BOS and insert it with numpy: no per-document list copy or array,
+
+    def flatten(ids: list[list[int]]) -> None:
+        # Encoded without the BOS, which numpy inserts: no per-document list copy or array,
         # which is what kept the old path well below the tokenizer's own speed.
-        ids = tokenizer.encode(texts)
         n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         body = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(n.sum()))
         starts = np.zeros(len(n), dtype=np.int64)
         np.cumsum(n[:-1], out=starts[1:])
-        pieces.append(np.insert(body, starts, np.asarray(bos, dtype=dtype)))
+        pieces.append(np.insert(body, starts, np.asarray(tokenizer.bos_id, dtype=dtype)))
         lengths.append(n + 1)
+
+    # A pipeline: the tokenizer (native, GIL released) encodes batch k+1 in a thread while this
+    # thread reads the next parquet batch and flattens batch k, instead of one after the other.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        pending: Future | None = None
+        for texts in _shard_texts(shard, batch_docs):
+            encoding = pool.submit(tokenizer.encode, texts)
+            if pending is not None:
+                flatten(pending.result())
+            pending = encoding
+        if pending is not None:
+            flatten(pending.result())
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     offsets = np.zeros(len(all_lengths) + 1, dtype=np.int64)
     np.cumsum(all_lengths, out=offsets[1:])
