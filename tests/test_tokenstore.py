@@ -196,3 +196,45 @@ def test_a_killed_tokenizing_run_leaves_nothing_half_written(small_store):
     manifest = tokenize_shards(root / "text", tok, root / "tokens", fingerprint="other")  # the re-run rebuilds
     assert manifest["fingerprint"] == "other"
     assert len(TokenDocs(root / "tokens", "train").lengths) == 60
+
+
+KILL_SCRIPT = """
+import sys, time
+from pathlib import Path
+from chatpipe.data.tokenstore import tokenize_shards
+from chatpipe.tokenizer import Tokenizer
+
+class Slow:
+    def __init__(self, tok):
+        self.tok, self.vocab_size, self.bos_id, self.calls = tok, tok.vocab_size, tok.bos_id, 0
+    def encode(self, texts, prepend=None):
+        self.calls += 1
+        if self.calls == 2:
+            print("first shard written", flush=True)
+            time.sleep(60)  # killed here, on the second shard
+        return self.tok.encode(texts, prepend=prepend)
+
+root = Path(sys.argv[1])
+tokenize_shards(root / "text", Slow(Tokenizer.load(root / "tok")), root / "tokens", fingerprint="killed", batch_docs=40)
+"""
+
+
+def test_sigkill_while_tokenizing_leaves_no_half_written_file(small_store):
+    import os
+    import subprocess
+    import sys
+
+    root, tok = small_store
+    tok.save(root / "tok")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(root)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "first shard written"
+    proc.kill()  # SIGKILL: no handler, no cleanup
+    proc.wait()
+    files = {p.name for p in (root / "tokens").iterdir() if not p.name.startswith(".")}
+    assert "manifest.json" not in files  # the store does not claim to be current
+    for name in files:  # whatever carries a final name loads whole
+        np.load(root / "tokens" / name, mmap_mode="r")
+    tokenize_shards(root / "text", tok, root / "tokens", fingerprint="killed")  # the re-run completes
+    assert not [p for p in (root / "tokens").iterdir() if ".tmp" in p.name]
+    assert len(TokenDocs(root / "tokens", "train").lengths) == 60
