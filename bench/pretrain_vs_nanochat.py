@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chatpipe.data.loader import RowLoader, TokenDocs  # noqa: E402
+from chatpipe.data.tokenstore import save_shard, write_index  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options  # noqa: E402
 from chatpipe.plan import model_config_for, polar_express_dtype  # noqa: E402
 from chatpipe.runtime import Runtime, init  # noqa: E402
@@ -104,7 +105,8 @@ def random_docs(directory: Path, n_docs: int = 2000, seed: int = 0) -> TokenDocs
     lengths = rng.integers(40, 460, n_docs)
     tokens = rng.integers(0, VOCAB, int(lengths.sum())).astype(np.uint16)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    np.savez(directory / "train_000.npz", tokens=tokens, offsets=offsets)
+    save_shard(directory, "train_000", tokens, offsets)
+    write_index(directory, "train")
     return TokenDocs(directory, "train")
 
 

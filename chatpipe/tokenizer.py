@@ -27,9 +27,11 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import rustbpe
 import tiktoken
 import torch
@@ -184,7 +186,19 @@ class Tokenizer:
         head = [] if prepend is None else [prepend if isinstance(prepend, int) else self.encode_special(prepend)]
         if isinstance(text, str):
             return head + self.enc.encode_ordinary(text)
-        return [head + ids for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
+        batch = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
+        return [head + ids for ids in batch] if head else batch  # no per-sequence copy without a head
+
+    def encode_arrays(self, texts: list[str], num_threads: int = 4) -> list[np.ndarray]:
+        """Each text's ids as a uint32 array, like ``encode(texts)`` but without building Python int
+        lists (bulk tokenizing spent a fifth of its time turning those into arrays)."""
+
+        def one(text: str) -> np.ndarray:
+            # nothing disallowed: special-token strings stay ordinary text, as in encode_ordinary
+            return self.enc.encode_to_numpy(text, disallowed_special=())
+
+        with ThreadPoolExecutor(num_threads) as pool:  # the BPE releases the GIL
+            return list(pool.map(one, texts, chunksize=16))
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for ``ids``; special tokens appear as their names, broken UTF-8 as U+FFFD."""

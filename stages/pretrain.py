@@ -64,7 +64,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     work, out_dir = WORK / "pretrain", ARTIFACTS / "base"
     tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
 
-    # --- data: tokenize the text shards once (ranks split the shards), then pack rows
+    # --- data: tokenize the text shards once into the memory-mapped store (ranks split the shards)
     tok = Tokenizer.load(tok_dir)
     token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
     inputs = {
@@ -129,10 +129,12 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
-    start_step, start_row, carried = resume_point(meta)
+    start_step, _, carried = resume_point(meta)
 
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len, **rt.shard)
-    train_loader = RowLoader(train_docs, start_row=start_row, **loader_kw)
+    # the checkpoint's loader state holds the packer cursor: resuming costs the same at any step;
+    # the next batch is built in a background thread while the current step runs
+    train_loader = RowLoader(train_docs, state=meta.get("loader"), prefetch=True, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if use_compile else ddp_model
     eval_model = torch.compile(model) if use_compile else model
@@ -196,6 +198,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
         # --- save the final model for the next stage
         bar.close()
+        train_loader.close()
         tokens_per_s = tokens_seen / max(t_train, 1e-9)
         summary = {"val_bpb": bpb, "train_seconds": t_train, "tokens": tokens_seen, "tokens_per_s": tokens_per_s}
         final = {"final/val_bpb": bpb}

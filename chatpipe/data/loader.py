@@ -1,173 +1,92 @@
-"""Pretraining data: tokenized shards and a distributed, BOS-aligned row loader.
+"""Pretraining data: a distributed, BOS-aligned row loader over the memory-mapped token store.
 
-Two steps:
-
-1. :func:`tokenize_shards` turns the text shards of the `data` stage into token shards
-   (``tokens`` + document ``offsets`` per shard, every document starting with ``<|bos|>``).
-   Ranks split the shards between them; results are cached by fingerprint.
-2. :class:`RowLoader` packs documents into rows of ``seq_len + 1`` tokens by best fit: every row
+1. :func:`~chatpipe.data.tokenstore.tokenize_shards` turns the text shards of the `data` stage into
+   the token store (re-exported here with :class:`~chatpipe.data.tokenstore.TokenDocs`).
+2. :class:`Packer` packs documents into rows of ``seq_len + 1`` tokens by best fit: every row
    starts at a document start (BOS-aligned), whole documents are placed largest-first into the
    space left, and when none fits a document is cropped to fill the row exactly (no padding).
+3. :class:`RowLoader` hands each rank its rows of each step, prepared in a background thread.
 
 The packing depends only on document lengths, so every rank computes the same global stream of
-rows and keeps its own slice of each micro-batch. Step ``s`` therefore sees the same rows whether
-it runs on 2 ranks or on 1 rank with 2 gradient-accumulation micro-steps, and the loader state is
-a single integer (the global row cursor), which makes resume exact.
+rows (on lengths alone, cheap) and reads the tokens of its own rows only. Step ``s`` therefore sees
+the same rows whether it runs on 2 ranks or on 1 rank with 2 gradient-accumulation micro-steps.
+The packer's whole state is a small cursor (next document + the buffer of pending ones), saved
+with the global row count in every checkpoint, so a resume at any step restores it in O(1)
+instead of replaying the stream, and continues with exactly the rows of an uninterrupted run.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from chatpipe.io import write_json_atomic
+from chatpipe.data.tokenstore import TOKEN_MANIFEST, TokenDocs, token_dtype, tokenize_shards
 
-TOKEN_MANIFEST = "manifest.json"
-
-
-def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+__all__ = ["TOKEN_MANIFEST", "Packer", "RowLoader", "TokenDocs", "pack_rows", "token_dtype", "tokenize_shards"]
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every token id."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+class Packer:
+    """Best-fit packing of documents (taken in order, epoch after epoch) into rows of ``capacity``.
 
-
-def tokenize_shards(
-    text_dir: Path,
-    tokenizer,
-    out_dir: Path,
-    *,
-    fingerprint: str,
-    rank: int = 0,
-    world_size: int = 1,
-    batch_docs: int = 1024,
-) -> dict:
-    """Tokenize every ``*.parquet`` text shard in ``text_dir`` into ``out_dir`` (collective call).
-
-    Skips all work if ``out_dir`` already holds shards with the same fingerprint.
+    ``cursor()`` is the complete state between rows; ``Packer(..., cursor=c)`` continues exactly
+    where the packer that produced ``c`` was. ``lengths`` may be a memory-mapped array: each
+    document's length is read once, when it enters the buffer.
     """
-    manifest_path = out_dir / TOKEN_MANIFEST
-    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("fingerprint") == fingerprint:
-        return json.loads(manifest_path.read_text())
-    shards = sorted(text_dir.glob("*.parquet"))
-    if not shards:
-        raise FileNotFoundError(f"{text_dir}: no *.parquet text shards; run the `data` stage first")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(tokenizer.vocab_size)
-    for i, shard in enumerate(shards):
-        if i % world_size != rank:
-            continue
-        pieces: list[np.ndarray] = []
-        lengths: list[int] = []
-        for texts in _shard_texts(shard, batch_docs):
-            for ids in tokenizer.encode(texts, prepend=tokenizer.bos_id):
-                pieces.append(np.asarray(ids, dtype=dtype))
-                lengths.append(len(ids))
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tmp = out_dir / f".{shard.stem}.tmp{rank}.npz"
-        with open(tmp, "wb") as f:
-            np.savez(f, tokens=np.concatenate(pieces) if pieces else np.zeros(0, dtype), offsets=offsets)
-        tmp.replace(out_dir / f"{shard.stem}.npz")
-    _barrier()
-    manifest = {"fingerprint": fingerprint, "shards": [s.stem for s in shards]}
-    if rank == 0:
-        counts = {s.stem: int(np.load(out_dir / f"{s.stem}.npz")["offsets"][-1]) for s in shards}
-        manifest["tokens"] = counts
-        write_json_atomic(manifest_path, manifest)
-    _barrier()
-    return json.loads(manifest_path.read_text())
 
+    def __init__(self, lengths: Sequence[int], capacity: int, buffer_size: int = 64, cursor=None) -> None:
+        self.lengths, self.capacity, self.buffer_size = lengths, capacity, buffer_size
+        self.n_docs = len(lengths)
+        cursor = cursor or [0]
+        self.next_doc, self.buffer = int(cursor[0]), [int(d) for d in cursor[1:]]
+        # The buffer's lengths as plain ints beside it: the best-fit scan below is the hot loop.
+        self.lens = [int(lengths[d]) for d in self.buffer]
 
-def _shard_texts(shard: Path, batch_docs: int) -> Iterator[list[str]]:
-    """Batches of the ``text`` column of one parquet shard; a corrupt file or a column that is not
-    text raises ValueError naming the shard (pyarrow's own errors name no file)."""
-    import pyarrow as pa
+    def cursor(self) -> list[int]:
+        """The state between two rows: ``[next document, *buffered documents]``."""
+        return [self.next_doc, *self.buffer]
 
-    try:
-        table = pq.ParquetFile(shard)
-        field = table.schema_arrow.field("text")
-    except KeyError:
-        raise ValueError(f"{shard}: no 'text' column; re-run the `data` stage") from None
-    except (OSError, pa.ArrowException) as e:
-        raise ValueError(f"{shard}: not a readable parquet file ({e}); delete it and re-run the `data` stage") from None
-    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        raise ValueError(f"{shard}: column 'text' has type {field.type}, expected string")
-    try:
-        for batch in table.iter_batches(batch_size=batch_docs, columns=["text"]):
-            yield batch.column(0).to_pylist()
-    except (OSError, pa.ArrowException) as e:
-        raise ValueError(f"{shard}: corrupt parquet data ({e}); delete it and re-run the `data` stage") from None
-
-
-class TokenDocs:
-    """All documents of one split (``train`` or ``val``) as views into token arrays."""
-
-    def __init__(self, token_dir: Path, split: str) -> None:
-        files = sorted(token_dir.glob(f"{split}_*.npz"))
-        if not files:
-            raise FileNotFoundError(f"{token_dir}: no {split}_*.npz token shards")
-        self.tokens: list[np.ndarray] = []
-        shard_ids, starts, lens = [], [], []
-        for s, path in enumerate(files):
-            data = np.load(path)
-            self.tokens.append(data["tokens"])
-            off = data["offsets"]
-            keep = off[1:] > off[:-1]
-            shard_ids.append(np.full(int(keep.sum()), s, dtype=np.int32))
-            starts.append(off[:-1][keep])
-            lens.append((off[1:] - off[:-1])[keep])
-        # Flat arrays rather than tuples: a speedrun split has millions of documents.
-        self.shard, self.start, self.lengths = (np.concatenate(x) for x in (shard_ids, starts, lens))
-        if len(self.lengths) == 0:
-            raise ValueError(f"{token_dir}: the {split} split has no documents")
-
-    def slice(self, doc: int, n: int) -> np.ndarray:
-        """The first ``n`` tokens of document ``doc``."""
-        a = int(self.start[doc])
-        return self.tokens[self.shard[doc]][a : a + n]
-
-
-def pack_rows(lengths: list[int], capacity: int, buffer_size: int = 64) -> Iterator[list[tuple[int, int]]]:
-    """Yield rows forever as lists of (doc, n_tokens), best-fit packed to exactly ``capacity``.
-
-    Documents are taken in order, epoch after epoch; a row always starts with a whole document's
-    first token (BOS). Pure function of ``lengths``: every rank gets the same stream.
-    """
-    n_docs = len(lengths)
-    next_doc = 0
-    buffer: list[int] = []
-    while True:
+    def next_row(self) -> list[tuple[int, int]]:
+        """The next row as ``(doc, n_tokens)`` pieces summing to exactly ``capacity``."""
+        buffer, lens = self.buffer, self.lens
         row: list[tuple[int, int]] = []
-        space = capacity
+        space = self.capacity
         while space > 0:
-            while len(buffer) < buffer_size:
-                buffer.append(next_doc)
-                next_doc = (next_doc + 1) % n_docs
-            best = -1
-            for j, doc in enumerate(buffer):
-                if lengths[doc] <= space and (best < 0 or lengths[doc] > lengths[buffer[best]]):
-                    best = j
-            if best < 0:
-                # Nothing fits whole: crop the shortest buffered document to fill the row exactly.
-                best = min(range(len(buffer)), key=lambda j: lengths[buffer[j]])
-            doc = buffer.pop(best)
-            take = min(lengths[doc], space)
+            while len(buffer) < self.buffer_size:
+                buffer.append(self.next_doc)
+                lens.append(int(self.lengths[self.next_doc]))
+                self.next_doc = (self.next_doc + 1) % self.n_docs
+            # The longest buffered document that fits whole; the first one on ties (list.index).
+            best_len = max((n for n in lens if n <= space), default=-1)
+            # Nothing fits whole: crop the shortest buffered document to fill the row exactly.
+            j = lens.index(best_len if best_len >= 0 else min(lens))
+            doc, n = buffer.pop(j), lens.pop(j)
+            take = min(n, space)
             row.append((doc, take))
             space -= take
-        yield row
+        return row
+
+
+def pack_rows(lengths: Sequence[int], capacity: int, buffer_size: int = 64) -> Iterator[list[tuple[int, int]]]:
+    """Yield rows forever as lists of (doc, n_tokens), best-fit packed to exactly ``capacity``.
+
+    Pure function of ``lengths``: every rank gets the same stream (see :class:`Packer`).
+    """
+    packer = Packer(lengths, capacity, buffer_size)
+    while True:
+        yield packer.next_row()
 
 
 class RowLoader:
-    """Batches of (inputs, targets) for one rank from the global packed row stream."""
+    """Batches of (inputs, targets) for one rank from the global packed row stream.
+
+    ``state`` (from :meth:`state`, as saved in a checkpoint) resumes in O(1); a state without a
+    packer cursor (checkpoints from before the cursor existed) or a bare ``start_row`` replays the
+    packing from row 0. With ``prefetch`` the next batch is built in a background thread while the
+    caller trains on the current one; the batches are the same either way.
+    """
 
     def __init__(
         self,
@@ -179,29 +98,59 @@ class RowLoader:
         world_size: int = 1,
         device: torch.device | str = "cpu",
         start_row: int = 0,
+        state: dict | None = None,
+        prefetch: bool = False,
     ) -> None:
         self.docs, self.batch_size, self.seq_len = docs, batch_size, seq_len
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.rows = pack_rows(docs.lengths.tolist(), seq_len + 1)
-        self.row = 0  # global cursor: rows consumed by all ranks together
-        for _ in range(start_row):  # fast-forward on lengths only; cheap compared with a step
-            next(self.rows)
-        self.row = start_row
+        cursor = (state or {}).get("cursor")
+        self.row = int(state["row"]) if state else start_row  # global cursor: rows consumed by all ranks
+        self.packer = Packer(docs.lengths, seq_len + 1, cursor=cursor)
+        if cursor is None:
+            for _ in range(self.row):  # no stored cursor: replay the lengths-only packing
+                self.packer.next_row()
+        self.cursor = self.packer.cursor()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rowloader") if prefetch else None
+        self._next: Future | None = None
+
+    def _build(self) -> tuple[np.ndarray, list[int]]:
+        """Pack all ranks' rows of one step, read the tokens of this rank's rows only."""
+        mine = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
+        for k in range(self.batch_size * self.world_size):
+            row = self.packer.next_row()
+            owner, i = divmod(k, self.batch_size)
+            if owner == self.rank:
+                pos = 0
+                for doc, n in row:
+                    mine[i, pos : pos + n] = self.docs.slice(doc, n)
+                    pos += n
+        return mine, self.packer.cursor()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next ``batch_size`` rows; advances the global cursor by all ranks' rows."""
-        mine = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
-        for k in range(self.batch_size * self.world_size):
-            row = next(self.rows)
-            owner, i = divmod(k, self.batch_size)
-            if owner == self.rank:
-                mine[i] = np.concatenate([self.docs.slice(doc, n) for doc, n in row])
+        if self._pool is None:
+            mine, cursor = self._build()
+        else:
+            mine, cursor = (self._next or self._pool.submit(self._build)).result()
         self.row += self.batch_size * self.world_size
+        self.cursor = cursor  # the state after the batches handed out, not after the prefetched one
         batch = torch.from_numpy(mine)
         if self.device.type == "cuda":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self._pool is not None:
+            # Start the next build after the last torch call here: torch calls release the GIL,
+            # and the woken worker would then hold it for its whole build while this call waits.
+            # Only one build is ever in flight, so the packer is never used by two threads at once.
+            self._next = self._pool.submit(self._build)
+        return inputs, targets
+
+    def close(self) -> None:
+        """Stop the prefetch thread (after the batch in flight, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool, self._next = None, None
 
     def state(self) -> dict:
-        """What a checkpoint needs to restart this loader exactly."""
-        return {"row": self.row}
+        """What a checkpoint needs to restart this loader exactly, in O(1)."""
+        return {"row": self.row, "cursor": list(self.cursor)}

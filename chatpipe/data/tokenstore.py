@@ -1,0 +1,237 @@
+"""The pretraining token store: memory-mapped token shards written atomically, one set per text shard.
+
+Layout of ``out_dir`` (a work directory, see :func:`tokenize_shards`)::
+
+    train_00000.tokens.npy    flat token ids of the shard, every document starting with <|bos|>
+    train_00000.offsets.npy   int64 document starts, ``len = n_docs + 1``, last = number of tokens
+    train.index.npy           int64 ``[n_docs, 3]``: (shard, start, length) of every non-empty doc
+    manifest.json             written last: fingerprint, format, shards, token counts
+
+Every file is a plain ``.npy`` read with ``np.load(mmap_mode="r")``: a rank maps the files and the
+operating system pages in only the tokens it reads, shared between the ranks of a node through the
+page cache, so a rank's private memory does not grow with the corpus. Every file is written to a
+temp name and renamed into place, and the manifest comes last, so a killed tokenizing run leaves
+no file that looks finished but is not; the next run starts over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from chatpipe.io import write_json_atomic
+
+TOKEN_MANIFEST = "manifest.json"
+# Bumped when the layout changes, so a cache in an older layout is rebuilt, not misread.
+STORE_FORMAT = 2
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds every token id."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """``np.save`` to a temp file beside ``path``, then rename: readers see all or nothing.
+
+    No fsync: the rename already protects against a killed process, and the manifest (written
+    last, with fsync) is what marks the store complete; a per-file fsync made the tiny pipeline's
+    tokenization measurably slower than before the store.
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def _is_current(manifest_path: Path, fingerprint: str) -> dict | None:
+    if not manifest_path.exists():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    ok = manifest.get("fingerprint") == fingerprint and manifest.get("format") == STORE_FORMAT
+    return manifest if ok else None
+
+
+def tokenize_shards(
+    text_dir: Path,
+    tokenizer,
+    out_dir: Path,
+    *,
+    fingerprint: str,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_docs: int = 1024,
+) -> dict:
+    """Tokenize every ``*.parquet`` text shard in ``text_dir`` into the store ``out_dir`` (collective call).
+
+    Ranks split the shards; rank 0 then writes each split's document index and the manifest. Skips
+    all work if the manifest already records the same fingerprint and format. The store lives in
+    the stage's work dir rather than being a DVC out: it is a cache derived from two DVC outs
+    (data + tokenizer) keyed by their hashes, rebuilt by whoever needs it, and as a DVC out it
+    would be copied into the DVC cache (twice the disk at speedrun size, ~12 GB) for no gain.
+    """
+    manifest_path = out_dir / TOKEN_MANIFEST
+    if (manifest := _is_current(manifest_path, fingerprint)) is not None:
+        return manifest
+    shards = sorted(text_dir.glob("*.parquet"))
+    if not shards:
+        raise FileNotFoundError(f"{text_dir}: no *.parquet text shards; run the `data` stage first")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        manifest_path.unlink(missing_ok=True)  # from here on the store is in flux
+        for stale in out_dir.glob(".*.tmp*"):  # temp files of a killed run
+            stale.unlink(missing_ok=True)
+    _barrier()  # no rank writes a temp file before rank 0 has swept the stale ones
+    dtype = token_dtype(tokenizer.vocab_size)
+    for i, shard in enumerate(shards):
+        if i % world_size == rank:
+            save_shard(out_dir, shard.stem, *_tokenize_shard(shard, tokenizer, dtype, batch_docs))
+    _barrier()
+    if rank == 0:
+        counts = {s.stem: int(_load(out_dir / f"{s.stem}.offsets.npy")[-1]) for s in shards}
+        for split in sorted({s.stem.rsplit("_", 1)[0] for s in shards}):
+            write_index(out_dir, split)
+        manifest = {"fingerprint": fingerprint, "format": STORE_FORMAT, "shards": [s.stem for s in shards]}
+        write_json_atomic(manifest_path, manifest | {"tokens": counts})
+    _barrier()
+    return json.loads(manifest_path.read_text())
+
+
+def _tokenize_shard(shard: Path, tokenizer, dtype: np.dtype, batch_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, offsets) of one text shard, a BOS before every document."""
+    pieces: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+
+    # Arrays straight from the tokenizer where it can (chatpipe's Tokenizer), int lists otherwise.
+    encode = getattr(tokenizer, "encode_arrays", tokenizer.encode)
+
+    def flatten(ids: list) -> None:
+        # Encoded without the BOS, which numpy inserts: no per-document list copy or array,
+        # which is what kept the old path well below the tokenizer's own speed.
+        n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        if ids and isinstance(ids[0], np.ndarray):
+            body = np.concatenate(ids).astype(dtype, copy=False)
+        else:
+            body = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(n.sum()))
+        starts = np.zeros(len(n), dtype=np.int64)
+        np.cumsum(n[:-1], out=starts[1:])
+        pieces.append(np.insert(body, starts, np.asarray(tokenizer.bos_id, dtype=dtype)))
+        lengths.append(n + 1)
+
+    # A pipeline: the tokenizer (native, GIL released) encodes batch k+1 in a thread while this
+    # thread reads the next parquet batch and flattens batch k, instead of one after the other.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        pending: Future | None = None
+        for texts in _shard_texts(shard, batch_docs):
+            encoding = pool.submit(encode, texts)
+            if pending is not None:
+                flatten(pending.result())
+            pending = encoding
+        if pending is not None:
+            flatten(pending.result())
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    offsets = np.zeros(len(all_lengths) + 1, dtype=np.int64)
+    np.cumsum(all_lengths, out=offsets[1:])
+    return (np.concatenate(pieces) if pieces else np.zeros(0, dtype)), offsets
+
+
+def save_shard(out_dir: Path, stem: str, tokens: np.ndarray, offsets: np.ndarray) -> None:
+    """Write one shard's token and offset files (each atomically; the tokens first, so offsets
+    that exist always belong to complete tokens)."""
+    save_npy_atomic(out_dir / f"{stem}.tokens.npy", tokens)
+    save_npy_atomic(out_dir / f"{stem}.offsets.npy", offsets)
+
+
+def write_index(out_dir: Path, split: str) -> None:
+    """``{split}.index.npy``: (shard, start, length) of every non-empty document of the split, in order."""
+    parts = []
+    for s, path in enumerate(sorted(out_dir.glob(f"{split}_*.offsets.npy"))):
+        off = _load(path)
+        keep = off[1:] > off[:-1]  # an empty text still has its BOS; this only guards odd inputs
+        parts.append(np.stack([np.full(int(keep.sum()), s), off[:-1][keep], (off[1:] - off[:-1])[keep]], axis=1))
+    save_npy_atomic(out_dir / f"{split}.index.npy", np.concatenate(parts).astype(np.int64))
+
+
+def _load(path: Path) -> np.ndarray:
+    """Memory-map one store file; a truncated or corrupt file raises ValueError naming it."""
+    try:
+        # A plain ndarray view of the mapping: np.memmap's Python-level __getitem__ made every
+        # scalar lookup of the loader (a document's start, shard, length) several times slower.
+        return np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: corrupt or truncated token file ({e}); delete it and re-run the stage") from None
+
+
+def _shard_texts(shard: Path, batch_docs: int) -> Iterator[list[str]]:
+    """Batches of the ``text`` column of one parquet shard; a corrupt file or a column that is not
+    text raises ValueError naming the shard (pyarrow's own errors name no file)."""
+    import pyarrow as pa
+
+    try:
+        table = pq.ParquetFile(shard)
+        field = table.schema_arrow.field("text")
+    except KeyError:
+        raise ValueError(f"{shard}: no 'text' column; re-run the `data` stage") from None
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{shard}: not a readable parquet file ({e}); delete it and re-run the `data` stage") from None
+    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        raise ValueError(f"{shard}: column 'text' has type {field.type}, expected string")
+    try:
+        for batch in table.iter_batches(batch_size=batch_docs, columns=["text"]):
+            yield batch.column(0).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{shard}: corrupt parquet data ({e}); delete it and re-run the `data` stage") from None
+
+
+class TokenDocs:
+    """All documents of one split (``train`` or ``val``), memory-mapped from the store.
+
+    ``lengths[d]`` is document ``d``'s token count and :meth:`slice` its tokens; nothing is read
+    into memory up front beyond a check of each file's header and end points.
+    """
+
+    def __init__(self, token_dir: Path, split: str) -> None:
+        files = sorted(token_dir.glob(f"{split}_*.tokens.npy"))
+        if not files:
+            raise FileNotFoundError(f"{token_dir}: no {split}_*.tokens.npy token shards")
+        self.tokens: list[np.ndarray] = []
+        for path in files:
+            tokens = _load(path)
+            off_path = path.with_name(path.name.replace(".tokens.npy", ".offsets.npy"))
+            offsets = _load(off_path)
+            if tokens.ndim != 1 or offsets.ndim != 1 or len(offsets) == 0:
+                raise ValueError(f"{path}: not a flat token array with offsets; delete it and re-run the stage")
+            if offsets[0] != 0 or offsets[-1] != len(tokens):
+                raise ValueError(
+                    f"{path}: holds {len(tokens)} tokens but {off_path.name} ends at {offsets[-1]} "
+                    "(truncated or mismatched); delete the store and re-run the stage"
+                )
+            self.tokens.append(tokens)
+        index_path = token_dir / f"{split}.index.npy"
+        index = _load(index_path)
+        if index.ndim != 2 or index.shape[1] != 3 or (len(index) and index[-1, 0] >= len(files)):
+            raise ValueError(f"{index_path}: corrupt document index; delete the store and re-run the stage")
+        # Columns of the mapped index: views, so they stay on disk too.
+        self.shard, self.start, self.lengths = index[:, 0], index[:, 1], index[:, 2]
+        if len(self.lengths) == 0:
+            raise ValueError(f"{token_dir}: the {split} split has no documents")
+
+    def slice(self, doc: int, n: int) -> np.ndarray:
+        """The first ``n`` tokens of document ``doc``."""
+        a = int(self.start[doc])
+        return self.tokens[int(self.shard[doc])][a : a + n]
