@@ -1,0 +1,1 @@
+"""Prefect flows that chain the stages: the pipeline and its scheduled deployment."""

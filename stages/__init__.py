@@ -1,0 +1,1 @@
+"""One torchrun-runnable entry point per pipeline stage (python -m stages.<name>)."""

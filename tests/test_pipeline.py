@@ -83,7 +83,16 @@ def finished(tmp_path_factory) -> Path:
     out = run(project, "python", "-m", "flows.pipeline", "--stages", *FOUNDATION)
     print(f"flow took {time.perf_counter() - t0:.1f}s")
     assert "'pretrain': 'ran'" in out.stdout, out.stdout[-3000:]
+    (project.parent / "flow-console.log").write_text(out.stdout + out.stderr)  # what a new user sees
     return project
+
+
+def test_first_run_console_shows_no_traceback_and_no_dvc_warning(finished):
+    """A first run prints no traceback that is not a failure (the temporary Prefect server's
+    telemetry once logged a sqlite 'database is locked' one) and no DVC warning about empty files."""
+    console = (finished.parent / "flow-console.log").read_text()
+    assert "Traceback" not in console, console[-4000:]
+    assert "is empty" not in console, [line for line in console.splitlines() if "is empty" in line][:5]
 
 
 def test_flow_trains_and_val_bpb_falls(finished):

@@ -1,0 +1,1 @@
+"""Pretraining text, tokenized shards and row loaders, chat packing and tasks."""

@@ -1,0 +1,1 @@
+"""Evaluations: CORE, ChatCORE, chat checks, metrics and the code sandbox."""

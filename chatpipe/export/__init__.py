@@ -1,0 +1,1 @@
+"""The final model as a transformers directory."""

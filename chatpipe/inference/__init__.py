@@ -1,0 +1,1 @@
+"""KV-cached generation with calculator tool use."""

@@ -1,0 +1,1 @@
+"""The GPT, its training attention, FP8 layers, loading and nanochat import."""

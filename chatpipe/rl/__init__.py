@@ -1,0 +1,1 @@
+"""RL on verifiable rewards: losses, rewards, rollouts, critic and updates."""

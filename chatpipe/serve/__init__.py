@@ -1,0 +1,1 @@
+"""Talking to a model: web UI and JSON API, OpenAI-compatible API, terminal chat, MLflow pyfunc."""

@@ -1,0 +1,1 @@
+"""Training loops, optimizers, schedules and checkpoints shared by the training stages."""
