@@ -82,11 +82,11 @@ def _terminate_children(signum, frame) -> None:
 
 def _die_with_flow() -> None:
     """preexec_fn of a `dvc repro` child: SIGTERM when the flow process dies, even by kill -9."""
-    import ctypes
     import signal
 
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    from chatpipe.procs import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
 
 
 def _bin(name: str) -> str:
