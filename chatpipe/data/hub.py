@@ -55,7 +55,6 @@ T = TypeVar("T")
 MANIFEST = "hub_manifest.json"
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 class HubError(RuntimeError):
@@ -268,20 +267,22 @@ def _cached(cache_dir: Path, manifest: dict, repo_type: str, repo: str, revision
 
 
 def resolve_revision(repo: str, revision: str = "main", repo_type: str = "dataset") -> str:
-    """The commit sha that ``revision`` (a branch, tag or sha) points at on the hub."""
-    if _COMMIT.match(revision):
-        return revision
+    """The commit sha that ``revision`` (a branch, tag or sha) points at on the hub.
+
+    The client's ``HfApi.resolve_revision`` (a sha is returned as is; it asks with the explicit
+    revision, which mirrors such as olah 0.5.4 need); a hub that answers 5xx surfaces as its
+    ``RevisionResolutionError`` caused by the 5xx, which is retried here.
+    """
     from huggingface_hub import HfApi
 
-    # With an explicit revision: some mirrors (olah 0.5.4) answer the revision-less repo API with 401.
-    info = with_retries(
-        lambda: HfApi().repo_info(repo, revision=revision, repo_type=repo_type),
+    resolved = with_retries(
+        lambda: HfApi().resolve_revision(repo, repo_type=repo_type, revision=revision),
         repo=repo,
         file="(repo info)",
         revision=revision,
         repo_type=repo_type,
     )
-    return info.sha
+    return resolved.resolved
 
 
 def fetch_files(
@@ -361,7 +362,12 @@ class _Bytes:
 def _download_one(
     repo: str, file: str, info: Any, cache_dir: Path, staging: Path, revs: tuple[str, str], repo_type: str, bar
 ) -> HubFile:
-    """Download ``file`` at the commit into ``staging``, verify it with the client, move it into the cache."""
+    """Download ``file`` at the commit into ``staging``, verify it with the client, move it into the cache.
+
+    ``verify_repo_checksums`` lists the repo's tree at the commit (a few paged API requests even for
+    a repo of thousands of files) and hashes what is in ``staging``: only this file, since each
+    verified file leaves it at once.
+    """
     from huggingface_hub import HfApi, hf_hub_download
 
     revision, commit = revs
@@ -392,9 +398,8 @@ def _download_one(
         final = repo_dir(cache_dir, repo) / file
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, final)  # out of staging: the next file's check hashes only that one
-        sha256 = (
-            info.lfs.sha256 if getattr(info, "lfs", None) else sha256_file(final)
-        )  # verified: the LFS sha256 is its own
+        # verified, so an LFS file's sha256 is the hub's; a plain git file was checked by blob sha1
+        sha256 = info.lfs.sha256 if getattr(info, "lfs", None) else sha256_file(final)
         return HubFile(repo, commit, file, final.stat().st_size, sha256, revision, repo_type, str(final))
 
     return with_retries(attempt, repo=repo, file=file, revision=revision, repo_type=repo_type)
