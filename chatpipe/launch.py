@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from chatpipe.procs import die_with_parent, parent_gone
 from chatpipe.settings import STAGES, LaunchSettings, ParamsError, load_section, validate_all
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
@@ -136,29 +137,19 @@ def _interrupt(signum, frame) -> None:
 # --------------------------------------------------------------------------- local process lifetime
 # A worker must never outlive the launcher that started it: DVC's lock is released when the
 # launcher exits, and a worker left running would keep writing checkpoints/ and artifacts/
-# beside the next run. Linux's PR_SET_PDEATHSIG delivers a signal to a process when its parent
-# dies, for any reason including kill -9; it survives execve.
-PR_SET_PDEATHSIG = 1
+# beside the next run. chatpipe.procs.die_with_parent (PR_SET_PDEATHSIG) covers that.
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "fish", "ksh"})
 
 # Runs in each local worker before its real command: ask for SIGKILL when the launcher dies,
 # make sure the launcher is still there (it may have died before the prctl), then exec.
 WORKER_GUARD = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
+    "import os, signal, sys\n"
+    "from chatpipe.procs import die_with_parent, parent_gone\n"
+    "die_with_parent(signal.SIGKILL)\n"
+    "if parent_gone(int(sys.argv[1])):\n"
     "    sys.exit('chatpipe.launch: launcher gone before the worker started')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
-
-
-def set_parent_death_signal(sig: int) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies; False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def _process_start(pid: int) -> str | None:
@@ -187,9 +178,9 @@ def follow_parent(poll_s: float = 0.5) -> None:
     import threading
 
     parent = os.getppid()
-    if not set_parent_death_signal(signal.SIGTERM):
+    if not die_with_parent(signal.SIGTERM):
         return
-    if os.getppid() != parent or parent == 1:  # parent died before the prctl took effect
+    if parent_gone(parent):
         os.kill(os.getpid(), signal.SIGTERM)
         return
     if _process_name(parent) not in SHELLS:

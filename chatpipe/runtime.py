@@ -162,11 +162,11 @@ def stop_with_launcher() -> None:
     signal.signal(signal.SIGTERM, _terminated)
     if os.environ.get("CHATPIPE_PDEATHSIG") != "1" or not sys.platform.startswith("linux"):
         return
-    import ctypes
+    from chatpipe.procs import die_with_parent, parent_gone
 
     parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if parent == 1 or os.getppid() != parent:
+    die_with_parent(signal.SIGKILL)
+    if parent_gone(parent):
         raise SystemExit("parent process gone before the stage started")
 
 

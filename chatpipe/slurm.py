@@ -22,17 +22,17 @@ SIGINT/SIGTERM/SIGHUP to the launcher, or the death of its parent (DVC), cancel 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from chatpipe.procs import die_with_parent, parent_gone
 
 # Exit status of a worker that cannot see the repository (EX_NOINPUT from sysexits.h).
 NO_SHARED_FS_EXIT = 66
@@ -244,13 +244,8 @@ def _signame(sig: int) -> str:
 
 def _die_with_parent() -> None:
     """Get SIGTERM when the parent (DVC) dies, so an orphaned launcher still cancels its job (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    parent = os.getppid()
+    if die_with_parent(signal.SIGTERM) and parent_gone(parent):
         os.kill(os.getpid(), signal.SIGTERM)
 
 

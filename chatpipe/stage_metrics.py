@@ -58,10 +58,10 @@ def series_name(key: str) -> str:
 
 
 class Curves:
-    """Forwards step metrics to ``inner`` (MLflow's MetricBuffer) and keeps ``keys`` for DVC plots.
+    """Forwards step metrics to ``inner`` (the stage's MLflow run, async) and keeps ``keys`` for DVC plots.
 
-    Use it where the buffer was used: ``metrics = Curves(tracking.MetricBuffer(run), "pretrain",
-    ["train/loss", "val/bpb"], enabled=rt.is_main)``; ``flush()`` flushes the buffer and writes one
+    ``metrics = Curves(run, "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)``, where
+    ``run`` is the :class:`chatpipe.tracking.StageRun`; ``flush()`` flushes its queue and writes one
     ``plots/<stage>/<series>.csv`` per key.
     """
 

@@ -4,8 +4,10 @@ The flow creates the parent run and passes its id to stages in ``CHATPIPE_PARENT
 a stage started without it (plain ``dvc repro``) gets a top-level run. Only rank 0 logs.
 :func:`stage_run` yields a :class:`StageRun`: stages log through its methods (``run.log_metrics``,
 ``run.log_text``, ...), which do nothing when tracking is off or on ranks other than 0, so no stage
-imports MLflow or guards its calls. Per-step metrics go through :class:`MetricBuffer`, which sends them
-in batches so the training loop never waits on the store for each metric.
+imports MLflow or guards its calls. Per-step metrics go through :meth:`StageRun.log`, MLflow's
+asynchronous logging (``synchronous=False``): its queue sends them in batches from a thread, so
+the training loop never waits on the store; the run flushes that queue before it ends. Every stage
+run also records MLflow's system metrics (``system/cpu_utilization_percentage``, memory, GPU).
 
 Run names say what ran: ``pretrain · tiny`` under a pipeline run named ``pipeline · tiny · <time>``;
 a stage that ``dvc exp run`` started (DVC sets ``DVC_EXP_NAME``) is named ``pretrain · tiny · exp
@@ -22,6 +24,7 @@ never writes into the original's ``mlruns/``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -42,6 +45,11 @@ EXPERIMENT_KIND = "custom_model_development"
 ARTIFACT_ROOT_TAG = "chatpipe.artifact_root"
 DVC_EXP_ENV, DVC_BASELINE_ENV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
 SEP = " · "
+# Seconds between system-metric samples (MLflow's default is 10; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+# in the environment wins). MLflow's monitor publishes a sample only if the run is still RUNNING
+# when the interval is over, so a run that ends sooner shows none: a stage shorter than two
+# intervals waits out the rest (at most 2 s, only for tiny stages) to keep at least one sample.
+SYSTEM_METRICS_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -291,6 +299,16 @@ class StageRun:
         if self._mlflow:
             self._mlflow.log_metrics(metrics, step=step, run_id=self.id)
 
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Queue per-step ``metrics`` without waiting on the store (MLflow's async logging batches them)."""
+        if self._mlflow:
+            self._mlflow.log_metrics(metrics, step=step, run_id=self.id, synchronous=False)
+
+    def flush(self) -> None:
+        """Wait until every queued metric is in the store."""
+        if self._mlflow:
+            self._mlflow.flush_async_logging()
+
     def log_text(self, text: str, artifact_file: str) -> None:
         """Save ``text`` as the artifact ``artifact_file`` of this run."""
         if self._mlflow:
@@ -336,6 +354,7 @@ def stage_run(
         yield StageRun()
         return
     import mlflow
+    from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 
     experiment_id = configure(settings)
     close_stale_runs(mlflow.MlflowClient(), experiment_id, stage)
@@ -344,25 +363,30 @@ def stage_run(
     tags = {**base_tags(stage, profile), **process_tags()}
     if parent:
         tags["mlflow.parentRunId"] = parent
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags)
+    if MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() is None:
+        mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+    min_end = time.monotonic() + 2 * float(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get())
+    run = mlflow.start_run(
+        experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags, log_system_metrics=True
+    )
     status = "FAILED"
     try:
-        flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
-        items = list(flat.items())
-        for i in range(0, len(items), 100):  # log_params takes at most 100 per call
-            mlflow.log_params(dict(items[i : i + 100]))
+        # log_params sends one log_batch, which MLflow splits into its 100-param requests and whose
+        # values over its 6000-character limit it truncates (MLFLOW_TRUNCATE_LONG_VALUES)
+        mlflow.log_params(flatten(params))
         yield StageRun(run)
+        status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):
         status = "KILLED"
-        mlflow.end_run(status)
         raise
-    except BaseException:
-        mlflow.end_run(status)
-        raise
-    else:
-        status = "FINISHED"
-        mlflow.end_run(status)
     finally:
+        # the queued async metrics reach the store before the run is marked ended (and the
+        # process exits); end_run then stops the system-metrics thread, which sends its last batch
+        with contextlib.suppress(Exception):
+            mlflow.flush_async_logging()
+        if status == "FINISHED":  # not when stopping: a cancel must not wait
+            time.sleep(max(0.0, min_end - time.monotonic()))
+        mlflow.end_run(status)
         if exp_parent:  # the DVC experiment's run ends (for now) with its latest stage
             mlflow.MlflowClient().set_terminated(exp_parent, status=status)
 
@@ -422,36 +446,3 @@ def tag_stage_runs(parent_run_id: str, stage: str, tags: dict[str, str]) -> int:
         for key, value in tags.items():
             client.set_tag(r.info.run_id, key, value)
     return len(runs)
-
-
-class MetricBuffer:
-    """Collects step metrics and writes them with one ``log_batch`` call every few seconds."""
-
-    def __init__(self, run: StageRun | None, flush_every_s: float = 5.0, max_items: int = 500) -> None:
-        self.run_id = run.id if run is not None else None
-        self.flush_every_s, self.max_items = flush_every_s, max_items
-        self.items: list = []
-        self.last_flush = time.monotonic()
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Queue metrics for ``step``; flushes when the buffer is old or full."""
-        if self.run_id is None:
-            return
-        from mlflow.entities import Metric
-
-        now_ms = int(time.time() * 1000)
-        self.items.extend(Metric(k, float(v), now_ms, step) for k, v in metrics.items())
-        if len(self.items) >= self.max_items or time.monotonic() - self.last_flush > self.flush_every_s:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send everything queued (MLflow accepts up to 1000 metrics per batch)."""
-        if self.run_id is None or not self.items:
-            return
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient()
-        for i in range(0, len(self.items), 1000):
-            client.log_batch(self.run_id, metrics=self.items[i : i + 1000])
-        self.items.clear()
-        self.last_flush = time.monotonic()

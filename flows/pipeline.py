@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -82,11 +83,11 @@ def _terminate_children(signum, frame) -> None:
 
 def _die_with_flow() -> None:
     """preexec_fn of a `dvc repro` child: SIGTERM when the flow process dies, even by kill -9."""
-    import ctypes
     import signal
 
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    from chatpipe.procs import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
 
 
 def _bin(name: str) -> str:
@@ -120,14 +121,28 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 90.0) -> None:
                 os.killpg(proc.pid, sig)
 
 
-@task(name="stage", retries=2, retry_delay_seconds=[1, 5], task_run_name="{stage}")
-def run_stage(stage: str, parent_run_id: str | None) -> str:
-    """Bring one DVC stage up to date; raises when its workers fail (Prefect then retries)."""
-    logger = get_run_logger()
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    if parent_run_id:
-        env[tracking.PARENT_ENV] = parent_run_id
+def dvc_status(stage: str, env: dict[str, str]) -> dict:
+    """``dvc status --json <stage>``: what DVC would do, as data (no log text is read)."""
+    out = subprocess.run([_bin("dvc"), "status", "--json", stage], env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"dvc status {stage!r} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout or "{}")
+
+
+def stage_is_current(status: dict, stage: str) -> bool:
+    """Whether ``dvc repro --single-item <stage>`` will skip it: ``status --json`` lists a stage only
+    when its command, params, deps or outs changed (or it is always_changed), and then repro runs it
+    (or restores it from the run cache, which also brings new outputs: "ran" too)."""
+    return stage not in status
+
+
+def repro(stage: str, env: dict[str, str], log) -> str:
+    """``dvc repro --single-item <stage>``, its output to ``log``; returns "ran" or "skipped".
+
+    Whether the stage ran comes from ``dvc status --json`` just before, not from the wording of
+    DVC's log ("didn't change, skipping" is a message, free to change between releases).
+    """
+    skipped = stage_is_current(dvc_status(stage, env), stage)
     proc = subprocess.Popen(
         [_bin("dvc"), "repro", "--single-item", stage],
         env=env,
@@ -138,14 +153,11 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         preexec_fn=_die_with_flow,
     )
     _DVC_CHILDREN.add(proc)
-    skipped = False
     try:
         for raw in proc.stdout:
-            raw = raw.rstrip()
-            skipped |= "didn't change, skipping" in raw
-            line = console_line(raw)
+            line = console_line(raw.rstrip())
             if line is not None:
-                logger.info(line)
+                log(line)
         proc.wait()
     finally:
         _DVC_CHILDREN.discard(proc)
@@ -155,13 +167,25 @@ def run_stage(stage: str, parent_run_id: str | None) -> str:
         _stop_group(proc)
     if proc.returncode != 0:
         raise RuntimeError(f"stage {stage!r} failed (dvc repro exit {proc.returncode}); see the log above")
-    if parent_run_id and not skipped:
+    return "skipped" if skipped else "ran"
+
+
+@task(name="stage", retries=2, retry_delay_seconds=[1, 5], task_run_name="{stage}")
+def run_stage(stage: str, parent_run_id: str | None) -> str:
+    """Bring one DVC stage up to date; raises when its workers fail (Prefect then retries)."""
+    logger = get_run_logger()
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if parent_run_id:
+        env[tracking.PARENT_ENV] = parent_run_id
+    result = repro(stage, env, logger.info)
+    if parent_run_id and result == "ran":
         tracking.tag_stage_runs(
             parent_run_id,
             stage,
             {"dvc_stage_hash": tracking.dvc_stage_hash(stage), "dvc_lock": tracking.dvc_lock_hash()},
         )
-    return "skipped" if skipped else "ran"
+    return result
 
 
 def link_prefect_run(parent_id: str) -> None:

@@ -23,11 +23,11 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 def _die_with_parent() -> None:
     """In the server child (Linux): get SIGTERM when the pipeline process dies, even by SIGKILL."""
-    import ctypes
     import signal
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    from chatpipe.procs import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
 
 
 def _free_port() -> int:

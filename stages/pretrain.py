@@ -166,7 +166,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         "horizon": horizon.as_params(),
     }
     with tracked_run("pretrain", params, rt) as run:
-        metrics = Curves(tracking.MetricBuffer(run), "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
+        metrics = Curves(run, "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, "pretrain", initial=start_step, unit="step")
         peak = peak_flops(rt.device) * rt.world_size
         step, bpb = start_step, float("nan")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chatpipe import runtime, tracking
+from chatpipe import runtime
 from chatpipe.data.packing import ConversationLoader, pack
 from chatpipe.data.tasks import build_mixture
 from chatpipe.inference.engine import Engine
@@ -188,12 +188,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         "init_lrs": init_lrs,
     }
     with tracked_run("rl", params, rt) as run:
-        metrics = Curves(
-            tracking.MetricBuffer(run),
-            "rl",
-            ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"],
-            enabled=rt.is_main,
-        )
+        metrics = Curves(run, "rl", ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"], enabled=rt.is_main)
         bar = progress(cfg.max_steps, "rl", initial=start_step, unit="step")
         step, evals = start_step, {}
         t_gen_total, t_train_total = carried.get("gen_seconds", 0.0), carried.get("train_seconds", 0.0)

@@ -522,3 +522,24 @@ def test_bundle_over_plain_https_style_url_is_retried_and_checked(hub, tmp_path)
     assert proc.returncode != 0 and f"{url}: gave up after 2 attempts" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "never").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp dirs left
+
+
+def test_download_progress_goes_through_chatpipe_progress(hub, tmp_path):
+    """Off a terminal (CI, torchx, Prefect) the client's byte counts reach chatpipe.progress's log line."""
+    code = (
+        "import logging\nfrom pathlib import Path\nfrom chatpipe.data import hub\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        f"(f,) = hub.fetch_files({PRETRAIN_REPO!r}, ['shard_00001.parquet'], cache_dir=Path('cache'), desc='probe')\n"
+        "print(f.size)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=client_env(hub, tmp_path, CHATPIPE_PROGRESS_EVERY="0.000001"),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    size = int(proc.stdout.split()[-1])
+    lines = [line for line in proc.stderr.splitlines() if "chatpipe.progress" in line and "probe: " in line]
+    assert lines and f"probe: {size}/{size} B" in lines[-1], proc.stderr[-3000:]

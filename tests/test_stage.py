@@ -14,7 +14,7 @@ from chatpipe.train.stage import finish_stage, resume_or_fresh
 
 
 class Recorder:
-    """Stands in for MetricBuffer: remembers what reached it."""
+    """Stands in for the StageRun's log/flush: remembers what reached it."""
 
     def __init__(self) -> None:
         self.logged, self.flushed = [], 0

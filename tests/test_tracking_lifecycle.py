@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,36 @@ def test_a_live_runs_entry_is_not_closed(store):
     with tracking.stage_run("sft", store, {}, profile="tiny") as run:
         assert tracking.close_stale_runs(mlflow.MlflowClient(), run.info.experiment_id, "sft") == []
         assert _status(store, run.info.run_id) == "RUNNING"
+
+
+def test_a_stage_run_records_system_metrics(tmp_path):
+    """A real stage (``python -m stages.data``, synthetic and small) in its own process: its MLflow
+    run shows MLflow's system metrics beside its own, and ended FINISHED."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATPIPE_", "MLFLOW_"))}
+    env.update(
+        CHATPIPE_PARAMS=str(REPO / "params.yaml"),
+        CHATPIPE_TRACKING__URI=uri,
+        CHATPIPE_TRACKING__ARTIFACT_ROOT=str(tmp_path / "art"),
+        CHATPIPE_TRACKING__EXPERIMENT="sysmetrics",
+        CHATPIPE_DATA__SOURCE="synthetic",
+        CHATPIPE_DATA__NUM_DOCS="200",
+        CHATPIPE_DATA__VAL_DOCS="20",
+        CHATPIPE_DATA__DOCS_PER_SHARD="100",
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.data"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("sysmetrics").experiment_id])
+    assert run.info.status == "FINISHED"
+    system = {k for k in run.data.metrics if k.startswith("system/")}
+    assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
+    assert "system/system_memory_usage_megabytes" in system
+    assert {"num_docs.train", "num_docs.val", "seconds"} <= set(run.data.metrics)  # the stage's own, beside them

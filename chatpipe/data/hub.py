@@ -5,20 +5,25 @@
     paths = dataset_split_files("openai/gsm8k", "main", "train", cache_dir=Path("data/cache"))
 
 Downloads go through the unmodified ``huggingface_hub`` client; an air-gapped site points
-``HF_ENDPOINT`` at its mirror and nothing else changes. Around each file:
+``HF_ENDPOINT`` at its mirror and nothing else changes. The client does the transfer: its own
+retries of dropped connections and 408/429, its Range resume of a broken body, and its checksum
+check (``HfApi.verify_repo_checksums``: the hub's sha256 for LFS files, the git blob sha1
+otherwise). The ``datasets`` library reads a dataset card's ``configs``. What this module adds:
 
-- transient failures (HTTP 408/429/5xx, dropped connections, short bodies, checksum mismatches)
-  are retried with exponential backoff (429 honours ``Retry-After``); the client resumes an
-  interrupted body with an HTTP Range request where the server supports it. After the last
-  retry a :class:`HubError` names the repo, file and revision. Missing repos/files fail at once.
-- every file is checked against the hub's own checksum (sha256 for LFS files, the git blob sha1
-  otherwise) and its size before it enters the cache; it is downloaded into ``.staging`` and
-  renamed into ``cache_dir/<org>__<name>/<file>`` only after that, so no partial or corrupt file is
-  ever in the cache (a failed fetch removes its staging leftovers).
+- exponential backoff (429 honours ``Retry-After``) around every call, for what the client does
+  not retry itself (5xx, metadata and listing requests, a file that fails its checksum); after
+  the last retry a :class:`HubError` names the repo, file and revision. Missing repos/files fail at once.
+- a file reaches ``cache_dir/<org>__<name>/<file>`` only once it verified: the client downloads
+  it into ``.staging/<org>__<name>`` (its ``local_dir``), and that whole directory, with the
+  client's partial files and metadata in it, is removed after each fetch. Nothing inside the
+  client's own layout is touched; a file that failed its checksum is downloaded again with
+  ``force_download``. No partial or corrupt file is ever in the cache.
 - ``cache_dir/hub_manifest.json`` records each file fetched: repo, requested and resolved
   revision, file, size, sha256. A file in the manifest whose cached copy has the recorded size is
   used without any request, so a second run transfers nothing. A branch name (``main``) is
   resolved once; delete the cache (or pin a commit) to pick up newer commits.
+- byte progress of each batch through :mod:`chatpipe.progress` (a bar on a terminal, else a
+  throttled log line, so CI, torchx and Prefect logs show it too).
 
 Retry knobs (environment, read per call): ``CHATPIPE_HUB_RETRIES`` (default 5 retries after the
 first try) and ``CHATPIPE_HUB_BACKOFF_S`` (default 1.0: waits 1, 2, 4, ... s, at most 30).
@@ -28,13 +33,12 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
-import hashlib
+import functools
 import json
 import logging
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,8 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-from tqdm import tqdm
+from chatpipe.io import sha256_file
+from chatpipe.progress import Progress, progress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,7 +55,6 @@ T = TypeVar("T")
 MANIFEST = "hub_manifest.json"
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 class HubError(RuntimeError):
@@ -260,40 +263,26 @@ def _cached(cache_dir: Path, manifest: dict, repo_type: str, repo: str, revision
     return HubFile(**{**rec, "path": str(path)})
 
 
-def file_digests(path: Path) -> tuple[str, str, int]:
-    """(sha256, git blob sha1, size) of a file, read once."""
-    size = path.stat().st_size
-    sha256, blob = hashlib.sha256(), hashlib.sha1()
-    blob.update(b"blob %d\0" % size)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha256.update(chunk)
-            blob.update(chunk)
-    return sha256.hexdigest(), blob.hexdigest(), size
-
-
-def _progress_on() -> bool:
-    return sys.stderr.isatty()
-
-
 # ---------------------------------------------------------------------- fetching
 
 
 def resolve_revision(repo: str, revision: str = "main", repo_type: str = "dataset") -> str:
-    """The commit sha that ``revision`` (a branch, tag or sha) points at on the hub."""
-    if _COMMIT.match(revision):
-        return revision
+    """The commit sha that ``revision`` (a branch, tag or sha) points at on the hub.
+
+    The client's ``HfApi.resolve_revision`` (a sha is returned as is; it asks with the explicit
+    revision, which mirrors such as olah 0.5.4 need); a hub that answers 5xx surfaces as its
+    ``RevisionResolutionError`` caused by the 5xx, which is retried here.
+    """
     from huggingface_hub import HfApi
 
-    # With an explicit revision: some mirrors (olah 0.5.4) answer the revision-less repo API with 401.
-    info = with_retries(
-        lambda: HfApi().repo_info(repo, revision=revision, repo_type=repo_type),
+    resolved = with_retries(
+        lambda: HfApi().resolve_revision(repo, repo_type=repo_type, revision=revision),
         repo=repo,
         file="(repo info)",
         revision=revision,
         repo_type=repo_type,
     )
-    return info.sha
+    return resolved.resolved
 
 
 def fetch_files(
@@ -320,7 +309,6 @@ def _download(
     repo: str, files: list[str], cache_dir: Path, manifest: dict, revision: str, repo_type: str, desc: str | None
 ) -> dict[str, HubFile]:
     from huggingface_hub import HfApi
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     commit = resolve_revision(repo, revision, repo_type)
     infos = with_retries(
@@ -334,95 +322,108 @@ def _download(
     for f in files:
         if f not in by_path or not hasattr(by_path[f], "size"):
             raise HubError(repo, f, revision, f"no such file at commit {commit}", repo_type)
-    total = sum(by_path[f].size for f in files)
-    was_disabled = are_progress_bars_disabled()
-    disable_progress_bars()  # one bar for the whole batch (ours) instead of one per file
+    staging = cache_dir / ".staging" / repo.replace("/", "__")
     out: dict[str, HubFile] = {}
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=desc or repo, disable=not _progress_on()) as bar:
+        with progress(sum(by_path[f].size for f in files), desc or repo, unit="B") as bar:
             for f in files:
-                out[f] = _download_one(repo, f, by_path[f], cache_dir, revision, commit, repo_type)
+                out[f] = _download_one(repo, f, by_path[f], cache_dir, staging, (revision, commit), repo_type, bar)
                 manifest["files"][_key(repo_type, repo, revision, f)] = {
                     k: v for k, v in asdict(out[f]).items() if k != "path"
                 }
                 _write_manifest(cache_dir, manifest)
-                bar.update(out[f].size)
     finally:
-        if not was_disabled:
-            enable_progress_bars()
+        # Our staging dir as a whole, the client's partial files and metadata with it: a failed
+        # fetch leaves nothing half-done, and a finished one nothing the client could trust later.
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
-def _staging(cache_dir: Path, repo: str) -> Path:
-    return cache_dir / ".staging" / repo.replace("/", "__")
+class _Bytes:
+    """What huggingface_hub's download calls as its ``tqdm_class``: its byte counts (including
+    its own roll-back when a server ignores a Range request) go to the batch's one progress."""
 
+    def __init__(self, target: Progress, **_: Any) -> None:
+        self.target = target
 
-def _clean_staging(staging: Path, file: str) -> None:
-    """Remove a file's staged copy and the client's partial download and metadata for it."""
-    (staging / file).unlink(missing_ok=True)
-    meta = staging / ".cache" / "huggingface" / "download"
-    for p in meta.glob(f"{file}*"):
-        if p.is_file():
-            p.unlink()
+    def update(self, n: int = 1) -> None:
+        self.target.update(n)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _Bytes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def _download_one(
-    repo: str, file: str, info: Any, cache_dir: Path, revision: str, commit: str, repo_type: str
+    repo: str, file: str, info: Any, cache_dir: Path, staging: Path, revs: tuple[str, str], repo_type: str, bar
 ) -> HubFile:
-    from huggingface_hub import hf_hub_download
+    """Download ``file`` at the commit into ``staging``, verify it with the client, move it into the cache.
 
-    staging = _staging(cache_dir, repo)
-    lfs_sha = info.lfs.sha256 if getattr(info, "lfs", None) else None
+    ``verify_repo_checksums`` lists the repo's tree at the commit (a few paged API requests even for
+    a repo of thousands of files) and hashes what is in ``staging``: only this file, since each
+    verified file leaves it at once.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+
+    revision, commit = revs
+    failed_check = False
 
     def attempt() -> HubFile:
-        # local_dir keeps the client's own partial file (.incomplete) across our retries, so it resumes
-        # with a Range request where the server supports one.
-        staged = Path(hf_hub_download(repo, file, repo_type=repo_type, revision=commit, local_dir=staging))
-        sha256, blob, size = file_digests(staged)
-        problem = None
-        if size != info.size:
-            problem = f"size {size} != {info.size} listed by the hub"
-        elif lfs_sha and sha256 != lfs_sha:
-            problem = f"sha256 {sha256} != {lfs_sha} listed by the hub"
-        elif not lfs_sha and info.blob_id and blob != info.blob_id:
-            problem = f"git blob sha1 {blob} != {info.blob_id} listed by the hub"
-        if problem:
-            _clean_staging(staging, file)  # never let the client find and trust this copy next time
-            raise ChecksumMismatch(f"checksum mismatch: {problem}")
+        nonlocal failed_check
+        # local_dir keeps the client's own partial file across our retries, so it can resume; after
+        # a checksum failure force_download makes it fetch again instead of trusting its copy.
+        staged = hf_hub_download(
+            repo,
+            file,
+            repo_type=repo_type,
+            revision=commit,
+            local_dir=staging,
+            force_download=failed_check,
+            tqdm_class=functools.partial(_Bytes, bar),
+        )
+        check = HfApi().verify_repo_checksums(repo, repo_type=repo_type, revision=commit, local_dir=staging)
+        wrong = [m for m in check.mismatches if m["path"] == file]
+        if wrong or file in check.missing_paths:
+            failed_check = True
+            bar.update(-info.size)  # counted again by the next attempt
+            m = wrong[0] if wrong else {"algorithm": "file", "actual": "missing", "expected": "present"}
+            raise ChecksumMismatch(
+                f"checksum mismatch: {m['algorithm']} {m['actual']} != {m['expected']} listed by the hub"
+            )
         final = repo_dir(cache_dir, repo) / file
         final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged, final)
-        _clean_staging(staging, file)  # the client's metadata for a file no longer there
-        return HubFile(repo, commit, file, size, sha256, revision, repo_type, str(final))
+        os.replace(staged, final)  # out of staging: the next file's check hashes only that one
+        # verified, so an LFS file's sha256 is the hub's; a plain git file was checked by blob sha1
+        sha256 = info.lfs.sha256 if getattr(info, "lfs", None) else sha256_file(final)
+        return HubFile(repo, commit, file, final.stat().st_size, sha256, revision, repo_type, str(final))
 
-    try:
-        return with_retries(attempt, repo=repo, file=file, revision=revision, repo_type=repo_type)
-    except BaseException:
-        _clean_staging(staging, file)
-        raise
+    return with_retries(attempt, repo=repo, file=file, revision=revision, repo_type=repo_type)
 
 
 # ---------------------------------------------------------------------- dataset configs and splits
 
 
 def _config_patterns(readme: str, config: str | None, split: str) -> list[str] | None:
-    """``data_files`` patterns of ``config``/``split`` from a dataset card's YAML header (None: not declared)."""
-    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", readme, re.S)
-    if not m:
+    """``data_files`` patterns of ``config``/``split`` from a dataset card (None: the card declares no such config).
+
+    Read the way ``datasets`` reads it (its ``MetadataConfigs`` and ``sanitize_patterns``: bare
+    patterns are one ``train`` split); ``config`` None takes the card's default or first config.
+    """
+    from datasets.data_files import sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    configs = MetadataConfigs.from_dataset_card_data(DatasetCard(readme).data)
+    name = config if config is not None else (configs.get_default_config_name() or next(iter(configs), None))
+    if name not in configs:
         return None
-    header = yaml.safe_load(m.group(1)) or {}
-    for entry in header.get("configs") or []:
-        if config is not None and entry.get("config_name") != config:
-            continue
-        data_files = entry.get("data_files") or []
-        if isinstance(data_files, str) or (isinstance(data_files, list) and not isinstance(data_files[0], dict)):
-            data_files = [{"split": "train", "path": data_files}]  # bare patterns: one train split
-        for item in data_files:
-            if item.get("split") == split:
-                path = item.get("path")
-                return [path] if isinstance(path, str) else list(path)
-        return []
-    return None
+    data_files = configs[name].get("data_files")
+    return list(sanitize_patterns(data_files).get(split, [])) if data_files else []
 
 
 def dataset_split_files(

@@ -60,6 +60,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatpipe.procs import die_with_parent
+
 log = logging.getLogger(__name__)
 
 MAX_OUTPUT_CHARS = 20_000  # per stream, kept in the result
@@ -68,7 +70,6 @@ NPROC = 64  # processes for the child's user; the child needs one
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
-PR_SET_PDEATHSIG = 1
 
 # What a Python must import to run the runner below; probes that a candidate interpreter works.
 _PROBE = "import encodings, json, linecache, math, re, socket, traceback"
@@ -246,10 +247,9 @@ def _enter_pid_namespace() -> None:
     init from signals, including its own RLIMIT_CPU ones. Runs between fork and exec, so only
     the program's branch returns.
     """
-    libc = _libc()
     read_end, write_end = os.pipe()
     if os.fork() != 0:  # the shim
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        die_with_parent(signal.SIGKILL)
         os.close(write_end)
         _close_fds_except(read_end)  # incl. Popen's exec-status pipe: Popen returns once the program execs
         report = b""
@@ -257,7 +257,7 @@ def _enter_pid_namespace() -> None:
             report += chunk
         _, init_status = os.waitpid(-1, 0)
         _exit_like(int(report) if report else init_status)
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # init, PID 1: ends with the shim
+    die_with_parent(signal.SIGKILL)  # init, PID 1: ends with the shim
     os.close(read_end)
     program = os.fork()
     if program == 0:

@@ -136,7 +136,7 @@ def train_chat(
         "train_conversations": len(train_mix),
     }
     with tracked_run(stage, params, rt) as run:
-        metrics = Curves(tracking.MetricBuffer(run), stage, ["train/loss", "val/bpb"], enabled=rt.is_main)
+        metrics = Curves(run, stage, ["train/loss", "val/bpb"], enabled=rt.is_main)
         bar = progress(total_steps, stage, initial=start_step, unit="step")
         metrics.log({"packing/fill_ratio": fill}, 0)
         step, val_loss, bpb = start_step, float("nan"), float("nan")
