@@ -43,6 +43,9 @@ class TemporaryServer:
         self.port = _free_port()
         # The same app and flags Prefect's own temporary server uses: API only, ephemeral services.
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        # No telemetry heartbeat: it cannot reach the internet from an offline run, and its write to
+        # the sqlite store while the flow writes printed a 60-line "database is locked" traceback.
+        env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [
                 sys.executable,
