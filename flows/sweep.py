@@ -63,13 +63,18 @@ def _track(proc: subprocess.Popen) -> None:
         _CHILDREN.add(proc)
 
 
-def _terminate_children(signum, frame) -> None:
+def stop_points() -> None:
+    """No point starts or retries from now on; SIGTERM every running launcher's group (it cancels its workers)."""
     _STOPPING.set()
     with _LOCK:
         procs = list(_CHILDREN)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
+
+
+def _terminate_children(signum, frame) -> None:
+    stop_points()
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -233,7 +238,7 @@ def sweep_flow(path: str, runs_dir: str = str(RUNS_DIR)) -> dict:
     logger = get_run_logger()
     sweep = load_sweep(Path(path))
     points = expand(sweep)  # validated again: the file may have changed since the command line looked
-    runs = Path(runs_dir)
+    runs = Path(runs_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     preps, placed, source = plan_dirs(sweep, points, runs)
     parent = open_parent(sweep, len(points))
@@ -256,10 +261,16 @@ def sweep_flow(path: str, runs_dir: str = str(RUNS_DIR)) -> dict:
                 failed[point.name] = str(e).splitlines()[0][:500]
                 logger.error("point %s failed: %s", point.name, failed[point.name])
         status = "FAILED" if failed else "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as e:
+        if not isinstance(e, Exception):
+            # a stop: inside a flow run Prefect's own SIGTERM handler raises its TerminationSignal here
+            # (and re-sends the signal to ours later); Ctrl-C raises KeyboardInterrupt
+            stop_points()
+            status = "KILLED"
         raise
     finally:
+        if _STOPPING.is_set():  # points failing because their launchers were stopped are not failures
+            status = "KILLED"
         result = finish_parent(parent, sweep, rows, failed, status, runs)
     if failed:
         raise RuntimeError(f"{len(failed)} point(s) failed: {', '.join(failed)}; re-run to retry only them")
