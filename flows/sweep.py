@@ -58,6 +58,36 @@ def _retry_unless_stopping(task, task_run, state) -> bool:
     return not _STOPPING.is_set()
 
 
+class Slots:
+    """Numbers 0..n-1 handed to running points: point i rendezvous on port base + its slot, so two
+    multi-process points running at once (torchrun, or Slurm jobs on the same nodes) never share a port."""
+
+    def __init__(self) -> None:
+        self._free: list[int] = []
+        self._cond = threading.Condition()
+        self._next = 0
+
+    @contextlib.contextmanager
+    def take(self):
+        with self._cond:
+            slot = self._free.pop() if self._free else self._next
+            self._next = max(self._next, slot + 1)
+        try:
+            yield slot
+        finally:
+            with self._cond:
+                self._free.append(slot)
+
+
+_SLOTS = Slots()
+
+
+def rdzv_env(point: Point, slot: int) -> dict[str, str]:
+    """The point's rendezvous port: its setting (or the env override) plus its slot."""
+    base = os.environ.get("CHATPIPE_LAUNCH__RDZV_PORT") or (point.params.get("launch") or {}).get("rdzv_port", 29500)
+    return {"CHATPIPE_LAUNCH__RDZV_PORT": str(int(base) + slot)}
+
+
 def _track(proc: subprocess.Popen) -> None:
     with _LOCK:
         _CHILDREN.add(proc)
@@ -132,7 +162,9 @@ def run_point(
     start = time.time()
     try:
         workdir.prepare(source, links)
-        ran = workdir.run_stages(point_env(stage_tracking_env(child)), on_start=_track)
+        with _SLOTS.take() as slot:
+            env = point_env({**stage_tracking_env(child), **rdzv_env(point, slot)})
+            ran = workdir.run_stages(env, on_start=_track)
         end = time.time()
         record = {
             "point": point.name,
