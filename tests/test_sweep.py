@@ -211,3 +211,18 @@ def test_the_shipped_sweeps_validate_and_price(monkeypatch):
     assert "target_flops1e19-depth20" in out and "GPU-hours" in out
     tiny = expand(load_sweep(REPO / "sweeps" / "isoflop_tiny.yaml"))
     assert len(tiny) >= 9 and all(p.counts["steps"] >= 1 for p in tiny)
+
+
+def test_a_point_is_its_content_hash_whatever_its_name_or_placement(tmp_path):
+    from chatpipe.sweep.points import WorkDir
+
+    params = {"data": {"source": "synthetic"}, "pretrain": {"depth": 2}, "launch": {"scheduler": "local_cwd"}}
+    first = WorkDir(tmp_path, "depth2-a", params, ["pretrain"], code="c1")
+    first.path.mkdir(parents=True)
+    assert WorkDir(tmp_path, "other-name", params, ["pretrain"], code="c1").path == first.path
+    slurm = {**params, "launch": {"scheduler": "slurm"}, "tracking": {"enabled": False}}
+    assert WorkDir(tmp_path, "x", slurm, ["pretrain"], code="c1").path == first.path  # where it runs: same point
+    for changed, code in (({**params, "pretrain": {"depth": 3}}, "c1"), (params, "c2")):
+        assert WorkDir(tmp_path, "depth2-a", changed, ["pretrain"], code=code).key != first.key
+    data = {**params, "data": {"source": "synthetic", "seed": 7}}
+    assert WorkDir(tmp_path, "depth2-a", data, ["pretrain"], code="c1").key != first.key

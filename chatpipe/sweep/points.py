@@ -90,7 +90,10 @@ class WorkDir:
     def __init__(self, root: Path, name: str, params: dict[str, Any], stages: list[str], code: str) -> None:
         self.params, self.stages = params, list(stages)
         self.key = fingerprint(identity(params, self.stages, code))
-        self.path = root / f"{name}-{self.key}"
+        # the hash is the identity, the name only a reading aid: another sweep's point with the same
+        # content (named after another grid) is this point
+        same = sorted(root.glob(f"*-{self.key}")) if root.is_dir() else []
+        self.path = same[0] if same else root / f"{name}-{self.key}"
 
     @property
     def done(self) -> dict[str, Any] | None:
