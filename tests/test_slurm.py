@@ -398,3 +398,56 @@ def test_failure_report_names_the_worker_that_failed(tmp_path):
     assert lines[1] == "component 1 on node n2: FAILED, exit code 1; worker rank 1 killed by signal 9 (SIGKILL)"
     assert lines[0].startswith("component 0 on node n1: FAILED, exit code 0, signal 15 (SIGTERM)")
     assert status.state == "FAILED" and JobStatus("8", [Component(0, "CANCELLED by 0")]).state == "CANCELLED"
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+@pytest.mark.slow
+def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, tmp_path):
+    """4 points (2 budgets x 2 depths) on the `slurm` profile, concurrency 2: every pretrain a 2-node job."""
+    import mlflow
+    import yaml
+
+    project = make_project(tmp_path / "proj", {"profile": "slurm"})
+    sweep = {
+        "name": "slurm4",
+        "profile": "slurm",
+        "settings": {
+            # 1 CPU and 3 GB a node per job: two 2-node jobs fit the 2-CPU, 8 GB nodes at once
+            "launch": {"cpus_per_node": 1, "mem_mb": 3000},
+            "pretrain": {
+                "sequence_len": 64,
+                "device_batch_size": 4,  # 4 rows x 64 x 2 ranks = 512 tokens a step
+                "total_batch_size": 512,
+                "max_steps": -1,
+                "target_param_data_ratio": -1,
+                "eval_every": 0,
+                "eval_tokens": 1024,
+                "checkpoint_every": 0,
+                "sample_every": 0,
+                "dtype": "float32",
+            },
+        },
+        "grid": {"pretrain.target_flops": [1.0e10, 2.0e10], "pretrain.depth": [1, 2]},
+        "stages": ["data", "tokenizer", "pretrain"],
+        "concurrency": 2,
+    }
+    (project / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    run(project, "python", "-m", "flows.sweep", "sweep.yaml", "--runs-dir", "runs", **slurm_env(project))
+
+    points = sorted(p for p in (project / "runs").glob("target_flops*") if (p / "done.json").exists())
+    assert len(points) == 4
+    for point in points:  # each point's pretrain ran as one 2-node job from its own directory, and completed
+        jobs = [j for j in project_jobs(point) if j["name"].startswith("pretrain-")]
+        assert len({j["id"].partition("+")[0] for j in jobs}) == 1, jobs
+        assert sorted(j["nodes"] for j in jobs) == ["n1", "n2"] and all(j["state"] == "COMPLETED" for j in jobs), jobs
+    mlflow.set_tracking_uri(f"sqlite:///{project}/mlruns/mlflow.db")
+    df = mlflow.search_runs(experiment_names=["chatpipe"])
+    children = df[df["tags.stage"] == "sweep-point"]
+    spans = sorted(zip(children["start_time"], children["end_time"]))
+    assert len(spans) == 4
+    overlaps = [(a, b) for i, a in enumerate(spans) for b in spans[i + 1 :] if a[0] < b[1] and b[0] < a[1]]
+    assert overlaps, spans  # two points trained at the same time
+    for start, _ in spans:  # and never three
+        assert sum(s <= start < e for s, e in spans) <= 2
