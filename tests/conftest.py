@@ -41,7 +41,23 @@ def require_shared_data() -> Path:
 # one worker, and files are handed out in collection order. The longest files (measured with
 # `pytest --durations`) go first, so that neither worker picks up a long file when the other is
 # almost done; every other file keeps its place after them.
-HEAVIEST_FIRST = ("test_readme_examples.py", "test_slurm.py", "test_hub.py")
+HEAVIEST_FIRST = (
+    "test_readme_examples.py",  # the default pipeline, data -> rl (a third of the serial time)
+    "test_slurm.py",
+    "test_hub.py",
+    "test_launch.py",
+    "test_screenshots.py",
+    "test_pipeline.py",
+    "test_sweep.py",
+    "test_lm_eval.py",
+    "test_export.py",
+    "test_eval_stage.py",
+    "test_lineage.py",
+    "test_prefect_schedule.py",
+    "test_midtrain_sft.py",
+    "test_chaos.py",
+    "test_fp8.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
