@@ -22,7 +22,7 @@ from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.horizon import Horizon
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
-from chatpipe.model.fp8 import check_fp8, enable_fp8, plain_linears
+from chatpipe.model.fp8 import check_fp8, enable_fp8, float8_layers, plain_linears
 from chatpipe.model.gpt import GPT
 from chatpipe.plan import (
     apply_horizon,
@@ -138,6 +138,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = torch.compile(ddp_model) if use_compile else ddp_model
     eval_model = torch.compile(model) if use_compile else model
+    log_code_paths(cfg, rt, model, step_model, total_steps)
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
 
     def val_bpb() -> float:
@@ -234,6 +235,22 @@ def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.S
             lines.append(tok.decode(seqs[0][1:]))
     log.info("samples at step %d:\n  %s", step, "\n  ".join(lines))
     run.log_text("\n".join(lines), f"samples/step_{step:06d}.txt")
+
+
+def log_code_paths(
+    cfg: PretrainSettings, rt: runtime.Runtime, model: GPT, step_model: torch.nn.Module, total_steps: int
+) -> None:
+    """One line naming the precision, compile, FP8 and distributed paths this run really takes, read
+    from the objects themselves: what a CPU rehearsal of the GPU paths (profile rehearsal_gpu) checks."""
+    log.info(
+        "code paths: autocast %s | compiled model %s, optimizer %s | %d Float8Linear layers | world size %d (%s)",
+        "off" if rt.dtype == torch.float32 else str(rt.dtype).removeprefix("torch."),
+        hasattr(step_model, "_orig_mod"),  # what torch.compile wraps the module in
+        compile_pays(cfg.compile, total_steps, rt.device, part="optimizer"),
+        len(float8_layers(model)),
+        rt.world_size,
+        torch.distributed.get_backend() if torch.distributed.is_initialized() else "no process group",
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""The `rehearsal_gpu` profile: the speedrun's GPU code paths on CPU (bf16 autocast, compiled model and
+optimizer, emulated FP8, the automatic batch / LR / weight-decay derivation, 2 ranks over gloo, every
+speedrun model option), run through dvc in a throwaway project, each path checked in what the run
+logged rather than in what the profile asks for."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from chatpipe.model.fp8 import CPU_TEST_ENV
+from chatpipe.settings import PretrainSettings, load_section
+from tests.project import BIN, loss_curve, make_project, run
+
+# The keys rehearsal_gpu may set itself: sizes, and the two switches that make CPU take the GPU's
+# paths (auto would pick float32 and no compile on CPU). Every other pretrain key is the speedrun's.
+SIZE_KEYS = {
+    "depth",
+    "head_dim",
+    "n_kv_head",
+    "sequence_len",
+    "device_batch_size",
+    "target_param_data_ratio",
+    "max_steps",
+    "warmup_steps",
+    "eval_every",
+    "eval_tokens",
+    "sample_every",
+    "checkpoint_every",
+    "log_every",
+    "dtype",
+    "compile",
+}
+
+
+def pretrain_settings(profile: str, monkeypatch) -> PretrainSettings:
+    monkeypatch.setenv("CHATPIPE_PROFILE", profile)
+    return load_section(PretrainSettings)
+
+
+def test_rehearsal_gpu_keeps_the_speedrun_recipe(params_file, monkeypatch):
+    speedrun = pretrain_settings("speedrun", monkeypatch).model_dump()
+    rehearsal = pretrain_settings("rehearsal_gpu", monkeypatch).model_dump()
+    differing = {k for k in speedrun if speedrun[k] != rehearsal[k]}
+    assert differing <= SIZE_KEYS, f"rehearsal_gpu overrides recipe keys {sorted(differing - SIZE_KEYS)}"
+    assert rehearsal["total_batch_size"] == -1 and rehearsal["lr_scaling"] and rehearsal["wd_scaling"]
+    assert rehearsal["fp8"] and rehearsal["compile"] is True and rehearsal["dtype"] == "bfloat16"
+
+
+def mlflow_params(project: Path) -> dict[str, str]:
+    """Params of the newest pretrain run in the project's MLflow store."""
+    script = (
+        "import json, mlflow\n"
+        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
+        "c = mlflow.MlflowClient()\n"
+        "exp = c.get_experiment_by_name('chatpipe')\n"
+        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
+        "print(json.dumps(run.data.params))\n"
+    )
+    return json.loads(run(project, str(BIN / "python"), "-c", script).stdout.strip().splitlines()[-1])
+
+
+def expected_fp8_layers(project: Path, monkeypatch) -> int:
+    """How many block matrices the profile's model has that FP8 takes (counted on the meta device)."""
+    import torch
+
+    from chatpipe.model.fp8 import fp8_eligible
+    from chatpipe.model.gpt import GPT
+    from chatpipe.plan import model_config_for
+
+    monkeypatch.setenv("CHATPIPE_PARAMS", str(project / "params.yaml"))
+    cfg = pretrain_settings("rehearsal_gpu", monkeypatch)
+    vocab = json.loads(run(project, str(BIN / "python"), "-c", PLAN_JSON).stdout)["vocab_size"]
+    with torch.device("meta"):
+        model = GPT(model_config_for(cfg, vocab))
+    return sum(fp8_eligible(m, name) for name, m in model.named_modules())
+
+
+PLAN_JSON = "from chatpipe.plan import main; main(['--profile', 'rehearsal_gpu', '--json'])"
+
+
+@pytest.mark.slow
+def test_rehearsal_gpu_runs_every_speedrun_path_on_cpu(tmp_path, monkeypatch):
+    project = make_project(tmp_path / "project", {"profile": "rehearsal_gpu"}, small=False)
+    seconds = {}
+    t0 = time.monotonic()
+    for stage in ("data", "tokenizer", "pretrain"):
+        start = time.monotonic()
+        run(project, str(BIN / "dvc"), "repro", "--single-item", stage, **{CPU_TEST_ENV: "1"})
+        seconds[stage] = round(time.monotonic() - start, 1)
+    print("rehearsal_gpu seconds:", json.dumps({**seconds, "total": round(time.monotonic() - t0, 1)}))
+
+    # bf16 autocast, compiled model and optimizer, FP8 layers, 2 ranks over gloo: as the ranks built them
+    logs = sorted((project / "logs" / "torchx").glob("pretrain-*/**/stdout.log"))
+    text = "\n".join(p.read_text() for p in logs)
+    paths = re.findall(r"code paths: (.*)", text)
+    fp8 = expected_fp8_layers(project, monkeypatch)
+    assert fp8 >= 12  # q, k, v, proj, fc, mlp proj of each of the 2 blocks
+    want = f"autocast bfloat16 | compiled model True, optimizer True | {fp8} Float8Linear layers | world size 2 (gloo)"
+    assert paths and all(p.strip() == want for p in paths), paths
+    params = mlflow_params(project)
+    assert params["world_size"] == "2" and params["pretrain.fp8"] == "True"
+
+    # the automatic derivation: what `chatpipe plan` prints is what the stage used, and it is not the profile's
+    plan = json.loads(run(project, str(BIN / "python"), "-c", PLAN_JSON).stdout)
+    assert int(params["horizon.total_batch_size"]) == plan["total_batch_size"] == 2**16  # from -1: Power Lines
+    assert int(params["horizon.num_iterations"]) == int(params["pretrain.max_steps"]) == plan["steps"] >= 5
+    scale = float(params["horizon.batch_lr_scale"])
+    assert scale == pytest.approx(plan["batch_lr_scale"]) and scale == pytest.approx((2**16 / 2**19) ** 0.5)
+    speedrun = pretrain_settings("speedrun", monkeypatch)
+    for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"):  # every LR scaled
+        assert float(params[f"pretrain.{key}"]) == pytest.approx(getattr(speedrun, key) * scale), key
+    assert float(params["pretrain.weight_decay"]) == pytest.approx(plan["weight_decay"])
+    assert float(params["pretrain.weight_decay"]) != pytest.approx(speedrun.weight_decay)  # scaled to this run
+
+    # every speedrun model option is in the model that trained
+    config = {k.removeprefix("model_config."): v for k, v in params.items() if k.startswith("model_config.")}
+    assert (config["value_embeds"], config["lambdas"], config["smear"], config["backout"]) == ("True",) * 4
+    assert config["window_pattern"] == "SSSL" and int(config["short_window"]) < int(config["sequence_len"])
+    assert (config["n_head"], config["n_kv_head"]) == ("2", "1")  # GQA
+
+    # and it learned: train loss falls over the derived number of steps
+    curve = loss_curve(project)
+    assert len(curve) == plan["steps"] and curve[-1] < curve[0] - 1.0, curve
