@@ -44,6 +44,7 @@ def require_shared_data() -> Path:
 HEAVIEST_FIRST = (
     "test_readme_examples.py",  # the default pipeline, data -> rl (a third of the serial time)
     "test_slurm.py",
+    "test_rehearsal_gpu.py",  # cold torch.compile of model, eval model and optimizer on 2 ranks
     "test_hub.py",
     "test_launch.py",
     "test_screenshots.py",
