@@ -126,3 +126,35 @@ def test_rehearsal_gpu_runs_every_speedrun_path_on_cpu(tmp_path, monkeypatch):
     # and it learned: train loss falls over the derived number of steps
     curve = loss_curve(project)
     assert len(curve) == plan["steps"] and curve[-1] < curve[0] - 1.0, curve
+
+    # the model leaves the pipeline: exported with our modeling file, the same logits in transformers
+    start = time.monotonic()
+    check_remote_code_export(project, tmp_path)
+    print("rehearsal_gpu export + lm-eval seconds:", round(time.monotonic() - start, 1))
+
+
+def check_remote_code_export(project: Path, tmp_path: Path) -> None:
+    """`chatpipe export` of the rehearsal's FP8-trained speedrun-architecture model: transformers loads
+    it with trust_remote_code, its fp32 logits are within 1e-4 of ours, and lm-eval scores it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from chatpipe.evals.lm_harness import run_lm_eval, write_tasks
+    from chatpipe.model.loading import load_chat_model
+    from tests.conftest import require_shared_data
+
+    run(project, str(BIN / "chatpipe"), "export", "--model", "base", "--out", "hf")
+    hf_dir = project / "hf"
+    assert (hf_dir / "modeling_chatpipe.py").is_file()  # options the built-in class lacks: our own file
+    ours = load_chat_model("base", artifacts=project / "artifacts", device="cpu")
+    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.tensor(
+        [ours.tokenizer.encode("Once upon a time the fox walked to the river.", prepend=ours.tokenizer.bos_id)]
+    )
+    with torch.no_grad():
+        expected, got = ours.model(ids), theirs(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+    include = write_tasks(tmp_path / "tasks", require_shared_data() / "core", rows=4)
+    results = run_lm_eval(hf_dir, ["chatpipe_copa"], include, max_length=256)
+    assert 0.0 <= results["results"]["chatpipe_copa"]["acc,none"] <= 1.0
+    assert len(results["samples"]["chatpipe_copa"]) == 4
