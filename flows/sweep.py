@@ -196,18 +196,18 @@ def _client():
     return mlflow.MlflowClient()
 
 
+def child_tags(parent: str, point: Point, workdir: WorkDir) -> dict[str, str]:
+    """The tags that make a run the point's child of the sweep's parent run."""
+    return {"mlflow.parentRunId": parent, "sweep.point": point.name, "sweep.key": workdir.key, "stage": "sweep-point"}
+
+
 def open_child(parent: str, point: Point, workdir: WorkDir) -> str:
     """The point's child run under ``parent`` (created once; a retry reuses it)."""
     key = (parent, workdir.key)
     if key not in _CHILD_RUNS:
         client = _client()
         exp = client.get_run(parent).info.experiment_id
-        tags = {
-            "mlflow.parentRunId": parent,
-            "sweep.point": point.name,
-            "sweep.key": workdir.key,
-            "stage": "sweep-point",
-        }
+        tags = child_tags(parent, point, workdir)
         _CHILD_RUNS[key] = client.create_run(exp, run_name=point.name, tags=tags).info.run_id
     return _CHILD_RUNS[key]
 
@@ -221,12 +221,7 @@ def log_child(
     client = _client()
     if run_id is None:  # a cached point: a child run spanning the original training's times
         exp = client.get_run(parent).info.experiment_id
-        tags = {
-            "mlflow.parentRunId": parent,
-            "sweep.point": point.name,
-            "sweep.key": workdir.key,
-            "stage": "sweep-point",
-        }
+        tags = child_tags(parent, point, workdir)
         run_id = client.create_run(
             exp, run_name=point.name, tags=tags, start_time=int(record["start"] * 1000)
         ).info.run_id

@@ -161,18 +161,24 @@ def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedPr
     return run(project, str(BIN / "dvc"), *args, check=check)
 
 
-def loss_curve(project: Path) -> list[float]:
-    """train/loss per step of the newest pretrain run in the project's MLflow store."""
+def newest_pretrain_run(project: Path, value: str):
+    """``value`` (a Python expression of the MLflow client ``c`` and ``run``) for the newest pretrain
+    run in the project's MLflow store, evaluated in the project and sent back as JSON."""
     script = (
         "import json, mlflow\n"
         "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
         "c = mlflow.MlflowClient()\n"
         "exp = c.get_experiment_by_name('chatpipe')\n"
         "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
-        "h = sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)\n"
-        "print(json.dumps([m.value for m in h]))\n"
+        f"print(json.dumps({value}))\n"
     )
     return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
+
+
+def loss_curve(project: Path) -> list[float]:
+    """train/loss per step of the newest pretrain run in the project's MLflow store."""
+    history = "sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)"
+    return newest_pretrain_run(project, f"[m.value for m in {history}]")
 
 
 def prefect_task_runs(name: str) -> list:

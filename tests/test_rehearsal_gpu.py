@@ -14,7 +14,7 @@ import pytest
 
 from chatpipe.model.fp8 import CPU_TEST_ENV
 from chatpipe.settings import PretrainSettings, load_section
-from tests.project import BIN, loss_curve, make_project, run
+from tests.project import BIN, loss_curve, make_project, newest_pretrain_run, run
 
 # The keys rehearsal_gpu may set itself: sizes, and the two switches that make CPU take the GPU's
 # paths (auto would pick float32 and no compile on CPU). Every other pretrain key is the speedrun's.
@@ -53,15 +53,7 @@ def test_rehearsal_gpu_keeps_the_speedrun_recipe(params_file, monkeypatch):
 
 def mlflow_params(project: Path) -> dict[str, str]:
     """Params of the newest pretrain run in the project's MLflow store."""
-    script = (
-        "import json, mlflow\n"
-        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        "c = mlflow.MlflowClient()\n"
-        "exp = c.get_experiment_by_name('chatpipe')\n"
-        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
-        "print(json.dumps(run.data.params))\n"
-    )
-    return json.loads(run(project, str(BIN / "python"), "-c", script).stdout.strip().splitlines()[-1])
+    return newest_pretrain_run(project, "run.data.params")
 
 
 def expected_fp8_layers(project: Path, monkeypatch) -> int:

@@ -118,9 +118,22 @@ def export_path(config: Any) -> str:
 # --------------------------------------------------------------------------- config and weights
 
 
+def _common_config(tokenizer: Any, dtype: str) -> dict[str, Any]:
+    """config.json keys both model classes share: soft-cap, untied head, cache, token ids, dtype."""
+    sp = tokenizer.special_ids
+    return {
+        "final_logit_softcapping": SOFTCAP,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": sp["<|bos|>"],
+        "eos_token_id": sp["<|assistant_end|>"],
+        "pad_token_id": sp["<|bos|>"],  # <|bos|> pads: generation stops at <|assistant_end|>
+        "dtype": dtype,
+    }
+
+
 def hf_config(config: Any, tokenizer: Any, dtype: str = "float32") -> dict[str, Any]:
     """config.json of the NanoChat model equal to our GPT with ``config``."""
-    sp = tokenizer.special_ids
     return {
         "architectures": ["NanoChatForCausalLM"],
         "model_type": "nanochat",
@@ -135,15 +148,9 @@ def hf_config(config: Any, tokenizer: Any, dtype: str = "float32") -> dict[str, 
         "hidden_act": "relu2",
         "rms_norm_eps": RMS_NORM_EPS,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(getattr(config, "rotary_base", ROTARY_BASE))},
-        "final_logit_softcapping": SOFTCAP,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": sp["<|bos|>"],
-        "eos_token_id": sp["<|assistant_end|>"],
-        "pad_token_id": sp["<|bos|>"],
-        "dtype": dtype,
+        **_common_config(tokenizer, dtype),
     }
 
 
@@ -165,7 +172,6 @@ def hf_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, tor
 
 def remote_config(config: Any, tokenizer: Any, dtype: str = "float32") -> dict[str, Any]:
     """config.json of our own remote-code model (modeling_chatpipe.py) equal to our GPT with ``config``."""
-    sp = tokenizer.special_ids
     n = config.n_layer
     return {
         "architectures": ["ChatpipeForCausalLM"],
@@ -189,13 +195,7 @@ def remote_config(config: Any, tokenizer: Any, dtype: str = "float32") -> dict[s
         "backout": bool(config.backout),
         "rope_theta": float(config.rotary_base),
         "qk_scale": float(config.qk_scale),
-        "final_logit_softcapping": SOFTCAP,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": sp["<|bos|>"],
-        "eos_token_id": sp["<|assistant_end|>"],
-        "pad_token_id": sp["<|bos|>"],
-        "dtype": dtype,
+        **_common_config(tokenizer, dtype),
     }
 
 
