@@ -187,7 +187,8 @@ def doc_problems(doc: Path, repo: Path = REPO) -> list[str]:
     """Every reference in a Markdown page that does not resolve, as readable lines."""
     text = doc.read_text()
     problems = [p for ref in sorted(set(MODULE_REF.findall(text))) if (p := module_problem(ref, repo))]
-    problems += [p for ref in sorted(set(PATH_REF.findall(text))) if (p := path_problem(ref, repo))]
+    unlinked = LINK_REF.sub("]", text)  # link targets are relative to the page, checked below
+    problems += [p for ref in sorted(set(PATH_REF.findall(unlinked))) if (p := path_problem(ref, repo))]
     problems += [p for ref in sorted(set(LINK_REF.findall(text))) if (p := link_problem(ref, doc))]
     for line in command_lines(text):
         problems += command_problems(line, repo)
