@@ -58,7 +58,7 @@ def test_two_experiments_show_changed_metrics_in_diff_and_exp_show(tmp_path):
     header = table.splitlines()[0].split(",")
     assert not [c for c in header if "speedrun" in c], "profile overlays leaked into the params"
 
-    # the README's readable view: only what differs between the experiments
+    # docs/dvc.md's readable view: only what differs between the experiments
     short = dvc(project, "exp", "show", "--csv", "--only-changed").stdout.splitlines()[0].split(",")
     assert "pretrain.max_steps" in short and "pretrain.val_bpb" in short and len(short) < 40, short
 

@@ -3,7 +3,7 @@ MLflow's compare view of the two runs, and DVC's plots HTML of the two commits.
 
 The project runs the flow twice (pretrain 8 then 16 steps) against a real Prefect server with
 ``--commit-lock``, so git holds both runs' dvc.lock, metrics and curves. Screenshots go to a temp dir;
-with ``CHATPIPE_SCREENSHOT_DIR=docs`` they refresh the README's. DVC's HTML loads vega from a CDN:
+with ``CHATPIPE_SCREENSHOT_DIR=docs`` they refresh the README's and docs/' images. DVC's HTML loads vega from a CDN:
 offline, the test serves the same three files from ``CHATPIPE_VEGA_DIR`` (``npm pack vega@5.20.2
 vega-lite@5.2.0 vega-embed@6.18.2``, unpacked as <name>-<version>/; .ci/run does this) and skips that
 one screenshot, saying why, without them.
