@@ -288,7 +288,7 @@ class Answer:
 
 
 async def checked_answer(request: Request, chat: bool, loaded: Any, cfg: Any, pool: Any) -> Answer:
-    """Parse and check a request body in the order its errors are reported; hold a place in the engine queue."""
+    """Parse and check a request body, in the order its errors are reported; 503 when the engine queue is full."""
     req = _parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
     kw = check_sampling(req, loaded.name, cfg)
     stops = stop_list(req.stop)
