@@ -60,6 +60,108 @@ class _State:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _range_slice(wanted: str, status: int, headers: list, body: bytes) -> tuple[int, list, bytes]:
+    """A 206 with the slice of ``body`` that the client's ``Range: bytes=N-[M]`` asks for."""
+    start_s, _, end_s = wanted[len("bytes=") :].partition("-")
+    start, end = int(start_s), int(end_s) if end_s else len(body) - 1
+    total = len(body)
+    body = body[start : end + 1]
+    headers = [(k, v) for k, v in headers if k.lower() != "content-range"]
+    headers.append(("Content-Range", f"bytes {start}-{start + len(body) - 1}/{total}"))
+    return 206, headers, body
+
+
+def _broken(kind: str | None, status: int, headers: list, body: bytes) -> tuple[int, list, bytes, int]:
+    """The response as fault ``kind`` breaks it: (status, headers, body to send, Content-Length to announce)."""
+    if kind in ("500", "429"):
+        status, body = int(kind), f"injected {kind}\n".encode()
+        headers = [("Content-Type", "text/plain")] + ([("Retry-After", "0")] if kind == "429" else [])
+    announced = len(body)
+    if kind == "truncate":
+        body = body[: len(body) // 2]
+        announced = len(body)
+    elif kind == "corrupt" and body:
+        mid = len(body) // 2
+        body = body[:mid] + bytes(b ^ 0xFF for b in body[mid : mid + 16]) + body[mid + 16 :]
+    elif kind == "drop":
+        body = body[: len(body) // 2]
+    return status, headers, body, announced
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Forwards one request upstream and answers it, broken as the proxy's next matching fault says."""
+
+    protocol_version = "HTTP/1.1"
+    proxy: FaultProxy  # set on the subclass each FaultProxy makes
+
+    def log_message(self, *args: object) -> None:  # the test reads self.state.log instead
+        pass
+
+    def _fault(self) -> Fault | None:
+        state = self.proxy.state
+        with state.lock:
+            for f in state.faults:
+                if f.times > 0 and f.method == self.command and f.match in self.path:
+                    f.times -= 1
+                    return f
+        return None
+
+    def _fetch(self) -> tuple[int, list, bytes]:
+        """The upstream's whole answer to this request: status, headers, body."""
+        up = self.proxy.upstream
+        length = int(self.headers.get("Content-Length") or 0)
+        req_body = self.rfile.read(length) if length else None
+        skip = _HOP | {"host"} | ({"range"} if self.proxy.ranges else set())
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+        conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+        try:
+            conn.request(self.command, self.path, body=req_body, headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            return resp.status, resp.getheaders(), body
+        finally:
+            conn.close()
+
+    def _send(self, status: int, headers: list, body: bytes, announced: int, kind: str | None) -> int:
+        """Write the response; returns the body bytes sent."""
+        self.send_response(status)
+        for k, v in headers:
+            if k.lower() not in _HOP:
+                self.send_header(k, v)
+        if self.command == "HEAD":
+            self.send_header("Content-Length", dict((k.lower(), v) for k, v in headers).get("content-length", "0"))
+            sent = 0
+        else:
+            self.send_header("Content-Length", str(announced))
+            sent = len(body)
+        if kind == "drop":
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+            self.wfile.flush()
+        if kind == "drop":
+            self.close_connection = True
+        return sent
+
+    def _forward(self) -> None:
+        status, headers, body = self._fetch()
+        wanted = self.headers.get("Range", "")
+        if self.proxy.ranges and self.command == "GET" and status == 200 and wanted.startswith("bytes="):
+            status, headers, body = _range_slice(wanted, status, headers, body)
+        fault = self._fault()
+        kind = fault.kind if fault else None
+        status, headers, body, announced = _broken(kind, status, headers, body)
+        sent = self._send(status, headers, body, announced, kind)
+        state = self.proxy.state
+        with state.lock:
+            state.log.append(
+                Entry(self.command, self.path, status, sent, self.headers.get("Range"), kind, time.monotonic())
+            )
+
+    do_GET = do_HEAD = do_POST = _forward
+
+
 class FaultProxy:
     """Forward every request to ``upstream``; inject faults; log status and body bytes sent."""
 
@@ -67,86 +169,8 @@ class FaultProxy:
         self.upstream = urlsplit(upstream)
         self.ranges = ranges
         self.state = _State()
-        state, up, proxy = self.state, self.upstream, self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:  # the test reads self.state.log instead
-                pass
-
-            def _fault(self) -> Fault | None:
-                with state.lock:
-                    for f in state.faults:
-                        if f.times > 0 and f.method == self.command and f.match in self.path:
-                            f.times -= 1
-                            return f
-                return None
-
-            def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                req_body = self.rfile.read(length) if length else None
-                skip = _HOP | {"host"} | ({"range"} if proxy.ranges else set())
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=req_body, headers=headers)
-                    resp = conn.getresponse()
-                    body = resp.read()
-                    status, resp_headers = resp.status, resp.getheaders()
-                finally:
-                    conn.close()
-                wanted = self.headers.get("Range", "")
-                if proxy.ranges and self.command == "GET" and status == 200 and wanted.startswith("bytes="):
-                    start_s, _, end_s = wanted[len("bytes=") :].partition("-")
-                    start, end = int(start_s), int(end_s) if end_s else len(body) - 1
-                    total = len(body)
-                    body = body[start : end + 1]
-                    status = 206
-                    resp_headers = [(k, v) for k, v in resp_headers if k.lower() != "content-range"]
-                    resp_headers.append(("Content-Range", f"bytes {start}-{start + len(body) - 1}/{total}"))
-                fault = self._fault()
-                kind = fault.kind if fault else None
-                if kind in ("500", "429"):
-                    status, body = int(kind), f"injected {kind}\n".encode()
-                    resp_headers = [("Content-Type", "text/plain")] + ([("Retry-After", "0")] if kind == "429" else [])
-                announced = len(body)
-                if kind == "truncate":
-                    body = body[: len(body) // 2]
-                    announced = len(body)
-                elif kind == "corrupt" and body:
-                    mid = len(body) // 2
-                    body = body[:mid] + bytes(b ^ 0xFF for b in body[mid : mid + 16]) + body[mid + 16 :]
-                elif kind == "drop":
-                    body = body[: len(body) // 2]
-                self.send_response(status)
-                for k, v in resp_headers:
-                    if k.lower() not in _HOP:
-                        self.send_header(k, v)
-                if self.command == "HEAD":
-                    self.send_header(
-                        "Content-Length", dict((k.lower(), v) for k, v in resp_headers).get("content-length", "0")
-                    )
-                    sent = 0
-                else:
-                    self.send_header("Content-Length", str(announced))
-                    sent = len(body)
-                if kind == "drop":
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-                    self.wfile.flush()
-                if kind == "drop":
-                    self.close_connection = True
-                with state.lock:
-                    state.log.append(
-                        Entry(self.command, self.path, status, sent, self.headers.get("Range"), kind, time.monotonic())
-                    )
-
-            do_GET = do_HEAD = do_POST = _forward
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        handler = type("Handler", (_Handler,), {"proxy": self})
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread: threading.Thread | None = None

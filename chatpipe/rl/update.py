@@ -139,6 +139,94 @@ class PPOConfig:
         return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(cfg, f.name) for f in fields(cls)})
 
 
+@dataclass
+class PPOTargets:
+    """What the clipped losses compare against, computed once before the epochs."""
+
+    old_logp: torch.Tensor  # [B, T] the rollout policy's token log-probs
+    old_values: torch.Tensor | None  # [B, T] the critic's values (None without a critic)
+    adv: torch.Tensor  # [B, T] advantages, zero off the action tokens
+    returns: torch.Tensor | None  # [B, T] value targets (None without a critic)
+    kl: torch.Tensor  # [B, T] per-token KL to the reference policy
+
+
+def ppo_targets(
+    model, ref, critic, batch: Rollouts, scores: torch.Tensor, kl_ctl: rl.KLController, cfg: PPOConfig,
+    autocast: Autocast,
+) -> PPOTargets:  # fmt: skip
+    """KL-penalised token rewards turned into advantages: GAE with a critic, else group advantages."""
+    mb = cfg.micro_batch
+    with torch.no_grad(), autocast():
+        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb)
+        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb)
+        old_values = token_values(critic, batch.inputs, mb) if critic is not None else None
+    rewards, kl = rl.kl_penalized_rewards(scores, old_logp, ref_logp, batch.mask, kl_ctl.value, cfg.kl_estimator)
+    if critic is not None:
+        adv, returns = rl.gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam)
+    else:  # no critic: the sequence's total reward minus its group's mean, on every action token
+        seq_adv = rl.group_advantages(rewards.sum(1).view(-1, cfg.group_size), cfg.normalize_std).flatten()
+        adv, returns = seq_adv[:, None] * batch.mask, None
+    if cfg.whiten != "none":
+        adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
+    return PPOTargets(old_logp, old_values, adv, returns, kl)
+
+
+def ppo_minibatch_backward(
+    model, critic, batch: Rollouts, t: PPOTargets, rows_mb: torch.Tensor, cfg: PPOConfig, autocast: Autocast,
+    replay_follows: bool, stats: dict[str, float],
+) -> torch.Tensor:  # fmt: skip
+    """Accumulate one minibatch's gradients over its micro-batches, adding their losses to ``stats``.
+
+    Returns how many micro-batches had a token whose importance ratio exceeds ``cfg.max_ratio``
+    (a one-element tensor, for the all-reduce). ``replay_follows``: a replay batch's backward ends
+    the step, so DDP syncs the policy there, not here.
+    """
+    num_tokens = batch.mask[rows_mb].sum().item()
+    chunks = micro_batches(len(rows_mb), cfg.micro_batch)
+    exceeded = torch.zeros(1, device=batch.inputs.device)
+    for i, sl in enumerate(chunks):
+        rows = rows_mb[sl]
+        mask = batch.mask[rows]
+        last = i == len(chunks) - 1
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_no_sync(model, last and not replay_follows))
+            if critic is not None:
+                stack.enter_context(_no_sync(critic, last))
+            stack.enter_context(autocast())
+            logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+            loss, s = rl.clipped_surrogate(logp, t.old_logp[rows], t.adv[rows], mask, cfg.clip_eps, num_tokens)
+            stats["loss/policy"] += loss.item()
+            if critic is not None:
+                values = critic(batch.inputs[rows])
+                v_loss, _ = rl.clipped_value_loss(
+                    values, t.old_values[rows], t.returns[rows], mask, clip=cfg.value_clip, num_tokens=num_tokens
+                )
+                stats["loss/value"] += v_loss.item()
+                loss = loss + cfg.value_coef * v_loss
+        loss.backward()  # DDP decided in the forward (inside no_sync or not) whether this syncs
+        stats["ppo/clip_frac"] += s["clip_frac"] / len(chunks)
+        stats["ppo/approx_kl"] += s["approx_kl"] / len(chunks)
+        if rl.ratio_exceeds_cap(logp.detach(), t.old_logp[rows], mask, cfg.max_ratio):
+            exceeded += 1
+    return exceeded
+
+
+def ppo_summary(
+    stats: dict[str, float], stopped: bool, kl: torch.Tensor, kl_ctl: rl.KLController, n: int
+) -> dict[str, float]:
+    """Sums per optimizer step become means; the KL controller moves by the batch's mean sequence KL."""
+    updates = max(stats["ppo/updates"], 1.0)
+    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "loss/replay"):
+        if k in stats:
+            stats[k] /= updates
+    stats["ppo/early_stop"] = float(stopped)
+    seq_kl = kl.sum(1)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    kl_ctl.update(seq_kl.mean().item(), n * world)
+    stats["kl_sum"] = seq_kl.sum().item()
+    return stats
+
+
 def ppo_update(
     model,
     ref,
@@ -164,61 +252,23 @@ def ppo_update(
     sequence KL. Returns mean losses, clip fraction and approximate KL per optimizer step,
     ``ppo/updates``, ``ppo/early_stop`` and ``kl_sum`` (summed sequence KL of this rank's rows).
     """
-    mb = cfg.micro_batch
-    with torch.no_grad(), autocast():
-        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb)
-        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb)
-        old_values = token_values(critic, batch.inputs, mb) if critic is not None else None
-    rewards, kl = rl.kl_penalized_rewards(scores, old_logp, ref_logp, batch.mask, kl_ctl.value, cfg.kl_estimator)
-    if critic is not None:
-        adv, returns = rl.gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam)
-    else:  # no critic: the sequence's total reward minus its group's mean, on every action token
-        seq_adv = rl.group_advantages(rewards.sum(1).view(-1, cfg.group_size), cfg.normalize_std).flatten()
-        adv, returns = seq_adv[:, None] * batch.mask, None
-    if cfg.whiten != "none":
-        adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
-
+    t = ppo_targets(model, ref, critic, batch, scores, kl_ctl, cfg, autocast)
     n = len(scores)
     rows_per_mb = max(1, n // cfg.num_minibatches)
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     stats = {"loss/policy": 0.0, "loss/value": 0.0, "ppo/clip_frac": 0.0, "ppo/approx_kl": 0.0, "ppo/updates": 0.0}
     if replay is not None:
         stats["loss/replay"] = 0.0
-    device = batch.inputs.device
     stopped = False
     for _ in range(cfg.epochs):
-        perm = torch.randperm(n, generator=g).to(device)
+        perm = torch.randperm(n, generator=g).to(batch.inputs.device)
         for start in range(0, rows_per_mb * cfg.num_minibatches, rows_per_mb):
             rows_mb = perm[start : start + rows_per_mb]
             if len(rows_mb) == 0:
                 continue
-            num_tokens = batch.mask[rows_mb].sum().item()
-            chunks = micro_batches(len(rows_mb), mb)
-            exceeded = torch.zeros(1, device=device)
-            for i, sl in enumerate(chunks):
-                rows = rows_mb[sl]
-                mask = batch.mask[rows]
-                last = i == len(chunks) - 1
-                with contextlib.ExitStack() as stack:
-                    stack.enter_context(_no_sync(model, last and replay is None))
-                    if critic is not None:
-                        stack.enter_context(_no_sync(critic, last))
-                    stack.enter_context(autocast())
-                    logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
-                    loss, s = rl.clipped_surrogate(logp, old_logp[rows], adv[rows], mask, cfg.clip_eps, num_tokens)
-                    stats["loss/policy"] += loss.item()
-                    if critic is not None:
-                        values = critic(batch.inputs[rows])
-                        v_loss, _ = rl.clipped_value_loss(
-                            values, old_values[rows], returns[rows], mask, clip=cfg.value_clip, num_tokens=num_tokens
-                        )
-                        stats["loss/value"] += v_loss.item()
-                        loss = loss + cfg.value_coef * v_loss
-                loss.backward()  # DDP decided in the forward (inside no_sync or not) whether this syncs
-                stats["ppo/clip_frac"] += s["clip_frac"] / len(chunks)
-                stats["ppo/approx_kl"] += s["approx_kl"] / len(chunks)
-                if rl.ratio_exceeds_cap(logp.detach(), old_logp[rows], mask, cfg.max_ratio):
-                    exceeded += 1
+            exceeded = ppo_minibatch_backward(
+                model, critic, batch, t, rows_mb, cfg, autocast, replay is not None, stats
+            )
             # every rank must agree to step or stop, or DDP's next all-reduce would hang
             if runtime.all_reduce_sum(exceeded).item() > 0:
                 stopped = True
@@ -230,13 +280,4 @@ def ppo_update(
             stats["ppo/updates"] += 1
         if stopped:
             break
-    updates = max(stats["ppo/updates"], 1.0)
-    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "loss/replay"):
-        if k in stats:
-            stats[k] /= updates
-    stats["ppo/early_stop"] = float(stopped)
-    seq_kl = kl.sum(1)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    kl_ctl.update(seq_kl.mean().item(), n * world)
-    stats["kl_sum"] = seq_kl.sum().item()
-    return stats
+    return ppo_summary(stats, stopped, t.kl, kl_ctl, n)

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -204,30 +204,123 @@ def check_request(req: ChatRequest, cfg: ServeSettings) -> None:
         raise ApiError(422, "the last message must be from the user")
 
 
+async def api_error(_: Request, e: ApiError) -> JSONResponse:
+    """A refused request: ``{"error": ...}`` with its status."""
+    return JSONResponse({"error": e.message}, status_code=e.status)
+
+
+async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+    """A body that is not JSON (400) or does not fit :class:`ChatRequest` (422), each problem named."""
+    errors = e.errors()
+    if any(err["type"] == "json_invalid" for err in errors):
+        detail = "; ".join(
+            f"{err.get('ctx', {}).get('error', err['msg'])} at character {err['loc'][-1]}"
+            for err in errors
+            if err["type"] == "json_invalid"
+        )
+        return JSONResponse({"error": f"request body is not valid JSON: {detail}"}, status_code=400)
+    msgs = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors]
+    return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
+
+
+def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool) -> dict[str, Any]:
+    """What ``GET /health`` reports: the model, the engines' load, the limits and sampling defaults."""
+    return {
+        "status": "ok",
+        "model": loaded.name,
+        "stage": loaded.stage,
+        "step": loaded.meta.get("step"),
+        "description": loaded.describe(),
+        "device": loaded.device.type,
+        "engines": pool.size,
+        "active": pool.active,
+        "waiting": pool.waiting,
+        "served": pool.served,
+        "cancelled": pool.cancelled,
+        "limits": {
+            "max_message_chars": cfg.max_message_chars,
+            "max_turns": cfg.max_turns,
+            "max_tokens": cfg.max_tokens_limit,
+        },
+        "defaults": {"temperature": cfg.temperature, "top_k": cfg.top_k, "max_tokens": cfg.max_tokens},
+    }
+
+
+def reply_summary(parts: list[dict[str, str]], stats: dict[str, Any], t0: float, model_name: str) -> dict[str, Any]:
+    """The whole reply: the message, its text as ``chatpipe chat`` shows it, its parts and its stats."""
+    text = all(p["type"] == "text" for p in parts)
+    content = "".join(p["text"] for p in parts) if text else parts
+    shown = io.StringIO()
+    show_stream(((p["type"], p["text"]) for p in parts), shown)  # tool calls bracketed, as in the CLI
+    return {
+        "message": {"role": "assistant", "content": content},
+        "text": shown.getvalue().removesuffix("\n"),
+        "parts": parts,
+        "tokens": stats.get("tokens", 0),
+        "finish_reason": stats.get("finish_reason"),
+        "seconds": round(time.perf_counter() - t0, 4),
+        "model": model_name,
+    }
+
+
+async def reply_events(
+    pool: EnginePool, prompt: list[int], stats: dict[str, Any], admission: Admission, kw: dict[str, Any],
+    summary: Callable[[list[dict[str, str]]], dict[str, Any]],
+) -> AsyncIterator[str]:  # fmt: skip
+    """The reply as server-sent events: each delta, then the summary (or the error)."""
+    parts: list[dict[str, str]] = []
+    try:
+        async for kind, text in pool.stream(prompt, stats, admission, **kw):
+            append_part(parts, kind, text)
+            yield f"data: {json.dumps({'kind': kind, 'text': text})}\n\n"
+        yield f"data: {json.dumps({'done': True, **summary(parts)})}\n\n"
+    except Exception as e:  # headers are sent: report in-band
+        yield f"data: {json.dumps({'error': f'generation failed: {e}'})}\n\n"
+
+
+async def chat_reply(req: ChatRequest, loaded: Any, cfg: ServeSettings, pool: EnginePool) -> Any:
+    """Answer ``POST /api/chat``: one JSON object, or a stream of events."""
+    check_request(req, cfg)
+    messages = [m.model_dump() for m in req.messages]
+    max_tokens = req.max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit)
+    try:
+        prompt = prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
+    except ValueError as e:  # roles out of order, or too long for the context
+        raise ApiError(413 if isinstance(e, ContextTooLong) else 422, str(e)) from None
+    admission = pool.check_capacity()
+    top_k = cfg.top_k if req.top_k is None else req.top_k
+    kw = dict(
+        max_tokens=max_tokens,
+        temperature=cfg.temperature if req.temperature is None else req.temperature,
+        top_k=top_k or None,
+        seed=cfg.seed if req.seed is None else req.seed,
+    )
+    stats: dict[str, Any] = {}
+    t0 = time.perf_counter()
+
+    def summary(parts: list[dict[str, str]]) -> dict[str, Any]:
+        return reply_summary(parts, stats, t0, loaded.name)
+
+    if not req.stream:
+        parts: list[dict[str, str]] = []
+        async for kind, text in pool.stream(prompt, stats, admission, **kw):
+            append_part(parts, kind, text)
+        return summary(parts)
+    return StreamingResponse(
+        reply_events(pool, prompt, stats, admission, kw, summary),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
     app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None)
     engine = Engine(loaded.model, loaded.tokenizer)
     pool = EnginePool(engine, cfg.num_engines, cfg.max_queue)
     app.state.pool = pool
-
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse({"error": e.message}, status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        if any(err["type"] == "json_invalid" for err in errors):
-            detail = "; ".join(
-                f"{err.get('ctx', {}).get('error', err['msg'])} at character {err['loc'][-1]}"
-                for err in errors
-                if err["type"] == "json_invalid"
-            )
-            return JSONResponse({"error": f"request body is not valid JSON: {detail}"}, status_code=400)
-        msgs = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors]
-        return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
-
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(openai_router(loaded, cfg, pool))  # /v1/...: the OpenAI-compatible API
 
     @app.get("/api/docs", include_in_schema=False)
@@ -240,80 +333,11 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "model": loaded.name,
-            "stage": loaded.stage,
-            "step": loaded.meta.get("step"),
-            "description": loaded.describe(),
-            "device": loaded.device.type,
-            "engines": pool.size,
-            "active": pool.active,
-            "waiting": pool.waiting,
-            "served": pool.served,
-            "cancelled": pool.cancelled,
-            "limits": {
-                "max_message_chars": cfg.max_message_chars,
-                "max_turns": cfg.max_turns,
-                "max_tokens": cfg.max_tokens_limit,
-            },
-            "defaults": {"temperature": cfg.temperature, "top_k": cfg.top_k, "max_tokens": cfg.max_tokens},
-        }
+        return health_report(loaded, cfg, pool)
 
     @app.post("/api/chat")
     async def chat(req: ChatRequest):
-        check_request(req, cfg)
-        messages = [m.model_dump() for m in req.messages]
-        max_tokens = req.max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit)
-        try:
-            prompt = prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
-        except ValueError as e:  # roles out of order, or too long for the context
-            raise ApiError(413 if isinstance(e, ContextTooLong) else 422, str(e)) from None
-        admission = pool.check_capacity()
-        top_k = cfg.top_k if req.top_k is None else req.top_k
-        kw = dict(
-            max_tokens=max_tokens,
-            temperature=cfg.temperature if req.temperature is None else req.temperature,
-            top_k=top_k or None,
-            seed=cfg.seed if req.seed is None else req.seed,
-        )
-        stats: dict[str, Any] = {}
-        t0 = time.perf_counter()
-
-        def summary(parts: list[dict[str, str]]) -> dict[str, Any]:
-            text = all(p["type"] == "text" for p in parts)
-            content = "".join(p["text"] for p in parts) if text else parts
-            shown = io.StringIO()
-            show_stream(((p["type"], p["text"]) for p in parts), shown)  # tool calls bracketed, as in the CLI
-            return {
-                "message": {"role": "assistant", "content": content},
-                "text": shown.getvalue().removesuffix("\n"),
-                "parts": parts,
-                "tokens": stats.get("tokens", 0),
-                "finish_reason": stats.get("finish_reason"),
-                "seconds": round(time.perf_counter() - t0, 4),
-                "model": loaded.name,
-            }
-
-        if not req.stream:
-            parts: list[dict[str, str]] = []
-            async for kind, text in pool.stream(prompt, stats, admission, **kw):
-                append_part(parts, kind, text)
-            return summary(parts)
-
-        async def events() -> AsyncIterator[str]:
-            parts: list[dict[str, str]] = []
-            try:
-                async for kind, text in pool.stream(prompt, stats, admission, **kw):
-                    append_part(parts, kind, text)
-                    yield f"data: {json.dumps({'kind': kind, 'text': text})}\n\n"
-                yield f"data: {json.dumps({'done': True, **summary(parts)})}\n\n"
-            except Exception as e:  # headers are sent: report in-band
-                yield f"data: {json.dumps({'error': f'generation failed: {e}'})}\n\n"
-
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        return await chat_reply(req, loaded, cfg, pool)
 
     return app
 

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -175,6 +176,240 @@ def _message_for_engine(msg: ChatMessage) -> dict[str, Any]:
     return {"role": role, "content": content}
 
 
+# --------------------------------------------------------------------------- checking a request
+
+
+def check_sampling(req: _Sampling, model_name: str, cfg: Any) -> dict[str, Any]:
+    """Refuse what this server does not serve; else the engine's sampling keyword arguments."""
+    if req.model != model_name:
+        raise OpenAIError(
+            404, f"the model {req.model!r} does not exist; this server serves {model_name!r}", "model",
+            "model_not_found",
+        )  # fmt: skip
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
+        raise OpenAIError(
+            400, f"max_tokens={max_tokens} is over this server's limit of {cfg.max_tokens_limit} "
+            "(serve.max_tokens_limit)", "max_tokens",
+        )  # fmt: skip
+    for name in ("presence_penalty", "frequency_penalty", "logprobs"):
+        if getattr(req, name):
+            raise OpenAIError(400, f"{name}={getattr(req, name)!r} is not supported (only 0 / unset)", name)
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    top_k = cfg.top_k if req.top_k is None else req.top_k
+    return dict(
+        max_tokens=max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit),
+        temperature=cfg.temperature if req.temperature is None else req.temperature,
+        top_k=top_k or None,
+        top_p=req.top_p,
+        seed=cfg.seed if req.seed is None else req.seed,
+    )
+
+
+def chat_prompt(req: ChatCompletionRequest, loaded: Any, cfg: Any, max_tokens: int) -> list[int]:
+    """The prompt ids of a chat request, within the server's limits on turns and message size."""
+    if len(req.messages) > cfg.max_turns:
+        raise OpenAIError(
+            400, f"{len(req.messages)} messages; the limit is {cfg.max_turns} (serve.max_turns)", "messages"
+        )
+    messages = [_message_for_engine(m) for m in req.messages]
+    for i, m in enumerate(messages):
+        n = len(json.dumps(m["content"])) if not isinstance(m["content"], str) else len(m["content"])
+        if n > cfg.max_message_chars:
+            raise OpenAIError(
+                400, f"message {i} is {n} characters; the limit is {cfg.max_message_chars} "
+                "(serve.max_message_chars)", "messages",
+            )  # fmt: skip
+    if messages[-1]["role"] != "user":
+        raise OpenAIError(400, "the last message must be from the user", "messages")
+    return prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
+
+
+def prompt_texts(req: CompletionRequest) -> list[str]:
+    """The prompts of a completions request (one string or a list of them)."""
+    return [req.prompt] if isinstance(req.prompt, str) else req.prompt
+
+
+def completion_prompts(req: CompletionRequest, loaded: Any, cfg: Any, max_tokens: int) -> list[list[int]]:
+    """The prompt ids of a completions request, each with room for ``max_tokens`` in the context."""
+    texts = prompt_texts(req)
+    if not texts or any(len(t) > cfg.max_message_chars for t in texts):
+        raise OpenAIError(400, f"prompt must be 1+ strings of at most {cfg.max_message_chars} characters", "prompt")
+    prompts = [loaded.tokenizer.encode(t, prepend=loaded.tokenizer.bos_id) for t in texts]
+    limit = int(loaded.model.cos.size(2))
+    for p in prompts:
+        if len(p) + max_tokens > limit:
+            raise ContextTooLong(
+                f"prompt is {len(p)} tokens; with max_tokens={max_tokens} that exceeds the "
+                f"model's {limit}-token context"
+            )
+    return prompts
+
+
+def refusal(e: Exception, chat: bool) -> JSONResponse:
+    """The error response for an exception raised while checking a request."""
+    if isinstance(e, OpenAIError):
+        return e.response()
+    if isinstance(e, ContextTooLong):
+        return OpenAIError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded").response()
+    if isinstance(e, ValueError):  # roles out of order, bad assistant parts
+        return OpenAIError(400, str(e), "messages").response()
+    # the pool's ApiError (503: busy) and friends
+    return OpenAIError(getattr(e, "status", 500), getattr(e, "message", str(e))).response()
+
+
+# --------------------------------------------------------------------------- answering a request
+
+
+@dataclass
+class Answer:
+    """A checked request and what every choice of its answer shares."""
+
+    chat: bool  # /chat/completions, else /completions
+    req: Any  # ChatCompletionRequest | CompletionRequest
+    kw: dict[str, Any]  # the engine's sampling arguments
+    stops: list[str]
+    prompts: list[list[int]]
+    base: dict[str, Any]  # id, created, model: the same in the answer and in each of its chunks
+
+    def jobs(self) -> list[tuple[list[int], int, int]]:
+        """(prompt, sample j, choice index): choice j of prompt p has index p * n + j, as OpenAI numbers them."""
+        return [(p, j, pi * self.req.n + j) for pi, p in enumerate(self.prompts) for j in range(self.req.n)]
+
+    def echoed(self, index: int) -> str:
+        """The prompt that choice ``index`` continues, when the request asks to echo it; else ''."""
+        if self.chat or not self.req.echo:
+            return ""
+        return prompt_texts(self.req)[index // self.req.n]
+
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+async def checked_answer(request: Request, chat: bool, loaded: Any, cfg: Any, pool: Any) -> Answer:
+    """Parse and check a request body, in the order its errors are reported; 503 when the engine queue is full."""
+    req = _parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
+    kw = check_sampling(req, loaded.name, cfg)
+    stops = stop_list(req.stop)
+    if chat:
+        prompts = [chat_prompt(req, loaded, cfg, kw["max_tokens"])]
+    else:
+        prompts = completion_prompts(req, loaded, cfg, kw["max_tokens"])
+    pool.check_capacity()
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    base = {"id": rid, "created": int(time.time()), "model": loaded.name}
+    return Answer(chat, req, kw, stops, prompts, base)
+
+
+async def generate(
+    pool: Any, prompt: list[int], kw: dict[str, Any], stops: list[str], index: int, stats: dict
+) -> AsyncIterator[tuple[str, str]]:
+    """(kind, text) deltas of sample ``index``, cut at a stop string; ``stats`` gets tokens and finish."""
+    scanner = StopScanner(stops)
+    async with aclosing(pool.stream(prompt, stats, **{**kw, "seed": kw["seed"] + index})) as pieces:
+        async for kind, text in pieces:
+            if kind != "text":
+                yield kind, text
+                continue
+            if out := scanner.feed(text):
+                yield kind, out
+            if scanner.stopped:
+                stats["finish_reason"] = "stop"
+                return  # closing the stream stops the generation at its next token
+    if rest := scanner.flush():
+        yield "text", rest
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def choice(a: Answer, index: int, parts: list[dict[str, str]], finish: str) -> dict[str, Any]:
+    """One choice of a whole answer: the reply's text (the tool's parts too, in ``message.parts``)."""
+    content = "".join(p["text"] for p in parts if p["type"] == "text")
+    if not a.chat:
+        return {"index": index, "text": a.echoed(index) + content, "finish_reason": finish, "logprobs": None}
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if any(p["type"] != "text" for p in parts):
+        message["parts"] = parts
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+
+
+async def whole_answer(pool: Any, a: Answer) -> Any:
+    """The answer as one JSON object, every choice generated in turn."""
+    choices, completion_tokens = [], 0
+    try:
+        for prompt, j, index in a.jobs():
+            stats: dict[str, Any] = {}
+            parts: list[dict[str, str]] = []
+            async for kind, text in generate(pool, prompt, a.kw, a.stops, j, stats):
+                append_part(parts, kind, text)
+            completion_tokens += stats.get("tokens", 0)
+            choices.append(choice(a, index, parts, stats.get("finish_reason", "length")))
+    except Exception as e:
+        return OpenAIError(500, f"generation failed: {e}", code="generation_failed").response()
+    kind = "chat.completion" if a.chat else "text_completion"
+    return {**a.base, "object": kind, "choices": choices, "usage": usage(a.prompt_tokens(), completion_tokens)}
+
+
+def chunk(a: Answer, choices: list[dict[str, Any]], **extra: Any) -> str:
+    """One server-sent event of a streamed answer."""
+    kind = "chat.completion.chunk" if a.chat else "text_completion"
+    return f"data: {json.dumps({**a.base, 'object': kind, 'choices': choices, **extra})}\n\n"
+
+
+def delta(a: Answer, index: int, payload: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    """A streamed choice: chat chunks carry ``delta``, completion chunks its ``text``."""
+    if a.chat:
+        return {"index": index, "delta": payload, "finish_reason": finish, "logprobs": None}
+    return {"index": index, "text": payload.get("content", ""), "finish_reason": finish, "logprobs": None}
+
+
+async def events(pool: Any, a: Answer) -> AsyncIterator[str]:
+    """The answer's server-sent events: each choice's deltas in turn, optional usage, then [DONE]."""
+    completion_tokens = 0
+    try:
+        for prompt, j, index in a.jobs():
+            stats: dict[str, Any] = {}
+            if a.chat:
+                yield chunk(a, [delta(a, index, {"role": "assistant", "content": ""})])
+            elif a.req.echo:
+                yield chunk(a, [delta(a, index, {"content": a.echoed(index)})])
+            async for part_kind, text in generate(pool, prompt, a.kw, a.stops, j, stats):
+                if part_kind == "text":
+                    yield chunk(a, [delta(a, index, {"content": text})])
+                elif a.chat:
+                    yield chunk(a, [delta(a, index, {"part": {"type": part_kind, "text": text}})])
+            completion_tokens += stats.get("tokens", 0)
+            yield chunk(a, [delta(a, index, {}, stats.get("finish_reason", "length"))])
+        if a.req.stream_options and a.req.stream_options.include_usage:
+            yield chunk(a, [], usage=usage(a.prompt_tokens(), completion_tokens))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # headers are sent: report in-band, in the error shape
+        err = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
+        yield f"data: {json.dumps({'error': err})}\n\n"
+
+
+async def respond(request: Request, chat: bool, loaded: Any, cfg: Any, pool: Any) -> Any:
+    """Answer a chat or completions request: an error, one JSON object, or a stream of events."""
+    try:
+        answer = await checked_answer(request, chat, loaded, cfg, pool)
+    except Exception as e:
+        return refusal(e, chat)
+    if not answer.req.stream:
+        return await whole_answer(pool, answer)
+    return StreamingResponse(
+        events(pool, answer),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
 # --------------------------------------------------------------------------- the router
 
 
@@ -183,174 +418,6 @@ def openai_router(loaded: Any, cfg: Any, pool: Any) -> APIRouter:
     router = APIRouter(prefix="/v1")
     created = int(time.time())
     model_card = {"id": loaded.name, "object": "model", "created": created, "owned_by": "chatpipe"}
-
-    def check_common(req: _Sampling) -> dict[str, Any]:
-        """Model name, limits and sampling keyword arguments for the engine."""
-        if req.model != loaded.name:
-            raise OpenAIError(
-                404, f"the model {req.model!r} does not exist; this server serves {loaded.name!r}", "model",
-                "model_not_found",
-            )  # fmt: skip
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
-            raise OpenAIError(
-                400, f"max_tokens={max_tokens} is over this server's limit of {cfg.max_tokens_limit} "
-                "(serve.max_tokens_limit)", "max_tokens",
-            )  # fmt: skip
-        for name in ("presence_penalty", "frequency_penalty", "logprobs"):
-            if getattr(req, name):
-                raise OpenAIError(400, f"{name}={getattr(req, name)!r} is not supported (only 0 / unset)", name)
-        if req.stream_options is not None and not req.stream:
-            raise OpenAIError(400, "stream_options is only allowed with stream=true", "stream_options")
-        top_k = cfg.top_k if req.top_k is None else req.top_k
-        return dict(
-            max_tokens=max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit),
-            temperature=cfg.temperature if req.temperature is None else req.temperature,
-            top_k=top_k or None,
-            top_p=req.top_p,
-            seed=cfg.seed if req.seed is None else req.seed,
-        )
-
-    async def generate(prompt: list[int], kw: dict[str, Any], stops: list[str], index: int, stats: dict):
-        """(kind, text) deltas of choice ``index``, cut at a stop string; ``stats`` gets tokens and finish."""
-        scanner = StopScanner(stops)
-        async with aclosing(pool.stream(prompt, stats, **{**kw, "seed": kw["seed"] + index})) as pieces:
-            async for kind, text in pieces:
-                if kind != "text":
-                    yield kind, text
-                    continue
-                if out := scanner.feed(text):
-                    yield kind, out
-                if scanner.stopped:
-                    stats["finish_reason"] = "stop"
-                    return  # closing the stream stops the generation at its next token
-        if rest := scanner.flush():
-            yield "text", rest
-
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-
-    async def respond(request: Request, chat: bool) -> Any:
-        try:
-            req = _parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
-            kw = check_common(req)
-            stops = stop_list(req.stop)
-            if chat:
-                if len(req.messages) > cfg.max_turns:
-                    raise OpenAIError(
-                        400, f"{len(req.messages)} messages; the limit is {cfg.max_turns} (serve.max_turns)",
-                        "messages",
-                    )  # fmt: skip
-                messages = [_message_for_engine(m) for m in req.messages]
-                for i, m in enumerate(messages):
-                    n = len(json.dumps(m["content"])) if not isinstance(m["content"], str) else len(m["content"])
-                    if n > cfg.max_message_chars:
-                        raise OpenAIError(
-                            400, f"message {i} is {n} characters; the limit is {cfg.max_message_chars} "
-                            "(serve.max_message_chars)", "messages",
-                        )  # fmt: skip
-                if messages[-1]["role"] != "user":
-                    raise OpenAIError(400, "the last message must be from the user", "messages")
-                prompts = [prompt_for(loaded.tokenizer, loaded.model, messages, kw["max_tokens"])]
-            else:
-                texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-                if not texts or any(len(t) > cfg.max_message_chars for t in texts):
-                    raise OpenAIError(
-                        400, f"prompt must be 1+ strings of at most {cfg.max_message_chars} characters", "prompt"
-                    )
-                prompts = [loaded.tokenizer.encode(t, prepend=loaded.tokenizer.bos_id) for t in texts]
-                limit = int(loaded.model.cos.size(2))
-                for p in prompts:
-                    if len(p) + kw["max_tokens"] > limit:
-                        raise ContextTooLong(
-                            f"prompt is {len(p)} tokens; with max_tokens={kw['max_tokens']} that exceeds the "
-                            f"model's {limit}-token context"
-                        )
-            pool.check_capacity()
-        except OpenAIError as e:
-            return e.response()
-        except ContextTooLong as e:
-            return OpenAIError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded").response()
-        except ValueError as e:  # roles out of order, bad assistant parts
-            return OpenAIError(400, str(e), "messages").response()
-        except Exception as e:  # the pool's ApiError (503: busy) and friends
-            return OpenAIError(getattr(e, "status", 500), getattr(e, "message", str(e))).response()
-
-        # choice j of prompt p has index p * n + j, as OpenAI numbers batched completions
-        jobs = [(p, j, pi * req.n + j) for pi, p in enumerate(prompts) for j in range(req.n)]
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        base = {"id": rid, "created": int(time.time()), "model": loaded.name}
-        prompt_tokens = sum(len(p) for p in prompts)
-        echo = getattr(req, "echo", False)
-        texts = [req.prompt] if not chat and isinstance(req.prompt, str) else getattr(req, "prompt", None)
-
-        if not req.stream:
-            choices, completion_tokens = [], 0
-            try:
-                for prompt, j, index in jobs:
-                    stats: dict[str, Any] = {}
-                    parts: list[dict[str, str]] = []
-                    async for kind, text in generate(prompt, kw, stops, j, stats):
-                        append_part(parts, kind, text)
-                    completion_tokens += stats.get("tokens", 0)
-                    content = "".join(p["text"] for p in parts if p["type"] == "text")
-                    finish = stats.get("finish_reason", "length")
-                    if chat:
-                        message: dict[str, Any] = {"role": "assistant", "content": content}
-                        if any(p["type"] != "text" for p in parts):
-                            message["parts"] = parts
-                        choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": None})
-                    else:
-                        prefix = texts[index // req.n] if echo else ""
-                        choices.append(
-                            {"index": index, "text": prefix + content, "finish_reason": finish, "logprobs": None}
-                        )
-            except Exception as e:
-                return OpenAIError(500, f"generation failed: {e}", code="generation_failed").response()
-            kind = "chat.completion" if chat else "text_completion"
-            return {**base, "object": kind, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return f"data: {json.dumps({**base, 'object': kind, 'choices': choices, **extra})}\n\n"
-
-        def delta(index: int, payload: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            if chat:
-                return {"index": index, "delta": payload, "finish_reason": finish, "logprobs": None}
-            return {"index": index, "text": payload.get("content", ""), "finish_reason": finish, "logprobs": None}
-
-        async def events() -> AsyncIterator[str]:
-            completion_tokens = 0
-            try:
-                for prompt, j, index in jobs:
-                    stats: dict[str, Any] = {}
-                    if chat:
-                        yield chunk([delta(index, {"role": "assistant", "content": ""})])
-                    elif echo:
-                        yield chunk([delta(index, {"content": texts[index // req.n]})])
-                    async for part_kind, text in generate(prompt, kw, stops, j, stats):
-                        if part_kind == "text":
-                            yield chunk([delta(index, {"content": text})])
-                        elif chat:
-                            yield chunk([delta(index, {"part": {"type": part_kind, "text": text}})])
-                    completion_tokens += stats.get("tokens", 0)
-                    yield chunk([delta(index, {}, stats.get("finish_reason", "length"))])
-                if include_usage:
-                    yield chunk([], usage=usage(prompt_tokens, completion_tokens))
-                yield "data: [DONE]\n\n"
-            except Exception as e:  # headers are sent: report in-band, in the error shape
-                err = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
-                yield f"data: {json.dumps({'error': err})}\n\n"
-
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -364,11 +431,11 @@ def openai_router(loaded: Any, cfg: Any, pool: Any) -> APIRouter:
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await respond(request, chat=True)
+        return await respond(request, True, loaded, cfg, pool)
 
     @router.post("/completions")
     async def completions(request: Request) -> Any:
-        return await respond(request, chat=False)
+        return await respond(request, False, loaded, cfg, pool)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unknown(path: str, request: Request) -> JSONResponse:
