@@ -385,12 +385,13 @@ def render_report(
 
 def _stand_in_note(results: dict) -> list[str]:
     # Says what a stand-in row is without naming the benchmark: the report never puts a benchmark's
-    # name next to a synthetic task's number.
+    # name next to another task's number.
     names = ", ".join(f"`{task}`" for task in stand_ins(results))
     if not names:
         return []
     return [
-        f"{names}: synthetic stand-ins, run in the place of benchmarks this profile does not download; "
+        f"{names}: stand-ins (such as the tiny world's synthetic tasks), run in the place of benchmarks "
+        "this profile does not run; "
         "their numbers say nothing about those benchmarks, and the ChatCORE here averages them in, so it "
         "is not comparable with a ChatCORE over the real tasks.",
         "",

@@ -129,7 +129,7 @@ def test_a_stand_in_is_labelled_with_its_own_name_and_a_real_benchmark_with_its(
     md = render_report(results=tiny, system={}, locks={}, params={}, timings="", plots=[])
     assert "GSM8K" not in md and "MMLU" not in md
     assert "| tinyworld_gsm |" in md and "- tinyworld_gsm: accuracy 0.9900" in md
-    assert "`tinyworld_mc`, `tinyworld_gsm`: synthetic stand-ins" in md
+    assert "`tinyworld_mc`, `tinyworld_gsm`: stand-ins" in md
 
     real = {"profile": "speedrun", "stages": {"sft": _chat_stage({"GSM8K": (0.05, 1319, None)})}}
     table = summary_table(real)
