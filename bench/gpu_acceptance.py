@@ -34,11 +34,11 @@ sys.path.insert(0, str(REPO))
 
 from chatpipe.model.fp8 import enable_fp8  # noqa: E402
 from chatpipe.model.gpt import GPT  # noqa: E402
-from chatpipe.plan import GIB, make_plan, model_config_for  # noqa: E402
 from chatpipe.runtime import Runtime  # noqa: E402
 from chatpipe.settings import PretrainSettings, TokenizerSettings, load_section  # noqa: E402
 from chatpipe.train.loop import PEAK_FLOPS, train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
+from chatpipe.train.pretrain_plan import GIB, make_plan, model_config_for  # noqa: E402
 
 PROFILE = "speedrun"
 NO_GPU_EXIT = 2

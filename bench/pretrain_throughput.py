@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chatpipe.model.gpt import GPT  # noqa: E402
-from chatpipe.plan import compile_pays, model_config_for, polar_express_dtype  # noqa: E402
 from chatpipe.runtime import Runtime  # noqa: E402
 from chatpipe.settings import PretrainSettings, load_section  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
+from chatpipe.train.pretrain_plan import compile_pays, model_config_for, polar_express_dtype  # noqa: E402
 
 
 def stage_tokens_per_s(steps: int, profile: str) -> float:

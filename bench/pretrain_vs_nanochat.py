@@ -60,11 +60,11 @@ sys.path.insert(0, str(REPO))
 from chatpipe.data.loader import RowLoader, TokenDocs  # noqa: E402
 from chatpipe.data.tokenstore import save_shard, write_index  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options  # noqa: E402
-from chatpipe.plan import model_config_for, polar_express_dtype  # noqa: E402
 from chatpipe.runtime import Runtime, init  # noqa: E402
 from chatpipe.settings import PretrainSettings, resolve_params  # noqa: E402
 from chatpipe.train.loop import train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
+from chatpipe.train.pretrain_plan import model_config_for, polar_express_dtype  # noqa: E402
 
 DEPTH, HEAD_DIM, SEQ, BATCH, VOCAB = 4, 64, 256, 16, 1024
 TOKENS = BATCH * SEQ

@@ -4,7 +4,7 @@ Run::
 
     chatpipe chat [--model sft] [-p PROMPT] ...     # chatpipe/serve/chat.py
     chatpipe serve [--port 8000] ...                # chatpipe/serve/app.py
-    chatpipe plan --profile speedrun                # chatpipe/plan.py
+    chatpipe plan --profile speedrun                # chatpipe/train/pretrain_plan.py
     chatpipe sweep-plan sweeps/isoflop_speedrun.yaml # chatpipe/sweep/spec.py
     chatpipe export --model sft --out DIR           # chatpipe/export/hf.py
     chatpipe <command> --help                       # that command's flags
@@ -22,7 +22,7 @@ import sys
 COMMANDS = {
     "chat": ("chatpipe.serve.chat", "talk to a trained model in the terminal"),
     "serve": ("chatpipe.serve.app", "web UI and JSON API for a trained model"),
-    "plan": ("chatpipe.plan", "parameters, tokens, steps, time, cost and memory of a profile"),
+    "plan": ("chatpipe.train.pretrain_plan", "parameters, tokens, steps, time, cost and memory of a profile"),
     "sweep-plan": ("chatpipe.sweep.spec", "validate a sweep file (sweeps/*.yaml) and price its points"),
     "lineage": ("chatpipe.lineage", "rewrite (or --check) dvc.yaml's code deps from each stage's imports"),
     "export": ("chatpipe.export.hf", "write a model as a Hugging Face transformers directory (optionally push it)"),

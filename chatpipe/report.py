@@ -26,16 +26,17 @@ from chatpipe.tracking import first_run
 # Summary table: row label -> (where in a stage's eval results, key). The tiny-world CORE (our
 # synthetic in-context tasks) and the DCLM CORE (the published 22-task metric) are different
 # metrics: never one row.
-ROWS: list[tuple[str, str, str]] = [
-    ("tiny-world CORE", "core_tinyworld", "core"),
-    ("DCLM CORE", "core", "core"),
-    ("ARC-E", "chatcore", "ARC-Easy"),
-    ("ARC-C", "chatcore", "ARC-Challenge"),
-    ("MMLU", "chatcore", "MMLU"),
-    ("GSM8K", "chatcore", "GSM8K"),
-    ("HumanEval", "chatcore", "HumanEval"),
-    ("SpellingBee", "chatcore", "SpellingBee"),
-    ("ChatCORE", "chatcore", "chatcore"),
+CORE_ROWS: list[tuple[str, str, str]] = [("tiny-world CORE", "core_tinyworld", "core"), ("DCLM CORE", "core", "core")]
+# ChatCORE benchmark rows: (row label, results key). A task that stood in for a benchmark (its
+# results say ``stands_in_for``) takes the benchmark's row under its own name: the tiny profile's
+# tinyworld_gsm is never shown as GSM8K.
+CHAT_ROWS: list[tuple[str, str]] = [
+    ("ARC-E", "ARC-Easy"),
+    ("ARC-C", "ARC-Challenge"),
+    ("MMLU", "MMLU"),
+    ("GSM8K", "GSM8K"),
+    ("HumanEval", "HumanEval"),
+    ("SpellingBee", "SpellingBee"),
 ]
 COLUMNS = list(MODEL_STAGES)
 # dvc.yaml stages whose MLflow runs report on (in pipeline order)
@@ -117,10 +118,33 @@ def accuracy_cell(acc: float, n: int, previous: tuple[float, int] | None = None)
     return text
 
 
+def stand_ins(results: dict) -> dict[str, str]:
+    """``{task: benchmark}`` of the ChatCORE tasks that stood in for a benchmark in any column."""
+    out = {}
+    for col in COLUMNS:
+        tasks = (((results.get("stages") or {}).get(col) or {}).get("chatcore") or {}).get("tasks") or {}
+        out.update({label: t["stands_in_for"] for label, t in tasks.items() if t.get("stands_in_for")})
+    return out
+
+
+def summary_rows(results: dict) -> list[tuple[str, str, str]]:
+    """(row label, where, key) of the summary table: each benchmark row, or in its place the rows of
+    the tasks that stood in for it (then labelled with the task's own name), and ChatCORE last."""
+    standing_in = stand_ins(results)
+    rows = list(CORE_ROWS)
+    for label, benchmark in CHAT_ROWS:
+        own = [(task, "chatcore", task) for task, target in standing_in.items() if target == benchmark]
+        ran_itself = any(_counted(r, "chatcore", benchmark) for r in (results.get("stages") or {}).values())
+        rows += ([(label, "chatcore", benchmark)] if ran_itself or not own else []) + own
+    return rows + [("ChatCORE", "chatcore", "chatcore")]
+
+
 def summary_values(results: dict) -> dict[str, dict[str, float | None]]:
     """``{row: {column: value or None}}`` from the eval results document."""
     stages = results.get("stages", {})
-    return {row: {col: _cell(stages.get(col), where, key) for col in COLUMNS} for row, where, key in ROWS}
+    return {
+        row: {col: _cell(stages.get(col), where, key) for col in COLUMNS} for row, where, key in summary_rows(results)
+    }
 
 
 def summary_table(results: dict) -> str:
@@ -130,7 +154,7 @@ def summary_table(results: dict) -> str:
     values = summary_values(results)
     stages = results.get("stages", {})
     lines = ["| metric | " + " | ".join(c.upper() for c in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
-    for row, where, key in ROWS:
+    for row, where, key in summary_rows(results):
         cells, previous = [], None
         for c in COLUMNS:
             counted = _counted(stages.get(c), where, key)
@@ -311,11 +335,12 @@ def render_report(
         "",
         "tiny-world CORE: mean centered accuracy of the synthetic tiny-world in-context tasks; "
         "DCLM CORE: the published CORE metric over the DCLM tasks found (scored like the reference evaluator); "
-        "ARC/MMLU/GSM8K/HumanEval/SpellingBee: accuracy (pass@k for generative tasks) with its 95% Wilson "
+        "task rows: accuracy (pass@k for generative tasks) with its 95% Wilson "
         "interval and the number of held-out items n; (≈): the change from the previous stage lies within "
         "the 95% noise of the difference, so it is not evidence of a change; ChatCORE: mean centered "
         "accuracy. Blank: not evaluated.",
         "",
+        *_stand_in_note(results),
     ]
     prov = provenance_lines(results)
     if prov:
@@ -356,6 +381,21 @@ def render_report(
     for section, values in params.items():
         parts += [f"### {section}", "", "```yaml", yaml.safe_dump(values, sort_keys=False).rstrip(), "```", ""]
     return "\n".join(parts)
+
+
+def _stand_in_note(results: dict) -> list[str]:
+    # Says what a stand-in row is without naming the benchmark: the report never puts a benchmark's
+    # name next to another task's number.
+    names = ", ".join(f"`{task}`" for task in stand_ins(results))
+    if not names:
+        return []
+    return [
+        f"{names}: stand-ins (such as the tiny world's synthetic tasks), run in the place of benchmarks "
+        "this profile does not run; "
+        "their numbers say nothing about those benchmarks, and the ChatCORE here averages them in, so it "
+        "is not comparable with a ChatCORE over the real tasks.",
+        "",
+    ]
 
 
 def _skipped(results: dict) -> list[str]:

@@ -32,6 +32,7 @@ from chatpipe.data.loader import RowLoader, TokenDocs, tokenize_shards
 from chatpipe.evals.chatcore import evaluate_chatcore
 from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.evals.core_tinyworld import write_tinyworld_bundle
+from chatpipe.evals.metrics import chatcore_label
 from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
 from chatpipe.settings import MODEL_STAGES, EvalSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.stage_metrics import write_metrics
@@ -97,7 +98,8 @@ def core_suites(cfg: EvalSettings, work: Path, rt: runtime.Runtime) -> list[tupl
 
 
 def chat_tasks(cfg: EvalSettings) -> tuple[dict, dict[str, str]]:
-    """The ChatCORE tasks to run, and {name: reason} for those whose data is not available here."""
+    """The ChatCORE tasks to run, and {label: reason} for those whose data is not available here
+    (a stand-in under its own name, as its results would be)."""
     from chatpipe.data.tasks import build_task  # only chat stages need the task package
 
     tasks, skipped = {}, {}
@@ -107,7 +109,7 @@ def chat_tasks(cfg: EvalSettings) -> tuple[dict, dict[str, str]]:
         try:
             tasks[name] = build_task(spec["task"], **kw)
         except (FileNotFoundError, ImportError, OSError) as e:
-            skipped[name] = f"{spec['task']}: {e}"
+            skipped[chatcore_label(name, spec["task"])] = f"{spec['task']}: {e}"
             log.warning("ChatCORE task %s skipped: %s", name, e)
     return tasks, skipped
 
@@ -251,7 +253,8 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
 
 
 def stage_metrics(stage: str, r: dict) -> dict[str, float]:
-    """Flat MLflow metrics of one model's results, e.g. ``base/bpb``, ``base/CORE``, ``sft/GSM8K``."""
+    """Flat MLflow metrics of one model's results, e.g. ``base/bpb``, ``base/CORE``, ``sft/GSM8K``
+    (``sft/tinyworld_gsm`` where that task stood in for GSM8K: ChatCORE results are keyed by the task run)."""
     m = {f"{stage}/bpb": r["bpb"]}
     for key, name in (("core", "CORE"), ("core_tinyworld", "tinyworld_CORE")):
         core = r.get(key) or {}

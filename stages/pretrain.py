@@ -24,15 +24,6 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.fp8 import check_fp8, enable_fp8, float8_layers, plain_linears
 from chatpipe.model.gpt import GPT
-from chatpipe.plan import (
-    apply_horizon,
-    check_memory_fits,
-    compile_pays,
-    estimate_memory_bytes,
-    horizon_for,
-    model_config_for,
-    polar_express_dtype,
-)
 from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
@@ -48,6 +39,15 @@ from chatpipe.train.loop import (
     scheduled_train_step,
 )
 from chatpipe.train.optim import build_optimizers
+from chatpipe.train.pretrain_plan import (
+    apply_horizon,
+    check_memory_fits,
+    compile_pays,
+    estimate_memory_bytes,
+    horizon_for,
+    model_config_for,
+    polar_express_dtype,
+)
 from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
 
 log = logging.getLogger("pretrain")

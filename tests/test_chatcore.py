@@ -49,7 +49,8 @@ class FakeMC:
 
     eval_type = "categorical"
 
-    def __init__(self, n: int, seed: int = 0) -> None:
+    def __init__(self, n: int, seed: int = 0, name: str = "fake_mc") -> None:
+        self.name = name  # the chatpipe.data.tasks name it plays: decides the label of its result
         rng = random.Random(seed)
         self.gold = [rng.choice(LETTERS) for _ in range(n)]
         self.seen: list[int] = []
@@ -102,8 +103,8 @@ class ScriptedGen:
 
     eval_type = "generative"
 
-    def __init__(self, correct: list[int]) -> None:
-        self.correct = correct
+    def __init__(self, correct: list[int], name: str = "fake_gen") -> None:
+        self.correct, self.name = correct, name
 
     def __len__(self) -> int:
         return len(self.correct)
@@ -179,12 +180,12 @@ def test_items_are_split_across_ranks_and_capped() -> None:
 
 
 def test_chatcore_is_mean_centered_accuracy(scripted_samples) -> None:
-    tasks = {"MMLU": FakeMC(40), "GSM8K": ScriptedGen([1, 1, 1, 1])}
+    tasks = {"MMLU": FakeMC(40, name="mmlu"), "GSM8K": ScriptedGen([1, 1, 1, 1], name="gsm8k")}
     out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
     assert out["tasks"]["MMLU"]["centered"] == 1.0
     assert out["tasks"]["GSM8K"]["accuracy"] == pytest.approx(0.5)
     assert out["chatcore"] == pytest.approx((1.0 + 0.5) / 2)
-    tasks = {"ARC-Easy": FakeMC(40)}
+    tasks = {"ARC-Easy": FakeMC(40, name="arc_easy")}
     out = evaluate_chatcore(ConstantModel(TOK.vocab_size), TOK, tasks, device="cpu")
     acc = tasks["ARC-Easy"].gold.count("A") / 40
     assert out["chatcore"] == pytest.approx((acc - 0.25) / 0.75)
@@ -192,10 +193,23 @@ def test_chatcore_is_mean_centered_accuracy(scripted_samples) -> None:
         evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"TriviaQA": FakeMC(2)}, device="cpu")
 
 
+def test_a_stand_in_reports_under_its_own_name_never_the_benchmarks(scripted_samples) -> None:
+    tasks = {"MMLU": FakeMC(40, name="tinyworld_mc"), "GSM8K": ScriptedGen([1, 1], name="tinyworld_gsm")}
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
+    assert set(out["tasks"]) == {"tinyworld_mc", "tinyworld_gsm"}
+    assert out["tasks"]["tinyworld_gsm"]["stands_in_for"] == "GSM8K"
+    # centered with the baseline of the place it took (four letters: 0.25), as the benchmark would be
+    assert out["tasks"]["tinyworld_mc"]["centered"] == 1.0 and out["chatcore"] == pytest.approx((1.0 + 0.5) / 2)
+    real = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"GSM8K": ScriptedGen([1], name="gsm8k")}, device="cpu")
+    assert set(real["tasks"]) == {"GSM8K"} and "stands_in_for" not in real["tasks"]["GSM8K"]
+    with pytest.raises(ValueError, match="under one name"):
+        evaluate_chatcore(CopyModel(1), TOK, {"MMLU": FakeMC(2), "ARC-Easy": FakeMC(2)}, device="cpu")
+
+
 def test_a_task_running_code_records_its_sandbox_mode(scripted_samples) -> None:
-    code_task = ScriptedGen([1, 1])
+    code_task = ScriptedGen([1, 1], name="humaneval")
     code_task.sandbox = "fallback (bwrap not found)"  # as HumanEval reports it
-    tasks = {"HumanEval": code_task, "GSM8K": ScriptedGen([1, 1])}
+    tasks = {"HumanEval": code_task, "GSM8K": ScriptedGen([1, 1], name="gsm8k")}
     out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
     assert out["tasks"]["HumanEval"]["sandbox"] == "fallback (bwrap not found)"
     assert "sandbox" not in out["tasks"]["GSM8K"]

@@ -72,17 +72,20 @@ def test_eval_and_report_through_dvc_under_a_parent_run(tmp_path: Path) -> None:
     }
     assert core["core"] == pytest.approx(sum(t["centered"] for t in core["tasks"].values()) / 5)
     chat = base["chatcore"]
-    # params merge into the default task map; the ARC files are not in the throwaway project
-    assert set(chat["tasks"]) == {"MMLU", "GSM8K", "SpellingBee"}  # tiny runs no HumanEval
+    # params merge into the default task map; the ARC files are not in the throwaway project; the
+    # tiny-world stand-ins report under their own names, never the benchmark's
+    assert set(chat["tasks"]) == {"tinyworld_mc", "tinyworld_gsm", "SpellingBee"}  # tiny runs no HumanEval
+    assert chat["tasks"]["tinyworld_gsm"]["stands_in_for"] == "GSM8K"
     assert set(chat["skipped"]) == {"ARC-Easy", "ARC-Challenge"}
-    assert chat["tasks"]["GSM8K"]["num_examples"] == 2 and chat["tasks"]["MMLU"]["num_examples"] == 6
+    assert chat["tasks"]["tinyworld_gsm"]["num_examples"] == 2 and chat["tasks"]["tinyworld_mc"]["num_examples"] == 6
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert base["dvc_stage_hash"] != "none" and "eval" in lock["stages"]
 
     md = (project / "artifacts/report/report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| tiny-world CORE |"))
     assert f"{core['core']:.4f}" in row
-    assert "| MMLU |" in md and "ARC-Easy" in md  # skipped task is listed with its reason
+    assert "| tinyworld_mc |" in md and "ARC-Easy" in md  # skipped task is listed with its reason
+    assert "GSM8K" not in md.split("## Params")[0]
     plots = sorted(p.name for p in (project / "artifacts/report").glob("*.png"))
     assert {"loss.png", "bpb.png"} <= set(plots)
     for stage in ("pretrain", "eval"):
@@ -183,3 +186,25 @@ def test_core_bundle_is_fetched_when_missing_and_nested_files_are_found(tmp_path
         None, None, config, bundle, device="cpu", max_seq_len=64, scorer=lambda task, row, prompts: row["gold"]
     )  # picks the gold option: accuracy 1.0
     assert out["tasks"]["copa"]["num_examples"] == 6 and out["tasks"]["copa"]["accuracy"] == 1.0
+
+
+def test_tiny_stand_ins_are_labelled_with_their_own_names(params_file: Path) -> None:
+    """The tiny profile runs tinyworld_mc/tinyworld_gsm in MMLU's/GSM8K's place: results, skips and
+    MLflow keys carry the task's name; a benchmark's name only where that benchmark ran."""
+    from chatpipe.evals.metrics import chatcore_label
+    from chatpipe.settings import EvalSettings, load_section
+    from stages.eval import chat_tasks, stage_metrics
+
+    tasks, skipped = chat_tasks(load_section(EvalSettings))
+    labels = {chatcore_label(slot, task.name) for slot, task in tasks.items()} | set(skipped)
+    assert labels == {"ARC-Easy", "ARC-Challenge", "tinyworld_mc", "tinyworld_gsm", "SpellingBee"}
+
+    missing = {"GSM8K": {"task": "gsm8k", "source": "local", "path": "no/such/dir"}}
+    _, skipped = chat_tasks(load_section(EvalSettings, {"chatcore_tasks": missing}))
+    assert "GSM8K" in skipped  # the real benchmark keeps its name, skipped or not
+    missing = {"GSM8K": {"task": "customjson", "path": "no/such.jsonl"}}
+    _, skipped = chat_tasks(load_section(EvalSettings, {"chatcore_tasks": missing}))
+    assert "customjson" in skipped and "GSM8K" not in skipped
+
+    tiny = {"bpb": 1.0, "chatcore": {"chatcore": 0.5, "tasks": {"tinyworld_gsm": {"accuracy": 0.99}}}}
+    assert set(stage_metrics("sft", tiny)) == {"sft/bpb", "sft/ChatCORE", "sft/tinyworld_gsm"}

@@ -40,7 +40,7 @@ def test_implausible_numbers_are_named():
 def test_plan_estimate_is_chatpipe_plans():
     import gpu_acceptance
 
-    from chatpipe.plan import make_plan
+    from chatpipe.train.pretrain_plan import make_plan
 
     plan = make_plan("speedrun", "H100")  # d24
     est = gpu_acceptance.plan_estimate(24, "H100")

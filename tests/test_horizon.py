@@ -1,4 +1,4 @@
-"""nanochat's training-horizon derivation (chatpipe.horizon, chatpipe.plan.horizon_for) against its own numbers.
+"""nanochat's training-horizon derivation (chatpipe.horizon, chatpipe.train.pretrain_plan.horizon_for) against its own numbers.
 
 ``../shared/reference/nanochat/derivation.jsonl`` holds what nanochat's ``base_train.py`` derived for
 several depths, ratios and a FLOPs horizon (8 GPUs, device batch 16, seq 2048, head dim 128, SSSL,
@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from chatpipe.horizon import REFERENCE_BATCH, derive_horizon, power_lines_batch
 from chatpipe.model.gpt import GPT
-from chatpipe.plan import apply_horizon, horizon_for, model_config_for
 from chatpipe.settings import PretrainSettings
 from chatpipe.train.loop import grad_accum_steps
+from chatpipe.train.pretrain_plan import apply_horizon, horizon_for, model_config_for
 
 REPO = Path(__file__).resolve().parents[1]
 REF = Path(os.environ.get("CHATPIPE_NANOCHAT_REF", REPO.parent / "shared" / "reference" / "nanochat"))

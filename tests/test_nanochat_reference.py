@@ -375,7 +375,7 @@ def test_fp8_errors_clearly_on_cpu():
 
 
 def test_compile_auto_follows_step_count():
-    from chatpipe.plan import COMPILE_MIN_STEPS_CPU, COMPILE_OPTIMIZER_MIN_STEPS_CPU, compile_pays
+    from chatpipe.train.pretrain_plan import COMPILE_MIN_STEPS_CPU, COMPILE_OPTIMIZER_MIN_STEPS_CPU, compile_pays
 
     cpu = torch.device("cpu")
     assert not compile_pays("auto", COMPILE_MIN_STEPS_CPU - 1, cpu) and compile_pays("auto", COMPILE_MIN_STEPS_CPU, cpu)

@@ -6,10 +6,17 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from chatpipe import plan
-from chatpipe.plan import check_memory_fits, estimate_memory_bytes, format_plan, main, make_plan, polar_express_dtype
 from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
+from chatpipe.train import pretrain_plan
+from chatpipe.train.pretrain_plan import (
+    check_memory_fits,
+    estimate_memory_bytes,
+    format_plan,
+    main,
+    make_plan,
+    polar_express_dtype,
+)
 
 # d20 by hand: n_embd = 20 * 64 = 1280, 10 heads of 128, vocab 65,536, seq 2048
 WTE = LM_HEAD = 65_536 * 1280
@@ -108,7 +115,7 @@ def test_cli_script_exit_status_for_a_misspelt_profile(params_file, capsys):
 def test_polar_express_dtype_resolves_auto_from_the_run_and_the_cpu(
     monkeypatch, setting, optimizer, run_dtype, cpu_bf16, expected
 ):
-    monkeypatch.setattr(plan, "cpu_multiplies_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(pretrain_plan, "cpu_multiplies_bf16", lambda: cpu_bf16)
     cfg = PretrainSettings(polar_express_dtype=setting, optimizer=optimizer)
     rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=run_dtype)
     assert polar_express_dtype(cfg, rt) == expected

@@ -62,7 +62,7 @@ def expected_fp8_layers(project: Path, monkeypatch) -> int:
 
     from chatpipe.model.fp8 import fp8_eligible
     from chatpipe.model.gpt import GPT
-    from chatpipe.plan import model_config_for
+    from chatpipe.train.pretrain_plan import model_config_for
 
     monkeypatch.setenv("CHATPIPE_PARAMS", str(project / "params.yaml"))
     cfg = pretrain_settings("rehearsal_gpu", monkeypatch)
@@ -72,7 +72,7 @@ def expected_fp8_layers(project: Path, monkeypatch) -> int:
     return sum(fp8_eligible(m, name) for name, m in model.named_modules())
 
 
-PLAN_JSON = "from chatpipe.plan import main; main(['--profile', 'rehearsal_gpu', '--json'])"
+PLAN_JSON = "from chatpipe.train.pretrain_plan import main; main(['--profile', 'rehearsal_gpu', '--json'])"
 
 
 @pytest.mark.slow

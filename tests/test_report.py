@@ -94,6 +94,50 @@ def test_changes_within_noise_are_marked() -> None:
     assert "(≈)" not in row
 
 
+def _chat_stage(tasks: dict[str, tuple[float, int, str | None]]) -> dict:
+    """A stage's results as the eval stage writes them: {label: (accuracy, n, benchmark stood in for)}."""
+    out = {}
+    for label, (acc, n, stands_in_for) in tasks.items():
+        out[label] = {"accuracy": acc, "centered": acc, "num_examples": n}
+        if stands_in_for:
+            out[label]["stands_in_for"] = stands_in_for
+    return {"bpb": 1.0, "chatcore": {"chatcore": 0.5, "tasks": out, "skipped": {}}}
+
+
+def test_a_stand_in_is_labelled_with_its_own_name_and_a_real_benchmark_with_its() -> None:
+    tiny = {
+        "profile": "tiny",
+        "stages": {
+            "sft": _chat_stage(
+                {"ARC-Easy": (0.3, 50, None), "tinyworld_mc": (0.9, 50, "MMLU"), "tinyworld_gsm": (0.99, 100, "GSM8K")}
+            )
+        },
+    }
+    rows = [line.split("|")[1].strip() for line in summary_table(tiny).splitlines()[2:]]
+    assert rows == [
+        "tiny-world CORE",
+        "DCLM CORE",
+        "ARC-E",
+        "ARC-C",
+        "tinyworld_mc",
+        "tinyworld_gsm",
+        "HumanEval",
+        "SpellingBee",
+        "ChatCORE",
+    ]
+    assert summary_values(tiny)["tinyworld_gsm"]["sft"] == 0.99
+    md = render_report(results=tiny, system={}, locks={}, params={}, timings="", plots=[])
+    assert "GSM8K" not in md and "MMLU" not in md
+    assert "| tinyworld_gsm |" in md and "- tinyworld_gsm: accuracy 0.9900" in md
+    assert "`tinyworld_mc`, `tinyworld_gsm`: stand-ins" in md
+
+    real = {"profile": "speedrun", "stages": {"sft": _chat_stage({"GSM8K": (0.05, 1319, None)})}}
+    table = summary_table(real)
+    assert "| GSM8K |" in table and "tinyworld" not in table
+    md = render_report(results=real, system={}, locks={}, params={}, timings="", plots=[])
+    assert "- GSM8K: accuracy 0.0500" in md and "stand-in" not in md
+
+
 def test_every_column_names_its_commit_and_lock_hash() -> None:
     lines = provenance_lines(RESULTS)
     assert len(lines) == 2

@@ -54,8 +54,8 @@ def speedrun_model(vocab_size: int, seed: int = 0, **shape) -> GPT:
     ``shape`` overrides the pretrain settings (depth, window_pattern, ...)."""
     import os
 
-    from chatpipe.plan import model_config_for
     from chatpipe.settings import PretrainSettings, load_section
+    from chatpipe.train.pretrain_plan import model_config_for
 
     before = os.environ.get("CHATPIPE_PROFILE")
     os.environ["CHATPIPE_PROFILE"] = "speedrun"

@@ -2,9 +2,9 @@
 
     from chatpipe.evals.chatcore import evaluate_chatcore
     from chatpipe.data.tasks import build_task
-    tasks = {"ARC-Easy": build_task("arc_easy", "test"), "GSM8K": build_task("gsm8k", "test")}
+    tasks = {"ARC-Easy": build_task("arc_easy", "test"), "GSM8K": build_task("tinyworld_gsm", "test")}
     out = evaluate_chatcore(model, tokenizer, tasks, device="cpu", max_per_task=50)
-    out["chatcore"], out["tasks"]["GSM8K"]["accuracy"]
+    out["chatcore"], out["tasks"]["tinyworld_gsm"]["accuracy"]   # a stand-in keeps its own name
 
 Two ways to score a task (``task.eval_type``):
 - categorical: one forward pass over the prompt (rendered up to ``<|assistant_start|>``); the
@@ -15,7 +15,8 @@ Two ways to score a task (``task.eval_type``):
   each checked by ``task.evaluate``; the per-item score is the unbiased pass@k over them.
 
 ChatCORE = mean over the tasks given of the centered accuracy (baselines in
-:data:`chatpipe.evals.metrics.CHATCORE_BASELINES`). Items are split over ranks (position % world);
+:data:`chatpipe.evals.metrics.CHATCORE_BASELINES`). A result is named after its benchmark only when
+that benchmark's own task ran (:func:`chatpipe.evals.metrics.chatcore_label`). Items are split over ranks (position % world);
 with torch.distributed initialised the sums are all-reduced, so every rank sees the totals.
 """
 
@@ -26,13 +27,14 @@ from typing import Any, Protocol
 
 import torch
 
-from chatpipe.evals.metrics import CHATCORE_BASELINES, centered, chatcore, pass_at_k
+from chatpipe.evals.metrics import CHATCORE_BASELINES, centered, chatcore, chatcore_label, pass_at_k
 from chatpipe.inference.engine import Engine
 
 
 class Task(Protocol):
     """The slice of ``chatpipe.data.tasks.base.Task`` this module uses."""
 
+    name: str  # the chatpipe.data.tasks name: says whether the benchmark itself or a stand-in ran
     eval_type: str
 
     def __len__(self) -> int: ...
@@ -197,24 +199,31 @@ def evaluate_chatcore(
     max_generative: int | None = None,
     **kw: Any,
 ) -> dict:
-    """Evaluate every task (ChatCORE display name -> Task); ChatCORE = mean centered accuracy.
+    """Evaluate every task (ChatCORE task name -> Task run in its place); ChatCORE = mean centered accuracy.
 
     ``max_generative`` caps generative tasks separately (sampling costs far more than one
     forward pass); None means ``max_per_task``.
-    Returns ``{"tasks": {name: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``;
-    a task that runs model-written code (HumanEval) also gets ``"sandbox"``, the sandbox's mode.
+    Returns ``{"tasks": {label: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``,
+    labelled by :func:`chatcore_label`: a stand-in (``tinyworld_gsm`` for ``GSM8K``) goes under its own
+    name and records ``"stands_in_for"``; a task that runs model-written code (HumanEval) also gets
+    ``"sandbox"``, the sandbox's mode.
     Extra keyword arguments go to :func:`evaluate_task` (rank, world_size, num_samples, k, ...).
     """
     unknown = [name for name in tasks if name not in CHATCORE_BASELINES]
     if unknown:
         raise ValueError(f"unknown ChatCORE task(s) {unknown}; known: {sorted(CHATCORE_BASELINES)}")
-    results = {}
+    labels = {name: chatcore_label(name, task.name) for name, task in tasks.items()}
+    if len(set(labels.values())) < len(labels):  # one task standing in twice would overwrite its own result
+        raise ValueError(f"two ChatCORE tasks would report under one name: {labels}")
+    results, accuracies = {}, {}
     for name, task in tasks.items():
         limit = max_generative if task.eval_type == "generative" and max_generative else max_per_task
         r = evaluate_task(model, tokenizer, task, device=device, max_examples=limit, **kw)
         r["centered"] = centered(r["accuracy"], CHATCORE_BASELINES[name])
         if hasattr(task, "sandbox"):  # a task running model-written code: say in which sandbox it ran
             r["sandbox"] = task.sandbox
-        results[name] = r
-    score = chatcore({name: r["accuracy"] for name, r in results.items()}) if results else None
+        if labels[name] != name:
+            r["stands_in_for"] = name
+        results[labels[name]], accuracies[name] = r, r["accuracy"]
+    score = chatcore(accuracies) if results else None
     return {"tasks": results, "chatcore": score}

@@ -3,6 +3,7 @@
     from chatpipe.evals.metrics import pass_at_k, centered, bits_per_byte, chatcore
     pass_at_k(n=10, c=3, k=1)                      # 0.3
     chatcore({"ARC-Easy": 0.4, "GSM8K": 0.05})     # mean centered accuracy of the tasks given
+    chatcore_label("GSM8K", "tinyworld_gsm")        # "tinyworld_gsm": a stand-in keeps its own name
 
 Pure Python, no torch: callers reduce their counts across ranks first.
 """
@@ -20,6 +21,22 @@ CHATCORE_BASELINES: dict[str, float] = {
     "HumanEval": 0.0,
     "SpellingBee": 0.0,
 }
+# ChatCORE task -> the chatpipe.data.tasks task that is that benchmark. Any other task run in its
+# place (the tiny profile's tinyworld_gsm for GSM8K) is a stand-in and reports under its own name.
+BENCHMARK_TASKS: dict[str, str] = {
+    "ARC-Easy": "arc_easy",
+    "ARC-Challenge": "arc_challenge",
+    "MMLU": "mmlu",
+    "GSM8K": "gsm8k",
+    "HumanEval": "humaneval",
+    "SpellingBee": "spellingbee",
+}
+
+
+def chatcore_label(slot: str, task_name: str) -> str:
+    """The name a ChatCORE result goes under: the benchmark's (``GSM8K``) only when its own task ran
+    there, else the name of the task that did (``tinyworld_gsm``), so a stand-in never claims it."""
+    return slot if BENCHMARK_TASKS.get(slot) == task_name else task_name
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -175,8 +175,8 @@ def horizon_counts(point: Point) -> dict[str, float]:
     import torch
 
     from chatpipe.model.gpt import GPT
-    from chatpipe.plan import horizon_for, model_config_for
     from chatpipe.settings import LaunchSettings, PretrainSettings
+    from chatpipe.train.pretrain_plan import horizon_for, model_config_for
 
     cfg = check(PretrainSettings, point.params.get("pretrain") or {})
     launch = check(LaunchSettings, point.params.get("launch") or {})

@@ -387,7 +387,7 @@ class MuonAdamW(torch.optim.Optimizer):
     ``compile=True`` runs each parameter's AdamW step and each Muon group's step as one
     torch.compile'd graph: the same math (up to float rounding), without the dozens of separate
     elementwise passes and temporaries per parameter. It costs a few seconds of compiling per
-    parameter shape on the first step (see ``chatpipe.plan.compile_pays``).
+    parameter shape on the first step (see ``chatpipe.train.pretrain_plan.compile_pays``).
 
     ``polar_express`` ("direct" | "gram"): the form of the Muon groups' Polar Express, see
     :func:`polar_express`. It changes rounding only and is a constructor choice, like ``compile``,

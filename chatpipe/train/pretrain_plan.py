@@ -1,6 +1,12 @@
-"""What a profile's pretraining will cost, before spending it: ``chatpipe plan --profile speedrun``.
+"""Pretrain's plan: the runtime decisions the pretrain stage takes before its first step, and what a
+profile's pretraining will cost, before spending it: ``chatpipe plan --profile speedrun``.
 
-Prints the model's parameter count, FLOPs per token, tokens to train, steps, gradient accumulation,
+The decisions (one copy, so the stage does what the plan prints): the model config a settings section
+asks for (:func:`model_config_for`), the training horizon (:func:`horizon_for`, :func:`apply_horizon`),
+whether ``torch.compile`` pays (:func:`compile_pays`), the Polar Express dtype
+(:func:`polar_express_dtype`) and whether the model fits the device (:func:`check_memory_fits`).
+
+``chatpipe plan`` prints the model's parameter count, FLOPs per token, tokens to train, steps, gradient accumulation,
 estimated time and cost on a given GPU, and an estimate of memory per GPU. The model is built on
 the ``meta`` device, so planning a 1B-parameter model allocates nothing.
 """
