@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from chatpipe.data.synthetic import pretrain_documents
+from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.settings import ServeSettings
 from chatpipe.tokenizer import SPECIAL_TOKENS, Tokenizer
-from chatpipe.train.checkpoint import save_model_dir
 
 
 class ByteTokenizer:
