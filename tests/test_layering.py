@@ -21,7 +21,8 @@ def imports_of(path: Path, package: str | None = None) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and (node.level == 0 or package is not None):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            here = package.split(".") if node.level else []
+            base = here[: len(here) - node.level + 1]  # level 1 is the package itself, each dot more one up
             module = ".".join([*base, *([node.module] if node.module else [])])
             if not module:
                 continue
@@ -54,7 +55,7 @@ def library_part(root: Path, dotted: str) -> str | None:
     """The part of the library a dotted name belongs to: ``chatpipe/<pkg>`` for a subpackage,
     ``chatpipe/<mod>.py`` for a top-level module; None outside the library or for the package itself."""
     parts = dotted.split(".")
-    if parts[0] != "chatpipe" or len(parts) < 2:
+    if parts[0] != "chatpipe" or len(parts) < 2 or parts[1] == "__init__":
         return None
     if (root / "chatpipe" / parts[1]).is_dir():
         return f"chatpipe/{parts[1]}"
