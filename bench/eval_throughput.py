@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 
 from chatpipe.evals.core import evaluate_core  # noqa: E402
 from chatpipe.evals.core_tinyworld import write_tinyworld_bundle  # noqa: E402
+from chatpipe.model.files import load_model  # noqa: E402
 from chatpipe.tokenizer import Tokenizer  # noqa: E402
-from chatpipe.train.checkpoint import load_model  # noqa: E402
 
 
 @torch.no_grad()

@@ -19,11 +19,11 @@ import time
 import torch
 
 from chatpipe.inference.engine import Engine
+from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT, config_from_depth
 from chatpipe.rl.rollout import collect_rollouts, load_problems
 from chatpipe.rl.update import grpo_update
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import load_model
 from chatpipe.train.optim import build_optimizers
 
 

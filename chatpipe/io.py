@@ -1,4 +1,5 @@
-"""Small file helpers every layer uses: content hashes and all-or-nothing writes."""
+"""Small file helpers every layer uses: content hashes, all-or-nothing writes, torch saves that name
+the file and the free space when the disk fills up."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def free_space(path: Path) -> str:
+    """How much room is left on ``path``'s filesystem, for the message of a failed write."""
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB free on {path}"
+    except OSError:
+        return f"free space on {path} unknown"
+
+
+def save_torch(path: Path, obj: Any) -> None:
+    """torch.save that turns a failed write into an OSError naming the file (torch raises a
+    RuntimeError from its zip writer, ``inline_container.cc``, when the disk fills up)."""
+    import torch  # here, not at the top: the flow imports this module and needs no torch
+
+    try:
+        torch.save(obj, path)
+    except (OSError, RuntimeError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise OSError(
+            getattr(e, "errno", None) or 28, f"could not write {path}: {reason}; {free_space(path.parent)}"
+        ) from e

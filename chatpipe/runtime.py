@@ -187,12 +187,3 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
-
-
-def broadcast_object(obj):
-    """Rank 0's Python object on every rank."""
-    if dist.is_available() and dist.is_initialized():
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj

@@ -204,10 +204,6 @@ class Tokenizer:
         """Text for ``ids``; special tokens appear as their names, broken UTF-8 as U+FFFD."""
         return self.enc.decode(list(ids))
 
-    def id_to_token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token (a special token's name for special ids)."""
-        return self.enc.decode_single_token_bytes(token_id)
-
     def token_bytes(self) -> torch.Tensor:
         """int32 tensor: UTF-8 byte length of every id, 0 for special tokens (for bits-per-byte)."""
         lengths = torch.zeros(self.vocab_size, dtype=torch.int32)
@@ -253,11 +249,6 @@ class Tokenizer:
             messages = messages[:-1]
         ids, _ = self.render_conversation({"messages": messages}, max_tokens=1 << 62)
         return ids + [self.special_ids["<|assistant_start|>"]]
-
-    def visualize(self, ids: Sequence[int], mask: Sequence[int]) -> str:
-        """Debug view: trained-on tokens in green, others in grey (ANSI colours), joined by '|'."""
-        green, grey, reset = "\033[92m", "\033[90m", "\033[0m"
-        return "|".join(f"{green if m else grey}{self.decode([i])}{reset}" for i, m in zip(ids, mask))
 
 
 def assistant_parts(content: str | list[dict[str, str]]) -> list[dict[str, str]]:

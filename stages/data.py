@@ -17,8 +17,8 @@ from pathlib import Path
 
 from chatpipe import runtime, tracking
 from chatpipe.data.sources import prepare_text
+from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import DataSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
-from chatpipe.train.checkpoint import ARTIFACTS
 
 
 def main(argv: list[str] | None = None) -> None:

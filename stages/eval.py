@@ -34,10 +34,11 @@ from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.evals.core_tinyworld import write_tinyworld_bundle
 from chatpipe.evals.metrics import chatcore_label
 from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
+from chatpipe.model.files import load_model
+from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.settings import MODEL_STAGES, EvalSettings, TrackingSettings, active_profile, load_section, snapshot
 from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model
 from chatpipe.train.loop import evaluate_bpb, fixed_batches
 
 log = logging.getLogger("eval")

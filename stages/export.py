@@ -20,6 +20,7 @@ import sys
 
 from chatpipe import runtime, tracking
 from chatpipe.export.hf import ExportError, export_by_name, log_to_mlflow, push_to_hub
+from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import (
     ExportSettings,
     ReportSettings,
@@ -29,7 +30,6 @@ from chatpipe.settings import (
     snapshot,
     validate_all,
 )
-from chatpipe.train.checkpoint import ARTIFACTS
 
 log = logging.getLogger("export")
 OUT = ARTIFACTS / "export"

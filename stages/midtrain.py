@@ -13,9 +13,9 @@ final model to ``artifacts/mid/``. Logs loss, lr, val loss/bpb and the packing f
 from __future__ import annotations
 
 from chatpipe import runtime
+from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import MidtrainSettings
 from chatpipe.train.chat import train_chat
-from chatpipe.train.checkpoint import ARTIFACTS
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,11 +24,12 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.fp8 import check_fp8, enable_fp8, float8_layers, plain_linears
 from chatpipe.model.gpt import GPT
+from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, producing_runs
+from chatpipe.train.checkpoint import producing_runs
 from chatpipe.train.loop import (
     due,
     evaluate_bpb,

@@ -21,6 +21,7 @@ import sys
 
 from chatpipe import registry, runtime, tracking
 from chatpipe.io import replace_dir, sha256_file, write_json_atomic
+from chatpipe.paths import ARTIFACTS
 from chatpipe.report import (
     COLUMNS,
     CURVES,
@@ -43,7 +44,6 @@ from chatpipe.settings import (
     snapshot,
     validate_all,
 )
-from chatpipe.train.checkpoint import ARTIFACTS
 
 log = logging.getLogger("report")
 OUT = ARTIFACTS / "report"

@@ -32,6 +32,8 @@ from chatpipe.data.packing import ConversationLoader, pack
 from chatpipe.data.tasks import build_mixture
 from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
+from chatpipe.model.files import load_model
+from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.progress import progress
 from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import collect_rollouts, evaluate_problems, load_problems, rank_indices
@@ -40,7 +42,7 @@ from chatpipe.rl.value import ValueModel
 from chatpipe.settings import RLSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, carried_over, load_model, producing_runs
+from chatpipe.train.checkpoint import carried_over, producing_runs
 from chatpipe.train.loop import due
 from chatpipe.train.optim import apply_schedules, build_optimizers
 from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta, tracked_run

@@ -20,10 +20,11 @@ import time
 from chatpipe import runtime, tracking
 from chatpipe.data.tasks import build_task
 from chatpipe.evals.chat_checks import end_token_rate, task_accuracy
+from chatpipe.model.files import load_model
+from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import SFTSettings
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.chat import train_chat
-from chatpipe.train.checkpoint import ARTIFACTS, load_model
 
 log = logging.getLogger("sft")
 

@@ -20,10 +20,10 @@ import torch
 from chatpipe import runtime, tracking
 from chatpipe.data.sources import iter_documents
 from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import TokenizerSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
 from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer, compression_report
-from chatpipe.train.checkpoint import ARTIFACTS
 
 
 def take_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:

@@ -5,19 +5,22 @@
 pipeline's ``artifacts/``. The model never emits special tokens, so every reply runs to
 ``max_tokens``: lengths are predictable and greedy (temperature 0) replies are deterministic.
 ``ByteTokenizer`` is a tokenizer stand-in for engine tests and benches that need no BPE at all.
+``run_in_thread(app)`` serves an app on a free local port for the server and browser tests.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import torch
 
 from chatpipe.data.synthetic import pretrain_documents
+from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.settings import ServeSettings
 from chatpipe.tokenizer import SPECIAL_TOKENS, Tokenizer
-from chatpipe.train.checkpoint import save_model_dir
 
 
 class ByteTokenizer:
@@ -55,11 +58,30 @@ def make_artifacts(root: Path, seed: int = 0, sequence_len: int = 256) -> Path:
         unreadable = [
             i
             for i in range(tok.vocab_size)
-            if not all(32 <= c < 127 for c in tok.id_to_token_bytes(i)) or i >= tok.bos_id
+            if not all(32 <= c < 127 for c in tok.enc.decode_single_token_bytes(i)) or i >= tok.bos_id
         ]
         model.lm_head.weight[[tok.encode_special(s) for s in SPECIAL_TOKENS] + unreadable] = 0.0
     save_model_dir(root / "sft", model, {"model_config": config.to_dict(), "stage": "sft", "step": 7})
     return root
+
+
+def run_in_thread(app, host: str = "127.0.0.1", port: int = 0):
+    """Start uvicorn in a daemon thread; returns (server, base_url).
+
+    Stop it with ``server.should_exit = True``. Port 0 picks a free port.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, f"http://{host}:{bound}"
 
 
 def serve_settings(**kw) -> ServeSettings:

@@ -8,12 +8,12 @@ import random
 import torch
 
 from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.model.files import save_model_dir
 from chatpipe.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
-    save_model_dir,
     verify_checkpoint,
 )
 
@@ -183,8 +183,8 @@ def test_failed_checkpoint_write_gives_a_clear_error_and_leaves_no_temp(tmp_path
 def test_load_model_verifies_the_recorded_sha256(tmp_path):
     import pytest
 
+    from chatpipe.model.files import load_model
     from chatpipe.model.gpt import GPT, config_from_depth
-    from chatpipe.train.checkpoint import load_model
 
     config = config_from_depth(1, 64, 16, head_dim=16)
     model = GPT(config)

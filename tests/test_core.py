@@ -24,8 +24,9 @@ from chatpipe.evals.core import (
     evaluate_task,
     fewshot_indices,
     load_core_config,
-    load_task_rows,
+    read_task_rows,
     render_prompts,
+    task_file,
 )
 
 SHARED_CORE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "core"
@@ -124,7 +125,7 @@ def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "multiple_choice.jsonl"
     path.write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n\n{"query": oops}\n')
     with pytest.raises(ValueError, match=rf"{path}:3: bad JSON"):
-        load_task_rows(tmp_path, _task("multiple_choice"))
+        read_task_rows(tmp_path / "multiple_choice.jsonl", _task("multiple_choice"))
 
 
 def test_row_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
@@ -133,15 +134,18 @@ def test_row_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
         [{"context_options": ["a", "b"], "continuation": "c", "gold": 1}, {"context_options": ["a", "b"], "gold": 0}],
     )
     with pytest.raises(ValueError, match=r"schema.jsonl:2: missing field\(s\) \['continuation'\]"):
-        load_task_rows(tmp_path, _task("schema"))
+        read_task_rows(tmp_path / "schema.jsonl", _task("schema"))
     _write_jsonl(tmp_path / "multiple_choice.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 2}])
     with pytest.raises(ValueError, match=r"multiple_choice.jsonl:1: gold 2"):
-        load_task_rows(tmp_path, _task("multiple_choice"))
+        read_task_rows(tmp_path / "multiple_choice.jsonl", _task("multiple_choice"))
 
 
 def test_missing_file_names_path_and_task(tmp_path: Path) -> None:
+    run = {"device": "cpu", "max_seq_len": 64}
+    out = evaluate_core(None, None, [_task("schema")], tmp_path, **run)
+    assert out["skipped"] == {"t_schema": f"data file not found: {tmp_path / 'schema.jsonl'}"}
     with pytest.raises(FileNotFoundError, match=rf"t_schema.*{tmp_path / 'schema.jsonl'}"):
-        load_task_rows(tmp_path, _task("schema"))
+        evaluate_core(None, None, [_task("schema", required=True)], tmp_path, **run)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -224,7 +228,7 @@ def test_random_scorer_lands_near_the_random_baseline() -> None:
     config = {t.label: t for t in load_core_config()}
     for label in ("arc_easy", "arc_challenge", "commonsense_qa", "piqa", "openbook_qa", "copa", "winograd"):
         task = config[label]
-        rows = load_task_rows(SHARED_CORE, task)
+        rows = read_task_rows(task_file(SHARED_CORE, task), task)
         n = min(len(rows), 1000)
         acc = evaluate_task(None, None, task, rows, device="cpu", max_seq_len=2048, max_examples=n, scorer=guess)
         b = task.random_baseline
@@ -234,7 +238,7 @@ def test_random_scorer_lands_near_the_random_baseline() -> None:
 @needs_shared
 def test_real_rows_render_without_the_item_in_its_own_demos() -> None:
     task = next(t for t in load_core_config() if t.label == "arc_easy")
-    rows = load_task_rows(SHARED_CORE, task)
+    rows = read_task_rows(task_file(SHARED_CORE, task), task)
     for i in range(0, len(rows), 97):
         demos = render_prompts(task, rows, i)[0][0].split("\n\n")[:-1]
         assert len(demos) == 10
@@ -305,7 +309,7 @@ def test_tiny_random_model_runs_every_task_type() -> None:
     model, tok = TinyLM(), ByteTokenizer()
     config = {t.label: t for t in load_core_config()}
     for label in ("copa", "winograd", "lambada_openai", "arc_easy"):
-        rows = load_task_rows(SHARED_CORE, config[label])
+        rows = read_task_rows(task_file(SHARED_CORE, config[label]), config[label])
         acc = evaluate_task(model, tok, config[label], rows, device="cpu", max_seq_len=256, max_examples=5)
         assert 0.0 <= acc <= 1.0
     assert model.training  # mode restored
@@ -348,7 +352,6 @@ def test_batched_scoring_matches_one_sequence_at_a_time() -> None:
 
 
 def test_task_file_is_found_in_category_folders_and_ambiguity_is_named(tmp_path):
-    from chatpipe.evals.core import task_file
 
     task = _task("multiple_choice")
     assert task_file(tmp_path, task) is None

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chatpipe.evals.core import encode_item, load_core_config, load_task_rows, render_prompts, score_items
+from chatpipe.evals.core import encode_item, load_core_config, read_task_rows, render_prompts, score_items, task_file
 
 SHARED_CORE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "core"
 pytestmark = pytest.mark.skipif(not SHARED_CORE.is_dir(), reason=f"{SHARED_CORE} not present")
@@ -56,7 +56,7 @@ def config(label: str):
 
 def spans(label: str, index: int) -> tuple[list[tuple[str, str]], list[str]]:
     task = config(label)
-    rows = load_task_rows(SHARED_CORE, task)
+    rows = read_task_rows(task_file(SHARED_CORE, task), task)
     prompts = render_prompts(task, rows, index)
     enc = encode_item(ByteTokenizer(), task.type, prompts, 2048)
     return prompts, [bytes(t[s:e]).decode() for t, s, e in enc]
@@ -76,7 +76,7 @@ def test_multiple_choice_copa_scores_from_where_the_options_differ() -> None:
 
 def test_multiple_choice_arc_easy_demos_are_the_reference_draw() -> None:
     task = config("arc_easy")
-    rows = load_task_rows(SHARED_CORE, task)
+    rows = read_task_rows(task_file(SHARED_CORE, task), task)
     prompts, scored = spans("arc_easy", 0)
     # random.Random(1234 + 0).sample([j for j in range(2376) if j != 0], 10)
     demos = [1806, 479, 31, 372, 144, 344, 404, 1453, 970, 72]
@@ -120,7 +120,7 @@ def test_language_modeling_fewshot_operators() -> None:
 
 def test_long_sequences_keep_their_last_tokens() -> None:
     task = config("arc_easy")
-    rows = load_task_rows(SHARED_CORE, task)
+    rows = read_task_rows(task_file(SHARED_CORE, task), task)
     enc = encode_item(ByteTokenizer(), task.type, render_prompts(task, rows, 0), max_seq_len=100)
     assert all(len(t) == 100 for t, _, _ in enc)
     assert bytes(enc[3][0][enc[3][1] : enc[3][2]]) == b"The producers in all ecosystems are plants."
@@ -181,7 +181,7 @@ def test_item_level_correctness_matches_the_reference_on_every_shared_task() -> 
     model = Bigram([(SHARED_CORE / t.file).read_text()[:200_000] for t in tasks])
     total = agree_correct = 0
     for task in tasks:
-        rows = load_task_rows(SHARED_CORE, task)
+        rows = read_task_rows(task_file(SHARED_CORE, task), task)
         items = random.Random(task.label).sample(range(len(rows)), min(12, len(rows)))
         for max_seq_len in (2048, 192):  # 192 crops the few-shot prompts
             ours = score_items(model, ByteTokenizer(), task, rows, items, max_seq_len=max_seq_len)

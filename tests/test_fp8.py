@@ -14,12 +14,13 @@ import torch
 
 from chatpipe.data.synthetic import pretrain_documents
 from chatpipe.inference.engine import Engine
+from chatpipe.model.files import load_model, save_model_dir
 from chatpipe.model.fp8 import CPU_TEST_ENV, check_fp8, enable_fp8, float8_layers, plain_linears
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options
 from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import load_checkpoint, load_model, save_checkpoint, save_model_dir
+from chatpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from chatpipe.train.loop import evaluate_loss_bpb, scheduled_train_step
 from chatpipe.train.optim import build_optimizers
 

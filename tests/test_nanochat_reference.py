@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from chatpipe.inference.engine import Engine
+from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.model.loading import load_chat_model
 from chatpipe.model.nanochat_import import import_nanochat
-from chatpipe.train.checkpoint import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 REF = Path(os.environ.get("CHATPIPE_NANOCHAT_REF", REPO.parent / "shared" / "reference" / "nanochat"))

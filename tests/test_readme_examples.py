@@ -61,9 +61,9 @@ def trained_project(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_rl_model_answers_readme_style_arithmetic(tmp_path: Path) -> None:
     from chatpipe.inference.engine import Engine
+    from chatpipe.model.files import load_model
     from chatpipe.serve.chat import prompt_for
     from chatpipe.tokenizer import Tokenizer
-    from chatpipe.train.checkpoint import load_model
 
     project = trained_project(tmp_path)
     tok = Tokenizer.load(project / "artifacts" / "tokenizer")

@@ -1,4 +1,4 @@
-"""Red-team tests for chatpipe/evals/sandbox.py: each attack must end contained with a clear status.
+"""Red-team tests for chatpipe/sandbox.py: each attack must end contained with a clear status.
 
 Run: python -m pytest tests/test_sandbox.py -q
 The prelude-bypass tests (raw libc via a re-imported ctypes) check the kernel-level layers and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from chatpipe.evals.sandbox import (
+from chatpipe.sandbox import (
     DISK_BYTES,
     FSIZE_BYTES,
     WORK_PREFIX,

@@ -12,8 +12,8 @@ import pytest
 
 from chatpipe.inference.engine import Engine
 from chatpipe.model.loading import load_chat_model
-from chatpipe.serve.app import create_app, run_in_thread
-from tests.chatmodel import make_artifacts, serve_settings
+from chatpipe.serve.app import create_app
+from tests.chatmodel import make_artifacts, run_in_thread, serve_settings
 
 
 @pytest.fixture(scope="module")

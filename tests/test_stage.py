@@ -7,9 +7,9 @@ import json
 import torch
 
 from chatpipe import tracking
+from chatpipe.model.files import load_model
 from chatpipe.runtime import Runtime
 from chatpipe.stage_metrics import Curves
-from chatpipe.train.checkpoint import load_model
 from chatpipe.train.stage import finish_stage, resume_or_fresh
 
 

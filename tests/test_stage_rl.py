@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from chatpipe.io import sha256_file
+from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import save_model_dir
 from tests.project import SMALL_RL, dvc, make_project, project_env, run
 
 # replay on: its loader's cursor is part of what a resume must restore, and its loss the last backward DDP syncs

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from chatpipe.data.synthetic import pretrain_documents
+from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import save_model_dir
 
 
 def train_artifacts(root: Path, steps: int = 40, seed: int = 0) -> Path:

@@ -484,13 +484,3 @@ def parse_hf_url(url: str) -> tuple[str, str, str, str]:
         raise ValueError(f"{url!r}: expected hf://datasets/<org>/<name>[@revision]/<path in repo>")
     kind, repo, rev, path = m.groups()
     return kind[:-1], repo, rev or "main", path
-
-
-def copy_out(src: Path, dst: Path) -> None:
-    """Copy a cached file to ``dst`` atomically (temp name beside it, then rename)."""
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)

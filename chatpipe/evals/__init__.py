@@ -1,1 +1,1 @@
-"""Evaluations: CORE, ChatCORE, chat checks, metrics and the code sandbox."""
+"""Evaluations: CORE, ChatCORE, chat checks and metrics (model-written code runs in :mod:`chatpipe.sandbox`)."""

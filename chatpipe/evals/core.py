@@ -168,14 +168,6 @@ def task_file(bundle_dir: Path, task: TaskConfig) -> Path | None:
     return found[0] if found else None
 
 
-def load_task_rows(bundle_dir: Path, task: TaskConfig) -> list[dict]:
-    """Read and validate the jsonl rows of ``task`` from ``bundle_dir``."""
-    path = task_file(bundle_dir, task)
-    if path is None:
-        raise FileNotFoundError(f"CORE task {task.label!r}: data file not found: {Path(bundle_dir) / task.file}")
-    return read_task_rows(path, task)
-
-
 def read_task_rows(path: Path, task: TaskConfig) -> list[dict]:
     """Read and validate the jsonl rows of ``task`` from its file ``path``."""
     rows = []

@@ -6,7 +6,7 @@ A name is one of:
   stage's final model as DVC tracks it; ``latest`` is the most advanced of these that exists;
 - ``models:/<name>/<version>`` (or ``models:/<name>@<alias>``): a version in the MLflow model
   registry. The report stage registers the model directory written by
-  :func:`chatpipe.train.checkpoint.save_model_dir` under the artifact path ``model``;
+  :func:`chatpipe.model.files.save_model_dir` under the artifact path ``model``;
 - a path to such a model directory.
 
 The tokenizer comes from ``artifacts/tokenizer/`` unless a ``tokenizer/`` folder sits beside the
@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from chatpipe.model.files import load_model
+from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import MODEL_STAGES
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, load_model
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ Accepted inputs (a file or the directory holding it):
 - the reference vectors' layout: ``model.pt`` + ``config.json`` (the shape at the top level).
 
 The output (``--out``, default ``artifacts/imported``) is what
-:func:`chatpipe.train.checkpoint.save_model_dir` writes: ``model.pt`` (chatpipe parameter names)
+:func:`chatpipe.model.files.save_model_dir` writes: ``model.pt`` (chatpipe parameter names)
 and ``meta.json`` (``model_config``, ``stage``, ``step``, ``settings`` with the learning rates RL
-scales, and a ``nanochat`` record of where it came from). :func:`chatpipe.train.checkpoint.load_model`,
+scales, and a ``nanochat`` record of where it came from). :func:`chatpipe.model.files.load_model`,
 every stage's ``init_dir`` and ``chatpipe chat/serve --model DIR`` accept it.
 
 Tokenizer: a reference checkpoint has none. ``--tokenizer DIR`` copies a chatpipe tokenizer
@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from chatpipe.io import sha256_file
+from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig, nanochat_options
 from chatpipe.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer
-from chatpipe.train.checkpoint import save_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -345,25 +345,6 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
 # --------------------------------------------------------------------------- running
 
 
-def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-    """Start uvicorn in a daemon thread (tests, benchmarks); returns (server, base_url).
-
-    Stop it with ``server.should_exit = True``. Port 0 picks a free port.
-    """
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
-        time.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return server, f"http://{host}:{bound}"
-
-
 def parse_args(argv: list[str] | None) -> ServeSettings:
     """Command-line flags over the params.yaml `serve` section."""
     p = argparse.ArgumentParser(prog="chatpipe serve", description=__doc__.split("\n")[0])

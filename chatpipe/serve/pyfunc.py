@@ -9,7 +9,7 @@
         localhost:5001/invocations                                       # -> {"predictions": ["..."]}
 
 :func:`log_chat_model` (used by the report stage) logs a model directory written by
-:func:`chatpipe.train.checkpoint.save_model_dir` with its tokenizer beside it, so the logged
+:func:`chatpipe.model.files.save_model_dir` with its tokenizer beside it, so the logged
 model is self-contained: ``artifacts/model/{model.pt, meta.json, tokenizer/}`` plus the chatpipe
 package as code. Each input is one user message; each prediction is the assistant's reply, with
 calculator calls shown inline as ``[calc: 12+7 = 19]`` as in ``chatpipe chat``.

@@ -18,11 +18,13 @@ from chatpipe import runtime, tracking
 from chatpipe.data.packing import ConversationLoader, fill_ratio, pack
 from chatpipe.data.tasks import build_mixture
 from chatpipe.io import sha256_file
+from chatpipe.model.files import load_model
+from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.progress import progress
 from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.checkpoint import ARTIFACTS, WORK, load_model, producing_runs
+from chatpipe.train.checkpoint import producing_runs
 from chatpipe.train.loop import (
     due,
     evaluate_loss_bpb,

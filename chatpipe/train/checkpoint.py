@@ -11,15 +11,14 @@ Every checkpoint is written into a hidden temp dir and renamed into place only w
 so a killed run never leaves a half-written ``step_*`` dir. ``meta.json`` carries checksums:
 a checkpoint truncated on disk later is detected and the previous one is used, with a warning.
 
-A stage's final output (``artifacts/<name>/``: ``model.pt`` + ``meta.json``) is what the next
-stage loads with :func:`load_model`.
+A stage's final output (``artifacts/<name>/``: ``model.pt`` + ``meta.json``) is written and loaded
+by :mod:`chatpipe.model.files`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
 from pathlib import Path
@@ -28,12 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from chatpipe.io import replace_dir, sha256_file, write_json_atomic
+from chatpipe.io import free_space, replace_dir, save_torch, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-ARTIFACTS = Path("artifacts")  # DVC-tracked stage outputs
-WORK = Path("checkpoints")  # in-progress checkpoints; not DVC outs, so they survive a failed run
 STEP_PREFIX = "step_"
 
 
@@ -89,10 +86,10 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     try:
-        _write(tmp / f"rank{rank}.pt", rng_state())
+        save_torch(tmp / f"rank{rank}.pt", rng_state())
         if rank == 0:
-            _write(tmp / "model.pt", model.state_dict())
-            _write(tmp / "optim.pt", [opt.state_dict() for opt in optimizers])
+            save_torch(tmp / "model.pt", model.state_dict())
+            save_torch(tmp / "optim.pt", [opt.state_dict() for opt in optimizers])
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -104,30 +101,11 @@ def save_checkpoint(
             write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {_free_space(work_dir)}") from e
+            raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {free_space(work_dir)}") from e
         replace_dir(tmp, final)
         prune_checkpoints(work_dir, keep, meta.get("fingerprint"), newest=final)
     _barrier()
     return final if rank == 0 else None
-
-
-def _free_space(path: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB free on {path}"
-    except OSError:
-        return f"free space on {path} unknown"
-
-
-def _write(path: Path, obj: Any) -> None:
-    """torch.save that turns a failed write into an OSError naming the file (torch raises a
-    RuntimeError from its zip writer, ``inline_container.cc``, when the disk fills up)."""
-    try:
-        torch.save(obj, path)
-    except (OSError, RuntimeError) as e:
-        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise OSError(
-            getattr(e, "errno", None) or 28, f"could not write {path}: {reason}; {_free_space(path.parent)}"
-        ) from e
 
 
 def sweep_temps(work_dir: Path) -> list[Path]:
@@ -288,66 +266,3 @@ def producing_runs(carried: dict[str, Any], run_id: str | None, *, trains: bool)
     if trains and run_id is not None:
         ids.append(run_id)
     return ids
-
-
-# --------------------------------------------------------------------------- stage outputs
-
-
-def save_model_dir(out_dir: Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
-    """Atomically write a stage's final model (``model.pt`` + ``meta.json``) to ``out_dir``."""
-    for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True)
-    try:
-        _write(tmp / "model.pt", model.state_dict())
-        write_json_atomic(tmp / "meta.json", {**meta, "files": {"model.pt": sha256_file(tmp / "model.pt")}})
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out_dir)
-
-
-def read_meta(model_dir: Path) -> dict[str, Any]:
-    """The meta.json of a stage output, with a clear error when the stage has not run."""
-    path = model_dir / "meta.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run the stage that produces {model_dir} first")
-    return json.loads(path.read_text())
-
-
-def verify_model_dir(model_dir: Path, meta: dict[str, Any] | None = None) -> None:
-    """Raise ValueError naming the file when a file of a stage output does not match the sha256
-    recorded in its meta.json (a bit flip, a truncated copy, a hand-edited file)."""
-    meta = read_meta(model_dir) if meta is None else meta
-    recorded = meta.get("files")
-    if not recorded:
-        raise ValueError(
-            f"{model_dir / 'meta.json'}: no 'files' sha256 record; re-run the stage that wrote {model_dir}"
-        )
-    for name, digest in recorded.items():
-        path = model_dir / name
-        if not path.exists():
-            raise ValueError(f"{path}: missing (listed in {model_dir / 'meta.json'})")
-        actual = sha256_file(path)
-        if actual != digest:
-            raise ValueError(
-                f"{path}: sha256 {actual[:12]}... does not match {digest[:12]}... recorded in "
-                f"{model_dir / 'meta.json'} (corrupted or modified); re-run the stage that wrote it"
-            )
-
-
-def load_model(model_dir: Path | str, device: str | torch.device = "cpu"):
-    """Load a stage's final GPT from ``model_dir`` (e.g. ``artifacts/base``); returns (model, meta)."""
-    from chatpipe.model.gpt import GPT, GPTConfig  # local import keeps this module light for the flow
-
-    model_dir = Path(model_dir)
-    meta = read_meta(model_dir)
-    verify_model_dir(model_dir, meta)
-    # Built on the target device (not "meta") so non-persistent buffers such as rotary tables exist.
-    with torch.device(device):
-        model = GPT(GPTConfig.from_dict(meta["model_config"]))
-    state = torch.load(model_dir / "model.pt", map_location=device, weights_only=True)
-    model.load_state_dict(state)
-    model.eval()
-    return model, meta

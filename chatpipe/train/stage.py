@@ -27,11 +27,12 @@ import torch
 from pydantic import BaseModel
 
 from chatpipe.io import fingerprint
+from chatpipe.model.files import save_model_dir
 from chatpipe.runtime import Runtime
 from chatpipe.settings import RunSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tracking import StageRun, stage_run
-from chatpipe.train.checkpoint import carried_over, resume_latest, save_checkpoint, save_model_dir
+from chatpipe.train.checkpoint import carried_over, resume_latest, save_checkpoint
 from chatpipe.train.loop import due
 
 

