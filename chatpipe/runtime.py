@@ -1,6 +1,7 @@
 """Process runtime for stages: distributed init, device and precision, logging, cleanup.
 
-A stage runs the same under ``python -m stages.x`` (one process) and under torchrun/torchx
+Every stage enters through :func:`run_stage` (the single-process ones with ``distributed=False``),
+so every stage validates params.yaml first and unwinds on SIGTERM. A stage runs the same under ``python -m stages.x`` (one process) and under torchrun/torchx
 (``RANK``/``WORLD_SIZE`` set): :func:`init` reads the environment torchrun provides.
 """
 
