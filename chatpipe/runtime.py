@@ -1,6 +1,7 @@
 """Process runtime for stages: distributed init, device and precision, logging, cleanup.
 
-A stage runs the same under ``python -m stages.x`` (one process) and under torchrun/torchx
+Every stage enters through :func:`run_stage` (the single-process ones with ``distributed=False``),
+so every stage validates params.yaml first and unwinds on SIGTERM. A stage runs the same under ``python -m stages.x`` (one process) and under torchrun/torchx
 (``RANK``/``WORLD_SIZE`` set): :func:`init` reads the environment torchrun provides.
 """
 
@@ -124,17 +125,26 @@ def keep_freed_memory_in_heap(limit_bytes: int = 2**31 - 1) -> bool:
     return all(mallopt(param, value) == 1 for param, value in settings)  # stops at the first refusal
 
 
-def run_stage(settings_cls, body, argv: list[str] | None = None) -> None:
-    """A distributed stage's entry point: settings, process group, ``body(cfg, rt)``, teardown.
+def run_stage(settings_cls, body, argv: list[str] | None = None, *, distributed: bool = True) -> None:
+    """Every stage's entry point: SIGTERM handling, settings, logging, ``body``, teardown.
 
     Settings come from params.yaml + profile + env + ``argv`` (default ``sys.argv[1:]``), and every
-    params section is validated first, so a bad value stops the stage before any work.
+    params section is validated first, so a bad value stops the stage before any work. A SIGTERM
+    from then on unwinds the stage (:class:`Terminated`), so its MLflow run ends KILLED.
+
+    ``distributed`` stages (training, eval) get the process group torchrun describes and a device:
+    ``body(cfg, rt)``. The others (data, tokenizer, report, export) run in one process and need
+    neither: ``body(cfg)``.
     """
     from chatpipe.settings import load_section, validate_all
 
     stop_with_launcher()
     cfg = load_section(settings_cls, sys.argv[1:] if argv is None else argv)
     validate_all()
+    if not distributed:
+        setup_logging()
+        body(cfg)
+        return
     rt = init(cfg.device, cfg.dtype)
     try:
         body(cfg, rt)

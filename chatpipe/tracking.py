@@ -2,7 +2,7 @@
 
 The flow creates the parent run and passes its id to stages in ``CHATPIPE_PARENT_RUN_ID``;
 a stage started without it (plain ``dvc repro``) gets a top-level run. Only rank 0 logs.
-:func:`stage_run` yields a :class:`StageRun`: stages log through its methods (``run.log_metrics``,
+Every stage opens its run with :func:`tracked_run`, which yields a :class:`StageRun`: stages log through its methods (``run.log_metrics``,
 ``run.log_text``, ...), which do nothing when tracking is off or on ranks other than 0, so no stage
 imports MLflow or guards its calls. Per-step metrics go through :meth:`StageRun.log`, MLflow's
 asynchronous logging (``synchronous=False``): its queue sends them in batches from a thread, so
@@ -34,7 +34,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from chatpipe.settings import TrackingSettings, active_profile, load_section
+
+if TYPE_CHECKING:
+    from chatpipe.runtime import Runtime
 
 PARENT_ENV = "CHATPIPE_PARENT_RUN_ID"
 # MLflow 3.x UI: the experiment tag that picks its view; "custom_model_development" is model training
@@ -263,7 +268,7 @@ def dvc_exp_parent(experiment_id: str, profile: str) -> str | None:
 class StageRun:
     """The MLflow run of a stage, or its stand-in when tracking is off: then every method does nothing.
 
-    Wraps the active run that :func:`stage_run` opened. ``id`` and ``info`` are None when disabled;
+    Wraps the active run that :func:`tracked_run` opened. ``id`` and ``info`` are None when disabled;
     ``client`` is an ``MlflowClient`` for what the methods do not cover (the registry, other runs).
     """
 
@@ -340,10 +345,21 @@ class StageRun:
 
 
 @contextmanager
-def stage_run(
+def tracked_run(stage: str, params: dict[str, Any], rt: Runtime | None = None) -> Iterator[StageRun]:
+    """The MLflow run of ``stage`` with the tracking settings and profile of params.yaml, ``params``
+    logged as its parameters. A no-op run on ranks other than 0 of ``rt``; ``rt`` None is a
+    single-process stage. The one way a stage opens its run (see :func:`_stage_run`)."""
+    enabled = rt is None or rt.is_main
+    with _stage_run(stage, load_section(TrackingSettings), params, profile=active_profile(), enabled=enabled) as run:
+        yield run
+
+
+@contextmanager
+def _stage_run(
     stage: str, settings, params: dict[str, Any], *, profile: str, enabled: bool = True
 ) -> Iterator[StageRun]:
-    """Open the MLflow run of a stage (nested under the flow's parent run when there is one).
+    """Open the MLflow run of a stage (nested under the flow's parent run when there is one) with
+    the given tracking ``settings`` and ``profile``.
 
     Yields a :class:`StageRun`, a no-op one when tracking is disabled (e.g. ranks other than 0). First closes
     this stage's runs that a killed process left RUNNING (:func:`close_stale_runs`). The run ends

@@ -11,28 +11,23 @@ the hub files). Output: ``train_*.parquet`` + ``val_*.parquet`` with a ``text`` 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 from chatpipe import runtime, tracking
 from chatpipe.data.sources import prepare_text
 from chatpipe.paths import ARTIFACTS
-from chatpipe.settings import DataSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.settings import DataSettings, snapshot
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --- settings
-    cfg = load_section(DataSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    runtime.setup_logging()
+    runtime.run_stage(DataSettings, write_data, argv, distributed=False)
+
+
+def write_data(cfg: DataSettings) -> None:
     out_dir = ARTIFACTS / "data"
     t0 = time.time()
-
-    # --- data
-    with tracking.stage_run(
-        "data", load_section(TrackingSettings), {"data": snapshot(cfg)}, profile=active_profile()
-    ) as run:
+    with tracking.tracked_run("data", {"data": snapshot(cfg)}) as run:
         manifest = prepare_text(
             out_dir,
             source=cfg.source,

@@ -36,13 +36,12 @@ from chatpipe.evals.metrics import chatcore_label
 from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
 from chatpipe.model.files import load_model
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.settings import MODEL_STAGES, EvalSettings, TrackingSettings, active_profile, load_section, snapshot
+from chatpipe.settings import MODEL_STAGES, EvalSettings, active_profile, snapshot
 from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.loop import evaluate_bpb, fixed_batches
 
 log = logging.getLogger("eval")
-# model dir under artifacts/ -> the dvc.yaml stage that writes it (for provenance)
 OUT = ARTIFACTS / "eval"
 
 
@@ -115,7 +114,20 @@ def chat_tasks(cfg: EvalSettings) -> tuple[dict, dict[str, str]]:
     return tasks, skipped
 
 
+@dataclasses.dataclass
+class EvalInputs:
+    """What every model stage is evaluated on: built once, shared by all of them."""
+
+    tok: Tokenizer
+    token_bytes: torch.Tensor
+    docs: TokenDocs  # the pretraining val split, for bpb
+    suites: list[tuple[str, list, Path]]  # CORE suites (core_suites); empty when no CORE stage is present
+    chat_tasks: dict  # ChatCORE tasks; empty when no ChatCORE stage is present
+    chat_skipped: dict[str, str]  # ChatCORE tasks whose data is missing, with the reason
+
+
 def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
+    """bpb, CORE and ChatCORE of every model stage present; results.json, ``dvc metrics`` and MLflow."""
     work = WORK / "eval"
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
     token_bytes = torch.load(ARTIFACTS / "tokenizer" / "token_bytes.pt").to(rt.device)
@@ -128,133 +140,138 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
     docs = val_docs(tok, work, rt)
     suites = core_suites(cfg, work, rt) if set(present) & set(cfg.core_stages) else []
     tasks, chat_skipped = chat_tasks(cfg) if set(present) & set(cfg.chatcore_stages) else ({}, {})
-    max_per_task = cfg.max_per_task or None
-    commit, lock = tracking.git_commit(), tracking.dvc_lock_hash()
+    inputs = EvalInputs(tok, token_bytes, docs, suites, tasks, chat_skipped)
+    provenance = {"git_commit": tracking.git_commit(), "dvc_lock": tracking.dvc_lock_hash()}
 
     results: dict[str, dict] = {}
-    with tracking.stage_run(
-        "eval",
-        load_section(TrackingSettings),
-        {"eval": snapshot(cfg), "stages": present},
-        profile=active_profile(),
-        enabled=rt.is_main,
-    ) as run:
+    with tracking.tracked_run("eval", {"eval": snapshot(cfg), "stages": present}, rt) as run:
         for stage in present:
-            model, meta = load_model(ARTIFACTS / stage, rt.device)
-            seq_len = model.config.sequence_len
-            r: dict = {
-                "model_sha256": meta.get("files", {}).get("model.pt"),
-                "git_commit": commit,
-                "dvc_lock": lock,
-                "dvc_stage_hash": tracking.dvc_stage_hash(MODEL_STAGES[stage]),
-            }
-
-            # --- bits per byte on val text
-            steps = max(1, cfg.bpb_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
-            loader = RowLoader(docs, batch_size=cfg.device_batch_size, seq_len=seq_len, **rt.shard)
-            r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), token_bytes, rt)
-            log.info("%s | val bpb %.4f", stage, r["bpb"])
-
-            # --- CORE
-            if stage in cfg.core_stages and suites:
-                for key, config, bundle in suites:
-                    with rt.autocast():
-                        out = evaluate_core(
-                            model,
-                            tok,
-                            config,
-                            bundle,
-                            device=rt.device,
-                            max_seq_len=seq_len,
-                            max_per_task=max_per_task,
-                            rank=rt.rank,
-                            world_size=rt.world_size,
-                        )
-                    r[key] = out
-                    for label, t in out["tasks"].items():
-                        log.info(
-                            "%s | %s %-28s acc %.3f centered %+.3f (%d items, %.1fs)",
-                            stage,
-                            key,
-                            label,
-                            t["accuracy"],
-                            t["centered"],
-                            t["num_examples"],
-                            t["seconds"],
-                        )
-                    log.info(
-                        "%s | %s %s over %d tasks (%d skipped)",
-                        stage,
-                        key,
-                        out["core"],
-                        len(out["tasks"]),
-                        len(out["skipped"]),
-                    )
-
-            # --- ChatCORE
-            if stage in cfg.chatcore_stages and tasks:
-                with rt.autocast():
-                    out = evaluate_chatcore(
-                        model,
-                        tok,
-                        tasks,
-                        device=rt.device,
-                        max_per_task=max_per_task,
-                        max_generative=cfg.generative_max_per_task or None,
-                        rank=rt.rank,
-                        world_size=rt.world_size,
-                        num_samples=cfg.num_samples,
-                        k=cfg.pass_k,
-                        max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature,
-                        top_k=cfg.top_k or None,
-                        seed=cfg.seed,
-                    )
-                r["chatcore"] = {**out, "skipped": chat_skipped}
-                for name, t in out["tasks"].items():
-                    log.info(
-                        "%s | %-13s acc %.3f centered %+.3f (%d items, %.1fs)",
-                        stage,
-                        name,
-                        t["accuracy"],
-                        t["centered"],
-                        t["num_examples"],
-                        t["seconds"],
-                    )
-                log.info("%s | ChatCORE %.4f", stage, out["chatcore"])
-            results[stage] = r
-            run.log_metrics(stage_metrics(stage, r))
-            del model
-
-        # --- write results (DVC out) and attach them to the MLflow run
+            results[stage] = evaluate_model(stage, cfg, inputs, provenance, rt)
+            run.log_metrics(flat_metrics(stage, results[stage]))
         if rt.is_main:
-            doc = {
-                "git_commit": commit,
-                "dvc_lock": lock,
-                "profile": active_profile(),
-                "settings": snapshot(cfg),
-                "stages": results,
-                "mlflow_run_id": run.id,  # the report credits this run (None without tracking)
-            }
-            tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
-            tmp.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(tmp / "results.json", doc)
-            replace_dir(tmp, OUT)
-            # headline numbers per model (bpb, CORE, ChatCORE, each ChatCORE task) for `dvc metrics`
-            write_metrics(
-                "eval",
-                {
-                    s: {k.split("/", 1)[1]: v for k, v in stage_metrics(s, r).items() if k.count("/") == 1}
-                    for s, r in results.items()
-                },
-            )
-            run.log_artifact(OUT / "results.json")
-            log.info("wrote %s", OUT / "results.json")
+            write_results(cfg, results, provenance, run)
     runtime.barrier()
 
 
-def stage_metrics(stage: str, r: dict) -> dict[str, float]:
-    """Flat MLflow metrics of one model's results, e.g. ``base/bpb``, ``base/CORE``, ``sft/GSM8K``
+def evaluate_model(stage: str, cfg: EvalSettings, inputs: EvalInputs, provenance: dict, rt: runtime.Runtime) -> dict:
+    """The results of the model in ``artifacts/<stage>``: bpb, and CORE / ChatCORE where ``cfg`` asks."""
+    model, meta = load_model(ARTIFACTS / stage, rt.device)
+    r: dict = {
+        "model_sha256": meta.get("files", {}).get("model.pt"),
+        **provenance,
+        "dvc_stage_hash": tracking.dvc_stage_hash(MODEL_STAGES[stage]),
+    }
+
+    # --- bits per byte on val text
+    seq_len = model.config.sequence_len
+    steps = max(1, cfg.bpb_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
+    loader = RowLoader(inputs.docs, batch_size=cfg.device_batch_size, seq_len=seq_len, **rt.shard)
+    r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), inputs.token_bytes, rt)
+    log.info("%s | val bpb %.4f", stage, r["bpb"])
+
+    # --- CORE, each suite under its own key
+    if stage in cfg.core_stages:
+        for key, config, bundle in inputs.suites:
+            r[key] = run_core(stage, key, model, inputs.tok, config, bundle, cfg, rt)
+
+    # --- ChatCORE
+    if stage in cfg.chatcore_stages and inputs.chat_tasks:
+        r["chatcore"] = {**run_chatcore(stage, model, inputs, cfg, rt), "skipped": inputs.chat_skipped}
+    return r
+
+
+def run_core(
+    stage: str, key: str, model, tok: Tokenizer, config: list, bundle: Path, cfg: EvalSettings, rt: runtime.Runtime
+) -> dict:
+    """One CORE suite (``key``: ``core`` or ``core_tinyworld``) on ``model``, logged task by task."""
+    with rt.autocast():
+        out = evaluate_core(
+            model,
+            tok,
+            config,
+            bundle,
+            device=rt.device,
+            max_seq_len=model.config.sequence_len,
+            max_per_task=cfg.max_per_task or None,
+            rank=rt.rank,
+            world_size=rt.world_size,
+        )
+    for label, t in out["tasks"].items():
+        log.info(
+            "%s | %s %-28s acc %.3f centered %+.3f (%d items, %.1fs)",
+            stage,
+            key,
+            label,
+            t["accuracy"],
+            t["centered"],
+            t["num_examples"],
+            t["seconds"],
+        )
+    log.info("%s | %s %s over %d tasks (%d skipped)", stage, key, out["core"], len(out["tasks"]), len(out["skipped"]))
+    return out
+
+
+def run_chatcore(stage: str, model, inputs: EvalInputs, cfg: EvalSettings, rt: runtime.Runtime) -> dict:
+    """ChatCORE of ``model`` over the tasks in ``inputs``, logged task by task."""
+    with rt.autocast():
+        out = evaluate_chatcore(
+            model,
+            inputs.tok,
+            inputs.chat_tasks,
+            device=rt.device,
+            max_per_task=cfg.max_per_task or None,
+            max_generative=cfg.generative_max_per_task or None,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            num_samples=cfg.num_samples,
+            k=cfg.pass_k,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k or None,
+            seed=cfg.seed,
+        )
+    for name, t in out["tasks"].items():
+        log.info(
+            "%s | %-13s acc %.3f centered %+.3f (%d items, %.1fs)",
+            stage,
+            name,
+            t["accuracy"],
+            t["centered"],
+            t["num_examples"],
+            t["seconds"],
+        )
+    log.info("%s | ChatCORE %.4f", stage, out["chatcore"])
+    return out
+
+
+def write_results(cfg: EvalSettings, results: dict[str, dict], provenance: dict, run: tracking.StageRun) -> None:
+    """``artifacts/eval/results.json`` (the DVC out, swapped in whole), the headline numbers per
+    model for ``dvc metrics``, and results.json attached to the MLflow run. Rank 0 only."""
+    doc = {
+        **provenance,
+        "profile": active_profile(),
+        "settings": snapshot(cfg),
+        "stages": results,
+        "mlflow_run_id": run.id,  # the report credits this run (None without tracking)
+    }
+    tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(tmp / "results.json", doc)
+    replace_dir(tmp, OUT)
+    # headline numbers per model (bpb, CORE, ChatCORE, each ChatCORE task): the metric names with one "/"
+    write_metrics(
+        "eval",
+        {
+            s: {k.split("/", 1)[1]: v for k, v in flat_metrics(s, r).items() if k.count("/") == 1}
+            for s, r in results.items()
+        },
+    )
+    run.log_artifact(OUT / "results.json")
+    log.info("wrote %s", OUT / "results.json")
+
+
+def flat_metrics(stage: str, r: dict) -> dict[str, float]:
+    """One model's results as flat MLflow metric names, e.g. ``base/bpb``, ``base/CORE``, ``sft/GSM8K``
     (``sft/tinyworld_gsm`` where that task stood in for GSM8K: ChatCORE results are keyed by the task run)."""
     m = {f"{stage}/bpb": r["bpb"]}
     for key, name in (("core", "CORE"), ("core_tinyworld", "tinyworld_CORE")):

@@ -16,33 +16,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 
 from chatpipe import runtime, tracking
 from chatpipe.export.hf import ExportError, export_by_name, log_to_mlflow, push_to_hub
 from chatpipe.paths import ARTIFACTS
-from chatpipe.settings import (
-    ExportSettings,
-    ReportSettings,
-    TrackingSettings,
-    active_profile,
-    load_section,
-    snapshot,
-    validate_all,
-)
+from chatpipe.settings import ExportSettings, ReportSettings, load_section, snapshot
 
 log = logging.getLogger("export")
 OUT = ARTIFACTS / "export"
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_section(ExportSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    runtime.setup_logging()
-    track = load_section(TrackingSettings)
-    report = load_section(ReportSettings)
+    runtime.run_stage(ExportSettings, export, argv, distributed=False)
 
-    with tracking.stage_run("export", track, {"export": snapshot(cfg)}, profile=active_profile()) as run:
+
+def export(cfg: ExportSettings) -> None:
+    report = load_section(ReportSettings)
+    with tracking.tracked_run("export", {"export": snapshot(cfg)}) as run:
         # --- the transformers directory (or, on request, the reason there is none)
         try:
             out = export_by_name(cfg.model, OUT, dtype=cfg.dtype, artifacts=ARTIFACTS)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 
 from chatpipe import registry, runtime, tracking
 from chatpipe.io import replace_dir, sha256_file, write_json_atomic
@@ -34,26 +33,14 @@ from chatpipe.report import (
     system_info,
     timing_table,
 )
-from chatpipe.settings import (
-    STAGES,
-    ReportSettings,
-    TrackingSettings,
-    active_profile,
-    load_section,
-    resolve_params,
-    snapshot,
-    validate_all,
-)
+from chatpipe.settings import STAGES, ReportSettings, resolve_params, snapshot
 
 log = logging.getLogger("report")
 OUT = ARTIFACTS / "report"
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_section(ReportSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    runtime.setup_logging()
-    report(cfg)
+    runtime.run_stage(ReportSettings, report, argv, distributed=False)
 
 
 def report(cfg: ReportSettings) -> None:
@@ -61,12 +48,11 @@ def report(cfg: ReportSettings) -> None:
     if not results_path.exists():
         raise FileNotFoundError(f"{results_path} not found: run the eval stage first")
     results = json.loads(results_path.read_text())
-    track = load_section(TrackingSettings)
     parent_id = os.environ.get(tracking.PARENT_ENV) or None
     tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
 
-    with tracking.stage_run("report", track, {"report": snapshot(cfg)}, profile=active_profile()) as run:
+    with tracking.tracked_run("report", {"report": snapshot(cfg)}) as run:
         # --- curves and wall times from MLflow
         plots, timings = [], "(MLflow tracking disabled: no timings)"
         if run.enabled:

@@ -11,7 +11,6 @@ Reads ``artifacts/data`` (train split, first ``max_chars`` characters), writes
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ from chatpipe import runtime, tracking
 from chatpipe.data.sources import iter_documents
 from chatpipe.io import replace_dir, write_json_atomic
 from chatpipe.paths import ARTIFACTS
-from chatpipe.settings import TokenizerSettings, TrackingSettings, active_profile, load_section, snapshot, validate_all
+from chatpipe.settings import TokenizerSettings, snapshot
 from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer, compression_report
 
@@ -37,15 +36,12 @@ def take_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --- settings
-    cfg = load_section(TokenizerSettings, sys.argv[1:] if argv is None else argv)
-    validate_all()
-    runtime.setup_logging()
-    data_dir, out_dir = ARTIFACTS / "data", ARTIFACTS / "tokenizer"
+    runtime.run_stage(TokenizerSettings, train_tokenizer, argv, distributed=False)
 
-    with tracking.stage_run(
-        "tokenizer", load_section(TrackingSettings), {"tokenizer": snapshot(cfg)}, profile=active_profile()
-    ) as run:
+
+def train_tokenizer(cfg: TokenizerSettings) -> None:
+    data_dir, out_dir = ARTIFACTS / "data", ARTIFACTS / "tokenizer"
+    with tracking.tracked_run("tokenizer", {"tokenizer": snapshot(cfg)}) as run:
         # --- train
         t0 = time.time()
         texts = list(take_chars(iter_documents(data_dir, "train"), cfg.max_chars))

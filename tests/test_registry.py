@@ -65,7 +65,7 @@ def report_register(settings, chatcore: float, bpb: float) -> None:
     from stages.report import register_final_model
 
     results = results_for(sha256_file(Path("artifacts/sft/model.pt")), chatcore, bpb)
-    with tracking.stage_run("report", settings, {}, profile="tiny") as run:
+    with tracking._stage_run("report", settings, {}, profile="tiny") as run:
         register_final_model(run, "chatpipe", results, summary_values(results))
 
 

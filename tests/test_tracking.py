@@ -61,7 +61,7 @@ def test_stage_runs_of_a_dvc_experiment_share_a_named_parent(clean_env, monkeypa
     monkeypatch.setenv("DVC_EXP_BASELINE_REV", "0123456789abcdef")
     ids = []
     for stage in ("data", "pretrain"):
-        with tracking.stage_run(stage, settings, {"x": 1}, profile="tiny") as run:
+        with tracking._stage_run(stage, settings, {"x": 1}, profile="tiny") as run:
             ids.append(run.info.run_id)
     client = mlflow.MlflowClient()
     runs = [client.get_run(i) for i in ids]
@@ -76,7 +76,7 @@ def test_stage_runs_of_a_dvc_experiment_share_a_named_parent(clean_env, monkeypa
 
 def test_run_names_outside_dvc_and_under_a_pipeline(clean_env, monkeypatch):
     settings = settings_at(clean_env)
-    with tracking.stage_run("sft", settings, {}, profile="tiny") as run:
+    with tracking._stage_run("sft", settings, {}, profile="tiny") as run:
         pass
     run = mlflow.MlflowClient().get_run(run.info.run_id)
     assert run.info.run_name == "sft · tiny" and "mlflow.parentRunId" not in run.data.tags
@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent(
     settings = TrackingSettings.model_construct(
         uri="sqlite:///mlruns/mlflow.db", artifact_root="mlruns/artifacts", experiment="chatpipe", enabled=True
     )
-    with tracking.stage_run("data", settings, {}, profile="tiny") as run:
+    with tracking._stage_run("data", settings, {}, profile="tiny") as run:
         mlflow.log_text(sys.argv[1], "note.txt")
     client = mlflow.MlflowClient()
     runs = client.search_runs([run.info.experiment_id])
@@ -164,7 +164,7 @@ def test_a_disabled_run_does_nothing(clean_env):
     # tracking off in params, or a rank other than 0: the stage logs through the same calls
     off = settings_at(clean_env).model_copy(update={"enabled": False})
     for settings, enabled in ((off, True), (settings_at(clean_env), False)):
-        with tracking.stage_run("pretrain", settings, {"x": 1}, profile="tiny", enabled=enabled) as run:
+        with tracking._stage_run("pretrain", settings, {"x": 1}, profile="tiny", enabled=enabled) as run:
             assert not run.enabled and run.id is None and run.info is None and run.client is None
             run.log_metrics({"a": 1.0}, step=3)
             run.log_text("t", "t.txt")
@@ -183,7 +183,7 @@ def test_a_real_run_logs_metrics_artifacts_and_tags(clean_env):
     (clean_env / "out" / "report.md").write_text("# report")
     (clean_env / "one.json").write_text("{}")
     params = {"x": 1, "long": "y" * 7000, "many": {f"p{i}": i for i in range(150)}}  # MLflow chunks and truncates
-    with tracking.stage_run("report", settings, params, profile="tiny") as run:
+    with tracking._stage_run("report", settings, params, profile="tiny") as run:
         assert run.enabled and run.id == run.info.run_id
         other = run.client.create_run(run.info.experiment_id).info.run_id  # e.g. the pipeline's parent run
         run.log_metrics({"summary/a": 1.5})

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from chatpipe import tracking
 from chatpipe.settings import TrackingSettings
+from tests.project import make_project, project_env, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +49,7 @@ def _status(settings, run_id: str) -> str:
 )
 def test_a_run_ended_by_a_signal_or_error_is_killed_or_failed(store, exc, status):
     with pytest.raises(type(exc)):
-        with tracking.stage_run("data", store, {"a": 1}, profile="tiny") as run:
+        with tracking._stage_run("data", store, {"a": 1}, profile="tiny") as run:
             run_id = run.info.run_id
             raise exc
     assert _status(store, run_id) == status
@@ -58,7 +61,7 @@ sys.path.insert(0, sys.argv[2])
 from chatpipe import tracking
 from chatpipe.settings import TrackingSettings
 s = TrackingSettings(uri=sys.argv[1], artifact_root="art", experiment="t", enabled=True)
-with tracking.stage_run("pretrain", s, {}, profile="tiny") as run:
+with tracking._stage_run("pretrain", s, {}, profile="tiny") as run:
     print(run.info.run_id, flush=True)
     os.kill(os.getpid(), 9)  # as a kill -9 of the worker: no finally, no end_run
 """
@@ -69,10 +72,10 @@ def test_the_next_run_of_a_stage_closes_a_killed_runs_running_entry(store):
     assert done.returncode == -9, done.stderr
     dead = done.stdout.split()[0]
     assert _status(store, dead) == "RUNNING"
-    with tracking.stage_run("midtrain", store, {}, profile="tiny"):
+    with tracking._stage_run("midtrain", store, {}, profile="tiny"):
         pass  # another stage's run does not touch pretrain's
     assert _status(store, dead) == "RUNNING"
-    with tracking.stage_run("pretrain", store, {}, profile="tiny") as run:
+    with tracking._stage_run("pretrain", store, {}, profile="tiny") as run:
         live = run.info.run_id
         assert _status(store, dead) == "KILLED"
     assert _status(store, live) == "FINISHED"
@@ -81,7 +84,7 @@ def test_the_next_run_of_a_stage_closes_a_killed_runs_running_entry(store):
 def test_a_live_runs_entry_is_not_closed(store):
     import mlflow
 
-    with tracking.stage_run("sft", store, {}, profile="tiny") as run:
+    with tracking._stage_run("sft", store, {}, profile="tiny") as run:
         assert tracking.close_stale_runs(mlflow.MlflowClient(), run.info.experiment_id, "sft") == []
         assert _status(store, run.info.run_id) == "RUNNING"
 
@@ -117,3 +120,70 @@ def test_a_stage_run_records_system_metrics(tmp_path):
     assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
     assert "system/system_memory_usage_megabytes" in system
     assert {"num_docs.train", "num_docs.val", "seconds"} <= set(run.data.metrics)  # the stage's own, beside them
+
+
+def stop_once_open(cwd: Path, stage: str, env: dict[str, str], uri: str, experiment: str) -> tuple[int, str, str]:
+    """Start ``python -m stages.<stage>`` in ``cwd``, SIGTERM it once its MLflow run is open (RUNNING,
+    params logged) and return its exit code, the run's status in the store, and its output.
+
+    The store must already exist: a client polling a store the stage is still creating could race it."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"stages.{stage}"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        open_run, deadline = None, time.monotonic() + 300
+        while open_run is None and time.monotonic() < deadline:
+            assert proc.poll() is None, f"{stage} ended before its run was open:\n{proc.stdout.read()[-3000:]}"
+            exp = client.get_experiment_by_name(experiment)
+            runs = client.search_runs([exp.experiment_id], f"tags.stage = '{stage}'") if exp else []
+            open_run = next((r for r in runs if r.info.status == "RUNNING" and r.data.params), None)
+            time.sleep(0.2)
+        assert open_run is not None, f"{stage} never opened its MLflow run"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, client.get_run(open_run.info.run_id).info.status, out
+
+
+def test_sigterm_to_a_single_process_stage_ends_its_run_killed(store, tmp_path):
+    """The data stage (no process group) under SIGTERM, as DVC or a cancelled flow stops it: it unwinds
+    and its run ends KILLED, not RUNNING until the stage's next run closes it."""
+    experiment = "sigterm-data"
+    tracking.configure(store.model_copy(update={"experiment": experiment}))  # the store exists before the stage
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATPIPE_", "MLFLOW_"))}
+    env.update(
+        CHATPIPE_PARAMS=str(REPO / "params.yaml"),
+        CHATPIPE_TRACKING__URI=store.uri,
+        CHATPIPE_TRACKING__ARTIFACT_ROOT=store.artifact_root,
+        CHATPIPE_TRACKING__EXPERIMENT=experiment,
+        CHATPIPE_DATA__SOURCE="synthetic",
+        CHATPIPE_DATA__NUM_DOCS="5000000",  # minutes of work: still running when the signal comes
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+    )
+    code, status, out = stop_once_open(tmp_path, "data", env, store.uri, experiment)
+    assert (code, status) == (128 + signal.SIGTERM, "KILLED"), out[-3000:]
+    # stopped before it wrote anything, and its finally blocks ran: the half-written shards are gone
+    assert not (tmp_path / "artifacts" / "data").exists() and not list((tmp_path / "artifacts").glob(".data.tmp*"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_training_stage_ends_its_run_killed(tmp_path):
+    """pretrain (a distributed stage, here one process) under SIGTERM mid-training: its run ends KILLED."""
+    project = make_project(tmp_path, {"pretrain": {"max_steps": 100000, "checkpoint_every": 0, "eval_every": 0}})
+    run(project, "python", "-m", "stages.data")  # creates the project's store, before anyone polls it
+    run(project, "python", "-m", "stages.tokenizer")
+    uri = f"sqlite:///{project}/mlruns/mlflow.db"
+    code, status, out = stop_once_open(project, "pretrain", project_env(project), uri, "chatpipe")
+    assert (code, status) == (128 + signal.SIGTERM, "KILLED"), out[-3000:]

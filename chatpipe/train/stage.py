@@ -2,7 +2,7 @@
 
 pretrain, the chat stages (midtrain and sft through :mod:`chatpipe.train.chat`) and rl each
 resume with :func:`resume_or_fresh` once model and optimizers exist, open their MLflow run with
-:func:`tracked_run` and end their loop with :func:`finish_stage`::
+:func:`chatpipe.tracking.tracked_run` (as every stage does) and end their loop with :func:`finish_stage`::
 
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
     with tracked_run("pretrain", params, rt) as run:
@@ -17,8 +17,7 @@ model, optimizer, loop) and keeps its own loop state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,19 +28,12 @@ from pydantic import BaseModel
 from chatpipe.io import fingerprint
 from chatpipe.model.files import save_model_dir
 from chatpipe.runtime import Runtime
-from chatpipe.settings import RunSettings, TrackingSettings, active_profile, load_section, math_settings, snapshot
+from chatpipe.settings import RunSettings, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
-from chatpipe.tracking import StageRun, stage_run
+from chatpipe.tracking import StageRun
+from chatpipe.tracking import tracked_run as tracked_run  # re-exported: the training stages import it from here
 from chatpipe.train.checkpoint import carried_over, resume_latest, save_checkpoint
 from chatpipe.train.loop import due
-
-
-@contextmanager
-def tracked_run(stage: str, params: dict[str, Any], rt: Runtime) -> Iterator[StageRun]:
-    """The stage's MLflow run (:func:`chatpipe.tracking.stage_run`) with the tracking settings and
-    profile of params.yaml; a no-op run on ranks other than 0."""
-    with stage_run(stage, load_section(TrackingSettings), params, profile=active_profile(), enabled=rt.is_main) as run:
-        yield run
 
 
 def resume_or_fresh(
