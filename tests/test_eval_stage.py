@@ -193,7 +193,7 @@ def test_tiny_stand_ins_are_labelled_with_their_own_names(params_file: Path) -> 
     MLflow keys carry the task's name; a benchmark's name only where that benchmark ran."""
     from chatpipe.evals.metrics import chatcore_label
     from chatpipe.settings import EvalSettings, load_section
-    from stages.eval import chat_tasks, stage_metrics
+    from stages.eval import chat_tasks, flat_metrics
 
     tasks, skipped = chat_tasks(load_section(EvalSettings))
     labels = {chatcore_label(slot, task.name) for slot, task in tasks.items()} | set(skipped)
@@ -207,4 +207,4 @@ def test_tiny_stand_ins_are_labelled_with_their_own_names(params_file: Path) -> 
     assert "customjson" in skipped and "GSM8K" not in skipped
 
     tiny = {"bpb": 1.0, "chatcore": {"chatcore": 0.5, "tasks": {"tinyworld_gsm": {"accuracy": 0.99}}}}
-    assert set(stage_metrics("sft", tiny)) == {"sft/bpb", "sft/ChatCORE", "sft/tinyworld_gsm"}
+    assert set(flat_metrics("sft", tiny)) == {"sft/bpb", "sft/ChatCORE", "sft/tinyworld_gsm"}
