@@ -7,6 +7,8 @@ and every gradient below is a few fractions; SGD with lr 1 turns it into the new
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import pytest
@@ -79,7 +81,7 @@ def test_grpo_step_by_hand():
     assert model.w.grad is None  # zeroed after the step
 
 
-def test_grpo_normalizes_by_all_action_tokens_of_the_batch():
+def test_grpo_normalizes_by_every_informative_action_token_of_the_batch():
     # row 0: two action tokens (0, 0) and a masked third; row 1: one action token (1). N = 3.
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0, 0, 1], [1, 0, 0]], [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], [1.0, 0.0])
@@ -96,6 +98,58 @@ def test_grpo_micro_batches_accumulate_to_the_full_batch_gradient():
     grpo_update(split, sgd(split), batch, batch.scores, group_size=2, micro_batch=1)
     assert split.w.tolist() == pytest.approx(whole.w.tolist())
     assert whole.w.tolist() != pytest.approx([0.3, -0.1])
+
+
+class CountingUnigram(Unigram):
+    """A Unigram that records how many rows each forward pass saw."""
+
+    def __init__(self, w: list[float]) -> None:
+        super().__init__(w)
+        self.rows_seen: list[int] = []
+
+    def forward(self, inputs, targets, loss_reduction="none"):
+        self.rows_seen.append(len(targets))
+        return super().forward(inputs, targets, loss_reduction)
+
+
+def test_grpo_leaves_solved_groups_out_of_the_passes_and_the_denominator():
+    # group 0 as in the step by hand (scores 1, 0); group 1 solved (1, 1): advantage 0, no signal.
+    # The step equals the step on group 0 alone, w = (1/4, -1/4), not diluted by group 1's two
+    # tokens ((1/8, -1/8) when every action token counts), and group 1 is never forwarded.
+    model = CountingUnigram([0.0, 0.0])
+    batch = two_rows([[0], [1], [0], [0]], [[1.0], [1.0], [1.0], [1.0]], [1.0, 0.0, 1.0, 1.0])
+    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=16)
+    assert model.w.tolist() == pytest.approx([0.25, -0.25])
+    assert model.rows_seen == [2]
+    assert stats["adv/informative_frac"] == 0.5
+
+
+class NoSyncUnigram(CountingUnigram):
+    """Looks like DDP to grpo_update (has ``no_sync``), so every rank must run every micro-batch."""
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+def test_grpo_under_ddp_runs_every_row_and_takes_the_same_step():
+    batch = two_rows([[0], [1], [0], [0]], [[1.0], [1.0], [1.0], [1.0]], [1.0, 0.0, 1.0, 1.0])
+    plain, ddp_like = CountingUnigram([0.0, 0.0]), NoSyncUnigram([0.0, 0.0])
+    grpo_update(plain, sgd(plain), batch, batch.scores, group_size=2, micro_batch=1)
+    grpo_update(ddp_like, sgd(ddp_like), batch, batch.scores, group_size=2, micro_batch=1)
+    assert ddp_like.rows_seen == [1, 1, 1, 1] and plain.rows_seen == [1, 1]
+    assert ddp_like.w.tolist() == plain.w.tolist() == pytest.approx([0.25, -0.25])
+
+
+def test_grpo_on_a_batch_of_solved_groups_without_replay_does_not_step():
+    model = CountingUnigram([0.3, -0.1])
+    momentum = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    model.w.grad = torch.tensor([1.0, 1.0])
+    momentum.step()  # a momentum buffer that a step on zero gradient would still move w by
+    before = model.w.tolist()
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 1.0])
+    stats = grpo_update(model, [momentum], batch, batch.scores, group_size=2)
+    assert model.w.tolist() == before and model.rows_seen == []
+    assert stats["adv/informative_frac"] == 0.0 and stats["loss/policy"] == 0.0
 
 
 def replay_token_0(coef: float):

@@ -81,21 +81,29 @@ def grpo_update(
     autocast: Autocast = contextlib.nullcontext,
     replay: Replay | None = None,
 ) -> dict[str, float]:
-    """One policy-gradient step: advantage = score - group mean, loss over the batch's action tokens.
+    """One policy-gradient step: advantage = score - group mean, loss over the batch's informative tokens.
 
-    Rows are consecutive groups of ``group_size`` samples of one prompt. The loss of every
-    micro-batch is divided by the action tokens of the *whole* batch, so accumulating the
-    micro-batches' gradients equals one pass over all rows. With ``replay`` the step also follows
-    one replay batch's loss (:func:`replay_backward`). Returns ``loss/policy`` (the summed loss),
-    ``adv/abs_mean`` and, with replay, ``loss/replay``.
+    Rows are consecutive groups of ``group_size`` samples of one prompt. A group whose samples all
+    scored the same has advantage 0: it carries no gradient, so its rows are left out of the
+    forward passes and of the loss's denominator. Dividing by the action tokens of the rows that
+    do carry signal keeps the policy gradient's weight beside the replay loss the same however
+    many groups are already solved (counting solved rows would shrink it as the policy improves).
+    The loss of every micro-batch is divided by that count for the *whole* batch, so accumulating
+    the micro-batches' gradients equals one pass over the rows. With ``replay`` the step also
+    follows one replay batch's loss (:func:`replay_backward`). Returns ``loss/policy`` (the summed
+    loss), ``adv/abs_mean``, ``adv/informative_frac`` and, with replay, ``loss/replay``.
     """
     if len(scores) % group_size:
         raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
     adv = rl.group_advantages(scores.view(-1, group_size), normalize_std).flatten()
-    num_tokens = batch.mask.sum().item()
-    chunks = micro_batches(len(scores), micro_batch)
+    informative = adv != 0
+    # under DDP every rank runs every micro-batch (the same number of backward passes on each rank);
+    # solved rows then add exact zeros
+    rows_used = torch.arange(len(adv)) if hasattr(model, "no_sync") else informative.nonzero().flatten().cpu()
+    num_tokens = batch.mask[informative].sum().item()
+    chunks = [rows_used[s] for s in micro_batches(len(rows_used), micro_batch)]
     total = 0.0
-    stats = {}
+    stats = {"adv/informative_frac": informative.float().mean().item()}
     for i, rows in enumerate(chunks):
         with _no_sync(model, i == len(chunks) - 1 and replay is None), autocast():
             logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
@@ -104,7 +112,8 @@ def grpo_update(
         total += loss.item()
     if replay is not None:
         stats["loss/replay"] = replay_backward(model, replay, autocast)
-    _step(optimizers, [model])
+    if chunks or replay is not None:  # a batch of solved groups and no replay: nothing to step on
+        _step(optimizers, [model])
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
 
 
