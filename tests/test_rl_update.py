@@ -8,7 +8,6 @@ and every gradient below is a few fractions; SGD with lr 1 turns it into the new
 from __future__ import annotations
 
 import contextlib
-
 import math
 
 import pytest
