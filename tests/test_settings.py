@@ -184,3 +184,24 @@ def test_launch_rejects_zero_nodes_from_the_command_line(params_file, capsys):
 
     assert main(["pretrain", "--nnodes=0", "--dryrun"]) == 2
     assert "nnodes" in capsys.readouterr().err
+
+
+def test_pretrain_inherits_the_training_embedding_lr_and_params_yaml_sets_it(params_file):
+    """The pretrain section declares no embedding_lr of its own: the default is TrainSettings', the value params.yaml's."""
+    from chatpipe.settings import TrainSettings
+
+    pretrain, train = PretrainSettings.model_fields["embedding_lr"], TrainSettings.model_fields["embedding_lr"]
+    assert (pretrain.default, pretrain.metadata) == (train.default, train.metadata) == (0.2, train.metadata)
+    assert "embedding_lr" not in PretrainSettings.__annotations__
+    raw = yaml.safe_load(params_file.read_text())
+    assert load_section(PretrainSettings).embedding_lr == raw["pretrain"]["embedding_lr"] == 0.3
+
+
+def test_python_m_chatpipe_settings_writes_the_overlays(params_file, tmp_path, monkeypatch):
+    """dvc.yaml's profile stage: validate everything, then write the named sections' overlay files."""
+    from chatpipe.settings.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "eval"]) == 0
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["eval.yaml", "pretrain.yaml"]
+    assert main(["pretrian"]) == 2

@@ -1,0 +1,118 @@
+"""Typed settings: one pydantic-settings model per section of params.yaml.
+
+Resolution order, lowest to highest priority:
+
+1. the section in ``params.yaml`` (path from ``CHATPIPE_PARAMS``, default ``./params.yaml``),
+2. the active profile's overlay ``<profile>.<section>`` of ``profiles.yaml`` (beside params.yaml,
+   or ``$CHATPIPE_PROFILES``; profile from ``CHATPIPE_PROFILE`` or params.yaml's ``profile`` key).
+   Keeping the overlays out of params.yaml keeps them out of DVC's params (``dvc exp show``);
+   DVC sees the active profile's resolved overlay through ``profile/<section>.yaml``, written by
+   :func:`write_overlays` (the ``profile`` stage of dvc.yaml),
+3. environment variables ``CHATPIPE_<SECTION>__<KEY>`` (e.g. ``CHATPIPE_PRETRAIN__DEPTH=12``),
+4. command-line overrides ``--key=value`` / ``key=value`` given to a stage.
+
+Unknown keys, wrong types and out-of-range values raise :class:`ParamsError` naming the
+file, the key, the bad value and what is allowed, before any work starts.
+
+    from chatpipe.settings import load_section, PretrainSettings
+    cfg = load_section(PretrainSettings, cli=["--depth=6"])
+
+The package, in reading order: ``params`` (params.yaml, profiles.yaml, the active profile),
+``base`` (stage names, :class:`StageSettings`, the :data:`SECTIONS` registry), the section models
+in ``sections`` (data, tokenizer, eval, report, export, launch, tracking, chat, serve) and
+``training`` (pretrain, midtrain, sft, rl), ``cli`` (``--key=value`` flags, error messages) and
+``load`` (:func:`load_section`, :func:`validate_all`, :func:`write_overlays`). Import from here.
+"""
+
+from __future__ import annotations
+
+from chatpipe.settings.base import (
+    MODEL_STAGES,
+    SECTIONS,
+    STAGES,
+    ModelStage,
+    StageSettings,
+    math_settings,
+    resume_neutral,
+    snapshot,
+)
+from chatpipe.settings.cli import format_error, parse_cli
+from chatpipe.settings.load import OVERLAYS_DIR, check_env_sections, load_section, validate_all, write_overlays
+from chatpipe.settings.params import (
+    ParamsError,
+    _deep_merge,
+    active_profile,
+    params_path,
+    profile_overlay,
+    profiles_path,
+    read_profiles,
+    resolve_params,
+    write_profile,
+)
+from chatpipe.settings.sections import (
+    ChatSettings,
+    DataSettings,
+    EvalSettings,
+    ExportSettings,
+    LaunchSettings,
+    ReportSettings,
+    ServeSettings,
+    TokenizerSettings,
+    TrackingSettings,
+)
+from chatpipe.settings.training import (
+    ChatTrainSettings,
+    MidtrainSettings,
+    MixItem,
+    PretrainSettings,
+    RLSettings,
+    RunSettings,
+    SFTSettings,
+    TaskName,
+    TrainSettings,
+)
+
+__all__ = [
+    "MODEL_STAGES",
+    "OVERLAYS_DIR",
+    "SECTIONS",
+    "STAGES",
+    "ChatSettings",
+    "ChatTrainSettings",
+    "DataSettings",
+    "EvalSettings",
+    "ExportSettings",
+    "LaunchSettings",
+    "MidtrainSettings",
+    "MixItem",
+    "ModelStage",
+    "ParamsError",
+    "PretrainSettings",
+    "RLSettings",
+    "ReportSettings",
+    "RunSettings",
+    "SFTSettings",
+    "ServeSettings",
+    "StageSettings",
+    "TaskName",
+    "TokenizerSettings",
+    "TrackingSettings",
+    "TrainSettings",
+    "_deep_merge",
+    "active_profile",
+    "check_env_sections",
+    "format_error",
+    "load_section",
+    "math_settings",
+    "params_path",
+    "parse_cli",
+    "profile_overlay",
+    "profiles_path",
+    "read_profiles",
+    "resolve_params",
+    "resume_neutral",
+    "snapshot",
+    "validate_all",
+    "write_overlays",
+    "write_profile",
+]

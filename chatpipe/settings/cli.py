@@ -1,0 +1,59 @@
+"""Stage command-line overrides, and the error message that names each bad key, its value and its source."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+from chatpipe.settings.base import StageSettings
+from chatpipe.settings.params import ParamsError, params_path
+
+
+def parse_cli(args: list[str]) -> dict[str, str]:
+    """Turn ``--key=value``, ``--key value`` or ``key=value`` arguments into a dict."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.lstrip("-").partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ParamsError(f"command line: {arg!r} has no value; use --key=value")
+            value, i = args[i + 1], i + 1
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def _source(cls: type[StageSettings], key: str, overrides: dict[str, Any]) -> str:
+    """Where the value of ``key`` came from: the command line, an env var, or the params file."""
+    top = key.split(".")[0]
+    if top in overrides:
+        return f"command line --{top}"
+    env = f"CHATPIPE_{cls.section.upper()}__{top.upper()}"
+    if any(name.upper() == env for name in os.environ):
+        return f"environment variable {env}"
+    return str(params_path())
+
+
+def format_error(cls: type[StageSettings], err: ValidationError, overrides: dict[str, Any] | None = None) -> str:
+    """One line per bad key: section.key = value, where it came from unless the params file, and why."""
+    lines = []
+    allowed = ", ".join(cls.model_fields)
+    sources = set()
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        value = e.get("input")
+        source = _source(cls, key, overrides or {})
+        sources.add(source)
+        where = "" if source == str(params_path()) else f" (from {source})"
+        if e["type"] == "extra_forbidden" and key in cls.removed:
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: this key was removed: {cls.removed[key]}")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: unknown key; allowed keys: {allowed}")
+        else:
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: {e['msg']}")
+    head = sources.pop() if len(sources) == 1 else "settings"
+    return f"{head}: invalid settings\n  " + "\n  ".join(lines)

@@ -1,0 +1,299 @@
+"""The training sections: pretrain, midtrain, sft (gradient descent) and rl, over their shared bases."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from chatpipe.settings.base import StageSettings, resume_neutral
+
+
+class RunSettings(StageSettings):
+    """What every training-like stage reads: seed, device, batch rows, length, checkpoint and log cadence."""
+
+    seed: int = Field(1337, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = resume_neutral("auto")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device_batch_size: int = Field(16, ge=1)
+    max_steps: int = Field(200, ge=-1, description="optimizer steps; -1: the stage derives them (its section says how)")
+    eval_every: int = resume_neutral(50, ge=0, description="val bpb every N steps (0: only at the end)")
+    checkpoint_every: int = resume_neutral(50, ge=0, description="0: only at the end")
+    keep_checkpoints: int = resume_neutral(2, ge=1)
+    log_every: int = resume_neutral(10, ge=1)
+
+
+class TrainSettings(RunSettings):
+    """Settings shared by the gradient-descent stages: total batch, optimizer, LR schedule."""
+
+    compile: bool = resume_neutral(False)
+    total_batch_size: int = Field(4096, ge=1, description="tokens per optimizer step, all ranks")
+    matrix_lr: float = Field(0.02, gt=0)
+    embedding_lr: float = Field(0.2, gt=0)
+    unembedding_lr: float = Field(0.004, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    warmdown_ratio: float = Field(0.65, ge=0, le=1)
+    final_lr_frac: float = Field(0.05, ge=0, le=1)
+    schedule: Literal["warmdown", "cosine"] = "warmdown"
+    momentum_warmup_steps: int = Field(300, ge=0)
+    grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
+    eval_tokens: int = resume_neutral(32768, ge=1)
+
+    # the learning rates build_optimizers takes (Muon matrices, AdamW embeddings and head)
+    LR_KEYS: ClassVar[tuple[str, ...]] = ("matrix_lr", "embedding_lr", "unembedding_lr")
+
+    # the LR schedule's knobs, as lr_multiplier names them
+    SCHEDULE_KEYS: ClassVar[tuple[str, ...]] = ("warmup_steps", "warmdown_ratio", "final_lr_frac", "schedule")
+
+    def lrs(self, frac: float = 1.0) -> dict[str, float]:
+        """The :attr:`LR_KEYS` learning rates times ``frac``, as keyword arguments of build_optimizers."""
+        return {k: getattr(self, k) * frac for k in self.LR_KEYS}
+
+    def lr_schedule(self) -> dict[str, Any]:
+        """The :attr:`SCHEDULE_KEYS` settings, as keyword arguments of lr_multiplier."""
+        return {k: getattr(self, k) for k in self.SCHEDULE_KEYS}
+
+
+class PretrainSettings(TrainSettings):
+    """Base-model pretraining (`pretrain` stage); `depth` derives the model shape."""
+
+    section: ClassVar[str] = "pretrain"
+    depth: int = Field(4, ge=1, le=128)
+    head_dim: int = Field(64, ge=8)
+    n_kv_head: int = Field(0, ge=0, description="0: same as n_head (no GQA)")
+    window_pattern: str = Field("L", pattern=r"^[SL]+$")
+    sequence_len: int = Field(256, ge=8)
+    max_steps: int = Field(
+        200, ge=-1, description="-1: derive from target_flops, else from target_param_data_ratio (chatpipe.horizon)"
+    )
+    target_param_data_ratio: float = Field(
+        20.0, description="tokens to train per scaling param; -1: off (then target_flops or max_steps sets the length)"
+    )
+    target_flops: float = Field(
+        -1.0, description="train for this many FLOPs (nanochat's --target-flops; wins over the ratio); -1: off"
+    )
+    lr_scaling: bool = Field(False, description="multiply every LR by sqrt(total_batch_size / 2**19) (nanochat 2026)")
+    wd_scaling: bool = Field(
+        False, description="weight_decay * sqrt(B / 2**19) * D(d12) / D: nanochat's T_epoch scaling from a d12 value"
+    )
+    sample_every: int = resume_neutral(100, ge=0)
+    total_batch_size: int = Field(
+        4096, ge=-1, description="tokens per optimizer step, all ranks; -1: automatic from the tokens to train"
+    )
+    compile: bool | Literal["auto"] = resume_neutral(
+        "auto", description="torch.compile the model; auto: when the run has enough steps to amortise compiling"
+    )
+    # nanochat 2026 recipe options (chatpipe.model.gpt.GPTConfig documents each); all off = the 2025 model
+    value_embeds: bool = False
+    lambdas: bool = Field(False, description="per-layer residual and x0 lambdas")
+    smear: bool = False
+    backout: bool = False
+    short_window: Literal["half", "quarter"] = Field(
+        "half", description="'S' layers: half the context, or nanochat's ceil(seq/4/128)*128 tokens"
+    )
+    rotary_base: float = Field(10000.0, gt=0)
+    qk_scale: float = Field(1.0, gt=0)
+    pad_vocab_to: int = Field(1, ge=1, description="round wte/lm_head rows up to a multiple of this (nanochat: 64)")
+    optimizer: Literal["muon", "muon_adamw"] = Field(
+        "muon", description="muon: torch AdamW + Muon; muon_adamw: nanochat's MuonAdamW"
+    )
+    scalar_lr: float = Field(0.5, gt=0, description="muon_adamw: lr of the x0 lambdas (resid lambdas: x0.01)")
+    polar_express: Literal["direct", "gram"] = Field(
+        "direct",
+        description="muon_adamw: 'direct' is nanochat's Polar Express; 'gram' computes the same polynomial of "
+        "matrices at least 2:1 in their small side's Gram space, 33% fewer FLOPs at the MLP's 4:1, rounded differently",
+    )
+    polar_express_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="muon_adamw: precision of Polar Express's matmuls; auto: bfloat16 where the run trains in "
+        "bfloat16 (nanochat) or the CPU has bfloat16 dot products (AVX512-BF16, AMX), else float32",
+    )
+    fp8: bool = Field(
+        False,
+        description="FP8 matmuls of the block matrices via torchao (pip install -e '.[gpu]'); needs CUDA with compute "
+        "capability >= 8.9. Tests only: CHATPIPE_TEST_FP8_ON_CPU=1 emulates it on CPU (chatpipe.model.fp8)",
+    )
+
+    @field_validator("target_param_data_ratio")
+    @classmethod
+    def _ratio_positive_or_off(cls, v: float) -> float:
+        if v <= 0 and v != -1:
+            raise ValueError(f"target_param_data_ratio = {v}; allowed: a number > 0, or -1 (off: set target_flops)")
+        return v
+
+    @field_validator("target_flops")
+    @classmethod
+    def _flops_positive_or_off(cls, v: float) -> float:
+        if v <= 0 and v != -1:
+            raise ValueError(f"target_flops = {v}; allowed: a number > 0, or -1 (off)")
+        return v
+
+    @model_validator(mode="after")
+    def _horizon_is_set(self) -> PretrainSettings:
+        if self.target_param_data_ratio == -1 and self.target_flops <= 0 and self.max_steps <= 0:
+            raise ValueError("target_param_data_ratio = -1 (off) needs target_flops > 0 or max_steps > 0")
+        return self
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The recipe's keyword arguments of build_optimizers (LRs, weight decay, optimizer, scalar LR), so a
+        benchmark builds exactly the optimizer the stage does."""
+        return {
+            **self.lrs(),
+            "weight_decay": self.weight_decay,
+            "optimizer": self.optimizer,
+            "scalar_lr": self.scalar_lr,
+            "polar_express": self.polar_express,
+        }
+
+
+TaskName = Literal[
+    "tinyworld_chat",
+    "tinyworld_arith",
+    "tinyworld_gsm",
+    "tinyworld_mc",
+    "smoltalk",
+    "mmlu",
+    "arc_easy",
+    "arc_challenge",
+    "gsm8k",
+    "identity",
+    "simplespelling",
+    "spellingbee",
+    "customjson",
+    "humaneval",
+]  # = chatpipe.data.tasks.TASK_NAMES (a test keeps them equal)
+
+
+class MixItem(BaseModel):
+    """One task of a chat-stage mixture: ``{task: gsm8k, limit: 8000, epochs: 2, source: local, path: ...}``."""
+
+    model_config = {"extra": "forbid"}
+    task: TaskName
+    limit: int | None = Field(None, ge=0, description="examples taken from the task (None: all / its default)")
+    epochs: int = Field(1, ge=1, description="times every example appears in one pass of the mixture")
+    source: Literal["synthetic", "local", "hf"] | None = None
+    path: str = ""
+    words: Literal["english", "tinyworld"] | None = Field(None, description="spelling tasks: word list")
+
+
+class ChatTrainSettings(TrainSettings):
+    """Shared by midtrain and sft: the task mixture, packing length, identity, chat LR schedule."""
+
+    mixture: list[MixItem] = Field(default_factory=lambda: [MixItem(task="tinyworld_chat")])
+    val_limit: int = Field(100, ge=1, description="val examples per task (its val split) for val loss/bpb")
+    max_seq_len: int = Field(256, ge=8, description="packed row length")
+    max_steps: int = Field(-1, ge=-1, description="-1: one pass over the mixture")
+    model_name: str = "chatpipe"
+    model_maker: str = "the chatpipe authors"
+    warmdown_ratio: float = Field(0.2, ge=0, le=1)  # flat, then linear decay over the last 20%
+    final_lr_frac: float = Field(0.0, ge=0, le=1)
+    init_lr_frac: float = Field(1.0, gt=0, le=1, description="scales every lr relative to the values above")
+
+
+class MidtrainSettings(ChatTrainSettings):
+    """Midtraining (`midtrain` stage): chat format, tool use, multiple choice; starts from artifacts/base."""
+
+    section: ClassVar[str] = "midtrain"
+
+
+class SFTSettings(ChatTrainSettings):
+    """Supervised fine-tuning (`sft` stage); starts from artifacts/mid, ends with a held-out chat eval."""
+
+    section: ClassVar[str] = "sft"
+    eval_prompts: int = resume_neutral(
+        100, ge=0, description="held-out tiny-world prompts sampled for the end-token rate"
+    )
+    eval_arith: int = resume_neutral(100, ge=0, description="held-out tiny-world arithmetic problems (exact match)")
+    eval_max_tokens: int = resume_neutral(64, ge=1)
+    eval_temperature: float = resume_neutral(0.7, ge=0, description="sampling temperature for the end-token rate")
+    eval_baseline: bool = resume_neutral(
+        True, description="also score artifacts/base on the arithmetic, for comparison"
+    )
+
+
+_RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearly to 0; there is no other schedule"
+
+
+class RLSettings(RunSettings):
+    """RL on verifiable rewards (`rl` stage): GRPO-lite or PPO, chosen by `algorithm`."""
+
+    section: ClassVar[str] = "rl"
+    removed: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(["warmup_steps", "warmdown_ratio", "final_lr_frac", "schedule"], _RL_LR_NOTE),
+        **dict.fromkeys(["matrix_lr", "embedding_lr", "unembedding_lr"], _RL_LR_NOTE),
+        "momentum_warmup_steps": "RL keeps the init model's optimizer momentum; nothing to warm up",
+        "total_batch_size": "a step is prompts_per_step x group_size samples; rows per forward is device_batch_size",
+        "grad_clip": "RL never clipped gradients; the PPO ratio cap is max_ratio",
+        "eval_tokens": "RL evaluates pass@k: eval_problems x eval_samples",
+        "compile": "RL runs eager (generation dominates and changes shape every step)",
+    }
+    init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
+    reward: str = Field("exact", description="reward function name in chatpipe.rl.rewards")
+    task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
+    num_train_problems: int = Field(512, ge=1)
+    keep_tasks: list[MixItem] = Field(
+        default_factory=list,
+        description="train prompts of other tasks (limit: how many) added to the pool, each rewarded by its "
+        "own grader, so RL on `task` does not wear away those skills; held-out pass@k stays on `task`",
+    )
+    replay: list[MixItem] = Field(
+        default_factory=list,
+        description="chat-stage conversations trained on (assistant-only LM loss) beside every RL optimizer "
+        "step, as InstructGPT's PPO-ptx replays pretraining data, so skills RL does not reward are not "
+        "worn away; [] turns it off",
+    )
+    replay_rows: int = Field(4, ge=1, description="replay rows per rank per optimizer step")
+    replay_seq_len: int | None = Field(
+        None, ge=8, description="tokens per replay row (conversations packed best-fit); None: the model's sequence_len"
+    )
+    replay_coef: float = Field(1.0, ge=0, description="weight of the replay loss against the RL loss")
+    max_steps: int = Field(30, ge=1)
+    weight_decay: float = Field(0.0, ge=0)
+    prompts_per_step: int = Field(16, ge=1, description="prompts per step over all ranks")
+    group_size: int = Field(16, ge=1, description="samples per prompt")
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(50, ge=0, description="0: no top-k filtering")
+    lr_frac: float = Field(0.05, gt=0, description="policy LR = lr_frac x the init model's LRs, linear decay to 0")
+    embedding_lr_frac: float | None = Field(
+        None,
+        ge=0,
+        description="the same for the token embedding and lm_head (AdamW) LRs; None: lr_frac. Adam moves every "
+        "embedding row RL's samples touch by about its LR each step, whatever the gradient's size, so the "
+        "words RL's task shares with other skills drift",
+    )
+    value_lr_frac: float = Field(1.0, gt=0, description="critic LR = value_lr_frac x the init model's LRs")
+    normalize_std: bool = Field(False, description="GRPO: divide advantages by the group's std")
+    # PPO
+    ppo_epochs: int = Field(2, ge=1)
+    num_minibatches: int = Field(2, ge=1, description="minibatches per PPO epoch (each = one optimizer step)")
+    clip_eps: float = Field(0.2, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    value_coef: float = Field(0.1, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_ctl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.1, ge=0)
+    kl_target: float = Field(6.0, gt=0)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    whiten: Literal["batch", "group", "none"] = "batch"
+    reward_scale: float = Field(1.0, gt=0)
+    reward_bias: float = 0.0
+    reward_clip: float = Field(20.0, ge=0, description="0: no clipping")
+    no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
+    length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
+    min_response_length: int = Field(0, ge=0)
+    max_ratio: float = Field(5.0, ge=0, description="stop an update when an importance ratio exceeds this (0: off)")
+    ref_ema: float = Field(0.0, ge=0, le=1, description="reference <- (1-eta) ref + eta policy each step (0: frozen)")
+    disable_value: bool = Field(False, description="PPO without a critic: group-mean advantages (GRPO)")
+    # eval
+    eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
+    eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
+    eval_problems: int = resume_neutral(64, ge=1, description="held-out problems for pass@k")
+    eval_samples: int = resume_neutral(4, ge=1, description="samples per held-out problem")
+    eval_temperature: float = resume_neutral(1.0, ge=0)
+    checkpoint_every: int = resume_neutral(10, ge=0)
