@@ -3,10 +3,10 @@
     python -m stages.eval                                       # one process
     torchrun --nproc_per_node=2 -m stages.eval                  # items split across ranks
     python -m chatpipe.launch eval -- --max_per_task=20         # through torchx, as DVC does
-    CHATPIPE_EVAL__CORE_BUNDLE_DIR=../shared/data/core CHATPIPE_EVAL__STAGES='["base"]' python -m stages.eval
+    CHATPIPE_EVAL__CORE_BUNDLE_DIR=../shared/data/core CHATPIPE_EVAL__MODEL_DIRS='["base"]' python -m stages.eval
 
-For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.stages``):
-- bpb on the pretraining val text (``eval.bpb_tokens`` tokens),
+For each of ``artifacts/{base,mid,sft,rl}`` that holds a model (``eval.model_dirs``):
+- bpb on the pretraining val text (``eval.eval_tokens`` tokens),
 - CORE (``eval.core_stages``): the tasks of ``eval.core_config`` found in ``eval.core_bundle_dir``
   (fetched from ``eval.core_bundle_url`` when missing; speedrun fetches the published bundle) and,
   with ``eval.core_tinyworld``, the synthetic tiny-world tasks (chatpipe/evals/core_tinyworld.py),
@@ -131,9 +131,11 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
     work = WORK / "eval"
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
     token_bytes = torch.load(ARTIFACTS / "tokenizer" / "token_bytes.pt").to(rt.device)
-    present = [s for s in cfg.stages if (ARTIFACTS / s / "meta.json").exists()]
+    present = [s for s in cfg.model_dirs if (ARTIFACTS / s / "meta.json").exists()]
     if not present:
-        raise FileNotFoundError(f"none of {[str(ARTIFACTS / s) for s in cfg.stages]} holds a model; run pretrain first")
+        raise FileNotFoundError(
+            f"none of {[str(ARTIFACTS / s) for s in cfg.model_dirs]} holds a model; run pretrain first"
+        )
     log.info("evaluating %s", ", ".join(present))
 
     # --- inputs shared by every model
@@ -164,7 +166,7 @@ def evaluate_model(stage: str, cfg: EvalSettings, inputs: EvalInputs, provenance
 
     # --- bits per byte on val text
     seq_len = model.config.sequence_len
-    steps = max(1, cfg.bpb_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
+    steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
     loader = RowLoader(inputs.docs, batch_size=cfg.device_batch_size, seq_len=seq_len, **rt.shard)
     r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), inputs.token_bytes, rt)
     log.info("%s | val bpb %.4f", stage, r["bpb"])

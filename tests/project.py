@@ -90,7 +90,7 @@ SMALL_EVAL = {
     "max_per_task": 6,
     "generative_max_per_task": 2,
     "max_new_tokens": 12,
-    "bpb_tokens": 1024,
+    "eval_tokens": 1024,
     "device_batch_size": 4,
     "tinyworld_examples": 20,
 }

@@ -9,6 +9,7 @@ from chatpipe.settings import (
     SECTIONS,
     STAGES,
     DataSettings,
+    EvalSettings,
     LaunchSettings,
     ParamsError,
     PretrainSettings,
@@ -172,10 +173,8 @@ def test_errors_in_env_and_cli_values_name_their_source(params_file, monkeypatch
 
 
 def test_malformed_json_in_an_env_var_is_a_clear_error(params_file, monkeypatch):
-    from chatpipe.settings import EvalSettings
-
-    monkeypatch.setenv("CHATPIPE_EVAL__STAGES", "[base")
-    with pytest.raises(ParamsError, match=r"CHATPIPE_EVAL__STAGES = '\[base'.*JSON"):
+    monkeypatch.setenv("CHATPIPE_EVAL__MODEL_DIRS", "[base")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_EVAL__MODEL_DIRS = '\[base'.*JSON"):
         load_section(EvalSettings)
 
 
@@ -186,8 +185,19 @@ def test_launch_rejects_zero_nodes_from_the_command_line(params_file, capsys):
     assert "nnodes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("old", "new"), [("bpb_tokens", "eval_tokens"), ("stages", "model_dirs")])
+def test_a_renamed_eval_key_names_its_new_name_and_the_allowed_keys(params_file, old, new):
+    """eval.bpb_tokens is eval_tokens (as in the training sections) and eval.stages is model_dirs now."""
+    assert old not in EvalSettings.model_fields and new in EvalSettings.model_fields
+    text = params_file.read_text().replace("\neval:\n", f"\neval:\n  {old}: [base]\n", 1)
+    params_file.write_text(text)
+    with pytest.raises(ParamsError, match=rf"eval\.{old} = \['base'\]: this key was removed: renamed to {new}") as e:
+        validate_all()
+    assert "allowed keys: model_dirs, " in str(e.value) and "eval_tokens" in str(e.value)
+
+
 def test_pretrain_inherits_the_training_embedding_lr_and_params_yaml_sets_it(params_file):
-    """The pretrain section declares no embedding_lr of its own: the default is TrainSettings', the value params.yaml's."""
+    """Pretrain declares no embedding_lr of its own: the default is TrainSettings', the value params.yaml's."""
     from chatpipe.settings import TrainSettings
 
     pretrain, train = PretrainSettings.model_fields["embedding_lr"], TrainSettings.model_fields["embedding_lr"]

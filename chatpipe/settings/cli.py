@@ -50,7 +50,8 @@ def format_error(cls: type[StageSettings], err: ValidationError, overrides: dict
         sources.add(source)
         where = "" if source == str(params_path()) else f" (from {source})"
         if e["type"] == "extra_forbidden" and key in cls.removed:
-            lines.append(f"{cls.section}.{key} = {value!r}{where}: this key was removed: {cls.removed[key]}")
+            why = f"this key was removed: {cls.removed[key]}; allowed keys: {allowed}"
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: {why}")
         elif e["type"] == "extra_forbidden":
             lines.append(f"{cls.section}.{key} = {value!r}{where}: unknown key; allowed keys: {allowed}")
         else:

@@ -41,12 +41,18 @@ class EvalSettings(StageSettings):
     """Evaluate every model stage that exists: bpb, CORE, ChatCORE (`eval` stage)."""
 
     section: ClassVar[str] = "eval"
-    stages: list[ModelStage] = list(MODEL_STAGES)
+    removed: ClassVar[dict[str, str]] = {
+        "bpb_tokens": "renamed to eval_tokens, as in the training sections",
+        "stages": "renamed to model_dirs (the artifacts/<dir> models to evaluate)",
+    }
+    model_dirs: list[ModelStage] = Field(
+        list(MODEL_STAGES), description="models to evaluate, as artifacts/<dir>; those not made yet are skipped"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_per_task: int = Field(50, ge=0, description="items per CORE/ChatCORE task (0: all)")
     generative_max_per_task: int = Field(0, ge=0, description="generative ChatCORE tasks (0: max_per_task)")
-    bpb_tokens: int = Field(32768, ge=1, description="val tokens for bits per byte")
+    eval_tokens: int = Field(32768, ge=1, description="val tokens for bits per byte")
     device_batch_size: int = Field(16, ge=1)
     core_stages: list[ModelStage] = ["base"]
     core_config: str = Field("", description="CORE task YAML ('' = chatpipe/evals/core_tasks.yaml)")
