@@ -80,7 +80,7 @@ def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Op
         model.init_weights()
         opts = build_optimizers(
             model,
-            optimizer="muon_adamw",
+            optimizer="normuon_polar_express",
             embedding_lr=0.3,
             unembedding_lr=0.008,
             weight_decay=0.28,

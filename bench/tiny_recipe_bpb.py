@@ -70,7 +70,12 @@ def main() -> None:
     model = GPT(config)
     model.init_weights()
     if args.recipe in ("new", "exportable"):
-        recipe = {"optimizer": "muon_adamw", "embedding_lr": 0.3, "unembedding_lr": 0.008, "weight_decay": 0.2}
+        recipe = {
+            "optimizer": "normuon_polar_express",
+            "embedding_lr": 0.3,
+            "unembedding_lr": 0.008,
+            "weight_decay": 0.2,
+        }
         opts = build_optimizers(model, **recipe, polar_dtype=getattr(torch, args.polar_dtype))
     else:
         opts = build_optimizers(model)

@@ -118,7 +118,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- optimizer
     polar_dtype = polar_express_dtype(cfg, rt)
-    if cfg.optimizer == "muon_adamw":
+    if cfg.optimizer == "normuon_polar_express":
         log.info("Polar Express in %s (polar_express_dtype: %s)", polar_dtype, cfg.polar_express_dtype)
     optimizers = build_optimizers(
         model,

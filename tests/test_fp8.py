@@ -30,7 +30,7 @@ STEPS, RESUME_AT, SEQ, ROWS = 30, 15, 32, 4
 RT = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
 # the speedrun's recipe: MuonAdamW with nanochat's LRs and weight decay, warmup then warmdown
 RECIPE = PretrainSettings(
-    optimizer="muon_adamw", embedding_lr=0.3, unembedding_lr=0.008, weight_decay=0.28, warmup_steps=3
+    optimizer="normuon_polar_express", embedding_lr=0.3, unembedding_lr=0.008, weight_decay=0.28, warmup_steps=3
 )
 
 

@@ -52,7 +52,7 @@ def nanochat_settings(row: dict) -> PretrainSettings:
         rotary_base=100000.0,
         qk_scale=1.2,
         pad_vocab_to=64,
-        optimizer="muon_adamw",
+        optimizer="normuon_polar_express",
         total_batch_size=-1,
         max_steps=-1,
         target_param_data_ratio=row["ratio"],

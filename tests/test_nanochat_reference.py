@@ -171,7 +171,7 @@ def _run_reference_steps(
 
     [opt] = build_optimizers(
         model,
-        optimizer="muon_adamw",
+        optimizer="normuon_polar_express",
         reduce_grads=reduce_grads,
         compile=compile,
         polar_express=polar_express,
@@ -246,7 +246,7 @@ def _undecided_entries(model, ref, grads) -> dict[str, list[torch.Tensor]]:
     on every decided entry."""
     from chatpipe.train.optim import build_optimizers
 
-    [opt] = build_optimizers(model, optimizer="muon_adamw", **ref["setup_optimizer_kwargs"])
+    [opt] = build_optimizers(model, optimizer="normuon_polar_express", **ref["setup_optimizer_kwargs"])
     names = {id(p): n for n, p in model.named_parameters()}
     allowed, count, total = {}, 0, 0
     for group in (g for g in opt.param_groups if g["kind"] == "muon"):
@@ -408,7 +408,7 @@ def test_every_option_changes_the_function_and_trains_with_both_optimizers():
     for key, value in nanochat_options(32).items():
         changed, _ = logits(**{key: value})
         assert not torch.allclose(plain, changed), key
-    for optimizer in ("muon", "muon_adamw"):
+    for optimizer in ("muon_newton_schulz", "normuon_polar_express"):
         _, model = logits(**nanochat_options(32))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         model(idx, idx).backward()

@@ -165,12 +165,12 @@ def test_gram_space_polar_express_leaves_square_stacks_direct_and_rejects_unknow
 
 def test_polar_express_setting_reaches_muon_adamw_and_needs_it():
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
-    [opt] = build_optimizers(model, optimizer="muon_adamw", polar_express="gram")
+    [opt] = build_optimizers(model, optimizer="normuon_polar_express", polar_express="gram")
     assert opt.polar_express == "gram"
-    with pytest.raises(ValueError, match="needs optimizer='muon_adamw'"):
-        build_optimizers(model, optimizer="muon", polar_express="gram")
+    with pytest.raises(ValueError, match="needs optimizer='normuon_polar_express'"):
+        build_optimizers(model, optimizer="muon_newton_schulz", polar_express="gram")
     with pytest.raises(ValueError, match="polar_express='gramm'; allowed: direct, gram"):
-        build_optimizers(model, optimizer="muon_adamw", polar_express="gramm")
+        build_optimizers(model, optimizer="normuon_polar_express", polar_express="gramm")
 
 
 def _muon_update_in(dtype: torch.dtype, grads: torch.Tensor) -> torch.Tensor:
@@ -194,7 +194,7 @@ def test_bfloat16_polar_express_gives_the_float32_update_to_bfloat16_precision(s
 
 def test_polar_dtype_reaches_muon_adamw_keeps_float32_state_and_needs_the_recipe():
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
-    [opt] = build_optimizers(model, optimizer="muon_adamw", polar_dtype=torch.bfloat16)
+    [opt] = build_optimizers(model, optimizer="normuon_polar_express", polar_dtype=torch.bfloat16)
     assert opt.polar_dtype == torch.bfloat16
     before = model.blocks[0].attn.c_q.weight.detach().clone()
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))).backward()
@@ -203,7 +203,7 @@ def test_polar_dtype_reaches_muon_adamw_keeps_float32_state_and_needs_the_recipe
     assert state and all(t.dtype == torch.float32 for t in state)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not torch.equal(before, model.blocks[0].attn.c_q.weight)
-    with pytest.raises(ValueError, match="needs optimizer='muon_adamw'"):
-        build_optimizers(model, optimizer="muon", polar_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs optimizer='normuon_polar_express'"):
+        build_optimizers(model, optimizer="muon_newton_schulz", polar_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="polar_dtype=torch.float16; allowed: torch.float32, torch.bfloat16"):
-        build_optimizers(model, optimizer="muon_adamw", polar_dtype=torch.float16)
+        build_optimizers(model, optimizer="normuon_polar_express", polar_dtype=torch.float16)

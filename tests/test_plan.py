@@ -68,7 +68,7 @@ def test_cli_prints_plan(params_file, capsys):
 def test_speedrun_is_nanochat_d24_recipe_and_plan_shows_both(params_file, capsys):
     plan = make_plan("speedrun")
     assert plan.depth == 24 and plan.n_embd == 1536 and plan.vocab_size == 32_768
-    assert "muon_adamw" in plan.recipe and "value_embeds" in plan.recipe and "fp8" in plan.recipe
+    assert "normuon_polar_express" in plan.recipe and "value_embeds" in plan.recipe and "fp8" in plan.recipe
     # nanochat's d24 speedrun: ratio 8 over block matrices + lm_head, Power Lines batch from d12, sqrt LR scaling
     assert plan.scaling_params == 729_810_624 and plan.tokens <= 8 * plan.scaling_params
     assert (plan.steps, plan.total_batch_size, plan.grad_accum) == (5_568, 1_048_576, 4)
@@ -104,12 +104,12 @@ def test_cli_script_exit_status_for_a_misspelt_profile(params_file, capsys):
 @pytest.mark.parametrize(
     ("setting", "optimizer", "run_dtype", "cpu_bf16", "expected"),
     [
-        ("auto", "muon_adamw", torch.float32, True, torch.bfloat16),  # CPU with bf16 dot products
-        ("auto", "muon_adamw", torch.float32, False, torch.float32),  # CPU without: bf16 would be emulated
-        ("auto", "muon_adamw", torch.bfloat16, False, torch.bfloat16),  # a bf16 run, as nanochat
-        ("auto", "muon", torch.bfloat16, True, torch.float32),  # the muon recipe's Newton-Schulz stays float32
-        ("float32", "muon_adamw", torch.bfloat16, True, torch.float32),
-        ("bfloat16", "muon_adamw", torch.float32, False, torch.bfloat16),
+        ("auto", "normuon_polar_express", torch.float32, True, torch.bfloat16),  # CPU with bf16 dot products
+        ("auto", "normuon_polar_express", torch.float32, False, torch.float32),  # CPU without: bf16 would be emulated
+        ("auto", "normuon_polar_express", torch.bfloat16, False, torch.bfloat16),  # a bf16 run, as nanochat
+        ("auto", "muon_newton_schulz", torch.bfloat16, True, torch.float32),  # Newton-Schulz stays float32
+        ("float32", "normuon_polar_express", torch.bfloat16, True, torch.float32),
+        ("bfloat16", "normuon_polar_express", torch.float32, False, torch.bfloat16),
     ],
 )
 def test_polar_express_dtype_resolves_auto_from_the_run_and_the_cpu(

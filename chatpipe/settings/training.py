@@ -95,19 +95,22 @@ class PretrainSettings(TrainSettings):
     rotary_base: float = Field(10000.0, gt=0)
     qk_scale: float = Field(1.0, gt=0)
     pad_vocab_to: int = Field(1, ge=1, description="round wte/lm_head rows up to a multiple of this (nanochat: 64)")
-    optimizer: Literal["muon", "muon_adamw"] = Field(
-        "muon", description="muon: torch AdamW + Muon; muon_adamw: nanochat's MuonAdamW"
+    optimizer: Literal["muon_newton_schulz", "normuon_polar_express"] = Field(
+        "muon_newton_schulz",
+        description="muon_newton_schulz: torch's AdamW + Muon (Newton-Schulz), nanochat's 2025 recipe; "
+        "normuon_polar_express: nanochat's 2026 MuonAdamW (NorMuon, Polar Express, cautious weight decay)",
     )
-    scalar_lr: float = Field(0.5, gt=0, description="muon_adamw: lr of the x0 lambdas (resid lambdas: x0.01)")
+    scalar_lr: float = Field(0.5, gt=0, description="lr of the x0 lambdas (resid lambdas: x0.01)")
     polar_express: Literal["direct", "gram"] = Field(
         "direct",
-        description="muon_adamw: 'direct' is nanochat's Polar Express; 'gram' computes the same polynomial of "
-        "matrices at least 2:1 in their small side's Gram space, 33% fewer FLOPs at the MLP's 4:1, rounded differently",
+        description="normuon_polar_express: 'direct' is nanochat's Polar Express; 'gram' computes the same "
+        "polynomial of matrices at least 2:1 in their small side's Gram space, 33% fewer FLOPs at the MLP's 4:1, "
+        "rounded differently",
     )
     polar_express_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="muon_adamw: precision of Polar Express's matmuls; auto: bfloat16 where the run trains in "
-        "bfloat16 (nanochat) or the CPU has bfloat16 dot products (AVX512-BF16, AMX), else float32",
+        description="normuon_polar_express: precision of Polar Express's matmuls; auto: bfloat16 where the run "
+        "trains in bfloat16 (nanochat) or the CPU has bfloat16 dot products (AVX512-BF16, AMX), else float32",
     )
     fp8: bool = Field(
         False,

@@ -2,8 +2,8 @@
 
 Two recipes (``optimizer`` argument of :func:`build_optimizers`, params ``pretrain.optimizer``):
 
-- ``muon``: torch's AdamW + Muon (Newton-Schulz), the late-2025 nanochat recipe;
-- ``muon_adamw``: nanochat's 2026 ``MuonAdamW`` (:class:`MuonAdamW`): MuonEq, Polar Express,
+- ``muon_newton_schulz``: torch's AdamW + Muon (Newton-Schulz), the late-2025 nanochat recipe;
+- ``normuon_polar_express``: nanochat's 2026 ``MuonAdamW`` (:class:`MuonAdamW`): MuonEq, Polar Express,
   Muon+, NorMuon variance reduction, cautious weight decay, and its per-group lrs/betas/decays.
 
 Usage in a stage loop::
@@ -27,7 +27,7 @@ import torch
 import torch.optim._muon as _torch_muon
 
 SCHEDULES = ("warmdown", "cosine")
-OPTIMIZERS = ("muon", "muon_adamw")
+OPTIMIZERS = ("muon_newton_schulz", "normuon_polar_express")
 
 
 def build_optimizers(
@@ -40,14 +40,14 @@ def build_optimizers(
     adam_betas: tuple[float, float] = (0.8, 0.95),
     adam_eps: float = 1e-10,
     fused: bool | None = None,
-    optimizer: str = "muon",
+    optimizer: str = "muon_newton_schulz",
     scalar_lr: float = 0.5,
     reduce_grads: bool = False,
     compile: bool = False,
     polar_express: str = "direct",
     polar_dtype: torch.dtype = torch.float32,
 ) -> list[torch.optim.Optimizer]:
-    """Return ``[adamw, muon]`` (``optimizer="muon"``) or ``[MuonAdamW]`` (``"muon_adamw"``).
+    """Return ``[adamw, muon]`` (``optimizer="muon_newton_schulz"``) or ``[MuonAdamW]`` (``"normuon_polar_express"``).
 
     Built over ``model.param_groups()`` (a :class:`chatpipe.model.gpt.GPT`). AdamW lrs are scaled
     by (n_embd / 768) ** -0.5 so wider models take smaller embedding steps; Muon's lr is used as
@@ -57,13 +57,17 @@ def build_optimizers(
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
-    if polar_express != "direct" and optimizer != "muon_adamw":
-        raise ValueError(f"polar_express={polar_express!r} needs optimizer='muon_adamw' (muon uses Newton-Schulz)")
-    if polar_dtype != torch.float32 and optimizer != "muon_adamw":
+    if polar_express != "direct" and optimizer != "normuon_polar_express":
         raise ValueError(
-            f"polar_dtype={polar_dtype} needs optimizer='muon_adamw' (muon's Newton-Schulz runs in float32)"
+            f"polar_express={polar_express!r} needs optimizer='normuon_polar_express' "
+            "(muon_newton_schulz uses Newton-Schulz)"
         )
-    if optimizer == "muon_adamw":
+    if polar_dtype != torch.float32 and optimizer != "normuon_polar_express":
+        raise ValueError(
+            f"polar_dtype={polar_dtype} needs optimizer='normuon_polar_express' "
+            "(muon_newton_schulz's Newton-Schulz runs in float32)"
+        )
+    if optimizer == "normuon_polar_express":
         lrs = {"unembedding_lr": unembedding_lr, "embedding_lr": embedding_lr, "matrix_lr": matrix_lr}
         recipe = {
             "scalar_lr": scalar_lr,
@@ -549,7 +553,7 @@ def build_muon_adamw(
 ) -> MuonAdamW:
     """nanochat's ``setup_optimizer``: the groups, betas, weight decays and lr scalings of its recipe.
 
-    Called through :func:`build_optimizers` (``optimizer="muon_adamw"``), which holds the defaults.
+    Called through :func:`build_optimizers` (``optimizer="normuon_polar_express"``), which holds the defaults.
 
     AdamW lrs of the embedding-like groups scale by (n_embd / 768) ** -0.5. Groups whose option is
     off in the model are left out. Every group stores ``initial_lr`` for the schedules.

@@ -138,11 +138,11 @@ def compile_pays(setting: bool | str, total_steps: int, device: torch.device, pa
 
 
 def polar_express_dtype(cfg: PretrainSettings, rt: Runtime) -> torch.dtype:
-    """Resolve ``polar_express_dtype: auto`` (MuonAdamW only; the muon recipe stays float32): bfloat16
+    """Resolve ``polar_express_dtype: auto`` (MuonAdamW only; muon_newton_schulz stays float32): bfloat16
     where the run trains in bfloat16 (nanochat's choice on GPU) or the CPU multiplies bfloat16
     natively (there Polar Express takes half the time of float32 on the tiny model, and val bpb per
     CPU-second is lower: bench/README.md), float32 elsewhere."""
-    if cfg.optimizer != "muon_adamw" or cfg.polar_express_dtype == "float32":
+    if cfg.optimizer != "normuon_polar_express" or cfg.polar_express_dtype == "float32":
         return torch.float32
     if cfg.polar_express_dtype == "bfloat16":
         return torch.bfloat16
@@ -155,7 +155,7 @@ class Plan:
     """Pretraining budget of one profile on one kind of GPU."""
 
     profile: str
-    recipe: str  # model options and optimizer, e.g. "nanochat-2026 (muon_adamw, fp8)"
+    recipe: str  # model options and optimizer, e.g. "nanochat-2026 (normuon_polar_express, fp8)"
     depth: int
     n_embd: int
     n_layer: int
