@@ -11,8 +11,12 @@ Reads ``artifacts/data`` and ``artifacts/tokenizer``; writes in-progress checkpo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,36 +63,170 @@ def main(argv: list[str] | None = None) -> None:
     runtime.run_stage(PretrainSettings, train, argv)
 
 
+@dataclass
+class LoopState:
+    """What the loop carries from step to step. Totals and run ids continue from the checkpoint, so
+    a resume from the final one rewrites the same summary (and the same artifact hash) as the run
+    that trained it."""
+
+    start_step: int
+    carried: dict
+    step: int = 0
+    bpb: float = float("nan")
+    train_seconds: float = 0.0
+    tokens: int = 0
+    run_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, start_step: int, carried: dict) -> LoopState:
+        """The state at ``start_step`` with the totals a checkpoint carried (``{}`` for a fresh start)."""
+        train_seconds, tokens = carried.get("train_seconds", 0.0), carried.get("tokens", 0)
+        return cls(start_step, carried, step=start_step, train_seconds=train_seconds, tokens=tokens)
+
+    def summary(self) -> dict[str, float]:
+        """The final ``summary`` of ``meta.json``: val bpb, training time and tokens over every run."""
+        tokens_per_s = self.tokens / max(self.train_seconds, 1e-9)
+        return {
+            "val_bpb": self.bpb,
+            "train_seconds": self.train_seconds,
+            "tokens": self.tokens,
+            "tokens_per_s": tokens_per_s,
+        }
+
+
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     if cfg.fp8:
         check_fp8(rt.device)  # before any work: names the missing gpu extra, or the GPU that cannot
-    work, out_dir = WORK / "pretrain", ARTIFACTS / "base"
-    tok_dir, data_dir = ARTIFACTS / "tokenizer", ARTIFACTS / "data"
+    work, out_dir, tok_dir = WORK / "pretrain", ARTIFACTS / "base", ARTIFACTS / "tokenizer"
 
     # --- data: tokenize the text shards once into the memory-mapped store (ranks split the shards)
     tok = Tokenizer.load(tok_dir)
     token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
+    inputs, train_docs, val_docs = tokenized_docs(work, tok, rt)
+
+    # --- model, then batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon;
+    # `chatpipe plan` shows the same): cfg now holds the batch, steps, LRs and decay
+    model = build_model(cfg, tok, rt)
+    cfg, horizon = resolve_horizon(cfg, model, rt.world_size)
+    total_steps = cfg.max_steps
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
+    use_compile = compile_pays(cfg.compile, total_steps, rt.device)
+    log_run_shape(cfg, model, grad_accum, rt)
+    optimizers = make_optimizers(cfg, model, rt)
+
+    # --- resume from the newest valid checkpoint made with the same settings and inputs
+    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
+    start_step, _, carried = resume_point(meta)
+
+    loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len, **rt.shard)
+    # the checkpoint's loader state holds the packer cursor: resuming costs the same at any step;
+    # the next batch is built in a background thread while the current step runs
+    train_loader = RowLoader(train_docs, state=meta.get("loader"), prefetch=True, **loader_kw)
+    step_model, eval_model = step_and_eval_models(model, use_compile, rt)
+    log_code_paths(cfg, rt, model, step_model, total_steps)
+    eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
+    state = LoopState.resumed(start_step, carried)
+
+    def val_bpb() -> float:
+        loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
+        with plain_linears(model):  # evaluate in the precision the model will be used in, as nanochat does
+            return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
+
+    def train_step(step: int) -> tuple[float, float, float]:
+        next_batch = train_loader.next_batch
+        return scheduled_train_step(
+            step, total_steps, cfg, step_model, next_batch, optimizers, grad_accum=grad_accum, rt=rt
+        )
+
+    def checkpoint_meta() -> dict:
+        return {
+            **run_meta("pretrain", run_fp, cfg, inputs, rt, model.config),
+            "loader": train_loader.state(),
+            "total_steps": total_steps,
+            "carried": {"train_seconds": state.train_seconds, "tokens": state.tokens, "mlflow_run_ids": state.run_ids},
+        }
+
+    checkpoints = Checkpointer(work, cfg, model, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
+
+    # --- loop
+    params = run_params(cfg, model, horizon, grad_accum, rt)
+    with tracked_run("pretrain", params, rt) as run:
+        metrics = Curves(run, "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
+        state.run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
+        samples = functools.partial(log_samples, model, tok, rt, run)
+        run_loop(
+            cfg,
+            rt,
+            state,
+            total_steps,
+            val_bpb=val_bpb,
+            train_step=train_step,
+            samples=samples,
+            checkpoints=checkpoints,
+            metrics=metrics,
+            flops_per_token=model.flops_per_token(),
+        )
+
+        # --- save the final model for the next stage
+        train_loader.close()
+        summary, final = state.summary(), {"final/val_bpb": state.bpb}
+        finish_stage(
+            out_dir, model, checkpoint_meta(), summary, step=state.step, run=run, metrics=metrics, rt=rt, final=final
+        )
+    runtime.barrier()
+
+
+def run_params(
+    cfg: PretrainSettings, model: GPT, horizon: Horizon, grad_accum: int, rt: runtime.Runtime
+) -> dict[str, object]:
+    """The MLflow params of the run: settings, model shape and the batch and schedule derived from them."""
+    return {
+        "pretrain": snapshot(cfg),
+        "model_config": model.config.to_dict(),
+        "num_params": model.num_params(),
+        "grad_accum": grad_accum,
+        "world_size": rt.world_size,
+        "total_steps": cfg.max_steps,
+        "horizon": horizon.as_params(),
+    }
+
+
+def step_and_eval_models(model: GPT, use_compile: bool, rt: runtime.Runtime) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the module train steps run: DDP-wrapped on several ranks, compiled when it pays; the module
+    evaluation runs: compiled alike, never DDP)."""
+    ddp_model = DDP(model) if rt.world_size > 1 else model
+    step_model = torch.compile(ddp_model) if use_compile else ddp_model
+    eval_model = torch.compile(model) if use_compile else model
+    return step_model, eval_model
+
+
+def tokenized_docs(work: Path, tok: Tokenizer, rt: runtime.Runtime) -> tuple[dict, TokenDocs, TokenDocs]:
+    """(input hashes, train docs, val docs): the text shards tokenized once into ``work/tokens``,
+    each rank taking its share of the shards; a changed tokenizer or data manifest re-tokenizes."""
+    data_dir = ARTIFACTS / "data"
     inputs = {
-        "tokenizer": sha256_file(tok_dir / "tokenizer.json"),
+        "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
         "data": json.loads((data_dir / "manifest.json").read_text()),
     }
     tokenize_shards(
         data_dir, tok, work / "tokens", fingerprint=fingerprint(inputs), rank=rt.rank, world_size=rt.world_size
     )
-    train_docs, val_docs = TokenDocs(work / "tokens", "train"), TokenDocs(work / "tokens", "val")
+    return inputs, TokenDocs(work / "tokens", "train"), TokenDocs(work / "tokens", "val")
 
-    # --- model
-    torch.manual_seed(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+
+def build_model(cfg: PretrainSettings, tok: Tokenizer, rt: runtime.Runtime) -> GPT:
+    """A freshly initialized GPT (same init on every rank; DDP also broadcasts rank 0's weights),
+    FP8 on its block matrices if asked; stops early if it would not fit the device's memory."""
+    torch.manual_seed(cfg.seed)
     model_config = model_config_for(cfg, tok.vocab_size)
     with torch.device(rt.device):
         model = GPT(model_config)
     model.init_weights()
     if cfg.fp8:
         enable_fp8(model)  # block matrices only; eval, samples and saved weights go through plain Linear
-    num_params, flops_per_token = model.num_params(), model.flops_per_token()
     check_memory_fits(
         estimate_memory_bytes(
-            num_params,
+            model.num_params(),
             model.num_embedding_params(),
             model_config.n_layer,
             model_config.n_embd,
@@ -99,115 +237,74 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
         rt.device,
         cfg.device_batch_size,
     )
+    return model
 
-    # --- batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon; `chatpipe plan` shows the same)
-    cfg, horizon = resolve_horizon(cfg, model, rt.world_size)  # cfg now holds the batch, steps, LRs and decay
-    total_steps = cfg.max_steps
-    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
-    use_compile = compile_pays(cfg.compile, total_steps, rt.device)
+
+def log_run_shape(cfg: PretrainSettings, model: GPT, grad_accum: int, rt: runtime.Runtime) -> None:
+    """One line with the model, its size and cost, and the run's steps and batch."""
     log.info(
         "model %s | %.2fM params | %.3g FLOPs/token | %d steps x %d tokens (grad accum %d, world %d)",
-        model_config,
-        num_params / 1e6,
-        flops_per_token,
-        total_steps,
+        model.config,
+        model.num_params() / 1e6,
+        model.flops_per_token(),
+        cfg.max_steps,
         cfg.total_batch_size,
         grad_accum,
         rt.world_size,
     )
 
-    # --- optimizer
+
+def make_optimizers(cfg: PretrainSettings, model: GPT, rt: runtime.Runtime) -> list:
+    """The run's optimizers (``cfg.optimizer``), fused on CUDA, compiled when that pays for the run's length."""
     polar_dtype = polar_express_dtype(cfg, rt)
     if cfg.optimizer == "normuon_polar_express":
         log.info("Polar Express in %s (polar_express_dtype: %s)", polar_dtype, cfg.polar_express_dtype)
-    optimizers = build_optimizers(
+    return build_optimizers(
         model,
         **cfg.optimizer_kwargs(),
         fused=rt.device.type == "cuda",
-        compile=compile_pays(cfg.compile, total_steps, rt.device, part="optimizer"),
+        compile=compile_pays(cfg.compile, cfg.max_steps, rt.device, part="optimizer"),
         polar_dtype=polar_dtype,
     )
 
-    # --- resume from the newest valid checkpoint made with the same settings and inputs
-    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
-    start_step, _, carried = resume_point(meta)
 
-    loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len, **rt.shard)
-    # the checkpoint's loader state holds the packer cursor: resuming costs the same at any step;
-    # the next batch is built in a background thread while the current step runs
-    train_loader = RowLoader(train_docs, state=meta.get("loader"), prefetch=True, **loader_kw)
-    ddp_model = DDP(model) if rt.world_size > 1 else model
-    step_model = torch.compile(ddp_model) if use_compile else ddp_model
-    eval_model = torch.compile(model) if use_compile else model
-    log_code_paths(cfg, rt, model, step_model, total_steps)
-    eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
+def run_loop(
+    cfg: PretrainSettings,
+    rt: runtime.Runtime,
+    state: LoopState,
+    total_steps: int,
+    *,
+    val_bpb: Callable[[], float],
+    train_step: Callable[[int], tuple[float, float, float]],
+    samples: Callable[[int], None],
+    checkpoints: Checkpointer,
+    metrics: Curves,
+    flops_per_token: float,
+) -> None:
+    """Train from ``state.step`` to ``total_steps``: val bpb every ``eval_every`` steps and at the
+    last, rank 0's samples every ``sample_every``, checkpoints when due, one optimizer step in between."""
+    bar = progress(total_steps, "pretrain", initial=state.start_step, unit="step")
+    peak = peak_flops(rt.device) * rt.world_size
+    while True:
+        last = state.step == total_steps
+        if last or due(state.step, cfg.eval_every):
+            state.bpb = val_bpb()
+            metrics.log({"val/bpb": state.bpb}, state.step)
+            log.info("step %d | val bpb %.4f", state.step, state.bpb)
+        if rt.is_main and cfg.sample_every and (last or state.step % cfg.sample_every == 0) and state.step > 0:
+            samples(state.step)
+        checkpoints.save_if_due(state.step, last=last)
+        if last:
+            bar.close()
+            return
 
-    def val_bpb() -> float:
-        loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
-        with plain_linears(model):  # evaluate in the precision the model will be used in, as nanochat does
-            return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
-
-    def checkpoint_meta() -> dict:
-        return {
-            **run_meta("pretrain", run_fp, cfg, inputs, rt, model_config),
-            "loader": train_loader.state(),
-            "total_steps": total_steps,
-            "carried": {"train_seconds": t_train, "tokens": tokens_seen, "mlflow_run_ids": run_ids},
-        }
-
-    checkpoints = Checkpointer(work, cfg, model, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
-
-    # --- loop
-    params = {
-        "pretrain": snapshot(cfg),
-        "model_config": model_config.to_dict(),
-        "num_params": num_params,
-        "grad_accum": grad_accum,
-        "world_size": rt.world_size,
-        "total_steps": total_steps,
-        "horizon": horizon.as_params(),
-    }
-    with tracked_run("pretrain", params, rt) as run:
-        metrics = Curves(run, "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
-        bar = progress(total_steps, "pretrain", initial=start_step, unit="step")
-        peak = peak_flops(rt.device) * rt.world_size
-        step, bpb = start_step, float("nan")
-        # totals and run ids continue from the checkpoint, so a resume from the final one
-        # rewrites the same summary (and the same artifact hash) as the run that trained it
-        t_train, tokens_seen = carried.get("train_seconds", 0.0), carried.get("tokens", 0)
-        run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
-        while True:
-            last = step == total_steps
-            if last or due(step, cfg.eval_every):
-                bpb = val_bpb()
-                metrics.log({"val/bpb": bpb}, step)
-                log.info("step %d | val bpb %.4f", step, bpb)
-            if rt.is_main and cfg.sample_every and (last or step % cfg.sample_every == 0) and step > 0:
-                log_samples(model, tok, rt, run, step)
-            checkpoints.save_if_due(step, last=last)
-            if last:
-                break
-
-            loss, lr_mult, dt = scheduled_train_step(
-                step, total_steps, cfg, step_model, train_loader.next_batch, optimizers, grad_accum=grad_accum, rt=rt
-            )
-            step += 1
-            t_train += dt
-            tokens_seen += cfg.total_batch_size
-            tok_per_s = cfg.total_batch_size / dt
-            mfu = {"mfu": flops_per_token * tok_per_s / peak} if peak else {}
-            report_step(log, metrics, bar, step, total_steps, cfg.log_every, loss, lr_mult, tok_per_s, **mfu)
-
-        # --- save the final model for the next stage
-        bar.close()
-        train_loader.close()
-        tokens_per_s = tokens_seen / max(t_train, 1e-9)
-        summary = {"val_bpb": bpb, "train_seconds": t_train, "tokens": tokens_seen, "tokens_per_s": tokens_per_s}
-        final = {"final/val_bpb": bpb}
-        finish_stage(
-            out_dir, model, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt, final=final
-        )
-    runtime.barrier()
+        loss, lr_mult, dt = train_step(state.step)
+        state.step += 1
+        state.train_seconds += dt
+        state.tokens += cfg.total_batch_size
+        tok_per_s = cfg.total_batch_size / dt
+        mfu = {"mfu": flops_per_token * tok_per_s / peak} if peak else {}
+        report_step(log, metrics, bar, state.step, total_steps, cfg.log_every, loss, lr_mult, tok_per_s, **mfu)
 
 
 def resolve_horizon(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[PretrainSettings, Horizon]:

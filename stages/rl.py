@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,10 +34,12 @@ from chatpipe.data.tasks import build_mixture
 from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
 from chatpipe.model.files import load_model
+from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.progress import progress
-from chatpipe.rl import losses as rl
-from chatpipe.rl.rollout import collect_rollouts, evaluate_problems, load_problems, rank_indices
+from chatpipe.progress import Progress, progress
+from chatpipe.rl import losses
+from chatpipe.rl.rollout import Problem, Rollouts, collect_rollouts, evaluate_problems, load_problems, rank_indices
+from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
 from chatpipe.settings import RLSettings, TrainSettings, snapshot
@@ -54,25 +57,167 @@ def main(argv: list[str] | None = None) -> None:
     runtime.run_stage(RLSettings, train, argv)
 
 
+@dataclass
+class Models:
+    """The policy RL trains, its frozen reference, PPO's critic (None otherwise) and their optimizers."""
+
+    policy: GPT
+    ref: GPT
+    critic: ValueModel | None
+    state: torch.nn.ModuleDict  # what a checkpoint holds: policy, ref and critic
+    init_lrs: dict[str, float]  # the init model's LRs, which the RL LRs are fractions of
+    policy_opts: list
+    critic_opts: list
+
+    @property
+    def optimizers(self) -> list:
+        return self.policy_opts + self.critic_opts
+
+
+@dataclass
+class Parts:
+    """What the loop works with, all built before it starts."""
+
+    cfg: RLSettings
+    rt: runtime.Runtime
+    models: Models
+    engine: Engine
+    train_problems: list[Problem]
+    eval_problems: list[Problem]
+    kl_ctl: losses.KLController
+    ppo_config: PPOConfig
+    replay_loader: ConversationLoader | None
+    train_policy: torch.nn.Module  # the policy, DDP-wrapped when there are several ranks
+    train_critic: torch.nn.Module | None
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step, and a checkpoint carries across a resume."""
+
+    start_step: int = 0
+    step: int = 0
+    prompt_log: list = field(default_factory=list)  # per step, every rank's prompt indices
+    first_eval: dict[str, float] | None = None
+    evals: dict[str, float] = field(default_factory=dict)
+    carried: dict = field(default_factory=dict)
+    # totals over every run that trained this policy, so a resume reports the same summary
+    gen_seconds: float = 0.0
+    train_seconds: float = 0.0
+    gen_tokens: int = 0
+    run_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, meta: dict) -> LoopState:
+        """The state a checkpoint's ``meta`` saved, or a fresh one for ``{}``."""
+        if not meta:
+            return cls()
+        carried = carried_over(meta)
+        return cls(
+            start_step=meta["step"],
+            step=meta["step"],
+            prompt_log=meta["prompt_indices"],
+            first_eval=meta["first_eval"],
+            carried=carried,
+            gen_seconds=carried.get("gen_seconds", 0.0),
+            train_seconds=carried.get("train_seconds", 0.0),
+            gen_tokens=carried.get("gen_tokens", 0),
+        )
+
+    def summary(self) -> dict[str, float]:
+        """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k."""
+        return {
+            "steps": self.step,
+            "gen_seconds": self.gen_seconds,
+            "train_seconds": self.train_seconds,
+            "rollout_tokens_per_s": self.gen_tokens / max(self.gen_seconds, 1e-9),
+            **{f"first_{k}": v for k, v in (self.first_eval or {}).items()},
+            **{f"final_{k}": v for k, v in self.evals.items()},
+        }
+
+
 def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
-    work = WORK / "rl"
-    init_dir = Path(cfg.init_dir)
+    work, init_dir = WORK / "rl", Path(cfg.init_dir)
     if cfg.prompts_per_step % rt.world_size:
         raise ValueError(
             f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the {rt.world_size} ranks"
         )
-    per_rank = cfg.prompts_per_step // rt.world_size
-    use_critic = cfg.algorithm == "ppo" and not cfg.disable_value
 
-    # --- models: policy from the init stage, a frozen reference copy, a critic for PPO
+    # --- models: policy from the init stage, a frozen reference copy, a critic for PPO; their optimizers
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
-    policy, init_meta = load_model(init_dir, rt.device)
+    models = load_models(cfg, rt)
+    kl_ctl = losses.KLController(
+        cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
+    )
+    ppo_config = PPOConfig.from_settings(cfg)
+
+    # --- data: RL prompts, and the chat-stage rows replayed with every optimizer step
+    train_problems, eval_problems = load_rl_problems(cfg, rt)
+    replay_seq_len, replay_pack = replay_rows(cfg, tok, models.policy)
+
+    # --- resume from the newest checkpoint made with the same settings and init model
+    inputs = {
+        "init": sha256_file(init_dir / "model.pt"),
+        "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
+    }
+    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
+    state = LoopState.resumed(meta)
+    if meta:
+        kl_ctl.value = meta["kl_coef"]
+    replay_loader = None
+    if replay_pack:  # its cursor resumes where the checkpoint left it
+        start_row = meta["replay"]["row"] if meta else 0
+        replay_loader = ConversationLoader(
+            *replay_pack,
+            batch_size=cfg.replay_rows,
+            seq_len=replay_seq_len,
+            pad_id=tok.bos_id,
+            start_row=start_row,
+            **rt.shard,
+        )
+    train_policy = distributed(models.policy, rt)
+    train_critic = distributed(models.critic, rt) if models.critic else None
+    problems = (train_problems, eval_problems)
+    engine = Engine(models.policy, tok)
+    parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
+
+    def checkpoint_meta() -> dict:
+        return rl_meta(parts, state, run_meta("rl", run_fp, cfg, inputs, rt, models.policy.config))
+
+    checkpoints = Checkpointer(
+        work, cfg, models.state, models.optimizers, meta=checkpoint_meta, rt=rt, start_step=state.start_step
+    )
+
+    # --- loop
+    params = {
+        "rl": snapshot(cfg),
+        "model_config": models.policy.config.to_dict(),
+        "world_size": rt.world_size,
+        "init_lrs": models.init_lrs,
+    }
+    with tracked_run("rl", params, rt) as run:
+        metrics = Curves(run, "rl", ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"], enabled=rt.is_main)
+        bar = progress(cfg.max_steps, "rl", initial=state.start_step, unit="step")
+        state.run_ids = producing_runs(state.carried, run.id, trains=state.start_step < cfg.max_steps)
+        run_loop(parts, state, checkpoints, metrics, bar)
+
+        # --- save the final policy for eval and chat
+        bar.close()
+        out_dir, summary = ARTIFACTS / "rl", state.summary()
+        finish_stage(
+            out_dir, models.policy, checkpoint_meta(), summary, step=state.step, run=run, metrics=metrics, rt=rt
+        )
+    runtime.barrier()
+
+
+def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
+    """The init model as policy, a frozen copy as reference, PPO's critic, and optimizers whose LRs
+    are fractions of the init model's (decayed linearly to 0 by the loop)."""
+    policy, init_meta = load_model(Path(cfg.init_dir), rt.device)
     policy.train()
     ref = copy.deepcopy(policy).requires_grad_(False).eval()
-    critic = ValueModel.from_policy(policy) if use_critic else None
+    critic = ValueModel.from_policy(policy) if cfg.algorithm == "ppo" and not cfg.disable_value else None
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
-
-    # --- optimizers: a fraction of the init model's LRs, decayed linearly to 0
     init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
         k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
     }
@@ -88,248 +233,205 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         if critic
         else []
     )
-    kl_ctl = rl.KLController(
-        cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
-    )
-    ppo_config = PPOConfig.from_settings(cfg)
+    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts)
 
-    # --- problems: each rank samples its own train prompts and evaluates its share of the held-out ones
+
+def load_rl_problems(cfg: RLSettings, rt: runtime.Runtime) -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) problems: every rank samples its own train prompts from the whole pool and
+    evaluates its share of the held-out ones."""
     train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source)
     for keep in cfg.keep_tasks:  # skills RL must not wear away: their prompts join the training pool
         n = keep.limit or cfg.num_train_problems
         train_problems += load_problems(
             keep.task, "train", n, cfg.seed, source=keep.source or "", words=keep.words, path=keep.path
         )
-    eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source)[
-        rt.rank :: rt.world_size
-    ]
-    # replay: chat-stage conversations whose LM loss joins every optimizer step (rl.replay)
+    eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source)
+    return train_problems, eval_problems[rt.rank :: rt.world_size]
+
+
+def replay_rows(cfg: RLSettings, tok: Tokenizer, policy: GPT) -> tuple[int, tuple | None]:
+    """(row length, packed rows) of the chat-stage conversations whose LM loss joins every optimizer
+    step (``rl.replay``); no rows when replay is off. Rows longer than the model stop the stage here."""
     replay_seq_len = cfg.replay_seq_len or policy.config.sequence_len
     if cfg.replay and replay_seq_len > policy.config.sequence_len:
         raise ValueError(
             f"rl.replay_seq_len = {replay_seq_len} is longer than the model's sequence_len "
-            f"{policy.config.sequence_len} ({init_dir}); set it to at most that, or null for the model's"
+            f"{policy.config.sequence_len} ({Path(cfg.init_dir)}); set it to at most that, or null for the model's"
         )
     replay_pack = pack(build_mixture(cfg.replay, "train", seed=cfg.seed), tok, replay_seq_len) if cfg.replay else None
+    return replay_seq_len, replay_pack
 
-    # --- resume from the newest checkpoint made with the same settings and init model
-    inputs = {
-        "init": sha256_file(init_dir / "model.pt"),
-        "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
+
+def rl_meta(parts: Parts, state: LoopState, run_identity: dict) -> dict:
+    """A checkpoint's meta (and the final ``meta.json``): the run's identity plus the loop state."""
+    return {
+        **run_identity,
+        "kl_coef": parts.kl_ctl.value,
+        "init_dir": str(Path(parts.cfg.init_dir)),
+        "total_steps": parts.cfg.max_steps,
+        "prompt_indices": state.prompt_log,
+        "replay": parts.replay_loader.state() if parts.replay_loader else None,
+        "first_eval": state.first_eval,
+        "carried": {
+            "gen_seconds": state.gen_seconds,
+            "train_seconds": state.train_seconds,
+            "gen_tokens": state.gen_tokens,
+            "mlflow_run_ids": state.run_ids,
+        },
     }
-    run_fp, meta = resume_or_fresh(work, cfg, inputs, model=state, optimizers=policy_opts + critic_opts, rt=rt)
-    start_step, prompt_log, first_eval, carried = 0, [], None, {}
-    if meta:
-        start_step, kl_ctl.value, prompt_log = meta["step"], meta["kl_coef"], meta["prompt_indices"]
-        first_eval, carried = meta["first_eval"], carried_over(meta)
-    replay_loader = None
-    if replay_pack:
-        replay_loader = ConversationLoader(
-            *replay_pack,
-            batch_size=cfg.replay_rows,
-            seq_len=replay_seq_len,
-            pad_id=tok.bos_id,
-            start_row=meta["replay"]["row"] if meta else 0,
-            **rt.shard,
-        )
 
-    def replay(model) -> torch.Tensor:
-        return cfg.replay_coef * model(*replay_loader.next_batch())
 
-    train_policy = DDP(policy) if rt.world_size > 1 else policy
-    train_critic = (DDP(critic) if rt.world_size > 1 else critic) if critic else None
-    engine = Engine(policy, tok)
+def run_loop(parts: Parts, state: LoopState, checkpoints: Checkpointer, metrics: Curves, bar: Progress) -> None:
+    """Train from ``state.step`` to ``max_steps``: held-out pass@k at the first, every ``eval_every``
+    and the last step, checkpoints when due, and one rollout-and-update step in between."""
+    cfg = parts.cfg
+    while True:
+        last = state.step == cfg.max_steps
+        if last or state.step == state.start_step or due(state.step, cfg.eval_every):
+            state.evals = pass_at_k(parts)
+            state.first_eval = state.first_eval or state.evals
+            metrics.log(state.evals, state.step)
+            log.info("step %d | %s", state.step, " | ".join(f"{k} {v:.3f}" for k, v in state.evals.items()))
+        checkpoints.save_if_due(state.step, last=last)
+        if last:
+            return
 
-    def pass_at_k() -> dict[str, float]:
-        policy.eval()
-        correct = evaluate_problems(
-            engine,
-            eval_problems,
-            num_samples=cfg.eval_samples,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.eval_temperature,
-            top_k=cfg.top_k or None,
-            seed=cfg.seed + 10_000 * rt.rank,
-        )
-        policy.train()
-        ks = sorted({1, cfg.eval_samples})
-        sums = torch.tensor(
-            [len(correct)] + [rl.mean_pass_at_k(correct, k) * len(correct) if correct else 0.0 for k in ks],
-            dtype=torch.float64,
-            device=rt.device,
-        )
-        runtime.all_reduce_sum(sums)
-        return {f"eval/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
+        lr_mult = 1.0 - state.step / cfg.max_steps
+        apply_schedules(parts.models.optimizers, lr_mult, None)
+        t0 = time.perf_counter()
+        batch = sample_rollouts(parts, state)
+        t_gen = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        stats = update(parts, batch, state.step)
+        t_train = time.perf_counter() - t1
+        state.step += 1
 
-    def checkpoint_meta() -> dict:
-        return {
-            **run_meta("rl", run_fp, cfg, inputs, rt, policy.config),
-            "kl_coef": kl_ctl.value,
-            "init_dir": str(init_dir),
-            "total_steps": cfg.max_steps,
-            "prompt_indices": prompt_log,
-            "replay": replay_loader.state() if replay_loader else None,
-            "first_eval": first_eval,
-            "carried": {
-                "gen_seconds": t_gen_total,
-                "train_seconds": t_train_total,
-                "gen_tokens": gen_tokens_total,
-                "mlflow_run_ids": run_ids,
-            },
+        totals = RolloutTotals.of(batch, kl_sum=stats.pop("kl_sum", 0.0)).summed_over_ranks(parts.rt.device)
+        state.gen_tokens += int(totals.tokens)
+        state.gen_seconds, state.train_seconds = state.gen_seconds + t_gen, state.train_seconds + t_train
+        row = {
+            **totals.means(),
+            "rollout/tokens_per_s": totals.tokens / max(t_gen, 1e-9),  # ranks sample in parallel
+            "time/gen_share": t_gen / (t_gen + t_train),
+            "lr_mult": lr_mult,
+            "kl/coef": parts.kl_ctl.value,
+            **{f"tools/{k}": float(v) for k, v in parts.engine.tool_stats.items()},  # running totals, this rank
+            **stats,
         }
+        metrics.log(row, state.step)
+        bar.update(reward=row["reward/mean"])
+        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+            log_step(state.step, cfg.max_steps, row, stats, t_gen + t_train)
 
-    checkpoints = Checkpointer(
-        work, cfg, state, policy_opts + critic_opts, meta=checkpoint_meta, rt=rt, start_step=start_step
+
+def sample_rollouts(parts: Parts, state: LoopState) -> Rollouts:
+    """This rank's prompts x ``group_size`` responses for step ``state.step``, seeded by (seed, step,
+    rank); rank 0 records who sampled what in ``state.prompt_log`` (tests check no overlap)."""
+    cfg, rt, policy = parts.cfg, parts.rt, parts.models.policy
+    per_rank = cfg.prompts_per_step // rt.world_size
+    idx = rank_indices(len(parts.train_problems), state.step, per_rank, rt.rank, rt.world_size, cfg.seed)
+    state.prompt_log.append(gather(idx, rt))
+    policy.eval()
+    batch = collect_rollouts(
+        parts.engine,
+        [parts.train_problems[i] for i in idx],
+        group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k or None,
+        device=rt.device,
+        seed=((cfg.seed * 1_000_003 + state.step) * rt.world_size + rt.rank) * per_rank,
+    )
+    policy.train()
+    return batch
+
+
+def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
+    """One GRPO-lite or PPO update on ``batch`` with shaped scores (PPO then moves the reference
+    towards the policy by ``ref_ema``); returns the update's stats."""
+    cfg, models = parts.cfg, parts.models
+    penalized = losses.length_penalties(
+        batch.scores,
+        batch.ended,
+        batch.lengths,
+        no_eos=cfg.no_eos,
+        penalty=cfg.length_penalty,
+        min_length=cfg.min_response_length,
+    )
+    scores = losses.shape_scores(penalized, scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip)
+    replay = (lambda model: cfg.replay_coef * model(*parts.replay_loader.next_batch())) if parts.replay_loader else None
+    if cfg.algorithm == "grpo":
+        return grpo_update(
+            parts.train_policy,
+            models.policy_opts,
+            batch,
+            scores,
+            group_size=cfg.group_size,
+            normalize_std=cfg.normalize_std,
+            micro_batch=cfg.device_batch_size,
+            autocast=parts.rt.autocast,
+            replay=replay,
+        )
+    stats = ppo_update(
+        parts.train_policy,
+        models.ref,
+        parts.train_critic,
+        models.policy_opts,
+        models.critic_opts,
+        batch,
+        scores,
+        parts.kl_ctl,
+        parts.ppo_config,
+        step=step,
+        autocast=parts.rt.autocast,
+        replay=replay,
+    )
+    losses.ema_update(models.ref, models.policy, cfg.ref_ema)
+    return stats
+
+
+def pass_at_k(parts: Parts) -> dict[str, float]:
+    """Held-out pass@1 and pass@eval_samples over every rank's share of the eval problems."""
+    cfg, rt, policy = parts.cfg, parts.rt, parts.models.policy
+    policy.eval()
+    correct = evaluate_problems(
+        parts.engine,
+        parts.eval_problems,
+        num_samples=cfg.eval_samples,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.eval_temperature,
+        top_k=cfg.top_k or None,
+        seed=cfg.seed + 10_000 * rt.rank,
+    )
+    policy.train()
+    ks = sorted({1, cfg.eval_samples})
+    # summed over ranks: [problems, pass@k x problems for each k]
+    sums = torch.tensor(
+        [len(correct)] + [losses.mean_pass_at_k(correct, k) * len(correct) if correct else 0.0 for k in ks],
+        dtype=torch.float64,
+        device=rt.device,
+    )
+    runtime.all_reduce_sum(sums)
+    return {f"eval/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
+
+
+def log_step(step: int, max_steps: int, row: dict[str, float], stats: dict[str, float], seconds: float) -> None:
+    log.info(
+        "step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs",
+        step,
+        max_steps,
+        row["reward/mean"],
+        row["response/length"],
+        row["kl/mean"],
+        " ".join(f"{k} {v:.3g}" for k, v in stats.items()),
+        100 * row["time/gen_share"],
+        seconds,
     )
 
-    # --- loop
-    params = {
-        "rl": snapshot(cfg),
-        "model_config": policy.config.to_dict(),
-        "world_size": rt.world_size,
-        "init_lrs": init_lrs,
-    }
-    with tracked_run("rl", params, rt) as run:
-        metrics = Curves(run, "rl", ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"], enabled=rt.is_main)
-        bar = progress(cfg.max_steps, "rl", initial=start_step, unit="step")
-        step, evals = start_step, {}
-        t_gen_total, t_train_total = carried.get("gen_seconds", 0.0), carried.get("train_seconds", 0.0)
-        gen_tokens_total = carried.get("gen_tokens", 0)
-        run_ids = producing_runs(carried, run.id, trains=start_step < cfg.max_steps)
-        while True:
-            last = step == cfg.max_steps
-            if last or step == start_step or due(step, cfg.eval_every):
-                evals = pass_at_k()
-                first_eval = first_eval or evals
-                metrics.log(evals, step)
-                log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in evals.items()))
-            checkpoints.save_if_due(step, last=last)
-            if last:
-                break
 
-            lr_mult = 1.0 - step / cfg.max_steps
-            apply_schedules(policy_opts + critic_opts, lr_mult, None)
-
-            # rollouts: this rank's prompts x group_size samples, seeded by (seed, step, rank)
-            t0 = time.perf_counter()
-            idx = rank_indices(len(train_problems), step, per_rank, rt.rank, rt.world_size, cfg.seed)
-            prompt_log.append(gather(idx, rt))  # rank 0 keeps who sampled what (tests check no overlap)
-            policy.eval()
-            batch = collect_rollouts(
-                engine,
-                [train_problems[i] for i in idx],
-                group_size=cfg.group_size,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k or None,
-                device=rt.device,
-                seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank,
-            )
-            policy.train()
-            t_gen = time.perf_counter() - t0
-
-            # update
-            t1 = time.perf_counter()
-            scores = rl.shape_scores(
-                rl.length_penalties(
-                    batch.scores,
-                    batch.ended,
-                    batch.lengths,
-                    no_eos=cfg.no_eos,
-                    penalty=cfg.length_penalty,
-                    min_length=cfg.min_response_length,
-                ),
-                scale=cfg.reward_scale,
-                bias=cfg.reward_bias,
-                clip=cfg.reward_clip,
-            )
-            if cfg.algorithm == "grpo":
-                stats = grpo_update(
-                    train_policy,
-                    policy_opts,
-                    batch,
-                    scores,
-                    group_size=cfg.group_size,
-                    normalize_std=cfg.normalize_std,
-                    micro_batch=cfg.device_batch_size,
-                    autocast=rt.autocast,
-                    replay=replay if replay_loader else None,
-                )
-            else:
-                stats = ppo_update(
-                    train_policy,
-                    ref,
-                    train_critic,
-                    policy_opts,
-                    critic_opts,
-                    batch,
-                    scores,
-                    kl_ctl,
-                    ppo_config,
-                    step=step,
-                    autocast=rt.autocast,
-                    replay=replay if replay_loader else None,
-                )
-                rl.ema_update(ref, policy, cfg.ref_ema)
-            t_train = time.perf_counter() - t1
-            step += 1
-
-            # metrics, summed over ranks
-            sums = torch.tensor(
-                [
-                    batch.scores.sum().item(),
-                    float(len(batch.scores)),
-                    float(batch.lengths.sum()),
-                    batch.ended.float().sum().item(),
-                    float(batch.num_tokens),
-                    stats.pop("kl_sum", 0.0),
-                ],
-                dtype=torch.float64,
-                device=rt.device,
-            )
-            runtime.all_reduce_sum(sums)
-            n = sums[1].item()
-            gen_tokens_total += int(sums[4].item())
-            t_gen_total, t_train_total = t_gen_total + t_gen, t_train_total + t_train
-            row = {
-                "reward/mean": sums[0].item() / n,
-                "response/length": sums[2].item() / n,
-                "response/eos_frac": sums[3].item() / n,
-                "kl/mean": sums[5].item() / n,
-                "rollout/tokens_per_s": sums[4].item() / max(t_gen, 1e-9),  # ranks sample in parallel
-                "time/gen_share": t_gen / (t_gen + t_train),
-                "lr_mult": lr_mult,
-                "kl/coef": kl_ctl.value,
-                **{f"tools/{k}": float(v) for k, v in engine.tool_stats.items()},  # running totals, this rank
-                **stats,
-            }
-            metrics.log(row, step)
-            bar.update(reward=row["reward/mean"])
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                log.info(
-                    "step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs",
-                    step,
-                    cfg.max_steps,
-                    row["reward/mean"],
-                    row["response/length"],
-                    row["kl/mean"],
-                    " ".join(f"{k} {v:.3g}" for k, v in stats.items()),
-                    100 * row["time/gen_share"],
-                    t_gen + t_train,
-                )
-
-        # --- save the final policy for eval and chat
-        bar.close()
-        summary = {
-            "steps": step,
-            "gen_seconds": t_gen_total,
-            "train_seconds": t_train_total,
-            "rollout_tokens_per_s": gen_tokens_total / max(t_gen_total, 1e-9),
-            **{f"first_{k}": v for k, v in (first_eval or {}).items()},
-            **{f"final_{k}": v for k, v in evals.items()},
-        }
-        finish_stage(ARTIFACTS / "rl", policy, checkpoint_meta(), summary, step=step, run=run, metrics=metrics, rt=rt)
-    runtime.barrier()
+def distributed(module: torch.nn.Module, rt: runtime.Runtime) -> torch.nn.Module:
+    """``module`` wrapped in DDP when there are several ranks (gradients averaged in backward)."""
+    return DDP(module) if rt.world_size > 1 else module
 
 
 def gather(obj, rt: runtime.Runtime) -> list:

@@ -40,11 +40,11 @@ def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:
         stage="sft",
         init_dir=ARTIFACTS / "mid",
         out_dir=ARTIFACTS / "sft",
-        finish=lambda model, tok, run: chat_checks(cfg, model, tok, rt, run),
+        finish=lambda model, tok, run: score_replies_and_arithmetic(cfg, model, tok, rt, run),
     )
 
 
-def chat_checks(
+def score_replies_and_arithmetic(
     cfg: SFTSettings, model, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun
 ) -> dict[str, float]:
     """End-token rate on sampled held-out prompts; tool-use arithmetic accuracy of sft vs base."""

@@ -1,1 +1,1 @@
-"""RL on verifiable rewards: losses, rewards, rollouts, critic and updates."""
+"""RL on verifiable rewards: losses, rewards, rollouts, critic, updates and per-step rollout totals."""
