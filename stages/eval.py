@@ -198,17 +198,7 @@ def run_core(
             rank=rt.rank,
             world_size=rt.world_size,
         )
-    for label, t in out["tasks"].items():
-        log.info(
-            "%s | %s %-28s acc %.3f centered %+.3f (%d items, %.1fs)",
-            stage,
-            key,
-            label,
-            t["accuracy"],
-            t["centered"],
-            t["num_examples"],
-            t["seconds"],
-        )
+    log_tasks(f"{stage} | {key}", out["tasks"], width=28)
     log.info("%s | %s %s over %d tasks (%d skipped)", stage, key, out["core"], len(out["tasks"]), len(out["skipped"]))
     return out
 
@@ -232,18 +222,18 @@ def run_chatcore(stage: str, model, inputs: EvalInputs, cfg: EvalSettings, rt: r
             top_k=cfg.top_k or None,
             seed=cfg.seed,
         )
-    for name, t in out["tasks"].items():
-        log.info(
-            "%s | %-13s acc %.3f centered %+.3f (%d items, %.1fs)",
-            stage,
-            name,
-            t["accuracy"],
-            t["centered"],
-            t["num_examples"],
-            t["seconds"],
-        )
+    log_tasks(stage, out["tasks"], width=13)
     log.info("%s | ChatCORE %.4f", stage, out["chatcore"])
     return out
+
+
+def log_tasks(prefix: str, tasks: dict[str, dict], width: int) -> None:
+    """One log line per task: accuracy, centered accuracy, items and seconds."""
+    for name, t in tasks.items():
+        log.info(
+            "%s | %-*s acc %.3f centered %+.3f (%d items, %.1fs)",
+            prefix, width, name, t["accuracy"], t["centered"], t["num_examples"], t["seconds"],
+        )  # fmt: skip
 
 
 def write_results(cfg: EvalSettings, results: dict[str, dict], provenance: dict, run: tracking.StageRun) -> None:

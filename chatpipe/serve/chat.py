@@ -51,13 +51,18 @@ def prompt_for(tokenizer: Any, model: Any, messages: list[dict[str, Any]], max_t
     Raises ValueError for a malformed conversation, :class:`ContextTooLong` when it cannot fit.
     """
     ids = tokenizer.render_for_completion({"messages": messages})
+    check_fits(ids, model, max_tokens, "conversation", ": start a new chat or ask for fewer tokens")
+    return ids
+
+
+def check_fits(ids: list[int], model: Any, max_tokens: int, what: str, advice: str = "") -> None:
+    """Raise :class:`ContextTooLong` when ``ids`` plus ``max_tokens`` new ones exceed the model's context."""
     limit = context_limit(model)
     if len(ids) + max_tokens > limit:
         raise ContextTooLong(
-            f"conversation is {len(ids)} tokens; with max_tokens={max_tokens} that exceeds the "
-            f"model's {limit}-token context: start a new chat or ask for fewer tokens"
+            f"{what} is {len(ids)} tokens; with max_tokens={max_tokens} that exceeds the "
+            f"model's {limit}-token context{advice}"
         )
-    return ids
 
 
 # --------------------------------------------------------------------------- terminal

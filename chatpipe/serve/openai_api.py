@@ -39,7 +39,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for
+from chatpipe.serve.chat import ContextTooLong, append_part, check_fits, prompt_for
 
 MAX_N = 8  # choices per request: each is a full generation on an engine
 MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
@@ -237,13 +237,8 @@ def completion_prompts(req: CompletionRequest, loaded: Any, cfg: Any, max_tokens
     if not texts or any(len(t) > cfg.max_message_chars for t in texts):
         raise OpenAIError(400, f"prompt must be 1+ strings of at most {cfg.max_message_chars} characters", "prompt")
     prompts = [loaded.tokenizer.encode(t, prepend=loaded.tokenizer.bos_id) for t in texts]
-    limit = int(loaded.model.cos.size(2))
     for p in prompts:
-        if len(p) + max_tokens > limit:
-            raise ContextTooLong(
-                f"prompt is {len(p)} tokens; with max_tokens={max_tokens} that exceeds the "
-                f"model's {limit}-token context"
-            )
+        check_fits(p, loaded.model, max_tokens, "prompt")
     return prompts
 
 
