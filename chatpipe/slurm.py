@@ -252,13 +252,24 @@ def _die_with_parent() -> None:
 def cancel(job_id: str, timeout_s: float = 60.0) -> JobStatus | None:
     """``scancel`` the job and wait until the controller no longer runs any of it."""
     _slurm("scancel", job_id)
+    wait_until_gone(job_id, timeout_s)
+    return job_status(job_id)
+
+
+def wait_until_gone(job_id: str, timeout_s: float = 60.0, poll_s: float = 0.5) -> bool:
+    """Wait until ``squeue`` no longer lists the job as pending, running or COMPLETING.
+
+    Accounting (sacct) calls a job CANCELLED or FAILED as soon as it is decided, while its
+    processes may still be dying on the nodes (squeue's COMPLETING): a retry started then finds
+    the rendezvous port still bound (EADDRINUSE). False when ``timeout_s`` passed first.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         q = _slurm("squeue", "-j", job_id, "-h", "-o", "%T")
         if q.returncode != 0 or not q.stdout.strip() or set(q.stdout.split()) <= {"CANCELLED", "COMPLETED"}:
-            break
-        time.sleep(0.5)
-    return job_status(job_id)
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def run(runner, app, cfg: dict, stage: str, log_dir: Path, poll_s: float = 1.0) -> int:
@@ -300,6 +311,7 @@ def run(runner, app, cfg: dict, stage: str, log_dir: Path, poll_s: float = 1.0) 
             f.pump(final=True)
         seconds = time.perf_counter() - started
         if status.state != "SUCCEEDED":
+            wait_until_gone(job_id)  # a retry must not meet this job's processes (and ports) still dying
             for comp in status.components:
                 if comp.index == 0 or comp.base_state == "COMPLETED" or comp.index >= len(logs):
                     continue

@@ -400,6 +400,28 @@ def test_failure_report_names_the_worker_that_failed(tmp_path):
     assert status.state == "FAILED" and JobStatus("8", [Component(0, "CANCELLED by 0")]).state == "CANCELLED"
 
 
+def test_a_decided_job_is_waited_out_while_squeue_still_lists_it_completing(monkeypatch):
+    """sacct says CANCELLED at once; the nodes may still be killing its processes (squeue: COMPLETING).
+    A retry started then met the old job's rendezvous port still bound (EADDRINUSE in CI)."""
+    import subprocess
+
+    from chatpipe import slurm
+
+    answers = iter(["COMPLETING\nCOMPLETING\n", "COMPLETING\n", ""])
+    calls = []
+
+    def fake_slurm(*cmd):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, next(answers), "")
+
+    monkeypatch.setattr(slurm, "_slurm", fake_slurm)
+    assert slurm.wait_until_gone("7", timeout_s=5, poll_s=0.01) is True
+    assert len(calls) == 3 and calls[0] == ("squeue", "-j", "7", "-h", "-o", "%T")
+
+    monkeypatch.setattr(slurm, "_slurm", lambda *cmd: subprocess.CompletedProcess(cmd, 0, "COMPLETING\n", ""))
+    assert slurm.wait_until_gone("7", timeout_s=0.05, poll_s=0.01) is False
+
+
 # --------------------------------------------------------------------------- sweeps
 
 
