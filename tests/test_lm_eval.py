@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from chatpipe.evals.lm_harness import CORE_LABELS, _loglik, _pair, compare, run_lm_eval, write_tasks
+from chatpipe.evals.lm_harness import CORE_LABELS, _loglik, _pair, compare, hub_offline, run_lm_eval, write_tasks
 from chatpipe.export.hf import export_model
 from chatpipe.model.loading import load_chat_model
 from tests.conftest import require_shared_data
@@ -38,7 +38,7 @@ def test_task_yamls_point_at_local_files_only(tmp_path):
 
 @pytest.mark.slow
 def test_lm_eval_scores_the_same_model_and_items_as_core(numbers):
-    assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert "HF_DATASETS_OFFLINE" not in os.environ  # run_lm_eval ran offline inside hub_offline(), and put it back
     for name, row in numbers.items():
         assert row["items"] == ROWS
         # lm-eval's log-likelihoods are our model's, token for token (fp32)
@@ -77,3 +77,17 @@ def test_lm_eval_scores_a_remote_code_export_with_our_log_likelihoods(tmp_path):
         for choice, resp in zip(doc["choices"], s["filtered_resps"]):
             ids, start = _pair(loaded.tokenizer, doc["query"] + " ", choice)
             assert abs(_loglik(model, ids, start) - float(resp[0])) <= 1e-4
+
+
+def test_hub_offline_puts_the_environment_back(monkeypatch):
+    """run_lm_eval's offline switch must not outlive it: a flow started later from the same process
+    (the rehearsal test after the lm-eval one, on one xdist worker) inherited HF_HUB_OFFLINE=1 and
+    could not download its data."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    with hub_offline():
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert "HF_HUB_OFFLINE" not in os.environ and os.environ["HF_DATASETS_OFFLINE"] == "0"
+    with pytest.raises(RuntimeError), hub_offline():
+        raise RuntimeError("lm-eval failed")
+    assert "HF_HUB_OFFLINE" not in os.environ

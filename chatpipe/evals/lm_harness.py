@@ -26,11 +26,13 @@ How the two relate (what must be equal, what may differ):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,35 +66,54 @@ def write_tasks(out_dir: Path, bundle_dir: Path, rows: int | None = None) -> Pat
     return out_dir
 
 
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE`` and ``HF_DATASETS_OFFLINE`` set to 1 inside, and put back as they were after.
+
+    Setting them for good would leak into everything the process starts later: a pipeline run
+    from the same process (a test, a notebook) would then fail to download anything.
+    """
+    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    before = {k: os.environ.get(k) for k in keys}
+    os.environ.update(dict.fromkeys(keys, "1"))
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_lm_eval(
     hf_dir: Path, tasks: list[str], include_path: Path, *, max_length: int, device: str = "cpu", batch_size: int = 1
 ) -> dict[str, Any]:
     """lm-eval's HF backend on ``hf_dir`` (fp32, BOS first); returns its results dict (with samples).
 
     ``trust_remote_code`` is passed when the export ships its own modeling file."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only: never reach for the hub
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     # an export with our own modeling file (config.json auto_map) loads only with remote code allowed
     remote = "auto_map" in json.loads((Path(hf_dir) / "config.json").read_text())
-    return simple_evaluate(
-        model="hf",
-        model_args={
-            "pretrained": str(hf_dir),
-            "dtype": "float32",
-            "add_bos_token": True,
-            "max_length": max_length,
-            "device": device,
-            "trust_remote_code": remote,
-        },
-        tasks=tasks,
-        batch_size=batch_size,
-        task_manager=TaskManager(include_path=str(include_path), include_defaults=False),
-        log_samples=True,
-        bootstrap_iters=0,
-    )
+    with hub_offline():  # local files only: never reach for the hub (set before lm-eval imports datasets)
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+
+        return simple_evaluate(
+            model="hf",
+            model_args={
+                "pretrained": str(hf_dir),
+                "dtype": "float32",
+                "add_bos_token": True,
+                "max_length": max_length,
+                "device": device,
+                "trust_remote_code": remote,
+            },
+            tasks=tasks,
+            batch_size=batch_size,
+            task_manager=TaskManager(include_path=str(include_path), include_defaults=False),
+            log_samples=True,
+            bootstrap_iters=0,
+        )
 
 
 def _pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], int]:
