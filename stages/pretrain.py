@@ -33,6 +33,7 @@ from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
+from chatpipe.tracking import tracked_run
 from chatpipe.train.checkpoint import producing_runs
 from chatpipe.train.loop import (
     due,
@@ -53,7 +54,7 @@ from chatpipe.train.pretrain_plan import (
     model_config_for,
     polar_express_dtype,
 )
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]

@@ -45,10 +45,11 @@ from chatpipe.rl.value import ValueModel
 from chatpipe.settings import RLSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
+from chatpipe.tracking import tracked_run
 from chatpipe.train.checkpoint import carried_over, producing_runs
 from chatpipe.train.loop import due
 from chatpipe.train.optim import apply_schedules, build_optimizers
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta
 
 log = logging.getLogger("rl")
 

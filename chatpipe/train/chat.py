@@ -26,6 +26,7 @@ from chatpipe.progress import progress
 from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
+from chatpipe.tracking import tracked_run
 from chatpipe.train.checkpoint import producing_runs
 from chatpipe.train.loop import (
     due,
@@ -36,7 +37,7 @@ from chatpipe.train.loop import (
     scheduled_train_step,
 )
 from chatpipe.train.optim import build_optimizers
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta, tracked_run
+from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics

@@ -31,7 +31,6 @@ from chatpipe.runtime import Runtime
 from chatpipe.settings import RunSettings, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tracking import StageRun
-from chatpipe.tracking import tracked_run as tracked_run  # re-exported: the training stages import it from here
 from chatpipe.train.checkpoint import carried_over, resume_latest, save_checkpoint
 from chatpipe.train.loop import due
 
