@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from chatpipe.io import env_set  # noqa: E402
 from chatpipe.model.fp8 import enable_fp8  # noqa: E402
 from chatpipe.model.gpt import GPT  # noqa: E402
 from chatpipe.runtime import Runtime  # noqa: E402
@@ -63,16 +63,8 @@ def gpu_kind(name: str) -> str | None:
 
 def with_env(overrides: dict[str, str], fn, *args):
     """Call ``fn(*args)`` with environment variables set (settings read the profile and depth from there)."""
-    saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
+    with env_set(**overrides):
         return fn(*args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def profile_at(depth: int) -> tuple[PretrainSettings, int]:

@@ -3,10 +3,12 @@ the file and the free space when the disk fills up."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +69,22 @@ def save_torch(path: Path, obj: Any) -> None:
         raise OSError(
             getattr(e, "errno", None) or 28, f"could not write {path}: {reason}; {free_space(path.parent)}"
         ) from e
+
+
+@contextlib.contextmanager
+def env_set(**overrides: str) -> Iterator[None]:
+    """Environment variables set inside the block and put back as they were after (unset ones unset).
+
+    For settings that read the environment (``CHATPIPE_PROFILE``) or libraries' switches
+    (``HF_HUB_OFFLINE``): set for good, they would leak into everything the process starts later.
+    """
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

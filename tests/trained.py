@@ -52,22 +52,14 @@ def speedrun_model(vocab_size: int, seed: int = 0, **shape) -> GPT:
     padding is real. Every parameter is perturbed (std 0.05) after init: the zero-initialised
     gates, lambdas and output projections would otherwise hide whole paths from a comparison.
     ``shape`` overrides the pretrain settings (depth, window_pattern, ...)."""
-    import os
-
+    from chatpipe.io import env_set
     from chatpipe.settings import PretrainSettings, load_section
     from chatpipe.train.pretrain_plan import model_config_for
 
-    before = os.environ.get("CHATPIPE_PROFILE")
-    os.environ["CHATPIPE_PROFILE"] = "speedrun"
-    try:
+    with env_set(CHATPIPE_PROFILE="speedrun"):  # the environment as it was for the tests that follow
         settings = load_section(
             PretrainSettings, {"depth": 2, "sequence_len": 512, "head_dim": 32, "n_kv_head": 2, **shape}
         )
-    finally:  # leave the environment as it was for the tests that follow
-        if before is None:
-            del os.environ["CHATPIPE_PROFILE"]
-        else:
-            os.environ["CHATPIPE_PROFILE"] = before
     config = model_config_for(settings, -(-vocab_size // 64) * 64 + 5)
     torch.manual_seed(seed)
     model = GPT(config)

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from chatpipe.io import env_set
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 # lm-eval task name -> CORE task label (chatpipe/evals/core_tasks.yaml)
@@ -73,17 +74,8 @@ def hub_offline() -> Iterator[None]:
     Setting them for good would leak into everything the process starts later: a pipeline run
     from the same process (a test, a notebook) would then fail to download anything.
     """
-    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    before = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict.fromkeys(keys, "1"))
-    try:
+    with env_set(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"):
         yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_lm_eval(

@@ -14,7 +14,6 @@ the ``meta`` device, so planning a 1B-parameter model allocates nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from chatpipe.horizon import REFERENCE_DEPTH, Horizon, derive_horizon
+from chatpipe.io import env_set
 from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, quarter_window
 from chatpipe.runtime import Runtime, cpu_multiplies_bf16
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
@@ -220,17 +220,10 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
     """Compute the plan of ``profile`` from params.yaml (the same settings the stages read)."""
     if gpu not in PEAK_FLOPS:
         raise ValueError(f"gpu = {gpu!r}; allowed: {', '.join(PEAK_FLOPS)}")
-    previous = os.environ.get("CHATPIPE_PROFILE")
-    os.environ["CHATPIPE_PROFILE"] = profile  # settings resolve the profile from here
-    try:
+    with env_set(CHATPIPE_PROFILE=profile):  # settings resolve the profile from here
         cfg = load_section(PretrainSettings)
         vocab = load_section(TokenizerSettings).vocab_size
         launch = load_section(LaunchSettings)
-    finally:
-        if previous is None:
-            del os.environ["CHATPIPE_PROFILE"]
-        else:
-            os.environ["CHATPIPE_PROFILE"] = previous
     with torch.device("meta"):
         model = GPT(model_config_for(cfg, vocab))
     num_params, fpt = model.num_params(), model.flops_per_token()
