@@ -15,10 +15,13 @@ read back (:func:`chatpipe.train.loop.train_step`); nanochat's logged step cover
 3. ``nanochat_gram``: recipe 1 with ``polar_express="gram"`` (the same polynomial in Gram space,
    as profile ``tiny_nanochat`` runs it), compiled;
 4. the ``tiny`` profile's own recipe (params.yaml: full attention, MuonAdamW): compiled in every
-   round, eager once at the end.
+   round, eager once at the end;
+5. the headline: the tiny pretrain as the pipeline runs it (eager or compiled, whatever
+   ``compile: auto`` picks for its 100 steps on this CPU) in every round, against nanochat.
 
-Rounds of (ours compiled, nanochat, ours gram compiled, tiny compiled, ours eager) interleave so
-load from other processes hits all alike; each ratio is the median of the per-round ratios.
+Rounds of (ours compiled, nanochat, the pipeline's tiny run, ours gram compiled, tiny compiled,
+ours eager) interleave so load from other processes hits all alike; each ratio is the median of
+the per-round ratios.
 Without a checkout it says so and why.
 
 Steady rates are medians over the steps after the first. The first compiled step includes
@@ -64,15 +67,17 @@ from chatpipe.runtime import Runtime, init  # noqa: E402
 from chatpipe.settings import PretrainSettings, resolve_params  # noqa: E402
 from chatpipe.train.loop import train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
-from chatpipe.train.pretrain_plan import model_config_for, polar_express_dtype  # noqa: E402
+from chatpipe.train.pretrain_plan import compile_pays, model_config_for, polar_express_dtype  # noqa: E402
 
 DEPTH, HEAD_DIM, SEQ, BATCH, VOCAB = 4, 64, 256, 16, 1024
 TOKENS = BATCH * SEQ
+PIPELINE_STEPS = resolve_params(profile="tiny")["pretrain"]["max_steps"]  # the tiny pretrain's horizon
 DEFAULT_BASE = Path(tempfile.gettempdir()) / "chatpipe_bench_nanochat"
 
 
-def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Optimizer]]:
-    """The model and optimizers of ``recipe`` at the benchmark config (seeded)."""
+def make(recipe: str, compile_optimizer: bool, rt: Runtime | None = None) -> tuple[GPT, list[torch.optim.Optimizer]]:
+    """The model and optimizers of ``recipe`` at the benchmark config (seeded); ``rt``: the tiny
+    recipe's runtime (its dtype decides Polar Express's, as in the stage), float32 CPU by default."""
     torch.manual_seed(0)
     if recipe in ("nanochat", "nanochat_gram"):
         config = config_from_depth(DEPTH, VOCAB, SEQ, head_dim=HEAD_DIM, window_pattern="SSSL", **nanochat_options(SEQ))
@@ -92,11 +97,17 @@ def make(recipe: str, compile_optimizer: bool) -> tuple[GPT, list[torch.optim.Op
     cfg = PretrainSettings(**{**params, "depth": DEPTH, "head_dim": HEAD_DIM, "sequence_len": SEQ})
     model = GPT(model_config_for(cfg, VOCAB))
     model.init_weights()
-    cpu_fp32 = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    rt = rt or Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     opts = build_optimizers(
-        model, **cfg.optimizer_kwargs(), compile=compile_optimizer, polar_dtype=polar_express_dtype(cfg, cpu_fp32)
+        model, **cfg.optimizer_kwargs(), compile=compile_optimizer, polar_dtype=polar_express_dtype(cfg, rt)
     )
     return model, opts
+
+
+def pipeline_compile_choice() -> bool:
+    """What ``compile: auto`` picks for the tiny pretrain's model on this CPU (the stage's rule)."""
+    params = resolve_params(profile="tiny")["pretrain"]
+    return compile_pays(params["compile"], PIPELINE_STEPS, torch.device("cpu"))
 
 
 def random_docs(directory: Path, n_docs: int = 2000, seed: int = 0) -> TokenDocs:
@@ -112,8 +123,11 @@ def random_docs(directory: Path, n_docs: int = 2000, seed: int = 0) -> TokenDocs
 
 def worker(recipe: str, compiled: bool, steps: int) -> dict:
     """Run ``steps + 1`` training steps the way the stage does; seconds of each."""
-    rt = init("cpu", "float32")  # the stage's runtime, with its CPU allocator setting
-    model, opts = make(recipe, compile_optimizer=compiled)
+    # the stage's runtime, with its CPU allocator setting; the tiny recipe in the dtype the pretrain
+    # stage picks here (dtype: auto, bf16 autocast on CPUs with bf16 dot products), the
+    # nanochat-recipe comparisons in float32, as nanochat runs on CPU
+    rt = init("cpu", "auto" if recipe == "tiny" else "float32", training=True)
+    model, opts = make(recipe, compile_optimizer=compiled, rt=rt)
     step_model = torch.compile(model, dynamic=False) if compiled else model
     with tempfile.TemporaryDirectory() as tmp:
         loader = RowLoader(random_docs(Path(tmp)), batch_size=BATCH, seq_len=SEQ)
@@ -123,7 +137,13 @@ def worker(recipe: str, compiled: bool, steps: int) -> dict:
             train_step(step_model, loader.next_batch, opts, grad_accum=1, rt=rt)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-    return {"first_s": times[0], "step_s": times[1:], "cpu_s": cpu[1:], "threads": torch.get_num_threads()}
+    return {
+        "first_s": times[0],
+        "step_s": times[1:],
+        "cpu_s": cpu[1:],
+        "threads": torch.get_num_threads(),
+        "dtype": str(rt.dtype).removeprefix("torch."),
+    }
 
 
 def optimizer_forms(steps: int) -> None:
@@ -275,7 +295,8 @@ def load_average() -> str:
 
 
 def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
-    """Rounds of (ours compiled: nanochat recipe, direct and gram; nanochat compiled) at 1 thread, CPU s per step.
+    """Rounds of (ours compiled: nanochat recipe, direct and gram; the tiny pretrain as the pipeline runs
+    it; nanochat compiled) at 1 thread, CPU s per step.
 
     A loaded machine stretches wall time but hardly the CPU time a single-threaded step needs, so
     this ratio holds while other jobs run. It times nanochat's model and optimizer (not its
@@ -284,17 +305,22 @@ def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | No
     os.environ["OMP_NUM_THREADS"] = "1"
     print(f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, 1 thread, CPU seconds per step")
     env = dict(os.environ)
-    ours_cpu, gram_cpu, nc_cpu = [], [], []
+    ours_cpu, gram_cpu, nc_cpu, pipe_cpu = [], [], [], []
+    pipeline_compiles = pipeline_compile_choice()
     for r in range(args.rounds):
         mine = statistics.median(ours("nanochat", True, args.steps, env)["cpu_s"])
         gram = statistics.median(ours("nanochat_gram", True, args.steps, env)["cpu_s"])
+        pipe = statistics.median(ours("tiny", pipeline_compiles, args.steps, env)["cpu_s"])
         ours_cpu.append(mine)
         gram_cpu.append(gram)
+        pipe_cpu.append(pipe)
         line = f"round {r + 1} (load {load_average()}): ours {TOKENS / mine:,.0f} tok/CPU-s, gram {TOKENS / gram:,.0f}"
+        line += f", tiny as the pipeline runs it {TOKENS / pipe:,.0f}"
         if skip is None:
             theirs = statistics.median(nanochat_cpu(args.nanochat, nc_python, args.steps)["cpu_s"])
             nc_cpu.append(theirs)
             line += f", nanochat {TOKENS / theirs:,.0f} tok/CPU-s, ratios {theirs / mine:.3f} / {theirs / gram:.3f}"
+            line += f" / {theirs / pipe:.3f}"
         print(line, flush=True)
     print(
         f"ours compiled (nanochat recipe): {TOKENS / statistics.median(ours_cpu):,.0f} tokens per CPU-second (median)"
@@ -304,11 +330,40 @@ def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | No
     )
     if skip is None:
         print(f"nanochat compiled: {TOKENS / statistics.median(nc_cpu):,.0f} tokens per CPU-second (median)")
-        for recipe, mine in (("nanochat recipe", ours_cpu), ("nanochat recipe, gram", gram_cpu)):
+        mode = "compiled" if pipeline_compiles else "eager"
+        for recipe, mine in (
+            ("nanochat recipe", ours_cpu),
+            ("nanochat recipe, gram", gram_cpu),
+            (f"tiny as the pipeline runs it, {mode}", pipe_cpu),
+        ):
             ratio = statistics.median(t / m for t, m in zip(nc_cpu, mine))
             print(f"ours ({recipe}) / nanochat (CPU time): {ratio:.3f} (median of per-round ratios)")
     else:
         print(f"nanochat: skipped ({skip})")
+
+
+def pipeline_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
+    """Rounds of (nanochat base_train, the tiny pretrain as the pipeline runs it), wall time."""
+    if skip is not None:
+        print(f"nanochat: skipped ({skip})")
+        return
+    compiles = pipeline_compile_choice()
+    mode = "compiled" if compiles else "eager"
+    print(f"d{DEPTH} seq {SEQ} batch {BATCH} vocab {VOCAB}, {torch.get_num_threads()} threads; tiny runs {mode}")
+    ratios = []
+    for r in range(args.rounds):
+        theirs = nanochat(args.nanochat, nc_python, args.nanochat_base, args.steps)
+        mine = ours("tiny", compiles, args.steps, dict(os.environ))
+        ratios.append(mine["rate"] / theirs["rate"])
+        print(
+            f"round {r + 1} (load {load_average()}): nanochat {theirs['rate']:,.0f} tok/s, "
+            f"tiny ({mode}, {mine['dtype']}) {mine['rate']:,.0f}, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
+    print(
+        f"tiny as the pipeline runs it ({mode}, compile: auto at {PIPELINE_STEPS} steps) / nanochat: "
+        f"{statistics.median(ratios):.3f} (median of {len(ratios)} per-round ratios)"
+    )
 
 
 def main() -> None:
@@ -324,6 +379,11 @@ def main() -> None:
         "--cpu-time",
         action="store_true",
         help="compare process CPU seconds per step at 1 thread instead (steady under load from other processes)",
+    )
+    p.add_argument(
+        "--pipeline-only",
+        action="store_true",
+        help="only rounds of (nanochat, the tiny pretrain as the pipeline runs it): the headline ratio, quickly",
     )
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run, ours and nanochat's (default: torch's)")
     p.add_argument("--worker", nargs=3, metavar=("RECIPE", "MODE", "STEPS"), help=argparse.SUPPRESS)
@@ -343,6 +403,14 @@ def main() -> None:
     if args.cpu_time:
         cpu_time_comparison(args, nc_python, skip)
         return
+    if args.pipeline_only:
+        pipeline_comparison(args, nc_python, skip)
+        return
+    wall_time_comparison(args, nc_python, skip)
+
+
+def wall_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
+    """Interleaved rounds of every variant (module docstring), wall time, then the summary."""
     print(
         f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, {args.steps} timed steps per run, "
         f"{torch.get_num_threads()} threads, load average {load_average()}"
@@ -350,10 +418,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # empty at first: the first compile is cold
         rows: list[dict] = []
+        pipeline_compiles = pipeline_compile_choice()
         for r in range(args.rounds):
             row = {"load": load_average(), "compiled": ours("nanochat", True, args.steps, env)}
             if skip is None:
                 row["nanochat"] = nanochat(args.nanochat, nc_python, args.nanochat_base, args.steps)
+            row["pipeline"] = ours("tiny", pipeline_compiles, args.steps, env)
             row["gram"] = ours("nanochat_gram", True, args.steps, env)
             row["tiny"] = ours("tiny", True, args.steps, env)
             row["eager"] = ours("nanochat", False, args.steps, env)
@@ -368,7 +438,11 @@ def main() -> None:
                 line += f"; {name} {row[key]['rate']:,.0f}"
                 if "nanochat" in row:
                     line += f", ratio {row[key]['rate'] / row['nanochat']['rate']:.2f}"
-            print(line + f"; ours eager {row['eager']['rate']:,.0f}", flush=True)
+            line += f"; ours eager {row['eager']['rate']:,.0f}"
+            line += f"; tiny as the pipeline runs it {row['pipeline']['rate']:,.0f}"
+            if "nanochat" in row:
+                line += f", ratio {row['pipeline']['rate'] / row['nanochat']['rate']:.2f}"
+            print(line, flush=True)
         tiny_eager = ours("tiny", False, args.steps, env)
     optimizer_forms(args.steps)
 
@@ -403,6 +477,12 @@ def main() -> None:
     for recipe, key in (("nanochat recipe", "compiled"), ("nanochat recipe, gram", "gram"), ("tiny recipe", "tiny")):
         ratio = med(r[key]["rate"] / r["nanochat"]["rate"] for r in rows)
         print(f"ours compiled ({recipe}) / nanochat: {ratio:.2f} (median of per-round ratios)")
+    mode = "compiled" if pipeline_compiles else "eager"
+    ratios = [r["pipeline"]["rate"] / r["nanochat"]["rate"] for r in rows]
+    print(
+        f"tiny as the pipeline runs it ({mode}, compile: auto at {PIPELINE_STEPS} steps) / nanochat: "
+        f"{med(ratios):.2f} (median of per-round ratios {', '.join(f'{x:.2f}' for x in ratios)})"
+    )
 
 
 if __name__ == "__main__":

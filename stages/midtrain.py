@@ -19,7 +19,7 @@ from chatpipe.train.chat import train_chat
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.run_stage(MidtrainSettings, train, argv)
+    runtime.run_stage(MidtrainSettings, train, argv, training=True)
 
 
 def train(cfg: MidtrainSettings, rt: runtime.Runtime) -> None:

@@ -61,7 +61,7 @@ SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled",
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.run_stage(PretrainSettings, train, argv)
+    runtime.run_stage(PretrainSettings, train, argv, training=True)
 
 
 @dataclass

@@ -55,7 +55,7 @@ log = logging.getLogger("rl")
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.run_stage(RLSettings, train, argv)
+    runtime.run_stage(RLSettings, train, argv, training=True)
 
 
 @dataclass

@@ -30,7 +30,7 @@ log = logging.getLogger("sft")
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.run_stage(SFTSettings, train, argv)
+    runtime.run_stage(SFTSettings, train, argv, training=True)
 
 
 def train(cfg: SFTSettings, rt: runtime.Runtime) -> None:

@@ -77,27 +77,48 @@ def test_sampling_is_reproducible_and_seed_dependent():
         assert seq[:3] == prompt and mask[:3] == [0, 0, 0] and len(seq) == len(mask)
 
 
-def test_generate_many_batches_equal_lengths_and_matches_one_prompt_at_a_time():
-    model = random_model(2)
+@pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
+def test_generate_many_batches_any_lengths_and_matches_one_prompt_at_a_time(options):
+    model = random_model(2, **options)
     engine = Engine(model, TOK)
     prompts = [[S["<|bos|>"], *TOK.encode(t)] for t in ("ab", "cd", "hello", "xy", "world")]  # lengths 3,3,6,3,6
     calls = []
     real = engine.generate_batch
     engine.generate_batch = lambda p, **kw: calls.append(len(p)) or real(p, **kw)
     batched = engine.generate_many(prompts, num_samples=2, max_tokens=10, temperature=0.0)
-    assert sorted(calls) == [2, 3]  # two calls: the three 3-token prompts, the two 6-token ones
+    assert calls == [5]  # one call for all five, the short prompts left-padded
     for prompt, (seqs, masks) in zip(prompts, batched):
         alone = real(prompt, num_samples=2, max_tokens=10, temperature=0.0)
-        assert (seqs, masks) == alone  # greedy: same tokens whether batched or not
+        assert (seqs, masks) == alone  # greedy: same tokens whether batched (and padded) or not
         assert all(s[: len(prompt)] == prompt for s in seqs)
     split = engine.generate_many(prompts, num_samples=2, max_tokens=10, temperature=0.0, max_rows=2)
-    assert split == batched and len(calls) == 2 + 5  # max_rows=2 leaves one prompt per call
+    assert split == batched and calls[1:] == [1] * 5  # max_rows=2 leaves one prompt per call
 
 
-def test_prompts_of_different_lengths_in_one_generate_are_refused():
+@torch.no_grad()
+def test_left_padded_rows_compute_the_logits_of_the_unpadded_prompt():
+    """Padding changes no real position's logits beyond float rounding, sliding window included
+    (prompts longer than the 32-token window of layer S)."""
+    from chatpipe.model.gpt import KVCache
+
+    model = random_model(3, smear=True, value_embeds=True)
+    prompts = [[S["<|bos|>"], *TOK.encode("x" * n)] for n in (40, 5, 23)]
+    length = max(map(len, prompts))
+    cache = KVCache.from_config(model.config, batch_size=3, max_len=length + 1)
+    cache.key_mask = torch.tensor([[False] * (length - len(p)) + [True] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts])
+    padded = model(ids, kv_cache=cache)
+    nxt = torch.tensor([[7], [8], [9]])
+    cache.key_mask = torch.cat([cache.key_mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+    step = model(nxt, kv_cache=cache)
+    for i, p in enumerate(prompts):
+        alone = model(torch.tensor([p + [7 + i]]))
+        torch.testing.assert_close(padded[i, length - len(p) :], alone[0, :-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step[i, 0], alone[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_errors_name_the_problem():
     engine = Engine(random_model(), TOK)
-    with pytest.raises(ValueError, match=r"equal lengths, got \[2, 3\].*generate_many"):
-        engine.generate_batch([[1, 2], [1, 2, 3]], max_tokens=2)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate_batch([], max_tokens=2)
     with pytest.raises(ValueError, match="max_rows = 2 must be >= num_samples = 4"):
@@ -114,6 +135,20 @@ def test_top_k_limits_choices_and_temperature_zero_is_argmax():
     picks = set(sample_next(row.repeat(400, 1), rng, temperature=1.0, top_k=3).tolist())
     assert picks == {3, 17, 40}
     assert len(set(sample_next(row.repeat(400, 1), rng, temperature=1.0).tolist())) > 3
+
+
+def test_top_k_sampling_draws_from_the_renormalised_top_k():
+    """Sampling among the k largest logits has the distribution of masking the rest: frequencies over
+    40,000 draws match softmax(top-k / temperature) within 4 standard errors."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(3)) * 2.0
+    rng = torch.Generator().manual_seed(0)
+    picks = sample_next(logits.repeat(40_000, 1), rng, temperature=0.8, top_k=5)
+    values, ids = torch.topk(logits[0], 5)
+    expected = torch.softmax(values / 0.8, dim=-1)
+    assert set(picks.tolist()) <= set(ids.tolist())
+    for token, p in zip(ids.tolist(), expected.tolist()):
+        freq = (picks == token).float().mean().item()
+        assert abs(freq - p) < 4 * (p * (1 - p) / 40_000) ** 0.5 + 1e-4, (token, freq, p)
 
 
 class ScriptedGPT(GPT):

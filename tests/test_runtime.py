@@ -41,3 +41,12 @@ def test_cpu_bf16_dot_products_are_read_from_the_kernels_flags(tmp_path, flags, 
     )
     assert cpu_multiplies_bf16(str(cpuinfo)) is native
     assert cpu_multiplies_bf16(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows): float32
+
+
+@pytest.mark.parametrize(("isa", "native"), [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_BF16", True)])
+def test_a_onednn_isa_cap_below_bf16_means_no_bf16(tmp_path, monkeypatch, isa, native):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes an AVX-512 + bf16 machine run the AVX2 kind's kernels: no bf16 there."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert cpu_multiplies_bf16(str(cpuinfo)) is native

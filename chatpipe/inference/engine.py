@@ -1,7 +1,8 @@
 """Inference engine: KV-cached sampling with calculator tool use.
 
-The prompt is prefilled once with batch 1, its KV cache copied into ``num_samples`` rows, then
-one token per row is produced per step. When a row emits ``<|python_end|>``, the text since
+Each prompt is prefilled once (several prompts of different lengths together, left-padded to
+one length with the padding masked), its KV cache copied into ``num_samples`` rows, then one
+token per row is produced per step. When a row emits ``<|python_end|>``, the text since
 ``<|python_start|>`` goes to :func:`chatpipe.inference.calculator.evaluate`; a result is forced back into
 that row as ``<|output_start|>`` + result tokens + ``<|output_end|>``, one token per step, mask 0.
 A call the calculator rejects forces nothing. A call still open after ``max_tool_tokens`` tokens
@@ -128,8 +129,9 @@ class Engine:
     ) -> Iterator[tuple[list[int], list[int]]]:
         """Stream (tokens, masks), one column per step, until every row stopped or ``max_tokens``.
 
-        ``prompt_ids`` is one prompt, or a list of prompts of equal length (see :meth:`generate_many`
-        for any lengths); prompt ``i`` owns rows ``i * num_samples .. (i + 1) * num_samples - 1``.
+        ``prompt_ids`` is one prompt, or a list of prompts (of any lengths: shorter ones are
+        left-padded and the padding masked); prompt ``i`` owns rows ``i * num_samples .. (i + 1) *
+        num_samples - 1``.
         Rows that have finished keep yielding ``bos`` with mask 0 as padding; callers ignore it
         (the engine never forces ``bos``, so a masked ``bos`` is always padding).
         """
@@ -139,11 +141,16 @@ class Engine:
         rng.manual_seed(seed)
         stops = self.stop_ids(stop_tokens)
         config = self.model.config
-        length, num_rows = len(prompts[0]), len(prompts) * num_samples
+        length, num_rows = max(map(len, prompts)), len(prompts) * num_samples
 
-        # prefill each prompt once, then share its keys/values across its rows
+        # prefill each prompt once (shorter ones left-padded, the padding masked), then share its
+        # keys/values across its rows
         prompt_cache = KVCache.from_config(config, batch_size=len(prompts), max_len=length)
-        ids = torch.tensor(prompts, dtype=torch.long, device=device)
+        ids = torch.tensor([[self.bos] * (length - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+        if any(len(p) < length for p in prompts):
+            prompt_cache.key_mask = torch.tensor(
+                [[False] * (length - len(p)) + [True] * len(p) for p in prompts], device=device
+            )
         logits = self.model(ids, kv_cache=prompt_cache)[:, -1, :].repeat_interleave(num_samples, dim=0)
         cache = KVCache.from_config(config, batch_size=num_rows, max_len=length + max_tokens)
         cache.prefill(prompt_cache)
@@ -180,7 +187,7 @@ class Engine:
         """Full sequences (prompt + generated, ending at the stop token if one came) and their masks.
 
         Masks are 0 on the prompt and on forced tool-output tokens, 1 on sampled tokens. Several
-        prompts of equal length give their rows in order, ``num_samples`` per prompt.
+        prompts give their rows in order, ``num_samples`` per prompt.
         """
         stops = self.stop_ids(kw.get("stop_tokens"))
         prompts = _as_prompts(prompt_ids)
@@ -205,26 +212,20 @@ class Engine:
         """:meth:`generate_batch` for each of ``prompts`` (any lengths), in their order.
 
         A tiny model's decode step costs about the same for 4 rows as for 100 (per-op overhead
-        dominates), so prompts of equal length are generated together, up to ``max_rows`` rows per
-        call. A group's random stream is seeded by ``seed`` plus the index of its first prompt, so
-        results depend only on the prompts, ``seed`` and ``max_rows``.
+        dominates), so consecutive prompts are generated together, whatever their lengths, up to
+        ``max_rows`` rows per call. A call's random stream is seeded by ``seed`` plus the index of its
+        first prompt, so results depend only on the prompts, ``seed`` and ``max_rows``.
         """
         if max_rows < num_samples:
             raise ValueError(f"max_rows = {max_rows} must be >= num_samples = {num_samples}")
-        by_length: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_length.setdefault(len(p), []).append(i)
         per_call = max_rows // num_samples
-        out: list[tuple[list[list[int]], list[list[int]]]] = [([], [])] * len(prompts)
-        for indices in by_length.values():
-            for start in range(0, len(indices), per_call):
-                group = indices[start : start + per_call]
-                seqs, masks = self.generate_batch(
-                    [prompts[i] for i in group], num_samples=num_samples, seed=seed + group[0], **kw
-                )
-                for k, i in enumerate(group):
-                    rows = slice(k * num_samples, (k + 1) * num_samples)
-                    out[i] = (seqs[rows], masks[rows])
+        out: list[tuple[list[list[int]], list[list[int]]]] = []
+        for start in range(0, len(prompts), per_call):
+            group = prompts[start : start + per_call]
+            seqs, masks = self.generate_batch(group, num_samples=num_samples, seed=seed + start, **kw)
+            for k in range(len(group)):
+                rows = slice(k * num_samples, (k + 1) * num_samples)
+                out.append((seqs[rows], masks[rows]))
         return out
 
     def stream(
@@ -274,13 +275,8 @@ class Engine:
 
 
 def _as_prompts(prompt_ids: list[int] | list[list[int]]) -> list[list[int]]:
-    """One prompt or several of equal length, as a list of prompts (each at least one token)."""
+    """One prompt or several, as a list of prompts (each at least one token)."""
     prompts = [prompt_ids] if prompt_ids and isinstance(prompt_ids[0], int) else prompt_ids
     if not prompts or not all(prompts):
         raise ValueError("prompt_ids must hold at least one token (e.g. <|bos|>)")
-    if len({len(p) for p in prompts}) > 1:
-        raise ValueError(
-            f"prompts batched in one generate() must have equal lengths, got {sorted({len(p) for p in prompts})}; "
-            "use generate_many() for prompts of any lengths"
-        )
     return [list(p) for p in prompts]

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from chatpipe.model.attention import MAX_LEN as BLOCKWISE_MAX_LEN
 from chatpipe.model.attention import BlockwiseCausal, blockwise_causal_attention
+from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
 
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
@@ -202,15 +203,7 @@ def layer_windows(config: GPTConfig) -> list[int | None]:
 
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without learnable parameters."""
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of the last dim of x [B, H, T, D] by position angles."""
-    half = x.size(-1) // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+    return rms_norm(x)
 
 
 class KVCache:
@@ -220,6 +213,12 @@ class KVCache:
     incoming keys, so the same cache works under fp32 and bf16 autocast. ``pos`` is the number of
     positions already filled; the model advances it after each forward. ``prev_embed`` [batch, 1,
     n_embd] is the last filled position's normed token embedding (used by the smear option).
+
+    ``key_mask`` [batch, max_len] (bool, True = a real token) lets rows hold prompts of different
+    lengths, left-padded to one: no query attends to a padding position (except a padding query to
+    itself, so its softmax stays finite). Rotary scores depend only on the distance between two
+    positions, so a row shifted right by its padding attends as it would unpadded. None: every
+    position is real.
     """
 
     def __init__(self, batch_size: int, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
@@ -228,6 +227,7 @@ class KVCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.prev_embed: torch.Tensor | None = None
+        self.key_mask: torch.Tensor | None = None
         self.pos = 0
 
     @classmethod
@@ -240,6 +240,7 @@ class KVCache:
         """Forget all positions (storage is kept for reuse)."""
         self.pos = 0
         self.prev_embed = None
+        self.key_mask = None
 
     def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
         if self.k is None or self.k.dtype != dtype or self.k.device != device:
@@ -280,6 +281,9 @@ class KVCache:
             self.v[:, :, :, : other.pos] = other.v[:, :, :, : other.pos].repeat_interleave(repeats, dim=1)
         if other.prev_embed is not None:
             self.prev_embed = other.prev_embed.repeat_interleave(repeats, dim=0)
+        if other.key_mask is not None:  # the prompt's padding, then real positions for what follows
+            self.key_mask = torch.ones(self.batch_size, self.max_len, dtype=torch.bool, device=other.key_mask.device)
+            self.key_mask[:, : other.pos] = other.key_mask[:, : other.pos].repeat_interleave(repeats, dim=0)
         self.pos = other.pos
 
 
@@ -301,6 +305,19 @@ def _attention_mask(t0: int, t: int, window: int | None, device: torch.device) -
     if window is not None:
         mask = mask & (q_pos - k_pos < window)
     return mask, False
+
+
+def _padded_attention_mask(t0: int, t: int, window: int | None, key_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, t, t0 + t] mask for queries t0..t0+t of rows whose padding ``key_mask`` marks False:
+    causal (and windowed) over real keys only; a padding query sees itself alone."""
+    total = t0 + t
+    q_pos = torch.arange(t0, total, device=key_mask.device).unsqueeze(1)
+    k_pos = torch.arange(total, device=key_mask.device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)
+    mask = allowed.unsqueeze(0) & key_mask[:, None, :total]
+    return (mask | (q_pos == k_pos).unsqueeze(0)).unsqueeze(1)
 
 
 # One attention call: queries [q0, q1) against keys [k0, k1) with (attn_mask, is_causal); positions
@@ -404,7 +421,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return self.c_proj(relu_squared(self.c_fc(x)))
 
 
 class Block(nn.Module):
@@ -507,7 +524,11 @@ class GPT(nn.Module):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
         cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
         training = kv_cache is None and torch.is_grad_enabled()
-        plans = {w: _attention_plan(t0, t, w, idx.device, training) for w in set(self.windows)}  # one per window
+        if kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
+            masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
+            plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
+        else:
+            plans = {w: _attention_plan(t0, t, w, idx.device, training) for w in set(self.windows)}  # one per window
         config = self.config
         x = norm(self.wte(idx))
         if config.smear:
@@ -538,6 +559,8 @@ class GPT(nn.Module):
             prev = torch.cat([kv_cache.prev_embed.to(x.dtype), prev], dim=1)
             smeared = x + gate * prev
         else:  # the first position has no predecessor
+            if kv_cache is not None and kv_cache.key_mask is not None:  # nor has a row's first real token
+                prev = prev * kv_cache.key_mask[:, : x.size(1) - 1, None].to(x.dtype)
             smeared = torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
         if kv_cache is not None:
             kv_cache.prev_embed = x[:, -1:].detach()
@@ -560,7 +583,7 @@ class GPT(nn.Module):
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]
         logits = logits.float()
-        logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
+        logits = softcap(logits, SOFTCAP)
         if targets is None:
             return logits
         if loss_reduction not in ("mean", "none"):
