@@ -71,7 +71,8 @@ from chatpipe.train.pretrain_plan import compile_pays, model_config_for, polar_e
 
 DEPTH, HEAD_DIM, SEQ, BATCH, VOCAB = 4, 64, 256, 16, 1024
 TOKENS = BATCH * SEQ
-PIPELINE_STEPS = resolve_params(profile="tiny")["pretrain"]["max_steps"]  # the tiny pretrain's horizon
+TINY_PRETRAIN = resolve_params(profile="tiny")["pretrain"]  # params.yaml's pretrain section (profile tiny)
+PIPELINE_STEPS = TINY_PRETRAIN["max_steps"]  # the tiny pretrain's horizon
 DEFAULT_BASE = Path(tempfile.gettempdir()) / "chatpipe_bench_nanochat"
 
 
@@ -93,8 +94,7 @@ def make(recipe: str, compile_optimizer: bool, rt: Runtime | None = None) -> tup
             polar_express="gram" if recipe == "nanochat_gram" else "direct",
         )
         return model, opts
-    params = resolve_params(profile="tiny")["pretrain"]
-    cfg = PretrainSettings(**{**params, "depth": DEPTH, "head_dim": HEAD_DIM, "sequence_len": SEQ})
+    cfg = PretrainSettings(**{**TINY_PRETRAIN, "depth": DEPTH, "head_dim": HEAD_DIM, "sequence_len": SEQ})
     model = GPT(model_config_for(cfg, VOCAB))
     model.init_weights()
     rt = rt or Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
@@ -106,8 +106,7 @@ def make(recipe: str, compile_optimizer: bool, rt: Runtime | None = None) -> tup
 
 def pipeline_compile_choice() -> bool:
     """What ``compile: auto`` picks for the tiny pretrain's model on this CPU (the stage's rule)."""
-    params = resolve_params(profile="tiny")["pretrain"]
-    return compile_pays(params["compile"], PIPELINE_STEPS, torch.device("cpu"))
+    return compile_pays(TINY_PRETRAIN["compile"], PIPELINE_STEPS, torch.device("cpu"))
 
 
 def random_docs(directory: Path, n_docs: int = 2000, seed: int = 0) -> TokenDocs:

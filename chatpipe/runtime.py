@@ -158,17 +158,15 @@ def run_stage(
     stop_with_launcher()
     cfg = load_section(settings_cls, sys.argv[1:] if argv is None else argv)
     validate_all()
-    if not distributed:
+    if distributed:
+        rt = init(cfg.device, cfg.dtype, training=training)
+        try:
+            body(cfg, rt)
+        finally:
+            shutdown()
+    else:
         setup_logging()
         body(cfg)
-        if argv is None:
-            exit_now()
-        return
-    rt = init(cfg.device, cfg.dtype, training=training)
-    try:
-        body(cfg, rt)
-    finally:
-        shutdown()
     if argv is None:
         exit_now()
 

@@ -12,8 +12,8 @@ bitwise equal) and its backward in as few passes as the math allows:
 - RMSNorm: ``y = x r`` with ``r = rsqrt(mean(x^2) + eps)``; ``dx = r (dy - y mean(dy y))``.
 - rotary: a rotation, so its backward is the rotation by the opposite angle.
 
-Without gradients, under ``torch.compile``, off CPU and outside float32 the plain ops run instead: inductor fuses them into fewer
-kernels than these, and the CUDA path stays what nanochat's is.
+Without gradients, under ``torch.compile``, off CPU and outside float32 the plain ops run instead:
+inductor fuses them into fewer kernels than these, and the CUDA path stays what nanochat's is.
 """
 
 from __future__ import annotations

@@ -293,31 +293,31 @@ def _attention_mask(t0: int, t: int, window: int | None, device: torch.device) -
     Fast paths avoid a mask: full causal from position 0 uses is_causal; a single query that sees
     every key needs no mask at all. True in the mask = may attend.
     """
-    total = t0 + t
-    if window is None or window >= total:
+    if window is None or window >= t0 + t:
         if t0 == 0:
             return None, True
         if t == 1:
             return None, False
-    q_pos = torch.arange(t0, total, device=device).unsqueeze(1)
-    k_pos = torch.arange(total, device=device).unsqueeze(0)
+    return _causal_mask(t0, t, window, device), False
+
+
+def _causal_mask(t0: int, t: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[t, t0 + t]: True where query t0+i may attend key j (j <= t0+i, within ``window`` keys)."""
+    q_pos = torch.arange(t0, t0 + t, device=device).unsqueeze(1)
+    k_pos = torch.arange(t0 + t, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
     if window is not None:
         mask = mask & (q_pos - k_pos < window)
-    return mask, False
+    return mask
 
 
 def _padded_attention_mask(t0: int, t: int, window: int | None, key_mask: torch.Tensor) -> torch.Tensor:
     """[B, 1, t, t0 + t] mask for queries t0..t0+t of rows whose padding ``key_mask`` marks False:
     causal (and windowed) over real keys only; a padding query sees itself alone."""
-    total = t0 + t
-    q_pos = torch.arange(t0, total, device=key_mask.device).unsqueeze(1)
-    k_pos = torch.arange(total, device=key_mask.device).unsqueeze(0)
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed = allowed & (q_pos - k_pos < window)
-    mask = allowed.unsqueeze(0) & key_mask[:, None, :total]
-    return (mask | (q_pos == k_pos).unsqueeze(0)).unsqueeze(1)
+    device = key_mask.device
+    mask = _causal_mask(t0, t, window, device) & key_mask[:, None, : t0 + t]
+    itself = _causal_mask(t0, t, 1, device)  # a window of one key: each query's own position
+    return (mask | itself).unsqueeze(1)
 
 
 # One attention call: queries [q0, q1) against keys [k0, k1) with (attn_mask, is_causal); positions
