@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from chatpipe.io import load_yaml
 from chatpipe.settings import MODEL_STAGES, STAGES
 from chatpipe.tracking import first_run
 
@@ -77,12 +78,13 @@ def system_info() -> dict[str, Any]:
 
 def dvc_lock_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
     """Per-stage hash of its dvc.lock entry (deps, params, outs), plus ``dvc.lock`` for the whole file."""
-    from chatpipe.tracking import dvc_lock_hash, dvc_stage_hash
+    from chatpipe.tracking import dvc_lock_hash, dvc_stage_hashes
 
     if not path.exists():
         return {"dvc.lock": "none"}
-    stages = (yaml.safe_load(path.read_text()) or {}).get("stages", {}) or {}
-    return {"dvc.lock": dvc_lock_hash(path), **{s: dvc_stage_hash(s, path) for s in stages}}
+    stages = (load_yaml(path.read_text()) or {}).get("stages", {}) or {}
+    hashes = dvc_stage_hashes(path)
+    return {"dvc.lock": dvc_lock_hash(path), **{s: hashes.get(s, "none") for s in stages}}
 
 
 def _cell(stage_results: dict | None, where: str, key: str) -> float | None:

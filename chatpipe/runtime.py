@@ -13,10 +13,13 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used, not here: the single-process stages that need no tensors (data)
+# start ~1 s sooner without it, once per pipeline run and per test that runs them.
 
 
 @dataclass
@@ -41,6 +44,8 @@ class Runtime:
 
     def autocast(self):
         """bf16 autocast on GPU; a no-op context in fp32."""
+        import torch
+
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
@@ -85,6 +90,9 @@ def init(device: str = "auto", dtype: str = "auto", *, training: bool = False) -
     ~1.6x faster than in float32 (bench/README.md). Elsewhere, and for evaluation and serving
     (whose numbers must not depend on the CPU kind), float32.
     """
+    import torch
+    import torch.distributed as dist
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -213,18 +221,24 @@ def stop_with_launcher() -> None:
 
 def shutdown() -> None:
     """Tear down the process group (call from ``finally``)."""
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks in place (no-op in a single process)."""
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t

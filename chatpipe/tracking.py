@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chatpipe.io import load_yaml
 from chatpipe.settings import TrackingSettings, active_profile, load_section
 
 if TYPE_CHECKING:
@@ -52,9 +53,11 @@ DVC_EXP_ENV, DVC_BASELINE_ENV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
 SEP = " · "
 # Seconds between system-metric samples (MLflow's default is 10; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 # in the environment wins). MLflow's monitor publishes a sample only if the run is still RUNNING
-# when the interval is over, so a run that ends sooner shows none: a stage shorter than two
-# intervals waits out the rest (at most 2 s, only for tiny stages) to keep at least one sample.
+# when the interval is over, so a run that ends sooner shows none: a stage shorter than one and a half
+# intervals (the half for the monitor's own start and sampling) waits out the rest (at most 1.5 s,
+# only for tiny stages) to keep at least one sample.
 SYSTEM_METRICS_INTERVAL_S = 1.0
+SYSTEM_METRICS_MIN_RUN_INTERVALS = 1.5
 log = logging.getLogger(__name__)
 
 
@@ -77,12 +80,15 @@ def dvc_lock_hash(path: Path = Path("dvc.lock")) -> str:
 
 def dvc_stage_hash(stage: str, path: Path = Path("dvc.lock")) -> str:
     """sha256 (12 hex) of one stage's entry in dvc.lock (its deps, params and outs hashes)."""
-    import yaml
+    return dvc_stage_hashes(path).get(stage, "none")
 
+
+def dvc_stage_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
+    """:func:`dvc_stage_hash` of every stage in dvc.lock, from one read of the file."""
     if not path.exists():
-        return "none"
-    entry = (yaml.safe_load(path.read_text()) or {}).get("stages", {}).get(stage)
-    return hashlib.sha256(repr(entry).encode()).hexdigest()[:12] if entry else "none"
+        return {}
+    stages = (load_yaml(path.read_text()) or {}).get("stages", {}) or {}
+    return {s: hashlib.sha256(repr(entry).encode()).hexdigest()[:12] for s, entry in stages.items() if entry}
 
 
 def configure(settings) -> str:
@@ -381,7 +387,7 @@ def _stage_run(
         tags["mlflow.parentRunId"] = parent
     if MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() is None:
         mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
-    min_end = time.monotonic() + 2 * float(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get())
+    min_end = time.monotonic() + SYSTEM_METRICS_MIN_RUN_INTERVALS * float(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get())
     run = mlflow.start_run(
         experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags, log_system_metrics=True
     )

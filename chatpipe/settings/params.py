@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from chatpipe.io import load_yaml
+
 
 class ParamsError(ValueError):
     """A params.yaml / env / CLI value that is not allowed; the message names key and value."""
@@ -25,7 +27,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ParamsError(f"{path}: params file not found (set CHATPIPE_PARAMS or run from the repo root)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
