@@ -20,7 +20,6 @@ from typing import Any
 
 import yaml
 
-from chatpipe.io import load_yaml
 from chatpipe.settings import MODEL_STAGES, STAGES
 from chatpipe.tracking import first_run
 
@@ -82,9 +81,7 @@ def dvc_lock_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
 
     if not path.exists():
         return {"dvc.lock": "none"}
-    stages = (load_yaml(path.read_text()) or {}).get("stages", {}) or {}
-    hashes = dvc_stage_hashes(path)
-    return {"dvc.lock": dvc_lock_hash(path), **{s: hashes.get(s, "none") for s in stages}}
+    return {"dvc.lock": dvc_lock_hash(path), **dvc_stage_hashes(path)}
 
 
 def _cell(stage_results: dict | None, where: str, key: str) -> float | None:

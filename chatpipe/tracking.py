@@ -84,11 +84,13 @@ def dvc_stage_hash(stage: str, path: Path = Path("dvc.lock")) -> str:
 
 
 def dvc_stage_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
-    """:func:`dvc_stage_hash` of every stage in dvc.lock, from one read of the file."""
+    """:func:`dvc_stage_hash` of every stage in dvc.lock (``"none"`` for an empty entry), from one read."""
     if not path.exists():
         return {}
     stages = (load_yaml(path.read_text()) or {}).get("stages", {}) or {}
-    return {s: hashlib.sha256(repr(entry).encode()).hexdigest()[:12] for s, entry in stages.items() if entry}
+    return {
+        s: hashlib.sha256(repr(entry).encode()).hexdigest()[:12] if entry else "none" for s, entry in stages.items()
+    }
 
 
 def configure(settings) -> str:
