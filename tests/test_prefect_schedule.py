@@ -66,12 +66,13 @@ def wait_http(url: str, proc: Proc, timeout_s: float = 180) -> None:
 
 @pytest.fixture
 def stack(tmp_path):
-    """A project copy whose nightly deployment runs every minute (data stage only), a server and env."""
+    """A project copy whose nightly deployment runs every 20 s (data stage only), a server and env."""
     project = make_project(tmp_path / "project")
     config = yaml.safe_load((project / "prefect.yaml").read_text())
     nightly = next(d for d in config["deployments"] if d["name"] == "nightly")
-    # what a user does to try a schedule: edit prefect.yaml (a minute instead of 03:00; one short stage)
-    nightly["schedules"] = [{"interval": 60}]
+    # what a user does to try a schedule: edit prefect.yaml (seconds instead of 03:00; one short stage).
+    # The first run is due at the interval's next tick, so a short interval is a short wait.
+    nightly["schedules"] = [{"interval": 20}]
     nightly["parameters"] = {"profile": "tiny", "stages": ["data"]}
     (project / "prefect.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -126,7 +127,7 @@ def test_scheduled_deployment_fires_runs_on_a_worker_and_links_mlflow(stack):
 
     deployments = {d["name"]: d for d in api(env, "POST", "/deployments/filter", {"limit": 10})}
     assert set(deployments) == {"nightly", "speedrun"}
-    assert [s["schedule"]["interval"] for s in deployments["nightly"]["schedules"]] == [60.0]
+    assert [s["schedule"]["interval"] for s in deployments["nightly"]["schedules"]] == [20.0]
     assert deployments["speedrun"]["schedules"] == []
 
     worker = Proc(
