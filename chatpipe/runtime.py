@@ -72,6 +72,27 @@ def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def compile(fn: Any, **kwargs: Any) -> Any:
+    """``torch.compile(fn, **kwargs)``, with inductor's on-disk cache kept apart per ATen CPU capability.
+
+    ``ATEN_CPU_CAPABILITY=avx2`` makes an AVX-512 machine compute like the AVX2 kind, and inductor
+    then generates AVX2 kernels; but its cache key leaves the capability out, so a graph compiled
+    under one capability is loaded under the other. Loaded that way, the compiled optimizer stepped
+    18% away from nanochat's reference (AVX-512 kernels under avx2), or the process crashed (the
+    other way round). A run under a capability gets its own cache directory instead.
+    """
+    import torch
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if capability:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        # inductor writes its default back into the environment, so an inherited default counts as unset
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{capability}"
+    return torch.compile(fn, **kwargs)
+
+
 def setup_logging(rank: int = 0) -> None:
     """Plain timestamped logs; non-zero ranks only log warnings."""
     logging.basicConfig(

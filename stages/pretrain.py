@@ -196,8 +196,8 @@ def step_and_eval_models(model: GPT, use_compile: bool, rt: runtime.Runtime) -> 
     """(the module train steps run: DDP-wrapped on several ranks, compiled when it pays; the module
     evaluation runs: compiled alike, never DDP)."""
     ddp_model = DDP(model) if rt.world_size > 1 else model
-    step_model = torch.compile(ddp_model) if use_compile else ddp_model
-    eval_model = torch.compile(model) if use_compile else model
+    step_model = runtime.compile(ddp_model) if use_compile else ddp_model
+    eval_model = runtime.compile(model) if use_compile else model
     return step_model, eval_model
 
 

@@ -50,3 +50,30 @@ def test_a_onednn_isa_cap_below_bf16_means_no_bf16(tmp_path, monkeypatch, isa, n
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
     assert cpu_multiplies_bf16(str(cpuinfo)) is native
+
+
+@pytest.mark.parametrize(
+    "capability, cache_dir, expected",
+    [
+        ("", None, "{default}"),  # no capability: inductor's own default
+        ("avx2", None, "{default}-avx2"),
+        ("AVX2", "{default}", "{default}-avx2"),  # a default inductor wrote into the environment
+        ("avx2", "/somewhere/mine", "/somewhere/mine"),  # the user's own choice stays
+    ],
+)
+def test_compile_keeps_inductor_caches_apart_per_cpu_capability(monkeypatch, capability, cache_dir, expected):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from chatpipe import runtime
+
+    default = default_cache_dir()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    if cache_dir is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache_dir.format(default=default))
+    compiled = runtime.compile(lambda x: x + 1)  # torch.compile compiles lazily: nothing runs here
+    assert callable(compiled)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == expected.format(default=default)

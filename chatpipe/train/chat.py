@@ -105,7 +105,7 @@ def train_chat(
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.max_seq_len, pad_id=tok.bos_id, **rt.shard)
     train_loader = ConversationLoader(mixture.train_data, mixture.train_rows, start_row=start_row, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
-    step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    step_model = runtime.compile(ddp_model) if cfg.compile else ddp_model
     eval_steps = val_steps(cfg, len(mixture.val_rows), rt)
 
     def val_metrics() -> tuple[float, float]:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.optim._muon as _torch_muon
 
+from chatpipe import runtime
+
 SCHEDULES = ("warmdown", "cosine")
 OPTIMIZERS = ("muon_newton_schulz", "normuon_polar_express")
 
@@ -371,7 +373,7 @@ COMPILE_MIN_NUMEL = 4096
 def _compiled(fn: Callable) -> Callable:
     """``fn`` under torch.compile, built once per process (a graph per parameter shape)."""
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+        _COMPILED[fn.__name__] = runtime.compile(fn, dynamic=False, fullgraph=True)
     return _COMPILED[fn.__name__]
 
 
