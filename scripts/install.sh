@@ -27,6 +27,7 @@ while IFS= read -r line; do
         extra-index-url) for v in $value; do uv_args+=(--extra-index-url "$v"); done ;;
         find-links) for v in $value; do uv_args+=(--find-links "$v"); done ;;
         constraint) for v in $value; do uv_args+=(--constraint "$v"); done ;;
+        cert) export SSL_CERT_FILE="$value" ;;  # uv reads the CA bundle from here, as pip from `cert`
     esac
 done < <(.venv/bin/pip config list 2>/dev/null)
 
@@ -34,4 +35,8 @@ done < <(.venv/bin/pip config list 2>/dev/null)
 # --compile-bytecode: imports read .pyc files from the first run on (a cold torch + mlflow import
 # costs seconds per stage process otherwise), as pip's default install does.
 export UV_LINK_MODE="${UV_LINK_MODE:-copy}"
-.venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match "${uv_args[@]}" -e ".${extras:+[$extras]}"
+if ! .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode --index-strategy unsafe-best-match \
+    "${uv_args[@]}" -e ".${extras:+[$extras]}"; then
+    echo "install.sh: uv failed (above); installing with pip instead" >&2
+    .venv/bin/pip install -q -e ".${extras:+[$extras]}"
+fi
