@@ -87,9 +87,10 @@ def compile(fn: Any, **kwargs: Any) -> Any:
     if capability:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+        default = default_cache_dir()
         # inductor writes its default back into the environment, so an inherited default counts as unset
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{capability}"
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{capability}"
     return torch.compile(fn, **kwargs)
 
 

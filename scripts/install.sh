@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install chatpipe (editable) into .venv with uv: the same versions pip resolves from pyproject.toml,
-# in about 40 s instead of pip's 105-130 s on 2 cores (uv downloads, unpacks and byte-compiles in
+# in about 50 s instead of pip's 105-130 s on 2 cores (uv downloads, unpacks and byte-compiles in
 # parallel). CI and the README's test command use it.
 #
 #   bash scripts/install.sh          # the pipeline

@@ -62,6 +62,7 @@ def test_a_onednn_isa_cap_below_bf16_means_no_bf16(tmp_path, monkeypatch, isa, n
     ],
 )
 def test_compile_keeps_inductor_caches_apart_per_cpu_capability(monkeypatch, capability, cache_dir, expected):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     from chatpipe import runtime
@@ -74,6 +75,4 @@ def test_compile_keeps_inductor_caches_apart_per_cpu_capability(monkeypatch, cap
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache_dir.format(default=default))
     compiled = runtime.compile(lambda x: x + 1)  # torch.compile compiles lazily: nothing runs here
     assert callable(compiled)
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    assert cache_dir() == expected.format(default=default)
+    assert inductor_cache_dir() == expected.format(default=default)
