@@ -16,6 +16,7 @@ import contextlib
 import csv
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -58,34 +59,52 @@ def _retry_unless_stopping(task, task_run, state) -> bool:
     return not _STOPPING.is_set()
 
 
-class Slots:
-    """Numbers 0..n-1 handed to running points: point i rendezvous on port base + its slot, so two
-    multi-process points running at once (torchrun, or Slurm jobs on the same nodes) never share a port."""
+class RdzvPorts:
+    """Rendezvous ports handed to running points, so that two multi-process points running at once
+    (torchrun, or Slurm jobs on the same nodes) never share one.
+
+    A point gets the lowest port from its base up that no other running point holds and that nothing
+    on this host is bound to now: another program (or another test) may hold ``base + 1``, and a
+    rendezvous on a taken port fails with EADDRINUSE after torchrun's retries. On a cluster whose
+    rendezvous host is not this one, the check against this host's ports is harmless.
+    """
 
     def __init__(self) -> None:
-        self._free: list[int] = []
-        self._cond = threading.Condition()
-        self._next = 0
+        self._held: set[int] = set()
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def take(self):
-        with self._cond:
-            slot = self._free.pop() if self._free else self._next
-            self._next = max(self._next, slot + 1)
+    def take(self, base: int):
+        with self._lock:
+            port = base
+            while port in self._held or not _bindable(port):
+                port += 1
+                if port > 65535:
+                    raise ParamsError(f"launch.rdzv_port: no free port from {base} to 65535 on this host")
+            self._held.add(port)
         try:
-            yield slot
+            yield port
         finally:
-            with self._cond:
-                self._free.append(slot)
+            with self._lock:
+                self._held.discard(port)
 
 
-_SLOTS = Slots()
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
-def rdzv_env(point: Point, slot: int) -> dict[str, str]:
-    """The point's rendezvous port: its setting (or the env override) plus its slot."""
+_PORTS = RdzvPorts()
+
+
+def rdzv_base(point: Point) -> int:
+    """The point's base rendezvous port: the env override, else its params' ``launch.rdzv_port``."""
     base = os.environ.get("CHATPIPE_LAUNCH__RDZV_PORT") or (point.params.get("launch") or {}).get("rdzv_port", 29500)
-    return {"CHATPIPE_LAUNCH__RDZV_PORT": str(int(base) + slot)}
+    return int(base)
 
 
 def _track(proc: subprocess.Popen) -> None:
@@ -162,8 +181,8 @@ def run_point(
     start = time.time()
     try:
         workdir.prepare(source, links)
-        with _SLOTS.take() as slot:
-            env = point_env({**stage_tracking_env(child), **rdzv_env(point, slot)})
+        with _PORTS.take(rdzv_base(point)) as port:
+            env = point_env({**stage_tracking_env(child), "CHATPIPE_LAUNCH__RDZV_PORT": str(port)})
             ran = workdir.run_stages(env, on_start=_track)
         end = time.time()
         record = {

@@ -226,3 +226,27 @@ def test_a_point_is_its_content_hash_whatever_its_name_or_placement(tmp_path):
         assert WorkDir(tmp_path, "depth2-a", changed, ["pretrain"], code=code).key != first.key
     data = {**params, "data": {"source": "synthetic", "seed": 7}}
     assert WorkDir(tmp_path, "depth2-a", data, ["pretrain"], code="c1").key != first.key
+
+
+def test_running_points_get_distinct_rendezvous_ports_that_skip_ports_already_bound():
+    """Another program holding ``base + 1`` must not make a point's rendezvous fail with EADDRINUSE."""
+    import contextlib
+    import socket
+
+    from flows.sweep import RdzvPorts
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        base = probe.getsockname()[1]
+    ports, held = RdzvPorts(), []
+    with socket.socket() as other, contextlib.ExitStack() as running:
+        other.bind(("", base + 1))  # someone else's server
+        other.listen()
+        for _ in range(3):
+            held.append(running.enter_context(ports.take(base)))
+        assert len(set(held)) == 3 and base + 1 not in held
+        for port in held:  # each is free to bind right now
+            with socket.socket() as s:
+                s.bind(("", port))
+    with ports.take(base) as again:  # released ports are handed out again
+        assert again == base
