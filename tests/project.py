@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import compileall
-import json
 import os
 import shutil
 import subprocess
@@ -187,24 +186,29 @@ def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedPr
     return run(project, str(BIN / "dvc"), *args, check=check)
 
 
-def newest_pretrain_run(project: Path, value: str):
-    """``value`` (a Python expression of the MLflow client ``c`` and ``run``) for the newest pretrain
-    run in the project's MLflow store, evaluated in the project and sent back as JSON."""
-    script = (
-        "import json, mlflow\n"
-        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        "c = mlflow.MlflowClient()\n"
-        "exp = c.get_experiment_by_name('chatpipe')\n"
-        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
-        f"print(json.dumps({value}))\n"
-    )
-    return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
+def mlflow_client(project: Path):
+    """A client of the project's MLflow store, in this process.
+
+    The store is a sqlite file the project's stage processes write; every query reads it afresh. In
+    process, not through a ``python -c`` child: a child pays MLflow's ~3-5 s import every query.
+    """
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=f"sqlite:///{project}/mlruns/mlflow.db")
+
+
+def newest_pretrain_run(project: Path):
+    """The newest pretrain run in the project's MLflow store."""
+    client = mlflow_client(project)
+    exp = client.get_experiment_by_name("chatpipe")
+    return client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'", order_by=["start_time DESC"])[0]
 
 
 def loss_curve(project: Path) -> list[float]:
     """train/loss per step of the newest pretrain run in the project's MLflow store."""
-    history = "sorted(c.get_metric_history(run.info.run_id, 'train/loss'), key=lambda m: m.step)"
-    return newest_pretrain_run(project, f"[m.value for m in {history}]")
+    run_id = newest_pretrain_run(project).info.run_id
+    history = mlflow_client(project).get_metric_history(run_id, "train/loss")
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
 def prefect_task_runs(name: str) -> list:

@@ -33,7 +33,8 @@ def test_every_training_stage_declares_metrics_and_plots():
 
 @pytest.mark.slow
 def test_two_experiments_show_changed_metrics_in_diff_and_exp_show(tmp_path):
-    project = make_project(tmp_path / "project")
+    # DVC's experiments are the subject; MLflow (tests/test_pipeline.py) stays off: ~5 s of CPU a stage process
+    project = make_project(tmp_path / "project", {"tracking": {"enabled": False}})
     dvc(project, "exp", "run", "pretrain", "-S", "pretrain.max_steps=6", "-n", "steps6")
     dvc(project, "exp", "run", "pretrain", "-S", "pretrain.max_steps=12", "-n", "steps12")
 

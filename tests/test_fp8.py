@@ -5,7 +5,6 @@ CHATPIPE_TEST_FP8_ON_CPU=1 is the test-only allowance: users on CPU are refused 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -159,7 +158,7 @@ def test_fp8_run_tracks_plain_run_evaluates_samples_saves_and_resumes_bitwise(al
 def test_pretrain_stage_trains_in_fp8_with_the_test_allowance_and_refuses_without(tmp_path):
     """The stage end to end: the check before any work, FP8 training, val bpb and samples with the
     layers swapped back, a final model that loads into a plain GPT."""
-    from tests.project import BIN, make_project, run
+    from tests.project import BIN, make_project, newest_pretrain_run, run
 
     project = make_project(
         tmp_path, {"pretrain": {"fp8": True, "max_steps": 4, "eval_every": 2, "sample_every": 2, "checkpoint_every": 2}}
@@ -170,15 +169,8 @@ def test_pretrain_stage_trains_in_fp8_with_the_test_allowance_and_refuses_withou
     run(project, str(BIN / "dvc"), "repro", "pretrain", **{CPU_TEST_ENV: "1"})
     model, meta = load_model(project / "artifacts" / "base")
     assert float8_layers(model) == [] and math.isfinite(meta["summary"]["val_bpb"])
-    script = (  # the derived horizon is a param of the stage's MLflow run
-        "import json, mlflow\n"
-        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        "c = mlflow.MlflowClient()\n"
-        "exp = c.get_experiment_by_name('chatpipe')\n"
-        "run = c.search_runs([exp.experiment_id], \"tags.stage = 'pretrain'\", order_by=['start_time DESC'])[0]\n"
-        "print(json.dumps({k: v for k, v in run.data.params.items() if k.startswith('horizon.')}))\n"
-    )
-    params = json.loads(run(project, str(BIN / "python"), "-c", script).stdout.strip().splitlines()[-1])
+    run_params = newest_pretrain_run(project).data.params  # the derived horizon is a param of the stage's run
+    params = {k: v for k, v in run_params.items() if k.startswith("horizon.")}
     assert params["horizon.num_iterations"] == "4" and int(params["horizon.total_batch_size"]) > 0
     assert {"horizon.batch_lr_scale", "horizon.weight_decay", "horizon.scaling_params"} <= set(params)
 

@@ -306,7 +306,8 @@ def run_flow(project: Path, hub: Hub, *args: str) -> tuple[int, str, dict[str, d
 
 @pytest.mark.slow
 def test_rehearsal_pipeline_against_the_mirror(hub, tmp_path):
-    project = make_project(tmp_path / "project", {"profile": "rehearsal"}, small=False)
+    # the mirror is the subject; MLflow (tests/test_pipeline.py) stays off: ~5 s of CPU a stage process
+    project = make_project(tmp_path / "project", {"profile": "rehearsal", "tracking": {"enabled": False}}, small=False)
     hub.proxy.clear()
     t0 = time.monotonic()
     rc, out, stages = run_flow(project, hub, "--profile", "rehearsal")

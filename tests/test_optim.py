@@ -207,3 +207,32 @@ def test_polar_dtype_reaches_muon_adamw_keeps_float32_state_and_needs_the_recipe
         build_optimizers(model, optimizer="muon_newton_schulz", polar_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="polar_dtype=torch.float16; allowed: torch.float32, torch.bfloat16"):
         build_optimizers(model, optimizer="normuon_polar_express", polar_dtype=torch.float16)
+
+
+def test_muon_adamw_bookkeeping_does_not_import_dynamo():
+    """Building, stepping, zeroing and (re)loading MuonAdamW in a fresh process leaves torch._dynamo
+    unimported: its import costs a tiny stage process ~2.5 s of CPU (torch's Optimizer base class
+    imports it on first use). The state round-trips as the base class's would."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.train.optim import build_optimizers
+model = GPT(GPTConfig(sequence_len=8, vocab_size=32, n_layer=2, n_head=1, n_kv_head=1, n_embd=64))
+(opt,) = build_optimizers(model, optimizer="normuon_polar_express")
+for _ in range(2):
+    model(torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))).backward()
+    opt.step()
+    opt.zero_grad()
+state = opt.state_dict()
+assert sorted(state) == ["param_groups", "state"] and len(state["state"]) > 0
+(other,) = build_optimizers(model, optimizer="normuon_polar_express")
+other.load_state_dict(state)
+assert all(p.grad is None for p in model.parameters())
+assert torch.equal(other.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+print("torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -21,6 +21,7 @@ from tests.project import (
     dvc,
     final_weights,
     make_project,
+    mlflow_client,
     prefect_task_runs,
     project_env,
     run,
@@ -63,16 +64,20 @@ def kill_workers_after_checkpoint(proc: subprocess.Popen, project: Path, stage: 
 
 def mlflow_runs(project: Path) -> list[dict]:
     """Every run of the project's MLflow store: name, tags, metric keys, parent id."""
-    script = (
-        "import json, mlflow\n"
-        "mlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        "c = mlflow.MlflowClient()\n"
-        "exp = c.get_experiment_by_name('chatpipe')\n"
-        "runs = c.search_runs([exp.experiment_id], max_results=1000)\n"
-        "print(json.dumps([{'id': r.info.run_id, 'name': r.info.run_name, 'status': r.info.status,\n"
-        "  'tags': r.data.tags, 'metrics': r.data.metrics, 'params': list(r.data.params)} for r in runs]))\n"
-    )
-    return json.loads(run(project, "python", "-c", script).stdout.strip().splitlines()[-1])
+    client = mlflow_client(project)
+    exp = client.get_experiment_by_name("chatpipe")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    return [
+        {
+            "id": r.info.run_id,
+            "name": r.info.run_name,
+            "status": r.info.status,
+            "tags": r.data.tags,
+            "metrics": r.data.metrics,
+            "params": list(r.data.params),
+        }
+        for r in runs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +106,10 @@ def test_flow_trains_and_val_bpb_falls(finished):
     history = runs["pretrain"]["metrics"]
     assert meta["summary"]["val_bpb"] == pytest.approx(history["final/val_bpb"])
     # step-0 bpb from the metric history
-    script = (
-        "import mlflow\nmlflow.set_tracking_uri('sqlite:///mlruns/mlflow.db')\n"
-        f"h = mlflow.MlflowClient().get_metric_history('{runs['pretrain']['id']}', 'val/bpb')\n"
-        "print(min(h, key=lambda m: m.step).value, max(h, key=lambda m: m.step).value)\n"
+    history = sorted(
+        mlflow_client(finished).get_metric_history(runs["pretrain"]["id"], "val/bpb"), key=lambda m: m.step
     )
-    first, last = map(float, run(finished, "python", "-c", script).stdout.split()[-2:])
+    first, last = history[0].value, history[-1].value
     assert last <= 0.7 * first, (first, last)
 
 

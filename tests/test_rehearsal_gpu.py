@@ -53,7 +53,7 @@ def test_rehearsal_gpu_keeps_the_speedrun_recipe(params_file, monkeypatch):
 
 def mlflow_params(project: Path) -> dict[str, str]:
     """Params of the newest pretrain run in the project's MLflow store."""
-    return newest_pretrain_run(project, "run.data.params")
+    return newest_pretrain_run(project).data.params
 
 
 def expected_fp8_layers(project: Path, monkeypatch) -> int:

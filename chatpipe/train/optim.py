@@ -377,6 +377,18 @@ def _compiled(fn: Callable) -> Callable:
     return _COMPILED[fn.__name__]
 
 
+def _plain(method: Callable) -> Callable:
+    """A ``torch.optim.Optimizer`` method without torch's ``_disable_dynamo`` wrapper.
+
+    torch wraps the base class's bookkeeping (``__init__``, ``add_param_group``, ``zero_grad``,
+    ``state_dict``, ``load_state_dict``) so that torch.compile never traces it, and the wrapper's
+    first call imports ``torch._dynamo``: ~2.5 s of CPU in every training process, compiled or not
+    (a tiny stage's whole step budget is seconds). Nothing compiles a MuonAdamW method (only the
+    per-parameter update functions, :func:`_compiled`), so calling the plain function is the same.
+    """
+    return getattr(method, "__wrapped__", method)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """nanochat's combined optimizer: AdamW groups and Muon groups (``kind`` = "adamw" | "muon").
 
@@ -420,13 +432,25 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"MuonAdamW group needs kind 'adamw' or 'muon', got {g.get('kind')!r}")
             if g["kind"] == "muon" and len({tuple(p.shape) for p in g["params"]}) > 1:
                 raise ValueError("MuonAdamW: a muon group's params must share one shape (they are stacked)")
-        super().__init__(param_groups, {})
+        _plain(torch.optim.Optimizer.__init__)(self, param_groups, {})
         self.reduce_grads = reduce_grads
         self.compiled = compile
         self.polar_express = polar_express
         self.polar_dtype = polar_dtype
         # 0-d fp32 scalars refilled every step: a compiled graph takes them as inputs, not constants
         self._scalars = {k: torch.zeros((), dtype=torch.float32) for k in ("step", "lr", "b1", "b2", "eps", "wd")}
+
+    def add_param_group(self, param_group: dict) -> None:
+        _plain(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _plain(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    def state_dict(self) -> dict:
+        return _plain(torch.optim.Optimizer.state_dict)(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        _plain(torch.optim.Optimizer.load_state_dict)(self, state_dict)
 
     def _reduce(self) -> None:
         import torch.distributed as dist
