@@ -27,11 +27,11 @@ PROBE = """
 import json, resource, statistics, sys, time, torch
 from chatpipe.model.gpt import GPT, config_from_depth
 from chatpipe.runtime import keep_freed_memory_in_heap
-mode, vocab, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mode, vocab, steps, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if mode == "kept":
     assert keep_freed_memory_in_heap()
 torch.manual_seed(0)
-model = GPT(config_from_depth(4, vocab, 256, head_dim=64))
+model = GPT(config_from_depth(depth, vocab, 256, head_dim=64))
 model.init_weights()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 wall, system, faults = [], [], []
@@ -50,10 +50,10 @@ print(json.dumps({k: statistics.median(v) for k, v in (("wall", wall), ("system"
 """
 
 
-def run(mode: str, vocab: int, steps: int) -> dict:
+def run(mode: str, vocab: int, steps: int, depth: int = 4) -> dict:
     """One process's median step: wall seconds, kernel seconds, page faults."""
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
-    cmd = [sys.executable, "-c", PROBE, mode, str(vocab), str(steps)]
+    cmd = [sys.executable, "-c", PROBE, mode, str(vocab), str(steps), str(depth)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
