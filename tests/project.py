@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,6 +185,22 @@ def run(project: Path, *cmd: str, check: bool = True, **env: str) -> subprocess.
 def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run the venv's dvc in the project."""
     return run(project, str(BIN / "dvc"), *args, check=check)
+
+
+def processes_in(project: Path) -> list[tuple[psutil.Process, str]]:
+    """Live (not zombie) processes whose working directory is ``project``, with their command lines.
+
+    A process that exits while it is read is skipped: psutil then raises, or (seen in CI) lets
+    ``FileNotFoundError`` for ``/proc/<pid>/cwd`` through.
+    """
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.cwd() == str(project) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append((proc, " ".join(proc.cmdline())))
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def mlflow_client(project: Path):

@@ -11,7 +11,7 @@ import pytest
 
 from chatpipe.launch import build_app, main, scheduler_cfg
 from chatpipe.settings import LaunchSettings, load_section
-from tests.project import dvc, loss_curve, make_project, run
+from tests.project import dvc, loss_curve, make_project, processes_in, run
 
 
 def _launch(**overrides) -> LaunchSettings:
@@ -130,11 +130,7 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     )
 
     def workers() -> list[psutil.Process]:
-        return [
-            p
-            for p in psutil.process_iter(["cmdline", "cwd"])
-            if "stages.pretrain" in " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(project)
-        ]
+        return [p for p, cmd in processes_in(project) if "stages.pretrain" in cmd]
 
     for line in proc.stdout:
         if "step 1/" in line or "step 10/" in line:
@@ -150,14 +146,7 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
 
 def _stage_procs(project: Path, stage: str) -> list:
     """Live launcher and worker processes of ``stage`` running in ``project`` (ours: a temp copy)."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["cwd"] == str(project) and p.info["status"] != psutil.STATUS_ZOMBIE and stage in cmd:
-            found.append(p)
-    return found
+    return [p for p, cmd in processes_in(project) if stage in cmd]
 
 
 def _wait_gone(project: Path, stage: str, timeout: float) -> list:

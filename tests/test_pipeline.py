@@ -11,7 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from flows.pipeline import dvc_stages
@@ -23,6 +22,7 @@ from tests.project import (
     make_project,
     mlflow_client,
     prefect_task_runs,
+    processes_in,
     project_env,
     run,
     set_params,
@@ -49,13 +49,7 @@ def kill_workers_after_checkpoint(proc: subprocess.Popen, project: Path, stage: 
         time.sleep(0.02)
     else:
         raise AssertionError(f"no {stage} checkpoint appeared within {timeout_s}s")
-    workers = [
-        p
-        for p in psutil.process_iter(["cmdline", "cwd"])
-        if f"stages.{stage}" in " ".join(p.info["cmdline"] or [])
-        and "torchrun" not in " ".join(p.info["cmdline"] or [])
-        and p.info["cwd"] == str(project)
-    ]
+    workers = [p for p, cmd in processes_in(project) if f"stages.{stage}" in cmd and "torchrun" not in cmd]
     assert workers, "no worker process found to kill"
     for p in workers:
         p.send_signal(signal.SIGKILL)

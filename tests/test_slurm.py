@@ -31,6 +31,7 @@ from tests.project import (
     loss_curve,
     make_project,
     prefect_task_runs,
+    processes_in,
     project_env,
     run,
 )
@@ -108,17 +109,11 @@ def queued(project: Path) -> list[str]:
 
 def workers(project: Path, stage: str = "pretrain") -> list[psutil.Process]:
     """The stage's worker processes (not torchrun) running in ``project``."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if (
-            f"stages.{stage}" in cmd
-            and "torchrun" not in cmd
-            and "bash -c" not in cmd
-            and p.info["cwd"] == str(project)
-        ):
-            found.append(p)
-    return found
+    return [
+        p
+        for p, cmd in processes_in(project)
+        if f"stages.{stage}" in cmd and "torchrun" not in cmd and "bash -c" not in cmd
+    ]
 
 
 def copy_project(src: Path, dest: Path, forget: tuple[str, ...] = ()) -> Path:
