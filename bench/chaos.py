@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.project import BIN, make_project, project_env  # noqa: E402
+from tests.project import BIN, make_project, processes_in, project_env  # noqa: E402
 
 OUTPUT = {"pretrain": "base", "midtrain": "mid", "sft": "sft", "rl": "rl"}
 # Small enough for a shared 2-core machine; checkpoints often, so kills land during writes too.
@@ -69,19 +69,7 @@ def sha(path: Path) -> str:
 
 def project_procs(project: Path) -> list[psutil.Process]:
     """Live processes running in the project (ours: the project is a fresh temp dir)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if os.readlink(f"/proc/{entry.name}/cwd") != str(project):
-                continue
-            p = psutil.Process(int(entry.name))
-            if p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (OSError, psutil.Error):
-            continue  # gone meanwhile, or not ours to read
-    return found
+    return [p for p, _ in processes_in(project)]
 
 
 def workers(project: Path, stage: str) -> list[psutil.Process]:

@@ -188,13 +188,16 @@ def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedPr
 
 
 def processes_in(project: Path) -> list[tuple[psutil.Process, str]]:
-    """Live (not zombie) processes whose working directory is ``project``, with their command lines.
+    """Live (not zombie) processes whose working directory is ``project``, with their command lines;
+    this process is left out.
 
     A process that exits while it is read is skipped: psutil then raises, or (seen in CI) lets
     ``FileNotFoundError`` for ``/proc/<pid>/cwd`` through.
     """
     found = []
     for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
         try:
             if proc.cwd() == str(project) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append((proc, " ".join(proc.cmdline())))
