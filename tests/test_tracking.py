@@ -207,3 +207,26 @@ def test_a_real_run_logs_metrics_artifacts_and_tags(clean_env):
     assert mlflow.artifacts.load_text(f"{got.info.artifact_uri}/samples/step_000001.txt") == "hello"
     assert [f.path for f in client.list_artifacts(other, "report")] == ["report/report.md"]
     assert client.list_artifacts(run.id, "report") == []
+
+
+def test_per_step_metrics_reach_the_store_in_a_few_batches(clean_env, monkeypatch):
+    """StageRun.log queues each step's metrics; MLflow's async queue sends what arrived within its
+    buffering window as one batch (one store transaction) instead of one write per step."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    monkeypatch.delenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", raising=False)  # the stage's default applies
+    batches = []
+    log_batch = SqlAlchemyStore.log_batch
+
+    def counting(self, run_id, metrics, params, tags):
+        if any(m.key == "train/loss" for m in metrics):
+            batches.append(len(metrics))
+        return log_batch(self, run_id, metrics, params, tags)
+
+    monkeypatch.setattr(SqlAlchemyStore, "log_batch", counting)
+    with tracking._stage_run("pretrain", settings_at(clean_env), {"x": 1}, profile="tiny") as run:
+        for step in range(20):
+            run.log({"train/loss": 1.0 / (step + 1)}, step=step)
+    history = mlflow.MlflowClient().get_metric_history(run.id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(20))
+    assert 1 <= len(batches) <= 3, batches  # one write per step before: 20
