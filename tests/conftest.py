@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,39 @@ def params_file(tmp_path, monkeypatch) -> Path:
     shutil.copy(REPO / "profiles.yaml", tmp_path / "profiles.yaml")
     monkeypatch.setenv("CHATPIPE_PARAMS", str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> Iterator[str]:
+    """The API URL of one Prefect server for this test process (started on first use, stopped at the end).
+
+    A flow command without ``PREFECT_API_URL`` starts its own temporary server (~4 s of CPU and a
+    few seconds of wall time each). Tests whose subject is not that first-run path point their flows
+    here instead (``PREFECT_API_URL=prefect_server`` in the command's environment, or
+    :func:`prefect_api_here` in this process), as a user with ``prefect server start`` running would.
+    The server is the one the flows start themselves (:class:`flows.prefect_api.TemporaryServer`),
+    with its own ``PREFECT_HOME`` (database) under this session's temporary directory.
+    """
+    from chatpipe.io import env_set
+    from flows.prefect_api import TemporaryServer
+
+    with env_set(PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home"))):  # the child copies the environment
+        server = TemporaryServer()
+    try:
+        if not server.wait_ready():
+            pytest.fail("the tests' Prefect server did not start (flows.prefect_api.TemporaryServer)")
+        yield server.api_url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefect_api_here(prefect_server) -> Iterator[str]:
+    """This test process's Prefect client talks to :func:`prefect_server` while the test runs."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+        yield prefect_server
 
 
 def require_shared_data() -> Path:

@@ -231,8 +231,9 @@ def loss_curve(project: Path) -> list[float]:
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
-def prefect_task_runs(name: str) -> list:
-    """The task runs named ``name`` on the Prefect server this process talks to, newest first."""
+def prefect_task_runs(name: str, flow_run_id=None) -> list:
+    """The task runs named ``name`` on the Prefect server this process talks to (of one flow run, when
+    ``flow_run_id`` is given: a server shared by several tests holds theirs too), newest first."""
     import asyncio
 
     from prefect.client.orchestration import get_client
@@ -241,7 +242,7 @@ def prefect_task_runs(name: str) -> list:
     async def read() -> list:
         async with get_client() as client:
             runs = await client.read_task_runs(limit=200, sort=TaskRunSort.ID_DESC)
-            return [r for r in runs if r.name == name]
+            return [r for r in runs if r.name == name and flow_run_id in (None, r.flow_run_id)]
 
     return asyncio.run(read())
 

@@ -12,15 +12,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-def test_deployment_applies_with_schedule_tags_and_parameters(prefect_server):
+def test_deployment_applies_with_schedule_tags_and_parameters(prefect_api_here):
     from prefect.client.orchestration import get_client
 
     from flows.deploy import build_deployment
@@ -42,7 +34,7 @@ def test_deployment_applies_with_schedule_tags_and_parameters(prefect_server):
     assert stored.entrypoint.endswith("flows/pipeline.py:pipeline")
 
 
-def test_bad_stage_in_deployment_parameters_is_rejected(prefect_server):
+def test_bad_stage_in_deployment_parameters_is_rejected(prefect_api_here):
     from flows.pipeline import pipeline
 
     with pytest.raises(ValueError, match="unknown stage"):

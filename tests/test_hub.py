@@ -270,9 +270,11 @@ print("tok_hf", hashlib.sha256(repr(sorted(tok.enc._mergeable_ranks.items())).en
 _LAUNCH = re.compile(r"\[launch\] (\w+): (?:(SUCCEEDED|FAILED|CANCELLED|UNKNOWN) \(([\d.]+) s\)|\S)")
 
 
-def run_flow(project: Path, hub: Hub, *args: str) -> tuple[int, str, dict[str, dict]]:
-    """Run the Prefect flow; per stage: wall seconds (launcher) and body bytes the proxy sent meanwhile."""
-    env = project_env(project, HF_ENDPOINT=hub.url, HF_HOME=str(project / ".hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
+def run_flow(project: Path, hub: Hub, prefect_url: str, *args: str) -> tuple[int, str, dict[str, dict]]:
+    """Run the Prefect flow, reporting to ``prefect_url``; per stage: wall seconds (launcher) and body
+    bytes the proxy sent meanwhile."""
+    hf = {"HF_ENDPOINT": hub.url, "HF_HOME": str(project / ".hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = project_env(project, **hf, PREFECT_API_URL=prefect_url)
     env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the stages' output, with the launcher's "[launch] <stage>" lines
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.pipeline", *args],
@@ -305,12 +307,12 @@ def run_flow(project: Path, hub: Hub, *args: str) -> tuple[int, str, dict[str, d
 
 
 @pytest.mark.slow
-def test_rehearsal_pipeline_against_the_mirror(hub, tmp_path):
+def test_rehearsal_pipeline_against_the_mirror(hub, prefect_server, tmp_path):
     # the mirror is the subject; MLflow (tests/test_pipeline.py) stays off: ~5 s of CPU a stage process
     project = make_project(tmp_path / "project", {"profile": "rehearsal", "tracking": {"enabled": False}}, small=False)
     hub.proxy.clear()
     t0 = time.monotonic()
-    rc, out, stages = run_flow(project, hub, "--profile", "rehearsal")
+    rc, out, stages = run_flow(project, hub, prefect_server, "--profile", "rehearsal")
     wall = time.monotonic() - t0
     total_bytes = hub.proxy.body_bytes()
     summary = {
@@ -336,7 +338,7 @@ def test_rehearsal_pipeline_against_the_mirror(hub, tmp_path):
 
     # A second run: every stage up to date, nothing transferred.
     hub.proxy.clear()
-    rc, out, _ = run_flow(project, hub, "--profile", "rehearsal")
+    rc, out, _ = run_flow(project, hub, prefect_server, "--profile", "rehearsal")
     assert rc == 0, out[-4000:]
     assert hub.proxy.log == [], f"second run made requests: {hub.proxy.log[:5]}"
 

@@ -134,9 +134,9 @@ def test_second_repro_is_a_noop(finished):
     assert took < 10  # target <= 2 s on an idle machine; generous here
 
 
-def test_flow_run_with_every_stage_up_to_date_keeps_no_mlflow_run(finished):
+def test_flow_run_with_every_stage_up_to_date_keeps_no_mlflow_run(finished, prefect_server):
     before = [r["id"] for r in mlflow_runs(finished) if r["name"] == "pipeline"]
-    out = run(finished, "python", "-m", "flows.pipeline", "--stages", *FOUNDATION)
+    out = run(finished, "python", "-m", "flows.pipeline", "--stages", *FOUNDATION, PREFECT_API_URL=prefect_server)
     assert "'pretrain': 'skipped'" in out.stdout, out.stdout[-3000:]
     # a nightly schedule over unchanged inputs must not add an empty parent run every night
     assert [r["id"] for r in mlflow_runs(finished) if r["name"] == "pipeline"] == before
@@ -171,14 +171,12 @@ def test_kill_9_then_repro_resumes_bitwise_identical(finished):
     assert_bitwise_equal(final_weights(finished), reference)
 
 
-def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, tmp_path, monkeypatch):
+def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, prefect_api_here, tmp_path, monkeypatch):
     """Prefect retries a stage whose workers were SIGKILLed; the retry resumes to the uninterrupted result.
 
     A second clean copy with the same seed: final weights and metrics equal the first copy's bit for bit.
     """
     import threading
-
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import pipeline
 
@@ -201,10 +199,9 @@ def test_flow_retry_resumes_killed_stage_to_identical_weights(finished, tmp_path
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    with prefect_test_harness(server_startup_timeout=180):
-        state = pipeline(stages=FOUNDATION, return_state=True)
-        assert state.is_completed(), state
-        runs = prefect_task_runs("pretrain")
+    state = pipeline(stages=FOUNDATION, return_state=True)
+    assert state.is_completed(), state
+    runs = prefect_task_runs("pretrain", state.state_details.flow_run_id)
     thread.join(timeout=5)
     assert killed, "the pretrain workers were never killed"
     assert len(runs) == 1 and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]

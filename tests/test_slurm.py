@@ -198,11 +198,12 @@ def test_cancelled_by_uid_is_a_state_here_not_an_assertion(slurm_cluster, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def slurm_pipeline(slurm_cluster, tmp_path_factory) -> Path:
+def slurm_pipeline(slurm_cluster, prefect_server, tmp_path_factory) -> Path:
     """A project on which `python -m flows.pipeline --profile slurm` has run every stage."""
     project = make_project(tmp_path_factory.mktemp("slurm") / "proj", PIPELINE_PARAMS)
     t0 = time.perf_counter()
-    out = run(project, "python", "-m", "flows.pipeline", "--profile", "slurm", **slurm_env(project))
+    env = {**slurm_env(project), "PREFECT_API_URL": prefect_server}
+    out = run(project, "python", "-m", "flows.pipeline", "--profile", "slurm", **env)
     print(f"slurm pipeline: {time.perf_counter() - t0:.1f} s")
     assert "'report': 'ran'" in out.stdout, out.stdout[-3000:]
     return project
@@ -304,18 +305,10 @@ def kill_node2_worker(project: Path) -> str:
     raise AssertionError("no pretrain worker on n2 found")
 
 
-@pytest.fixture(scope="module")
-def prefect_api():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [scancel_job, kill_node2_worker], ids=["scancel", "kill-9-node2-worker"])
 def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
-    fault, slurm_pipeline, prefect_api, tmp_path, monkeypatch
+    fault, slurm_pipeline, prefect_api_here, tmp_path, monkeypatch
 ):
     """The fault fails the task, Prefect retries it, the retry resumes from the newest checkpoint."""
     from flows.pipeline import pipeline
@@ -333,8 +326,8 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
     assert done, "the fault was never injected"
     assert state.is_completed(), state
 
-    runs = prefect_task_runs("pretrain")
-    assert runs and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]
+    runs = prefect_task_runs("pretrain", state.state_details.flow_run_id)
+    assert len(runs) == 1 and runs[0].run_count == 2, [(r.name, r.run_count) for r in runs]
     jobs = sorted({j["id"].partition("+")[0] for j in project_jobs(project)}, key=int)
     assert len(jobs) == 2, jobs  # the faulted job and the retry's
     first = {j["state"].split()[0] for j in project_jobs(project) if j["id"].startswith(f"{jobs[0]}+")}
@@ -345,11 +338,11 @@ def test_flow_retries_a_faulted_slurm_pretrain_to_identical_weights(
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, tmp_path):
+def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, prefect_server, tmp_path):
     """The flow exits only after its launcher has cancelled the job (an earlier flow exited when DVC did,
     and a launcher still cancelling then could lose its log pipe, and with it the cancel)."""
     project = copy_project(slurm_pipeline, tmp_path / "term", forget=("pretrain",))
-    env = project_env(project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000")
+    env = project_env(project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000", PREFECT_API_URL=prefect_server)
     proc = subprocess.Popen(
         ["python", "-m", "flows.pipeline", "--stages", "pretrain"],
         cwd=project,
@@ -421,7 +414,7 @@ def test_a_decided_job_is_waited_out_while_squeue_still_lists_it_completing(monk
 
 
 @pytest.mark.slow
-def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, tmp_path):
+def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, prefect_server, tmp_path):
     """4 points (2 budgets x 2 depths) on the `slurm` profile, concurrency 2: every pretrain a 2-node job."""
     import mlflow
     import yaml
@@ -451,7 +444,8 @@ def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, tmp_pa
         "concurrency": 2,
     }
     (project / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    run(project, "python", "-m", "flows.sweep", "sweep.yaml", "--runs-dir", "runs", **slurm_env(project))
+    env = {**slurm_env(project), "PREFECT_API_URL": prefect_server}
+    run(project, "python", "-m", "flows.sweep", "sweep.yaml", "--runs-dir", "runs", **env)
 
     points = sorted(p for p in (project / "runs").glob("target_flops*") if (p / "done.json").exists())
     assert len(points) == 4

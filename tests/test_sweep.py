@@ -78,12 +78,11 @@ def pretrain_runs_by_point(df) -> dict[str, list]:
     return out
 
 
-def kill_midway(project: Path) -> tuple[set[str], set[str]]:
+def kill_midway(project: Path, env: dict[str, str]) -> tuple[set[str], set[str]]:
     """Start the sweep; SIGTERM it once 2 points are done and an unfinished one has a checkpoint.
 
     Returns the point directories finished before the stop, and the point names stopped past a checkpoint.
     """
-    env = project_env(project)
     proc = subprocess.Popen(sweep_cmd(project), cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -113,13 +112,14 @@ def project(tmp_path_factory) -> Path:
     return dest
 
 
-def test_killed_sweep_trains_only_the_rest_and_a_rerun_trains_nothing(project):
-    killed_at, stopped = kill_midway(project)
+def test_killed_sweep_trains_only_the_rest_and_a_rerun_trains_nothing(project, prefect_server):
+    env = project_env(project, PREFECT_API_URL=prefect_server)  # the flow's subject here is not its server
+    killed_at, stopped = kill_midway(project, env)
     assert 1 <= len(killed_at) < 6
     df = runs_df(project)
     assert list(df[df["tags.stage"] == "sweep"]["status"]) == ["KILLED"]
 
-    subprocess.run(sweep_cmd(project), cwd=project, env=project_env(project), check=True, capture_output=True)
+    subprocess.run(sweep_cmd(project), cwd=project, env=env, check=True, capture_output=True)
     df = runs_df(project)
     by_point = pretrain_runs_by_point(df)
     assert len(done_points(project)) == 6 and len(by_point) == 6
@@ -136,7 +136,7 @@ def test_killed_sweep_trains_only_the_rest_and_a_rerun_trains_nothing(project):
         assert min(steps) > 10, steps
 
     before = len(df[df["tags.stage"] == "pretrain"])
-    subprocess.run(sweep_cmd(project), cwd=project, env=project_env(project), check=True, capture_output=True)
+    subprocess.run(sweep_cmd(project), cwd=project, env=env, check=True, capture_output=True)
     df = runs_df(project)
     assert len(df[df["tags.stage"] == "pretrain"]) == before  # no training process started
     last = df[df["tags.stage"] == "sweep"].sort_values("start_time").iloc[-1]
