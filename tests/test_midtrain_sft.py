@@ -40,7 +40,8 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> bool:
 
 @pytest.mark.slow
 def test_repro_sft_kill_resume_noop(tmp_path):
-    project = make_project(tmp_path, {"sft": {"max_steps": 40, "eval_baseline": True}})
+    # kill, resume and chat are the subject; MLflow (tests/test_tracking_lifecycle.py) stays off: ~2-3 s of CPU a stage process
+    project = make_project(tmp_path, {"sft": {"max_steps": 40, "eval_baseline": True}, "tracking": {"enabled": False}})
     sft_ckpts = project / "checkpoints" / "sft"
 
     # 1. the whole chain in the background; kill -9 everything once sft has written a checkpoint

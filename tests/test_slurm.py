@@ -342,7 +342,9 @@ def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, prefect
     """The flow exits only after its launcher has cancelled the job (an earlier flow exited when DVC did,
     and a launcher still cancelling then could lose its log pipe, and with it the cancel)."""
     project = copy_project(slurm_pipeline, tmp_path / "term", forget=("pretrain",))
-    env = project_env(project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000", PREFECT_API_URL=prefect_server)
+    env = project_env(
+        project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000", PREFECT_API_URL=prefect_server
+    )
     proc = subprocess.Popen(
         ["python", "-m", "flows.pipeline", "--stages", "pretrain"],
         cwd=project,
