@@ -54,13 +54,20 @@ def test_tokenizer_from_another_run_is_refused(artifacts, tmp_path):
 
 
 @pytest.mark.slow  # MLflow creating its sqlite store takes ~10-20 s here
-def test_registered_model_version_loads(artifacts, tmp_path):
+def test_registered_model_version_loads(artifacts, tmp_path, monkeypatch):
+    import tempfile
+
     mlflow = pytest.importorskip("mlflow")
+    temp = tmp_path / "tmp"  # this test's own temporary directory: other tests download too
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     previous = mlflow.get_tracking_uri()
     try:
         check_registry(mlflow, artifacts, tmp_path)
     finally:
         mlflow.set_tracking_uri(previous)
+    # the downloads (one loaded, one missing version) are gone once the model is in memory
+    assert not list(temp.glob("chatpipe-model-*")), list(temp.iterdir())
 
 
 def check_registry(mlflow, artifacts, tmp_path) -> None:

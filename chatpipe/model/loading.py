@@ -19,6 +19,7 @@ model files (a registered model may carry its own).
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +89,23 @@ def stage_dir(name: str, artifacts: Path = ARTIFACTS) -> Path:
     return path
 
 
-def download_registered(uri: str, tracking_uri: str | None = None) -> Path:
-    """Download a registered model version (``models:/name/version``) and return its model dir.
+def download_registered(uri: str, tracking_uri: str | None = None, dst: Path | None = None) -> Path:
+    """Download a registered model version (``models:/name/version``) into ``dst`` and return its model dir.
 
+    ``dst`` None: a new temporary directory, which the caller removes (on failure it is removed here).
     ``tracking_uri`` defaults to the ``tracking`` section of params.yaml.
     """
+    own = dst is None
+    dst = Path(tempfile.mkdtemp(prefix="chatpipe-model-")) if own else dst
+    try:
+        return _download_model_dir(uri, tracking_uri, dst)
+    except BaseException:
+        if own:
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+
+
+def _download_model_dir(uri: str, tracking_uri: str | None, dst: Path) -> Path:
     import mlflow
 
     if tracking_uri is None:  # the project's store (params.yaml `tracking.uri`), not MLflow's ./mlruns default
@@ -100,7 +113,6 @@ def download_registered(uri: str, tracking_uri: str | None = None) -> Path:
 
         tracking_uri = load_section(TrackingSettings).uri
     mlflow.set_tracking_uri(tracking_uri)
-    dst = Path(tempfile.mkdtemp(prefix="chatpipe-model-"))
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
     except Exception as e:  # mlflow raises several types; all mean "not there"
@@ -117,10 +129,13 @@ def download_registered(uri: str, tracking_uri: str | None = None) -> Path:
     )
 
 
-def resolve(name: str, artifacts: Path = ARTIFACTS, tracking_uri: str | None = None) -> Path:
-    """The local model directory a name refers to (downloading registered models)."""
+def resolve(
+    name: str, artifacts: Path = ARTIFACTS, tracking_uri: str | None = None, download_to: Path | None = None
+) -> Path:
+    """The local model directory a name refers to (registered models downloaded into ``download_to``,
+    or into a new temporary directory the caller removes)."""
     if name.startswith("models:/"):
-        return download_registered(name, tracking_uri)
+        return download_registered(name, tracking_uri, download_to)
     if name == "latest" or ALIASES.get(name, name) in STAGE_DIRS:
         return stage_dir(name, artifacts)
     path = Path(name)
@@ -142,12 +157,14 @@ def load_chat_model(
 ) -> Loaded:
     """Load model + tokenizer by name (see the module docstring) onto ``device``."""
     dev = pick_device(device)
-    model_dir = resolve(name, Path(artifacts), tracking_uri)
-    if tokenizer_dir is None:
-        beside = model_dir / "tokenizer"
-        tokenizer_dir = beside if beside.is_dir() else Path(artifacts) / "tokenizer"
-    tokenizer = Tokenizer.load(tokenizer_dir)
-    model, meta = load_model(model_dir, device=dev)
+    # a registered model is downloaded for as long as it takes to read it into memory
+    with tempfile.TemporaryDirectory(prefix="chatpipe-model-") as download:
+        model_dir = resolve(name, Path(artifacts), tracking_uri, download_to=Path(download))
+        if tokenizer_dir is None:
+            beside = model_dir / "tokenizer"
+            tokenizer_dir = beside if beside.is_dir() else Path(artifacts) / "tokenizer"
+        tokenizer = Tokenizer.load(tokenizer_dir)
+        model, meta = load_model(model_dir, device=dev)
     vocab = model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(
