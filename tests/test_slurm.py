@@ -202,7 +202,7 @@ def slurm_pipeline(slurm_cluster, prefect_server, tmp_path_factory) -> Path:
     """A project on which `python -m flows.pipeline --profile slurm` has run every stage."""
     project = make_project(tmp_path_factory.mktemp("slurm") / "proj", PIPELINE_PARAMS)
     t0 = time.perf_counter()
-    env = {**slurm_env(project), "PREFECT_API_URL": prefect_server}
+    env = slurm_env(project, PREFECT_API_URL=prefect_server)
     out = run(project, "python", "-m", "flows.pipeline", "--profile", "slurm", **env)
     print(f"slurm pipeline: {time.perf_counter() - t0:.1f} s")
     assert "'report': 'ran'" in out.stdout, out.stdout[-3000:]
@@ -343,7 +343,7 @@ def test_sigterm_to_the_flow_leaves_no_job_and_no_worker(slurm_pipeline, prefect
     and a launcher still cancelling then could lose its log pipe, and with it the cancel)."""
     project = copy_project(slurm_pipeline, tmp_path / "term", forget=("pretrain",))
     env = project_env(
-        project, **slurm_env(project), CHATPIPE_PRETRAIN__MAX_STEPS="100000", PREFECT_API_URL=prefect_server
+        project, **slurm_env(project, CHATPIPE_PRETRAIN__MAX_STEPS="100000", PREFECT_API_URL=prefect_server)
     )
     proc = subprocess.Popen(
         ["python", "-m", "flows.pipeline", "--stages", "pretrain"],
@@ -446,7 +446,7 @@ def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, prefec
         "concurrency": 2,
     }
     (project / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    env = {**slurm_env(project), "PREFECT_API_URL": prefect_server}
+    env = slurm_env(project, PREFECT_API_URL=prefect_server)
     run(project, "python", "-m", "flows.sweep", "sweep.yaml", "--runs-dir", "runs", **env)
 
     points = sorted(p for p in (project / "runs").glob("target_flops*") if (p / "done.json").exists())
