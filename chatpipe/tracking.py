@@ -54,11 +54,9 @@ DVC_EXP_ENV, DVC_BASELINE_ENV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
 SEP = " · "
 # Seconds between system-metric samples (MLflow's default is 10; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 # in the environment wins). MLflow's monitor publishes a sample only if the run is still RUNNING
-# when the interval is over, so a run that ends sooner shows none: a stage shorter than one and a half
-# intervals (the half for the monitor's own start and sampling) waits out the rest (at most 1.5 s,
-# only for tiny stages) to keep at least one sample.
+# when the interval is over, so a run that ends sooner would show none: such a run publishes one
+# sample itself as it ends (:func:`_publish_a_system_sample`) instead of waiting out the interval.
 SYSTEM_METRICS_INTERVAL_S = 1.0
-SYSTEM_METRICS_MIN_RUN_INTERVALS = 1.5
 # Seconds MLflow's async queue gathers per-step metrics before it writes them (MLflow's
 # MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS; a value in the environment wins). Unset, MLflow writes each
 # step's metrics as its own store transaction, and its queue thread polls an empty queue once a
@@ -399,7 +397,6 @@ def _stage_run(
     if MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() is None:
         mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
     os.environ.setdefault(BUFFERING_ENV, str(METRICS_BUFFER_S))  # read by the queue's thread each round
-    min_end = time.monotonic() + SYSTEM_METRICS_MIN_RUN_INTERVALS * float(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get())
     run = mlflow.start_run(
         experiment_id=experiment_id, run_name=stage_run_name(stage, profile), tags=tags, log_system_metrics=True
     )
@@ -418,11 +415,35 @@ def _stage_run(
         # process exits); end_run then stops the system-metrics thread, which sends its last batch
         with contextlib.suppress(Exception):
             mlflow.flush_async_logging()
-        if status == "FINISHED":  # not when stopping: a cancel must not wait
-            time.sleep(max(0.0, min_end - time.monotonic()))
+        if status == "FINISHED":  # not when stopping: a cancel publishes nothing more
+            _publish_a_system_sample(run.info.run_id)
         mlflow.end_run(status)
         if exp_parent:  # the DVC experiment's run ends (for now) with its latest stage
             mlflow.MlflowClient().set_terminated(exp_parent, status=status)
+
+
+def _publish_a_system_sample(run_id: str) -> bool:
+    """Give a run that ends before MLflow's system-metrics monitor published anything one sample.
+
+    The monitor thread samples, waits out its interval, then publishes; a stage shorter than that
+    would end with no system metrics. This stops the thread (as ``end_run`` would) and, when it has
+    published nothing, takes a sample now and queues it; ``end_run`` then flushes it. True when it
+    published the sample. It reads the monitor MLflow keeps per active run (pinned MLflow 3.17);
+    without one it does nothing.
+    """
+    from mlflow.tracking import fluent
+
+    monitor = getattr(fluent, "run_id_to_system_metrics_monitor", {}).get(run_id)
+    thread = getattr(monitor, "_process", None)
+    if thread is None:
+        return False
+    monitor._shutdown_event.set()
+    thread.join()
+    if monitor._logging_step > 0:  # the thread published at least one sample
+        return False
+    monitor.collect_metrics()
+    monitor.publish_metrics(monitor.aggregate_metrics())
+    return True
 
 
 def _process_start(pid: int) -> str | None:

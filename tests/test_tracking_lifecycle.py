@@ -89,6 +89,26 @@ def test_a_live_runs_entry_is_not_closed(store):
         assert _status(store, run.info.run_id) == "RUNNING"
 
 
+def test_a_run_shorter_than_the_sampling_interval_gets_a_system_sample_without_waiting(store, monkeypatch):
+    """MLflow's monitor publishes only after a whole interval; a shorter stage publishes one sample
+    itself as it ends, and does not sleep out the interval."""
+    import types
+
+    import mlflow
+
+    waits: list[float] = []
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in ("monotonic", "perf_counter", "time", "strftime")})
+    clock.sleep = waits.append
+    monkeypatch.setattr(tracking, "time", clock)
+    with tracking._stage_run("tokenizer", store, {}, profile="tiny") as run:
+        run_id = run.info.run_id
+    assert waits == []
+    mlflow.set_tracking_uri(store.uri)
+    got = mlflow.MlflowClient().get_run(run_id)
+    assert got.info.status == "FINISHED"
+    assert "system/cpu_utilization_percentage" in got.data.metrics, sorted(got.data.metrics)
+
+
 def test_a_stage_run_records_system_metrics(tmp_path):
     """A real stage (``python -m stages.data``, synthetic and small) in its own process: its MLflow
     run shows MLflow's system metrics beside its own, and ended FINISHED."""
