@@ -83,8 +83,8 @@ def stack(tmp_path):
         PREFECT_HOME=str(tmp_path / "prefect-home"),
         PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # schedule runs soon after deploy
-        PREFECT_WORKER_QUERY_SECONDS="5",
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",  # schedule runs soon after deploy
+        PREFECT_WORKER_QUERY_SECONDS="2",  # and pick them up soon after they are due
     )
     env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the flow's stage lines reach the API (checked below)
     server = Proc(
@@ -152,7 +152,7 @@ def test_scheduled_deployment_fires_runs_on_a_worker_and_links_mlflow(stack):
             run = done[0]
             break
         assert worker.proc.poll() is None, f"worker exited:\n{worker.tail()}"
-        time.sleep(5)
+        time.sleep(1)
     assert run is not None, f"no scheduled run finished in time\nworker:\n{worker.tail()}\nserver:\n{procs[0].tail()}"
     assert run["state_type"] == "COMPLETED", f"run {run['name']} is {run['state_type']}\nworker:\n{worker.tail()}"
     assert run["auto_scheduled"] and run["parameters"]["stages"] == ["data"]
