@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import csv
 import os
 import shutil
 import subprocess
@@ -229,6 +230,14 @@ def loss_curve(project: Path) -> list[float]:
     run_id = newest_pretrain_run(project).info.run_id
     history = mlflow_client(project).get_metric_history(run_id, "train/loss")
     return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def plotted_curve(project: Path, stage: str = "pretrain", series: str = "train_loss") -> list[float]:
+    """The values of ``plots/<stage>/<series>.csv`` (the stage's DVC plot), in step order; read
+    without MLflow, so it holds for projects with tracking off."""
+    with (project / "plots" / stage / f"{series}.csv").open() as f:
+        rows = sorted((int(r["step"]), float(r[series])) for r in csv.DictReader(f))
+    return [value for _, value in rows]
 
 
 def prefect_task_runs(name: str, flow_run_id=None) -> list:

@@ -11,7 +11,7 @@ import pytest
 
 from chatpipe.launch import build_app, main, scheduler_cfg
 from chatpipe.settings import LaunchSettings, load_section
-from tests.project import dvc, loss_curve, make_project, processes_in, run
+from tests.project import dvc, make_project, plotted_curve, processes_in, run
 
 
 def _launch(**overrides) -> LaunchSettings:
@@ -95,9 +95,13 @@ def test_local_cwd_logs_go_to_log_dir(params_file):
 @pytest.mark.slow
 def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     """2 gloo workers through torchx == 1 worker accumulating 2 micro-batches (fp32)."""
+    # the workers' math and teardown are the subject; MLflow (tests/test_tracking_lifecycle.py) stays off
     project = make_project(
         tmp_path,
-        {"pretrain": {"max_steps": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "dtype": "float32"}},
+        {
+            "pretrain": {"max_steps": 8, "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "dtype": "float32"},
+            "tracking": {"enabled": False},
+        },
     )
     dvc(project, "repro", "tokenizer")
     curves = {}
@@ -105,7 +109,7 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
         shutil.rmtree(project / "checkpoints", ignore_errors=True)
         out = run(project, "python", "-m", "chatpipe.launch", "pretrain", "--nproc_per_node", str(nproc))
         assert f"world {nproc}" in out.stdout and "SUCCEEDED" in out.stdout
-        curves[nproc] = loss_curve(project)
+        curves[nproc] = plotted_curve(project)
     assert len(curves[1]) == len(curves[2]) == 8
     for a, b in zip(curves[1], curves[2]):
         assert abs(a - b) <= 1e-4 * abs(a), (curves[1], curves[2])
