@@ -28,6 +28,7 @@ from tests.project import (
     SMALL_RL,
     assert_bitwise_equal,
     final_weights,
+    loss_curve,
     make_project,
     plotted_curve,
     prefect_task_runs,
@@ -251,11 +252,16 @@ def test_two_slurm_nodes_match_one_local_process_with_grad_accum(slurm_pipeline,
         ("local", ["--scheduler", "local_cwd", "--nnodes", "1", "--nproc_per_node", "1"]),
     ):
         shutil.rmtree(project / "checkpoints", ignore_errors=True)
-        out = run(project, "python", "-m", "chatpipe.launch", "pretrain", *launch, *args, **slurm_env(project))
+        # the Slurm job tracked: its rank 0, on a node, logs every step to the project's MLflow store
+        tracked = {"CHATPIPE_TRACKING__ENABLED": "true"} if name == "slurm" else {}
+        env = slurm_env(project, **tracked)
+        out = run(project, "python", "-m", "chatpipe.launch", "pretrain", *launch, *args, **env)
         assert "SUCCEEDED" in out.stdout, out.stdout[-3000:]
         world = "world 2" if name == "slurm" else "world 1"
         assert world in out.stdout and ("grad accum 2" in out.stdout) == (name == "local"), out.stdout[-2000:]
         curves[name] = plotted_curve(project)
+        if tracked:
+            assert loss_curve(project) == pytest.approx(curves[name], abs=1e-6)  # the plot rounds to 6 places
     assert len(curves["slurm"]) == len(curves["local"]) == 8
     for a, b in zip(curves["local"], curves["slurm"]):
         assert abs(a - b) <= 1e-4 * abs(a), curves
