@@ -422,13 +422,12 @@ def _stage_run(
             mlflow.MlflowClient().set_terminated(exp_parent, status=status)
 
 
-def _publish_a_system_sample(run_id: str) -> bool:
+def _publish_a_system_sample(run_id: str) -> None:
     """Give a run that ends before MLflow's system-metrics monitor published anything one sample.
 
     The monitor thread samples, waits out its interval, then publishes; a stage shorter than that
     would end with no system metrics. This stops the thread (as ``end_run`` would) and, when it has
-    published nothing, takes a sample now and queues it; ``end_run`` then flushes it. True when it
-    published the sample. It reads the monitor MLflow keeps per active run (pinned MLflow 3.17);
+    published nothing, takes a sample now and queues it; ``end_run`` then flushes it. It reads the monitor MLflow keeps per active run (pinned MLflow 3.17);
     without one it does nothing.
     """
     from mlflow.tracking import fluent
@@ -436,14 +435,12 @@ def _publish_a_system_sample(run_id: str) -> bool:
     monitor = getattr(fluent, "run_id_to_system_metrics_monitor", {}).get(run_id)
     thread = getattr(monitor, "_process", None)
     if thread is None:
-        return False
+        return
     monitor._shutdown_event.set()
     thread.join()
-    if monitor._logging_step > 0:  # the thread published at least one sample
-        return False
-    monitor.collect_metrics()
-    monitor.publish_metrics(monitor.aggregate_metrics())
-    return True
+    if monitor._logging_step == 0:  # the thread published nothing
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
 
 
 def _process_start(pid: int) -> str | None:

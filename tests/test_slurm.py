@@ -41,8 +41,8 @@ SCRIPT = REPO / "scripts" / "slurm-local.sh"
 MULTI = ("pretrain", "midtrain", "sft", "rl", "eval")  # stages that run as 2 nodes x 1 process
 PIPELINE_PARAMS = {  # tests/project.py SMALL_PARAMS plus small rl/eval, on the `slurm` profile
     "profile": "slurm",
-    # Slurm, the flow and the math are the subject; MLflow from Slurm jobs is checked by the sweep test
-    # below (its points' runs), and costs ~2 s of CPU and ~2.5 s of wall in every tracked stage process
+    # Slurm, the flow and the math are the subject; MLflow from a Slurm job is checked by the grad-accum
+    # test below (its job runs tracked), and costs ~2 s of CPU and ~2.5 s of wall in every tracked stage process
     "tracking": {"enabled": False},
     "rl": SMALL_RL,
     "eval": {**SMALL_EVAL, "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}}},
