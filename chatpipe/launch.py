@@ -42,8 +42,28 @@ def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, 
     env = {k: v for k, v in os.environ.items() if k.startswith(("CHATPIPE_", "MLFLOW_", "HF_", "DVC_EXP_"))}
     if scheduler == "local_cwd":
         env["PATH"] = str(Path(sys.executable).parent)
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
     return {k: v for k, v in {**env, **(extra or {})}.items() if v != ""}
+
+
+def worker_threads(launch: LaunchSettings, workers: int) -> tuple[int, str]:
+    """Each worker's intra-op threads (and why): the cores of its node shared among its ``workers``.
+
+    Locally the node is this machine: the cores this process may use, or the share a sweep gave its
+    point (``CHATPIPE_CORES``). Elsewhere it is what the scheduler is asked for, ``launch.cpus_per_node``
+    (Slurm's ``--cpus-per-task``). A user's ``OMP_NUM_THREADS`` or ``launch.threads`` wins.
+    """
+    from chatpipe.runtime import CORES_ENV, choose_threads, usable_cores
+
+    cores = launch.cpus_per_node
+    if launch.scheduler == "local_cwd":
+        given = os.environ.get(CORES_ENV, "").strip()
+        if given and (not given.isdigit() or int(given) < 1):
+            raise ParamsError(f"{CORES_ENV}={given!r}: expected a positive number of cores, or unset it")
+        cores = int(given) if given else usable_cores()
+    try:
+        return choose_threads(workers, setting=launch.threads, cores=cores)
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
 
 
 def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: dict[str, str] | None = None):
@@ -61,6 +81,9 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     single = stage in SINGLE_WORKER_STAGES
     nnodes, nproc = (1, 1) if single else (launch.nnodes, launch.nproc_per_node)
     gpu = 0 if single else launch.gpus_per_node
+    # an explicit count for every worker: torch's default (every core) oversubscribes the node
+    # as soon as two processes share it, and torchrun's own default for several workers is 1
+    env = {**(env or {}), "OMP_NUM_THREADS": str(worker_threads(launch, nproc)[0])}
     if nnodes * nproc == 1:
         app = python(
             *stage_args,
@@ -91,6 +114,13 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     )
     app.roles[0].mounts = volume_mounts(launch)
     return app
+
+
+def threads_note(launch: LaunchSettings, stage: str) -> str:
+    """The log line saying how many intra-op threads each worker of ``stage`` got, and why."""
+    workers = 1 if stage in SINGLE_WORKER_STAGES else launch.nproc_per_node
+    count, why = worker_threads(launch, workers)
+    return f"{count} intra-op thread{'s' if count > 1 else ''} per worker ({why})"
 
 
 def volume_mounts(launch: LaunchSettings) -> list:
@@ -245,6 +275,7 @@ def run_stage(
             guard_local_workers(app)
         handle = runner.run(app, launch.scheduler, cfg=cfg)
         print(f"[launch] {stage}: {handle}", flush=True)
+        print(f"[launch] {stage}: {threads_note(launch, stage)}", flush=True)
         try:
             for line in runner.log_lines(handle, app.roles[0].name, k=0, should_tail=True):
                 print(line, end="" if line.endswith("\n") else "\n", flush=True)

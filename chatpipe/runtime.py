@@ -94,6 +94,111 @@ def compile(fn: Any, **kwargs: Any) -> Any:
     return torch.compile(fn, **kwargs)
 
 
+# --------------------------------------------------------------------------- intra-op threads
+# Every process chatpipe starts gets an explicit intra-op thread count, its share of the cores it may
+# use: processes that each take torch's default (every core) oversubscribe the machine as soon as two
+# run at once. Two sweep points of 2 threads each on 2 cores trained 10-19x slower than with 1 each.
+CORES_ENV = "CHATPIPE_CORES"  # the cores a launch may use, when it shares the machine (a sweep point)
+_THREADS: dict[str, Any] = {}  # what :func:`use_threads` chose in this process, for the stage's MLflow params
+
+
+def usable_cores() -> int:
+    """The CPUs this process may use: the Slurm job's ``SLURM_CPUS_PER_TASK``, else the CPU affinity
+    mask (what ``taskset``, cgroups' cpusets and container runtimes restrict), else every CPU."""
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if slurm.isdigit() and int(slurm) > 0:
+        return int(slurm)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_share(cores: int, sharers: int) -> int:
+    """One sharer's intra-op threads when ``sharers`` processes (or engine threads) split ``cores``: at least 1."""
+    return max(1, cores // max(1, sharers))
+
+
+def user_threads(env: dict[str, str] | None = None) -> int | None:
+    """The count a user set with ``OMP_NUM_THREADS`` (its first level: ``4,2`` is 4), None when unset.
+    A value that is no positive integer is an error naming the variable."""
+    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    first = value.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ValueError(f"OMP_NUM_THREADS={value!r}: expected a positive integer (e.g. 1, 4), or unset it")
+    return int(first)
+
+
+def choose_threads(
+    sharers: int = 1, *, setting: int = 0, cores: int | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """The intra-op thread count of one of ``sharers`` processes on ``cores``, and why.
+
+    A user's ``OMP_NUM_THREADS`` wins, then a ``threads`` setting above 0 (``launch.threads``), then
+    the share: ``cores`` (default :func:`usable_cores`) divided by ``sharers``, at least 1.
+    """
+    user = user_threads(env)
+    if user is not None:
+        return user, "OMP_NUM_THREADS"
+    if setting > 0:
+        return setting, "launch.threads"
+    cores = usable_cores() if cores is None else cores
+    return thread_share(cores, sharers), f"{cores} cores / {max(1, sharers)}"
+
+
+def use_threads(count: int, why: str) -> int:
+    """Make this process compute with ``count`` intra-op threads and log it.
+
+    ``OMP_NUM_THREADS`` is set for a torch imported later (and for child processes); a torch already
+    imported is told directly. The count becomes the stage's ``runtime/threads`` MLflow param.
+    """
+    if os.environ.get("OMP_NUM_THREADS") != str(count):
+        os.environ["OMP_NUM_THREADS"] = _THREADS["wrote"] = str(count)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(count)
+    _THREADS.update(count=count, why=why)
+    logging.getLogger(__name__).info("intra-op threads: %d (%s)", _threads_now(), why)
+    return count
+
+
+def _threads_now() -> int:
+    """The intra-op threads torch computes with now (the count chosen, where torch is not imported yet)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else _THREADS["count"]
+
+
+def thread_params() -> dict[str, int]:
+    """``{"runtime/threads": n}``, read from torch, once :func:`use_threads` ran in this process, else nothing."""
+    return {"runtime/threads": _threads_now()} if "count" in _THREADS else {}
+
+
+def share_cores(sharers: int) -> int:
+    """Give this process's threads their share when ``sharers`` of them compute at once over one model
+    (the serve engine pool: engines x threads <= cores). A user's ``OMP_NUM_THREADS`` or
+    ``launch.threads`` still wins. Threads started later take torch's count as it is now."""
+    return use_threads(*_chosen(sharers))
+
+
+def _chosen(sharers: int) -> tuple[int, str]:
+    from chatpipe.settings import LaunchSettings, ParamsError, load_section
+
+    env = dict(os.environ)
+    if "wrote" in _THREADS and env.get("OMP_NUM_THREADS") == _THREADS["wrote"]:
+        del env["OMP_NUM_THREADS"]  # this process's own earlier choice, not the user's
+    try:
+        return choose_threads(sharers, setting=load_section(LaunchSettings).threads, env=env)
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
+
+
+def stage_threads() -> int:
+    """A stage process's threads: what its launcher chose (``OMP_NUM_THREADS``), else ``launch.threads``,
+    else the cores it may use shared among the workers on its node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    return use_threads(*_chosen(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def setup_logging(rank: int = 0) -> None:
     """Plain timestamped logs; non-zero ranks only log warnings."""
     logging.basicConfig(
@@ -191,11 +296,13 @@ def run_stage(
     if distributed:
         rt = init(cfg.device, cfg.dtype, training=training)
         try:
+            stage_threads()
             body(cfg, rt)
         finally:
             shutdown()
     else:
         setup_logging()
+        stage_threads()
         body(cfg)
     if argv is None:
         exit_now()

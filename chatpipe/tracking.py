@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatpipe.io import load_yaml
+from chatpipe.runtime import thread_params
 from chatpipe.settings import TrackingSettings, active_profile, load_section
 
 if TYPE_CHECKING:
@@ -365,6 +366,7 @@ def tracked_run(stage: str, params: dict[str, Any], rt: Runtime | None = None) -
     logged as its parameters. A no-op run on ranks other than 0 of ``rt``; ``rt`` None is a
     single-process stage. The one way a stage opens its run (see :func:`_stage_run`)."""
     enabled = rt is None or rt.is_main
+    params = {**params, **thread_params()}  # the intra-op threads the process chose: runtime/threads
     with _stage_run(stage, load_section(TrackingSettings), params, profile=active_profile(), enabled=enabled) as run:
         yield run
 

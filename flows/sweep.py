@@ -30,6 +30,7 @@ from prefect.cache_policies import NONE  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
 from chatpipe import tracking  # noqa: E402
+from chatpipe.runtime import CORES_ENV, thread_share, usable_cores  # noqa: E402
 from chatpipe.settings import ParamsError, TrackingSettings, load_section  # noqa: E402
 from chatpipe.sweep import fit as fitting  # noqa: E402
 from chatpipe.sweep.points import (  # noqa: E402
@@ -156,21 +157,29 @@ def _check_stopping() -> None:
 
 
 @task(name="sweep-prep", **RETRIES, cache_policy=NONE, task_run_name="prep-{key}")
-def run_prep(workdir: WorkDir, key: str, source: Path) -> str:
+def run_prep(workdir: WorkDir, key: str, source: Path, cores: int) -> str:
     """Data and tokenizer for every point that shares their settings (once; skipped when finished)."""
     if workdir.done is None:
         _check_stopping()
         workdir.prepare(source)
-        workdir.run_stages(point_env({"CHATPIPE_TRACKING__ENABLED": "false"}), on_start=_track)
+        env = point_env({"CHATPIPE_TRACKING__ENABLED": "false", CORES_ENV: str(cores)})
+        workdir.run_stages(env, on_start=_track)
         workdir.finish({"prep": True})
     return str(workdir.path)
 
 
 @task(name="sweep-point", **RETRIES, cache_policy=NONE, task_run_name="{name}")
 def run_point(
-    name: str, point: Point, workdir: WorkDir, links: dict, metrics: list[str], parent: str | None, source: Path
+    name: str,
+    point: Point,
+    workdir: WorkDir,
+    links: dict,
+    metrics: list[str],
+    parent: str | None,
+    source: Path,
+    cores: int,
 ) -> dict:
-    """Train one point (or reuse its finished record); returns its row of the results table."""
+    """Train one point (or reuse its finished record) on ``cores`` cores; returns its row of the results table."""
     record = workdir.done
     if record is not None:
         if parent:
@@ -182,7 +191,9 @@ def run_point(
     try:
         workdir.prepare(source, links)
         with _PORTS.take(rdzv_base(point)) as port:
-            env = point_env({**stage_tracking_env(child), "CHATPIPE_LAUNCH__RDZV_PORT": str(port)})
+            env = point_env(
+                {**stage_tracking_env(child), "CHATPIPE_LAUNCH__RDZV_PORT": str(port), CORES_ENV: str(cores)}
+            )
             ran = workdir.run_stages(env, on_start=_track)
         end = time.time()
         record = {
@@ -288,16 +299,20 @@ def sweep_flow(path: str, runs_dir: str = str(RUNS_DIR)) -> dict:
     runs.mkdir(parents=True, exist_ok=True)
     preps, placed, source = plan_dirs(sweep, points, runs)
     parent = open_parent(sweep, len(points))
+    # at most `concurrency` points (or preps) run at once, each on its share of the cores: left to
+    # torch's default, each would take every core, and two points on 2 cores ran 10-19x slower
+    cores = thread_share(usable_cores(), sweep.concurrency)
+    logger.info("%d point(s) at a time, each on %d core(s)", sweep.concurrency, cores)
     rows, failed, status = [], {}, "FAILED"
     try:
-        prep_futures = {k: run_prep.submit(w, k, source) for k, w in preps.items()}
+        prep_futures = {k: run_prep.submit(w, k, source, cores) for k, w in preps.items()}
         futures = []
         for point, workdir, prep_key in placed:
             links = {}
             if prep_key:
                 links = {f"artifacts/{s}": preps[prep_key].path / "artifacts" / s for s in PREP_STAGES}
             wait = [prep_futures[prep_key]] if prep_key else []
-            args = (point.name, point, workdir, links, sweep.metrics, parent, source)
+            args = (point.name, point, workdir, links, sweep.metrics, parent, source, cores)
             fut = run_point.submit(*args, wait_for=wait)
             futures.append((point, fut))
         for point, fut in futures:

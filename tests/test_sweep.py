@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -56,6 +57,11 @@ def sweep_cmd(project: Path) -> list[str]:
     return [sys.executable, "-m", "flows.sweep", "sweep.yaml", "--runs-dir", "runs"]
 
 
+def on_two_cores() -> None:
+    """Make the sweep's machine a 2-core one, whatever this one is: it and its processes run on two CPUs."""
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+
+
 def runs_df(project: Path):
     """Every MLflow run of the project's store (a fresh import per call: the store is another process's)."""
     import mlflow
@@ -83,7 +89,14 @@ def kill_midway(project: Path, env: dict[str, str]) -> tuple[set[str], set[str]]
 
     Returns the point directories finished before the stop, and the point names stopped past a checkpoint.
     """
-    proc = subprocess.Popen(sweep_cmd(project), cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        sweep_cmd(project),
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=on_two_cores,
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         done = done_points(project)
@@ -113,13 +126,14 @@ def project(tmp_path_factory) -> Path:
 
 
 def test_killed_sweep_trains_only_the_rest_and_a_rerun_trains_nothing(project, prefect_server):
-    env = project_env(project, PREFECT_API_URL=prefect_server)  # the flow's subject here is not its server
+    # the flow's subject here is not its server; no OMP_NUM_THREADS: each point takes its share of the 2 cores
+    env = project_env(project, PREFECT_API_URL=prefect_server, OMP_NUM_THREADS="")
     killed_at, stopped = kill_midway(project, env)
     assert 1 <= len(killed_at) < 6
     df = runs_df(project)
     assert list(df[df["tags.stage"] == "sweep"]["status"]) == ["KILLED"]
 
-    subprocess.run(sweep_cmd(project), cwd=project, env=env, check=True, capture_output=True)
+    subprocess.run(sweep_cmd(project), cwd=project, env=env, check=True, capture_output=True, preexec_fn=on_two_cores)
     df = runs_df(project)
     by_point = pretrain_runs_by_point(df)
     assert len(done_points(project)) == 6 and len(by_point) == 6
@@ -136,7 +150,7 @@ def test_killed_sweep_trains_only_the_rest_and_a_rerun_trains_nothing(project, p
         assert min(steps) > 10, steps
 
     before = len(df[df["tags.stage"] == "pretrain"])
-    subprocess.run(sweep_cmd(project), cwd=project, env=env, check=True, capture_output=True)
+    subprocess.run(sweep_cmd(project), cwd=project, env=env, check=True, capture_output=True, preexec_fn=on_two_cores)
     df = runs_df(project)
     assert len(df[df["tags.stage"] == "pretrain"]) == before  # no training process started
     last = df[df["tags.stage"] == "sweep"].sort_values("start_time").iloc[-1]
@@ -170,6 +184,14 @@ def test_one_parent_per_sweep_run_with_a_child_per_point_overlapping_and_the_fit
     for row in table:
         meta = json.loads((project / row["dir"] / "artifacts" / "base" / "meta.json").read_text())
         assert meta["model_config"]["n_layer"] == int(row["pretrain.depth"])
+
+
+def test_two_points_at_a_time_on_two_cores_train_with_one_thread_each(project):
+    # each training process's intra-op threads, read from torch in the process and logged as its
+    # MLflow param; left to torch's default, each took both cores and the points ran 10-19x slower
+    stage = runs_df(project).query("`tags.stage` == 'pretrain'")
+    assert len(stage) >= 6
+    assert list(stage["params.runtime/threads"].unique()) == ["1"]
 
 
 @pytest.mark.parametrize(

@@ -369,10 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from chatpipe.model.loading import load_chat_model
+    from chatpipe.runtime import share_cores
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = parse_args(argv)
+        share_cores(cfg.num_engines)  # engines x intra-op threads <= cores: engines never fight for them
         loaded = load_chat_model(cfg.model, device=cfg.device)
     except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"chatpipe serve: {e}", file=sys.stderr)

@@ -125,6 +125,7 @@ class LaunchSettings(StageSettings):
     nproc_per_node: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_node: int = Field(2, ge=1)
+    threads: int = Field(0, ge=0, description="intra-op threads per process; 0: its share of the cores")
     mem_mb: int = Field(8192, ge=256)
     image: str = "chatpipe:latest"
     partition: str = ""
