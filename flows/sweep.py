@@ -301,11 +301,13 @@ def sweep_flow(path: str, runs_dir: str = str(RUNS_DIR)) -> dict:
     parent = open_parent(sweep, len(points))
     # at most `concurrency` points (or preps) run at once, each on its share of the cores: left to
     # torch's default, each would take every core, and two points on 2 cores ran 10-19x slower
+    # (a single prep runs alone: every point waits for it). On Slurm each job has its own CPUs instead.
     cores = thread_share(usable_cores(), sweep.concurrency)
-    logger.info("%d point(s) at a time, each on %d core(s)", sweep.concurrency, cores)
+    prep_cores = usable_cores() if len(preps) == 1 else cores
+    logger.info("%d point(s) at a time, each on %d of this host's cores", sweep.concurrency, cores)
     rows, failed, status = [], {}, "FAILED"
     try:
-        prep_futures = {k: run_prep.submit(w, k, source, cores) for k, w in preps.items()}
+        prep_futures = {k: run_prep.submit(w, k, source, prep_cores) for k, w in preps.items()}
         futures = []
         for point, workdir, prep_key in placed:
             links = {}

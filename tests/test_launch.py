@@ -105,10 +105,14 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
     )
     dvc(project, "repro", "tokenizer")
     curves = {}
+    cores = len(os.sched_getaffinity(0))
     for nproc in (2, 1):
         shutil.rmtree(project / "checkpoints", ignore_errors=True)
-        out = run(project, "python", "-m", "chatpipe.launch", "pretrain", "--nproc_per_node", str(nproc))
+        # no OMP_NUM_THREADS: the workers split the cores; one process alone takes them all
+        cmd = ("python", "-m", "chatpipe.launch", "pretrain", "--nproc_per_node", str(nproc))
+        out = run(project, *cmd, OMP_NUM_THREADS="")
         assert f"world {nproc}" in out.stdout and "SUCCEEDED" in out.stdout
+        assert f"intra-op threads: {max(1, cores // nproc)} (OMP_NUM_THREADS)" in out.stdout  # rank 0, from torch
         curves[nproc] = plotted_curve(project)
     assert len(curves[1]) == len(curves[2]) == 8
     for a, b in zip(curves[1], curves[2]):
