@@ -265,6 +265,8 @@ def run_stage(
     for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupt)
     try:
+        if not dryrun:
+            print(f"[launch] {stage}: {threads_note(launch, stage)}", flush=True)
         if launch.scheduler == "slurm":  # own job watching, logs, cancel (chatpipe/slurm.py)
             return run_slurm_stage(runner, app, cfg, stage, launch, dryrun)
         if dryrun:
@@ -275,7 +277,6 @@ def run_stage(
             guard_local_workers(app)
         handle = runner.run(app, launch.scheduler, cfg=cfg)
         print(f"[launch] {stage}: {handle}", flush=True)
-        print(f"[launch] {stage}: {threads_note(launch, stage)}", flush=True)
         try:
             for line in runner.log_lines(handle, app.roles[0].name, k=0, should_tail=True):
                 print(line, end="" if line.endswith("\n") else "\n", flush=True)

@@ -1,4 +1,5 @@
-"""Sweeps end to end on a tiny grid: dedup, resume after SIGTERM, concurrency, MLflow, and bad input.
+"""Sweeps end to end on a tiny grid: dedup, resume after SIGTERM, concurrency (and each point's share of
+the cores), MLflow, and bad input.
 
 One project copy; the sweep is run three times: killed (SIGTERM) after some points finished while
 another is mid-training, finished by a second run, then re-run. Training processes are counted as the
