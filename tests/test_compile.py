@@ -68,3 +68,30 @@ def test_the_compiled_speedrun_step_has_no_graph_breaks_and_compiles_once(monkey
     assert all(c == counts[0] for c in counts), counts  # nothing compiled again, no recompiles
     assert counts[0]["recompiles"] == 0
     assert all(torch.isfinite(torch.tensor(losses))) and len(set(losses)) == STEPS  # it trained on each batch
+
+
+@pytest.mark.slow  # compiles the model and FlexAttention (minutes of wall time on a shared 2-core machine)
+def test_the_compiled_forward_through_flex_attention_has_no_graph_breaks_and_compiles_once(monkeypatch):
+    """The CUDA path's windowed attention, forced onto CPU (forward only: CPU flex has no backward):
+    the block masks built with the model, found cached by the compiled forward."""
+    import chatpipe.model.gpt as gpt
+
+    monkeypatch.setattr(gpt, "FLEX_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    seq = 256
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(2, VOCAB, seq, head_dim=64, window_pattern="SSSL", **nanochat_options(seq)))
+    model.init_weights()
+    step_model = torch.compile(model)
+    counts = []
+    for step in range(3):
+        x = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(step))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = step_model(x)
+        counts.append(_dynamo_counts())
+    assert counts[0]["graph_breaks"] == 0 and counts[0]["graphs"] >= 1, counts[0]
+    assert all(c == counts[0] for c in counts), counts
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(x)
+    assert (logits - eager).abs().max().item() < 0.1  # bf16 logits, soft-capped at 15

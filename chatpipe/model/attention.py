@@ -135,6 +135,7 @@ def sliding_window_block_mask(length: int, window: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     key = (length, window, str(device))
+    _compiled_flex_attention()  # built here too: a compiled forward then finds both ready (no recompile)
     if key not in _BLOCK_MASKS:
         _BLOCK_MASKS[key] = create_block_mask(
             sliding_window_mask_mod(window), None, None, length, length, device=device, BLOCK_SIZE=FLEX_BLOCK

@@ -36,7 +36,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from chatpipe.model.attention import MAX_LEN as BLOCKWISE_MAX_LEN
-from chatpipe.model.attention import BlockwiseCausal, FlexWindow, blockwise_causal_attention, flex_window_attention
+from chatpipe.model.attention import (
+    BlockwiseCausal,
+    FlexWindow,
+    blockwise_causal_attention,
+    flex_window_attention,
+    sliding_window_block_mask,
+)
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
 
 SOFTCAP = 15.0
@@ -489,6 +495,16 @@ class GPT(nn.Module):
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self._build_block_masks()
+
+    def _build_block_masks(self) -> None:
+        """Build the FlexAttention block masks of the training length now, outside any compiled forward:
+        the compiled step then finds them cached and neither traces their construction nor recompiles."""
+        device = self.wte.weight.device
+        seq = self.config.sequence_len
+        if device.type in FLEX_DEVICES:
+            for window in {w for w in self.windows if w is not None and w < seq}:
+                sliding_window_block_mask(seq, window, device)
 
     def _rotary_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = self.config.n_embd // self.config.n_head
@@ -525,6 +541,7 @@ class GPT(nn.Module):
             nn.init.constant_(self.backout_lambda, 0.2)
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.cos, self.sin = cos, sin
+        self._build_block_masks()
 
     def hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too)."""
