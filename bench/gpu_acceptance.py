@@ -167,7 +167,7 @@ def profile_steps(step, trace: Path) -> str:
         torch.cuda.synchronize()
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=TOP_KERNELS, max_name_column_width=70)
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS, max_name_column_width=70)
 
 
 def nanochat_columns(depth: int, precision: str, row: dict) -> str:
