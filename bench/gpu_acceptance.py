@@ -237,16 +237,39 @@ def attention_rows(cfg: PretrainSettings, vocab: int, device: torch.device, peak
         ),
     }
     print(f"  {'attention (fwd+bwd, one layer)':<36} {'ms':>8} {'TFLOP/s':>8} {'MFU':>6}")
+    fa4 = flash_attn_4_window(q, k, v, window)
+    if fa4 is not None:  # side by side where the package is installed (not a dependency until it wins)
+        paths[f"attn window {window} (flash-attn-4)"] = (fa4, window)
     for label, (fn, keys) in paths.items():
-        ms = _time_ms(lambda fn=fn: fn().sum().backward())
+        try:
+            ms = _time_ms(lambda fn=fn: fn().sum().backward())
+        except Exception as e:  # an optional kernel that does not run here is a line, not a failure
+            print(f"  {label:<36} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
         flops = 3 * 4 * b * h * t * keys * d  # forward 2 matmuls x 2 FLOPs; backward twice the forward
         print(f"  {label:<36} {ms:>8.2f} {flops / ms / 1e9:>8.0f} {flops / ms / 1e-3 / peak:>6.1%}")
     return flex_backward_check(q, k, v, paths)
 
 
+def flash_attn_4_window(q, k, v, window: int):
+    """The sliding window through flash-attn-4 (``flash_attn.cute``, [B, T, H, D] layout), or None when
+    that package is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        print("  flash-attn-4 not installed: no row for it (pip install flash-attn-4 to compare)")
+        return None
+
+    def run():
+        out = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, window_size=(window - 1, 0))
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return run
+
+
 def flex_backward_check(q, k, v, paths: dict) -> list[str]:
     """FlexAttention's output and gradients against masked SDPA's on the same inputs (bf16: 2% of each's scale)."""
-    flex, sdpa = (fn for label, (fn, _) in paths.items() if "window" in label)
+    flex, sdpa = (paths[label][0] for label in paths if label.endswith(("(flex)", "(masked sdpa)")))
     results = []
     for fn in (flex, sdpa):
         for x in (q, k, v):
