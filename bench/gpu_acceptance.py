@@ -63,6 +63,8 @@ PRECISIONS = ("bf16", *(f"fp8 {recipe}" for recipe in FP8_RECIPES))
 # nanochat's per-GPU throughput (tokens / time / 8 GPUs of its 8xH100 leaderboard runs; same FLOPs count
 # and 989 TFLOP/s peak): d24 bf16 from its Run 1, fp8 from Run 6 (5,567 x 2**20 tokens in 99 min)
 NANOCHAT_PER_GPU = {(24, "bf16"): (100_000, 0.50), (24, "fp8"): (123_000, 0.59)}
+# the speed targets at d24 (issue 44): fp8 MFU, bf16 MFU, fp8 over bf16, and peak memory against the plan
+TARGETS = {"fp8_mfu": 0.55, "bf16_mfu": 0.47, "fp8_over_bf16": 1.12, "memory_vs_plan": 0.10}
 PROFILE_STEPS = 3  # d24 steps under torch.profiler (after the timed ones)
 TOP_KERNELS = 15
 
@@ -319,13 +321,15 @@ def qualify_gpu(index: int, depths: list[int], steps: dict[int, int], args: argp
             finally:
                 torch._dynamo.reset()  # each run compiles afresh; nothing cached holds the last model's memory
                 torch.cuda.empty_cache()
-            rows[label], top = row, row.get("top_kernels", top)
+            rows[label], top = {**row, "plan_gib": est["memory_gib"]}, row.get("top_kernels", top)
             print(
                 f"  {label:<18} {row['tok_s']:>9,.0f} {row['mfu']:>6.1%} {est['mfu']:>8.0%} {row['peak_gib']:>8.1f}"
                 f" {est['memory_gib']:>8.1f} {nanochat_columns(depth, precision, row)}"
             )
             failures += [f"GPU {index} {label}: {p}" for p in implausible(row, device_gib)]
     print_ratios(rows, depths)
+    if 24 in depths:
+        print(target_report(rows))
     cfg, vocab = profile_at(max(depths))
     failures += attention_rows(cfg, vocab, device, peak)
     if top:
@@ -344,6 +348,30 @@ def print_ratios(rows: dict, depths: list[int]) -> None:
             ratios = ", ".join(f"{p} {r['tok_s'] / bf16['tok_s']:.2f}x" for p, r in fp8.items())
             best = max(fp8, key=lambda p: fp8[p]["tok_s"])
             print(f"  d{depth} against bf16: {ratios}; faster fp8 recipe: {best.split()[1]}")
+
+
+def target_report(rows: dict) -> str:
+    """One line per d24 target (:data:`TARGETS`): the measured value and whether it is met."""
+    bf16 = rows.get("d24 bf16")
+    fp8 = max((rows[f"d24 {p}"] for p in PRECISIONS[1:] if f"d24 {p}" in rows), key=lambda r: r["mfu"], default=None)
+    if not bf16 or not fp8:
+        return "  targets: not every d24 row ran"
+    checks = [
+        ("d24 fp8 MFU", f"{fp8['mfu']:.1%}", fp8["mfu"] >= TARGETS["fp8_mfu"], f">= {TARGETS['fp8_mfu']:.0%}"),
+        ("d24 bf16 MFU", f"{bf16['mfu']:.1%}", bf16["mfu"] >= TARGETS["bf16_mfu"], f">= {TARGETS['bf16_mfu']:.0%}"),
+        (
+            "fp8 / bf16",
+            f"{fp8['mfu'] / bf16['mfu']:.2f}x",
+            fp8["mfu"] / bf16["mfu"] >= TARGETS["fp8_over_bf16"],
+            ">= 1.12x",
+        ),
+    ]
+    for name, row in (("bf16", bf16), ("fp8", fp8)):
+        off = row["peak_gib"] / row["plan_gib"] - 1
+        checks.append((f"d24 {name} peak vs plan", f"{off:+.1%}", abs(off) <= TARGETS["memory_vs_plan"], "within 10%"))
+    return "\n".join(
+        f"  target {name:<22} {value:>8} ({goal}): {'met' if ok else 'NOT met'}" for name, value, ok, goal in checks
+    )
 
 
 def record_mfu(path: Path, kind: str, name: str, rows: dict, depth: int) -> None:

@@ -81,3 +81,20 @@ def test_nanochat_columns_and_the_recorded_mfu_the_plan_reads(tmp_path):
     record.write_text("[1, 2]")
     with pytest.raises(ValueError, match="gpu_measured.json: not the acceptance bench's MFU record"):
         measured_mfu("H100", fp8=True, path=record)
+
+
+def test_the_issue_44_targets_are_reported_met_or_not():
+    import gpu_acceptance
+
+    rows = {
+        "d24 bf16": {"mfu": 0.345, "peak_gib": 66.6, "plan_gib": 66.5},
+        "d24 fp8 torchao": {"mfu": 0.373, "peak_gib": 49.6, "plan_gib": 66.5},
+        "d24 fp8 tensorwise": {"mfu": 0.56, "peak_gib": 60.0, "plan_gib": 66.5},
+    }
+    lines = gpu_acceptance.target_report(rows).splitlines()
+    assert "56.0%" in lines[0] and lines[0].endswith(": met")  # the faster fp8 recipe counts
+    assert "34.5%" in lines[1] and lines[1].endswith("NOT met")
+    assert "1.62x" in lines[2] and lines[2].endswith(": met")
+    assert "+0.2%" in lines[3] and lines[3].endswith(": met")
+    assert "-9.8%" in lines[4] and lines[4].endswith(": met")
+    assert "not every d24 row ran" in gpu_acceptance.target_report({"d24 bf16": rows["d24 bf16"]})
