@@ -141,7 +141,7 @@ def test_the_block_mask_equals_the_boolean_mask_block_for_block(t, window):
         assert (partial | full).sum() == 70 and full.sum() == 42
 
 
-def test_sliding_windows_on_cuda_take_flex_and_full_context_keeps_causal_sdpa():
+def test_sliding_windows_on_cuda_take_flex_and_full_context_keeps_causal_sdpa(monkeypatch):
     from chatpipe.model.attention import FlexWindow
 
     cuda = torch.device("cuda")  # planning only: nothing is allocated on it
@@ -151,6 +151,10 @@ def test_sliding_windows_on_cuda_take_flex_and_full_context_keeps_causal_sdpa():
     assert _attention_plan(0, 256, 513, cuda, training=True) == [(0, 256, 0, 256, None, True)]  # window covers all
     assert isinstance(_attention_plan(5, 1, 513, cuda), list)  # decoding with the cache keeps SDPA
     assert _attention_plan(0, 256, 64, torch.device("cpu"), training=True) == BlockwiseCausal(64)  # CPU unchanged
+    monkeypatch.setattr(gpt, "FLEX_DEVICES", ("meta",))  # a device whose masks this machine can build
+    meta = torch.device("meta")
+    assert _attention_plan(0, 2048, 513, meta) == FlexWindow(513, 2048)
+    assert isinstance(_attention_plan(0, 2048, 513, meta, flex=False), list)  # a prefill into the KV cache: SDPA
 
 
 # compiled FlexAttention's forward against masked SDPA, float32 on CPU: measured <= 2e-6 (the two sum

@@ -336,12 +336,15 @@ FLEX_DEVICES = ("cuda",)
 AttentionPlan = list[AttentionSpan] | BlockwiseCausal | FlexWindow
 
 
-def _attention_plan(t0: int, t: int, window: int | None, device: torch.device, training: bool = False) -> AttentionPlan:
+def _attention_plan(
+    t0: int, t: int, window: int | None, device: torch.device, training: bool = False, flex: bool = True
+) -> AttentionPlan:
     """How to compute one layer's attention: usually one call over everything.
 
     On CUDA a sliding window over a whole sequence (``window < t``) goes through FlexAttention with a
     block mask that skips the blocks the window hides (:class:`FlexWindow`); full-context layers stay
-    one ``is_causal`` SDPA call (the flash kernel).
+    one ``is_causal`` SDPA call (the flash kernel). ``flex=False`` (a prefill into the KV cache, whose
+    prompt lengths vary: each new length would compile FlexAttention again) keeps masked SDPA.
 
     CPU training on a whole sequence of up to :data:`BLOCKWISE_MAX_LEN` positions goes through
     :func:`blockwise_causal_attention` (batched matmuls at full rate; torch's CPU kernel is slower
@@ -353,7 +356,7 @@ def _attention_plan(t0: int, t: int, window: int | None, device: torch.device, t
     result equals the single call up to float rounding (bitwise at the tiny config, where the
     kernel's own row and key blocks line up with these).
     """
-    if device.type in FLEX_DEVICES and t0 == 0 and window is not None and window < t:
+    if flex and device.type in FLEX_DEVICES and t0 == 0 and window is not None and window < t:
         return FlexWindow(window, t)
     if device.type == "cpu" and training and t0 == 0 and 1 < t <= BLOCKWISE_MAX_LEN:
         return BlockwiseCausal(window if window is not None and window < t else None)
@@ -555,7 +558,8 @@ class GPT(nn.Module):
             masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
             plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
         else:
-            plans = {w: _attention_plan(t0, t, w, idx.device, training) for w in set(self.windows)}  # one per window
+            flex = kv_cache is None  # fixed-length batches (training, evaluation), not prompts of any length
+            plans = {w: _attention_plan(t0, t, w, idx.device, training, flex) for w in set(self.windows)}
         config = self.config
         x = norm(self.wte(idx))
         if config.smear:
