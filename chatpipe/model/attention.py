@@ -94,3 +94,74 @@ def blockwise_causal_attention(
         k, v = k.repeat_interleave(h // k.size(1), dim=1), v.repeat_interleave(h // v.size(1), dim=1)
     flat = [x.reshape(b * h, t, d).contiguous() for x in (q, k, v)]
     return _BlockwiseCausal.apply(*flat, window).view(b, h, t, d)
+
+
+# --- GPU: sliding-window layers through FlexAttention -------------------------------------------------
+#
+# On CUDA a sliding-window ('S') layer over a whole sequence used to call scaled_dot_product_attention
+# with a boolean [T, T] mask: no flash kernel takes an arbitrary mask, so the memory-efficient kernel
+# computed every (query, key) block, the ones the window masks included. FlexAttention's BlockMask
+# lists, per block of FLEX_BLOCK queries, the key blocks that are partly visible (the mask is applied
+# inside) and the ones that are wholly visible (no mask work); every other block is skipped. At a
+# quarter-context window that is about 1/4 + a diagonal of the T^2/2 causal blocks. Full-context
+# layers keep SDPA with is_causal=True (the flash kernel).
+
+FLEX_BLOCK = 128  # FlexAttention's default tile; the BlockMask is kept at this granularity
+
+
+@dataclass(frozen=True)
+class FlexWindow:
+    """Attention plan: compiled FlexAttention over the whole sequence with a sliding-window causal mask."""
+
+    window: int
+    length: int
+
+
+def sliding_window_mask_mod(window: int):
+    """FlexAttention mask_mod: query q may see key k when k <= q and q - k < window (itself included)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
+_BLOCK_MASKS: dict[tuple[int, int, str], object] = {}
+
+
+def sliding_window_block_mask(length: int, window: int, device: torch.device):
+    """The BlockMask of a ``window``-key causal window over ``length`` positions, built once per shape and
+    device (building it evaluates the mask over every block; the training step reuses it every step)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (length, window, str(device))
+    _compiled_flex_attention()  # built here too: a compiled forward then finds both ready (no recompile)
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS[key] = create_block_mask(
+            sliding_window_mask_mod(window), None, None, length, length, device=device, BLOCK_SIZE=FLEX_BLOCK
+        )
+    return _BLOCK_MASKS[key]
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex_attention():
+    """flex_attention compiled once per process (uncompiled it materialises the whole score matrix)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlexWindow) -> torch.Tensor:
+    """Sliding-window causal attention of [B, H, T, D] tensors (k, v may have fewer heads: grouped-query),
+    with the default 1/sqrt(D) scale: what masked ``scaled_dot_product_attention`` computes."""
+    block_mask = sliding_window_block_mask(plan.length, plan.window, q.device)
+    gqa = k.size(1) != q.size(1)
+    if torch.is_autocast_enabled(q.device.type):  # flex is no autocast op: run it in the autocast dtype, as SDPA
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)

@@ -36,7 +36,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from chatpipe.model.attention import MAX_LEN as BLOCKWISE_MAX_LEN
-from chatpipe.model.attention import BlockwiseCausal, blockwise_causal_attention
+from chatpipe.model.attention import (
+    BlockwiseCausal,
+    FlexWindow,
+    blockwise_causal_attention,
+    flex_window_attention,
+    sliding_window_block_mask,
+)
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
 
 SOFTCAP = 15.0
@@ -324,12 +330,21 @@ def _padded_attention_mask(t0: int, t: int, window: int | None, key_mask: torch.
 # relative to the call's first query
 AttentionSpan = tuple[int, int, int, int, torch.Tensor | None, bool]
 CPU_ATTENTION_BLOCK = 128  # query rows per call for windowed attention over a whole sequence on CPU
+# devices whose sliding-window layers go through FlexAttention (chatpipe.model.attention): CUDA only.
+# On CPU the compiled flex forward is no faster than the paths below (bench/README.md) and has no backward.
+FLEX_DEVICES = ("cuda",)
+AttentionPlan = list[AttentionSpan] | BlockwiseCausal | FlexWindow
 
 
 def _attention_plan(
-    t0: int, t: int, window: int | None, device: torch.device, training: bool = False
-) -> list[AttentionSpan] | BlockwiseCausal:
+    t0: int, t: int, window: int | None, device: torch.device, training: bool = False, flex: bool = True
+) -> AttentionPlan:
     """How to compute one layer's attention: usually one call over everything.
+
+    On CUDA a sliding window over a whole sequence (``window < t``) goes through FlexAttention with a
+    block mask that skips the blocks the window hides (:class:`FlexWindow`); full-context layers stay
+    one ``is_causal`` SDPA call (the flash kernel). ``flex=False`` (a prefill into the KV cache, whose
+    prompt lengths vary: each new length would compile FlexAttention again) keeps masked SDPA.
 
     CPU training on a whole sequence of up to :data:`BLOCKWISE_MAX_LEN` positions goes through
     :func:`blockwise_causal_attention` (batched matmuls at full rate; torch's CPU kernel is slower
@@ -341,6 +356,8 @@ def _attention_plan(
     result equals the single call up to float rounding (bitwise at the tiny config, where the
     kernel's own row and key blocks line up with these).
     """
+    if flex and device.type in FLEX_DEVICES and t0 == 0 and window is not None and window < t:
+        return FlexWindow(window, t)
     if device.type == "cpu" and training and t0 == 0 and 1 < t <= BLOCKWISE_MAX_LEN:
         return BlockwiseCausal(window if window is not None and window < t else None)
     if device.type != "cpu" or t0 != 0 or window is None or window >= t:
@@ -381,7 +398,7 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: list[AttentionSpan] | BlockwiseCausal,
+        plan: AttentionPlan,
         kv_cache: KVCache | None,
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -400,6 +417,8 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.insert(self.layer_idx, k, v)
         if isinstance(plan, BlockwiseCausal):
             y = blockwise_causal_attention(q, k, v, plan.window)
+        elif isinstance(plan, FlexWindow):
+            y = flex_window_attention(q, k, v, plan)
         else:
             gqa = self.n_kv_head != self.n_head
             parts = [
@@ -479,6 +498,16 @@ class GPT(nn.Module):
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self._build_block_masks()
+
+    def _build_block_masks(self) -> None:
+        """Build the FlexAttention block masks of the training length now, outside any compiled forward:
+        the compiled step then finds them cached and neither traces their construction nor recompiles."""
+        device = self.wte.weight.device
+        seq = self.config.sequence_len
+        if device.type in FLEX_DEVICES:
+            for window in {w for w in self.windows if w is not None and w < seq}:
+                sliding_window_block_mask(seq, window, device)
 
     def _rotary_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = self.config.n_embd // self.config.n_head
@@ -515,6 +544,7 @@ class GPT(nn.Module):
             nn.init.constant_(self.backout_lambda, 0.2)
         cos, sin = self._rotary_tables(self.wte.weight.device)
         self.cos, self.sin = cos, sin
+        self._build_block_masks()
 
     def hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too)."""
@@ -528,7 +558,8 @@ class GPT(nn.Module):
             masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
             plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
         else:
-            plans = {w: _attention_plan(t0, t, w, idx.device, training) for w in set(self.windows)}  # one per window
+            flex = kv_cache is None  # fixed-length batches (training, evaluation), not prompts of any length
+            plans = {w: _attention_plan(t0, t, w, idx.device, training, flex) for w in set(self.windows)}
         config = self.config
         x = norm(self.wte(idx))
         if config.smear:

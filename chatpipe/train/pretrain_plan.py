@@ -14,8 +14,10 @@ the ``meta`` device, so planning a 1B-parameter model allocates nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,10 @@ from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSetting
 from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
 
 GIB = 1024**3
+# d24 MFU per GPU kind and precision as bench/gpu_acceptance.py last measured it (it rewrites the file);
+# `chatpipe plan` assumes it for that GPU, DEFAULT_MFU where the GPU was never measured
+MEASURED_MFU_FILE = Path(__file__).resolve().parents[2] / "bench" / "gpu_measured.json"
+DEFAULT_MFU = 0.4
 
 # torch.compile on the project's 2-core CPU, tiny model (bench/pretrain_vs_nanochat.py, bench/README.md):
 # compiling the model costs ~39 s with an empty inductor cache (~6 s warm) and saves ~0.08 s per
@@ -175,9 +181,24 @@ class Plan:
     gpu: str
     peak_flops: float
     mfu: float
+    mfu_source: str  # "given", "assumed" (DEFAULT_MFU) or "measured by bench/gpu_acceptance.py at <commit>"
     hours: float
     usd: float
-    memory_gib: float
+    memory_gib: float  # compiled step (a GPU run)
+    memory_eager_gib: float  # the eager step, as MemTracker measures it
+
+
+# Activation bytes saved per token, per layer and channel, (eager, compiled), by whether the model has
+# value embeddings (the speedrun recipe: value embeddings on half the layers, lambdas) or not (d20).
+# Eager: torch's MemTracker under FakeTensorMode (tests/test_memory_plan.py) at d6, sequence 2048, batch 4,
+# vocab 32,768 and 8,192: 58.8 with value embeddings, 52.1 without. Compiled: the acceptance bench's
+# peak (max_memory_allocated) of the speedrun's d12 and d24 bf16 steps on H100/H200 (bench/README.md):
+# 44.4; without value embeddings scaled by the eager ratio (not measured on a GPU).
+ACT_BYTES_PER_LAYER_CHANNEL = {True: (58.8, 44.4), False: (52.1, 39.3)}
+# per logit, (eager, compiled). Eager: the soft-cap's tanh and log_softmax's output kept for the backward
+# (fp32), and two fp32 temporaries alive at the end of the forward. Compiled: inductor fuses the cap and
+# the loss and keeps about the bf16 logits (the same d12/d24 fit).
+LOGIT_BYTES = (16.0, 2.3)
 
 
 def estimate_memory_bytes(
@@ -188,19 +209,51 @@ def estimate_memory_bytes(
     vocab_size: int,
     device_batch_size: int,
     sequence_len: int,
+    grad_accum: int = 1,
+    *,
+    compiled: bool = True,
+    value_embeds: bool = False,
 ) -> int:
-    """Rough peak training memory of one GPU (bf16 autocast, flash attention, fp32 master weights).
+    """Peak memory of one training step of one GPU (bf16 autocast, fp32 master weights); the peak is at
+    the end of the forward. ``compiled``: the model under torch.compile (every GPU run), else the eager
+    step, as torch's MemTracker measures it.
 
-    Weights + grads in fp32 (8 B/param), AdamW moments for embedding and lm_head (8 B/param), Muon
-    momentum for the matrices (4 B/param); activations ~16 bytes per token per channel per layer
-    (ReLU² MLP, no dropout); logits in bf16 plus fp32 softcap/loss copies (~6 B per vocab entry).
+    Weights in fp32 (4 B/param); AdamW moments (8 B/param) for the lookup tables and lm_head, Muon
+    momentum (4 B/param) for the block matrices; bf16 copies of every matmul weight, which the backward
+    keeps (2 B/param); activations :data:`ACT_BYTES_PER_LAYER_CHANNEL` per token, layer and channel;
+    :data:`LOGIT_BYTES` per logit. Gradients (4 B/param) only with gradient accumulation: a single
+    micro-batch's step frees them before the next forward (``zero_grad(set_to_none=True)``).
+    Left out: CUDA's allocator fragmentation and kernel workspace, FP8's smaller saved copies
+    (docs/scaling.md).
     """
     tokens = device_batch_size * sequence_len
-    adam_params = 2 * num_embedding_params  # wte + lm_head
-    states = 8 * num_params + 8 * adam_params + 4 * (num_params - adam_params)
-    activations = 16 * tokens * n_embd * n_layer
-    logits = 6 * tokens * vocab_size
-    return states + activations + logits
+    lm_head = n_embd * vocab_size
+    adam_params = num_embedding_params + lm_head
+    matrices = num_params - adam_params
+    states = 4 * num_params + 8 * adam_params + 4 * matrices + (4 * num_params if grad_accum > 1 else 0)
+    weight_copies = 2 * (matrices + lm_head)
+    per_channel = ACT_BYTES_PER_LAYER_CHANNEL[value_embeds][compiled]
+    activations = tokens * (per_channel * n_layer * n_embd + LOGIT_BYTES[compiled] * vocab_size)
+    return int(states + weight_copies + activations)
+
+
+def model_memory_bytes(
+    model: GPT, device_batch_size: int, sequence_len: int, grad_accum: int = 1, compiled: bool = True
+) -> int:
+    """:func:`estimate_memory_bytes` of ``model`` (its padded vocabulary: what lm_head computes)."""
+    c = model.config
+    return estimate_memory_bytes(
+        model.num_params(),
+        model.num_embedding_params(),
+        c.n_layer,
+        c.n_embd,
+        c.padded_vocab_size,
+        device_batch_size,
+        sequence_len,
+        grad_accum,
+        compiled=compiled,
+        value_embeds=c.value_embeds,
+    )
 
 
 def check_memory_fits(estimate_bytes: int, device: torch.device, device_batch_size: int) -> None:
@@ -216,8 +269,24 @@ def check_memory_fits(estimate_bytes: int, device: torch.device, device_batch_si
         )
 
 
-def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hour: float = 3.0) -> Plan:
-    """Compute the plan of ``profile`` from params.yaml (the same settings the stages read)."""
+def measured_mfu(gpu: str, fp8: bool, path: Path = MEASURED_MFU_FILE) -> tuple[float, str]:
+    """(MFU, where it comes from) for ``gpu`` in the run's precision: the acceptance bench's last
+    measurement (``path``), or :data:`DEFAULT_MFU` with "assumed" where it has none."""
+    if not path.exists():
+        return DEFAULT_MFU, "assumed"
+    try:
+        entry = json.loads(path.read_text()).get(gpu)
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not the acceptance bench's MFU record ({e}); rerun bench/gpu_acceptance.py") from e
+    precision = "fp8" if fp8 else "bf16"
+    if not entry or precision not in entry:
+        return DEFAULT_MFU, "assumed"
+    return float(entry[precision]), f"measured by bench/gpu_acceptance.py at {entry.get('commit', '?')}"
+
+
+def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per_gpu_hour: float = 3.0) -> Plan:
+    """Compute the plan of ``profile`` from params.yaml (the same settings the stages read). ``mfu``
+    None: what the acceptance bench last measured on ``gpu`` (:func:`measured_mfu`)."""
     if gpu not in PEAK_FLOPS:
         raise ValueError(f"gpu = {gpu!r}; allowed: {', '.join(PEAK_FLOPS)}")
     with env_set(CHATPIPE_PROFILE=profile):  # settings resolve the profile from here
@@ -234,16 +303,10 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
     accum = grad_accum_steps(batch, cfg.device_batch_size, cfg.sequence_len, world)
     total_flops = float(fpt) * tokens
     gpus = max(1, launch.nnodes * launch.gpus_per_node)
+    mfu, mfu_source = (mfu, "given") if mfu is not None else measured_mfu(gpu, cfg.fp8)
     hours = total_flops / (PEAK_FLOPS[gpu] * gpus * mfu) / 3600
-    memory = estimate_memory_bytes(
-        num_params,
-        model.num_embedding_params(),
-        model.config.n_layer,
-        model.config.n_embd,
-        vocab,
-        cfg.device_batch_size,
-        cfg.sequence_len,
-    )
+    memory = model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len, accum)
+    memory_eager = model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len, accum, compiled=False)
     on = [k for k in ("value_embeds", "lambdas", "smear", "backout") if getattr(cfg, k)]
     recipe = f"{cfg.optimizer}; model options: {', '.join(on) or 'none'}; windows {cfg.window_pattern}"
     recipe += f" ({cfg.short_window})" + (", fp8" if cfg.fp8 else "")
@@ -269,9 +332,11 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float = 0.4, usd_per_gpu_hou
         gpu,
         PEAK_FLOPS[gpu],
         mfu,
+        mfu_source,
         hours,
         hours * gpus * usd_per_gpu_hour,
         memory / GIB,
+        memory_eager / GIB,
     )
 
 
@@ -293,9 +358,9 @@ def format_plan(plan: Plan) -> str:
             f"  world size       {plan.world_size} (grad accumulation {plan.grad_accum})",
             f"  total FLOPs      {plan.total_flops:.3e}",
             f"  time on {plan.gpu}   {plan.hours:.2f} h at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s "
-            f"per GPU",
+            f"per GPU ({plan.mfu_source})",
             f"  cost             ${plan.usd:,.0f}",
-            f"  memory per GPU   ~{plan.memory_gib:.1f} GiB (estimate)",
+            f"  memory per GPU   ~{plan.memory_gib:.1f} GiB compiled, ~{plan.memory_eager_gib:.1f} GiB eager (estimates)",
         ]
     )
 
@@ -310,7 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", default=None, help="params profile, or several comma-separated (default: params.yaml's)"
     )
     p.add_argument("--gpu", default="H100", choices=sorted(PEAK_FLOPS))
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="model FLOPs utilisation (default: the acceptance bench's last measured)",
+    )
     p.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
