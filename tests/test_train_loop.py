@@ -193,3 +193,31 @@ def test_grad_norm_reaches_mlflow_for_pretrain_midtrain_and_sft(tmp_path):
         history = client.get_metric_history(run.info.run_id, "train/grad_norm")
         assert sorted(m.step for m in history) == list(range(1, n + 1)), stage
         assert all(m.value > 0 and math.isfinite(m.value) for m in history), stage
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_pretrain_and_midtrain_bitwise(tmp_path):
+    """2 gloo workers: a run resumed from a middle checkpoint ends with the uninterrupted run's weights."""
+    import shutil
+
+    from tests.project import run
+
+    params = {
+        "pretrain": {"max_steps": 6, "eval_every": 3, "checkpoint_every": 3, "dtype": "float32"},
+        "midtrain": {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2, "dtype": "float32"},
+        "tracking": {"enabled": False},
+    }
+    project = make_project(tmp_path, params)
+    dvc(project, "repro", "tokenizer")
+    for stage, out_dir, last, middle in (("pretrain", "base", 6, 3), ("midtrain", "mid", 4, 2)):
+        launch = ("python", "-m", "chatpipe.launch", stage, "--nproc_per_node", "2")
+        assert "world 2" in run(project, *launch).stdout
+        model = project / "artifacts" / out_dir / "model.pt"
+        whole = torch.load(model, weights_only=True)
+        # as if killed after the middle checkpoint: the last one and the output gone
+        shutil.rmtree(project / "checkpoints" / stage / f"step_{last:06d}")
+        model.unlink()
+        out = run(project, *launch).stdout
+        assert f"resuming from checkpoints/{stage}/step_{middle:06d}" in out, out[-3000:]
+        resumed = torch.load(model, weights_only=True)
+        assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == [], stage
