@@ -69,10 +69,12 @@ def _run(tmp_path, run_id: str, *, stop_after: int | None = None):
     run_fp, meta = resume_or_fresh(tmp_path / "work", cfg, {"data": "toy"}, model=net, optimizers=optimizers, rt=RT)
     state = LoopState.resumed(meta, TOTAL)
     evals: list[int] = []
+    drawn = list(meta.get("drawn", []))  # the stage's own state, as RL's prompt log: carried by the checkpoint
 
     def step(n: int) -> StepOut:
         if stop_after is not None and n >= stop_after:
             raise KeyboardInterrupt("killed")
+        drawn.append(torch.randint(100, ()).item())
         return StepOut(train_step_metrics(net, _batch, optimizers, grad_accum=2, rt=RT), {"tokens": 8})
 
     def evaluate(n: int) -> dict[str, float]:
@@ -90,6 +92,7 @@ def _run(tmp_path, run_id: str, *, stop_after: int | None = None):
         schedule=lambda n: (1.0 - n / TOTAL, None),
         hooks=[Every(evaluate, 4, at_start=True)],
         identity={"stage": "toy", "fingerprint": run_fp, "world_size": 1},
+        stage_state=lambda: {"drawn": drawn},
     )
     recorder = Recorder()
     metrics = Curves(recorder, "toy", ["train/loss"], root=tmp_path / "plots")
@@ -118,6 +121,7 @@ def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
     assert state.first_evals == whole_state.first_evals == {"val/loss": 0.0}
     final = loop.meta(state)
     assert final["carried"]["totals"]["tokens"] == 8 * TOTAL and final["total_steps"] == TOTAL
+    assert final["drawn"] == whole_loop.meta(whole_state)["drawn"] and len(final["drawn"]) == TOTAL
 
 
 def test_every_step_logs_loss_grad_norm_lr_and_throughput(tmp_path):
