@@ -188,7 +188,13 @@ def test_two_ranks_resume_pretrain_and_midtrain_bitwise(tmp_path):
 
     params = {
         "pretrain": {"max_steps": 6, "eval_every": 3, "checkpoint_every": 3, "dtype": "float32"},
-        "midtrain": {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2, "dtype": "float32"},
+        "midtrain": {
+            "max_steps": 4,
+            "eval_every": 2,
+            "checkpoint_every": 2,
+            "dtype": "float32",
+            "device_batch_size": 2,
+        },
         "tracking": {"enabled": False},
     }
     project = make_project(tmp_path, params)
