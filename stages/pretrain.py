@@ -106,7 +106,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
             cfg,
             rt,
             work,
-            model,
+            model,  # the bare module: a checkpoint saves its weights, never the DDP or compiled wrapper's
             optimizers,
             step=one_step,
             schedule=train_schedule(cfg, total_steps),
