@@ -120,7 +120,7 @@ def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
     assert state.run_ids == ["r1", "r2"] and whole_state.run_ids == ["r0"]
     assert state.first_evals == whole_state.first_evals == {"val/loss": 0.0}
     final = loop.meta(state)
-    assert final["carried"]["totals"]["tokens"] == 8 * TOTAL and final["total_steps"] == TOTAL
+    assert final["carried"]["tokens"] == 8 * TOTAL and final["total_steps"] == TOTAL
     assert final["drawn"] == whole_loop.meta(whole_state)["drawn"] and len(final["drawn"]) == TOTAL
 
 
@@ -141,6 +141,11 @@ def test_a_checkpoint_carries_what_resumed_reads_back():
     assert (back.step, back.start_step, back.totals, back.run_ids) == (7, 7, state.totals, ["a"])
     assert back.first_evals == {"val/bpb": 2.0} and back.evals == {}  # evals are re-run, not carried
     assert LoopState.resumed({}, 10) == LoopState(10)
+    # a checkpoint of the stages' own loops before this one: flat totals and run ids, resumed alike
+    older = {"step": 4, "carried": {"train_seconds": 2.5, "tokens": 4096, "mlflow_run_ids": ["r"]}}
+    assert LoopState.resumed(older, 10) == LoopState(
+        10, step=4, start_step=4, totals={"train_seconds": 2.5, "tokens": 4096}, run_ids=["r"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -93,18 +93,20 @@ class LoopState:
         if not meta:
             return cls(total_steps)
         carried = carried_over(meta)
+        run_ids, first_evals = carried.pop("mlflow_run_ids", []), carried.pop("first_evals", {})
         return cls(
             total_steps,
             step=meta["step"],
             start_step=meta["step"],
-            totals=dict(carried.get("totals") or {}),
-            run_ids=list(carried.get("mlflow_run_ids") or []),
-            first_evals=dict(carried.get("first_evals") or {}),
+            totals=carried,  # what is left: checkpoints written before the loop was shared hold just these
+            run_ids=list(run_ids),
+            first_evals=dict(first_evals),
         )
 
     def meta(self) -> dict[str, Any]:
-        """All a checkpoint carries of the loop (``step`` is added by the checkpoint itself)."""
-        carried = {"totals": self.totals, "first_evals": self.first_evals, "mlflow_run_ids": self.run_ids}
+        """All a checkpoint carries of the loop (``step`` is added by the checkpoint itself): the
+        totals flat beside the run ids and first evals under ``carried``."""
+        carried = {**self.totals, "first_evals": self.first_evals, "mlflow_run_ids": self.run_ids}
         return {"total_steps": self.total_steps, "carried": carried}
 
     def total(self, key: str, default: float = 0.0) -> float:
