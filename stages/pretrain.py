@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,21 +27,11 @@ from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.fp8 import check_fp8, enable_fp8, float8_layers, plain_linears
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.progress import progress
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.checkpoint import producing_runs
-from chatpipe.train.loop import (
-    due,
-    evaluate_bpb,
-    fixed_batches,
-    grad_accum_steps,
-    peak_flops,
-    report_step,
-    scheduled_train_step,
-)
+from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_metrics
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.pretrain_plan import (
     apply_horizon,
@@ -54,7 +42,8 @@ from chatpipe.train.pretrain_plan import (
     model_config_for,
     polar_express_dtype,
 )
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta
+from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
+from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -62,37 +51,6 @@ SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled",
 
 def main(argv: list[str] | None = None) -> None:
     runtime.run_stage(PretrainSettings, train, argv, training=True)
-
-
-@dataclass
-class LoopState:
-    """What the loop carries from step to step. Totals and run ids continue from the checkpoint, so
-    a resume from the final one rewrites the same summary (and the same artifact hash) as the run
-    that trained it."""
-
-    start_step: int
-    carried: dict
-    step: int = 0
-    bpb: float = float("nan")
-    train_seconds: float = 0.0
-    tokens: int = 0
-    run_ids: list[str] = field(default_factory=list)
-
-    @classmethod
-    def resumed(cls, start_step: int, carried: dict) -> LoopState:
-        """The state at ``start_step`` with the totals a checkpoint carried (``{}`` for a fresh start)."""
-        train_seconds, tokens = carried.get("train_seconds", 0.0), carried.get("tokens", 0)
-        return cls(start_step, carried, step=start_step, train_seconds=train_seconds, tokens=tokens)
-
-    def summary(self) -> dict[str, float]:
-        """The final ``summary`` of ``meta.json``: val bpb, training time and tokens over every run."""
-        tokens_per_s = self.tokens / max(self.train_seconds, 1e-9)
-        return {
-            "val_bpb": self.bpb,
-            "train_seconds": self.train_seconds,
-            "tokens": self.tokens,
-            "tokens_per_s": tokens_per_s,
-        }
 
 
 def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
@@ -117,7 +75,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
-    start_step, _, carried = resume_point(meta)
+    state = LoopState.resumed(meta, total_steps)
 
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.sequence_len, **rt.shard)
     # the checkpoint's loader state holds the packer cursor: resuming costs the same at any step;
@@ -126,55 +84,62 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     step_model, eval_model = step_and_eval_models(model, use_compile, rt)
     log_code_paths(cfg, rt, model, step_model, total_steps)
     eval_steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * cfg.sequence_len * rt.world_size))
-    state = LoopState.resumed(start_step, carried)
 
-    def val_bpb() -> float:
+    def val_bpb(step: int) -> dict[str, float]:
         loader = RowLoader(val_docs, **loader_kw)  # a fresh pass over the same val rows each time
         with plain_linears(model):  # evaluate in the precision the model will be used in, as nanochat does
-            return evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)
+            return {"val/bpb": evaluate_bpb(eval_model, fixed_batches(loader.next_batch, eval_steps), token_bytes, rt)}
 
-    def train_step(step: int) -> tuple[float, float, float]:
-        next_batch = train_loader.next_batch
-        return scheduled_train_step(
-            step, total_steps, cfg, step_model, next_batch, optimizers, grad_accum=grad_accum, rt=rt
+    def one_step(step: int) -> StepOut:
+        kw = dict(grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
+        return StepOut(
+            train_step_metrics(step_model, train_loader.next_batch, optimizers, **kw), {"tokens": cfg.total_batch_size}
         )
-
-    def checkpoint_meta() -> dict:
-        return {
-            **run_meta("pretrain", run_fp, cfg, inputs, rt, model.config),
-            "loader": train_loader.state(),
-            "total_steps": total_steps,
-            "carried": {"train_seconds": state.train_seconds, "tokens": state.tokens, "mlflow_run_ids": state.run_ids},
-        }
-
-    checkpoints = Checkpointer(work, cfg, model, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
 
     # --- loop
     params = run_params(cfg, model, horizon, grad_accum, rt)
     with tracked_run("pretrain", params, rt) as run:
         metrics = Curves(run, "pretrain", ["train/loss", "val/bpb"], enabled=rt.is_main)
-        state.run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
         samples = functools.partial(log_samples, model, tok, rt, run)
-        run_loop(
+        loop = Loop(
+            "pretrain",
             cfg,
             rt,
-            state,
-            total_steps,
-            val_bpb=val_bpb,
-            train_step=train_step,
-            samples=samples,
-            checkpoints=checkpoints,
-            metrics=metrics,
+            work,
+            model,  # the bare module: a checkpoint saves its weights, never the DDP or compiled wrapper's
+            optimizers,
+            step=one_step,
+            schedule=train_schedule(cfg, total_steps),
+            # samples: rank 0's greedy continuations, from step 1 on (the untrained model's say nothing)
+            hooks=[
+                Every(val_bpb, cfg.eval_every),
+                Every(samples, cfg.sample_every, at_last=cfg.sample_every > 0, from_step=1),
+            ],
+            identity=run_meta("pretrain", run_fp, cfg, inputs, rt, model.config),
+            stage_state=lambda: {"loader": train_loader.state()},
             flops_per_token=model.flops_per_token(),
         )
+        run_loop(loop, state, run, metrics)
 
         # --- save the final model for the next stage
         train_loader.close()
-        summary, final = state.summary(), {"final/val_bpb": state.bpb}
+        final = {"final/val_bpb": state.evals.get("val/bpb", float("nan"))}
+        meta = loop.meta(state)
         finish_stage(
-            out_dir, model, checkpoint_meta(), summary, step=state.step, run=run, metrics=metrics, rt=rt, final=final
+            out_dir, model, meta, summary(state), step=state.step, run=run, metrics=metrics, rt=rt, final=final
         )
     runtime.barrier()
+
+
+def summary(state: LoopState) -> dict[str, float]:
+    """The final ``summary`` of ``meta.json``: val bpb, training time and tokens over every run."""
+    train_seconds, tokens = state.total("train_seconds"), state.total("tokens", 0)
+    return {
+        "val_bpb": state.evals.get("val/bpb", float("nan")),
+        "train_seconds": train_seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(train_seconds, 1e-9),
+    }
 
 
 def run_params(
@@ -269,45 +234,6 @@ def make_optimizers(cfg: PretrainSettings, model: GPT, rt: runtime.Runtime) -> l
     )
 
 
-def run_loop(
-    cfg: PretrainSettings,
-    rt: runtime.Runtime,
-    state: LoopState,
-    total_steps: int,
-    *,
-    val_bpb: Callable[[], float],
-    train_step: Callable[[int], tuple[float, float, float]],
-    samples: Callable[[int], None],
-    checkpoints: Checkpointer,
-    metrics: Curves,
-    flops_per_token: float,
-) -> None:
-    """Train from ``state.step`` to ``total_steps``: val bpb every ``eval_every`` steps and at the
-    last, rank 0's samples every ``sample_every``, checkpoints when due, one optimizer step in between."""
-    bar = progress(total_steps, "pretrain", initial=state.start_step, unit="step")
-    peak = peak_flops(rt.device) * rt.world_size
-    while True:
-        last = state.step == total_steps
-        if last or due(state.step, cfg.eval_every):
-            state.bpb = val_bpb()
-            metrics.log({"val/bpb": state.bpb}, state.step)
-            log.info("step %d | val bpb %.4f", state.step, state.bpb)
-        if rt.is_main and cfg.sample_every and (last or state.step % cfg.sample_every == 0) and state.step > 0:
-            samples(state.step)
-        checkpoints.save_if_due(state.step, last=last)
-        if last:
-            bar.close()
-            return
-
-        loss, lr_mult, dt = train_step(state.step)
-        state.step += 1
-        state.train_seconds += dt
-        state.tokens += cfg.total_batch_size
-        tok_per_s = cfg.total_batch_size / dt
-        mfu = {"mfu": flops_per_token * tok_per_s / peak} if peak else {}
-        report_step(log, metrics, bar, state.step, total_steps, cfg.log_every, loss, lr_mult, tok_per_s, **mfu)
-
-
 def resolve_horizon(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[PretrainSettings, Horizon]:
     """The run's settings with the derived batch, steps, LRs and weight decay in place, and the derivation."""
     horizon = horizon_for(cfg, model, world_size)
@@ -324,7 +250,9 @@ def resolve_horizon(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple
 
 
 def log_samples(model: GPT, tok: Tokenizer, rt: runtime.Runtime, run: tracking.StageRun, step: int) -> None:
-    """Greedy continuations of a few prompts, logged and saved to MLflow as text."""
+    """Greedy continuations of a few prompts, logged and saved to MLflow as text (by rank 0; the others skip)."""
+    if not rt.is_main:
+        return
     engine = Engine(model, tok)
     lines = []
     with plain_linears(model):  # FP8 layers back to Linear: decoding shapes are not FP8's multiples of 16

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.project import BIN, dvc, make_project, project_env, run
+from tests.project import BIN, dvc, make_project, mlflow_client, project_env, run
 
 
 def _kill_project_processes(project) -> None:
@@ -27,6 +27,15 @@ def _kill_project_processes(project) -> None:
             pass
 
 
+def grad_norm_steps(project, stage: str) -> list[int]:
+    """The steps at which the newest ``stage`` run logged a finite, positive ``train/grad_norm``."""
+    client = mlflow_client(project)
+    exp = client.get_experiment_by_name("chatpipe")
+    newest = client.search_runs([exp.experiment_id], f"tags.stage = '{stage}'", order_by=["start_time DESC"])[0]
+    history = client.get_metric_history(newest.info.run_id, "train/grad_norm")
+    return sorted(m.step for m in history if 0 < m.value < float("inf"))
+
+
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -40,8 +49,9 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> bool:
 
 @pytest.mark.slow
 def test_repro_sft_kill_resume_noop(tmp_path):
-    # kill, resume and chat are the subject; MLflow (tests/test_tracking_lifecycle.py) stays off: ~2-3 s of CPU a stage process
-    project = make_project(tmp_path, {"sft": {"max_steps": 40, "eval_baseline": True}, "tracking": {"enabled": False}})
+    # kill, resume and chat are the subject; MLflow is on (~2-3 s of CPU a stage process) for one check: every
+    # training stage logs its per-step gradient norm, the loop's, to its run
+    project = make_project(tmp_path, {"sft": {"max_steps": 40, "eval_baseline": True}})
     sft_ckpts = project / "checkpoints" / "sft"
 
     # 1. the whole chain in the background; kill -9 everything once sft has written a checkpoint
@@ -68,6 +78,14 @@ def test_repro_sft_kill_resume_noop(tmp_path):
     assert summary["train_seconds"] > 0  # the re-run trained the remaining steps
     assert {"end_token_rate", "arith_accuracy", "arith_accuracy_base", "fill_ratio"} <= set(summary)
     assert 0.0 <= summary["end_token_rate"] <= 1.0
+
+    # every step of every training run logs the gradient norm to MLflow (the resumed sft run: the steps it trained)
+    for stage, steps in (
+        ("pretrain", range(1, 25)),
+        ("midtrain", range(1, 9)),
+        ("sft", range(int(resumed[1]) + 1, 41)),
+    ):
+        assert grad_norm_steps(project, stage) == list(steps), stage
 
     # 3. nothing changed: a second repro runs no stage
     again = dvc(project, "repro", "sft").stdout

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,49 +21,18 @@ from chatpipe.data.tasks import build_mixture
 from chatpipe.io import sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.progress import progress
 from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.checkpoint import producing_runs
-from chatpipe.train.loop import (
-    due,
-    evaluate_loss_bpb,
-    fixed_batches,
-    grad_accum_steps,
-    report_step,
-    scheduled_train_step,
-)
+from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_metrics
 from chatpipe.train.optim import build_optimizers
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, resume_point, run_meta
+from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
+from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics
 Finish = Callable[[torch.nn.Module, Tokenizer, tracking.StageRun], dict[str, float]]
-
-
-@dataclass
-class LoopState:
-    """What the loop carries from step to step; the training time continues from the checkpoint, so
-    a resume from the final one writes the same summary."""
-
-    start_step: int
-    carried: dict
-    step: int = 0
-    val_loss: float = float("nan")
-    bpb: float = float("nan")
-    train_seconds: float = 0.0
-    run_ids: list[str] = field(default_factory=list)
-
-    @classmethod
-    def resumed(cls, start_step: int, carried: dict) -> LoopState:
-        """The state at ``start_step`` with the totals a checkpoint carried (``{}`` for a fresh start)."""
-        return cls(start_step, carried, step=start_step, train_seconds=carried.get("train_seconds", 0.0))
-
-    def summary(self, fill: float) -> dict[str, float]:
-        """The final ``summary`` of ``meta.json`` (before the stage's own checks add to it)."""
-        return {"val_loss": self.val_loss, "val_bpb": self.bpb, "fill_ratio": fill, "train_seconds": self.train_seconds}
 
 
 def train_chat(
@@ -99,54 +67,60 @@ def train_chat(
 
     # --- resume from the newest valid checkpoint made with the same settings and inputs
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=model, optimizers=optimizers, rt=rt)
-    start_step, start_row, carried = resume_point(meta)
-    state = LoopState.resumed(start_step, carried)
+    state = LoopState.resumed(meta, total_steps)
 
     loader_kw = dict(batch_size=cfg.device_batch_size, seq_len=cfg.max_seq_len, pad_id=tok.bos_id, **rt.shard)
+    start_row = meta["loader"]["row"] if meta else 0
     train_loader = ConversationLoader(mixture.train_data, mixture.train_rows, start_row=start_row, **loader_kw)
     ddp_model = DDP(model) if rt.world_size > 1 else model
     step_model = runtime.compile(ddp_model) if cfg.compile else ddp_model
     eval_steps = val_steps(cfg, len(mixture.val_rows), rt)
 
-    def val_metrics() -> tuple[float, float]:
+    def val_metrics(step: int) -> dict[str, float]:
         loader = ConversationLoader(mixture.val_data, mixture.val_rows, **loader_kw)
-        batches = list(fixed_batches(loader.next_batch, eval_steps))
-        return evaluate_loss_bpb(model, batches, token_bytes, rt)
+        val_loss, bpb = evaluate_loss_bpb(model, list(fixed_batches(loader.next_batch, eval_steps)), token_bytes, rt)
+        return {"val/loss": val_loss, "val/bpb": bpb}
 
-    def train_step(step: int) -> tuple[float, float, float]:
-        next_batch = train_loader.next_batch
-        return scheduled_train_step(
-            step, total_steps, cfg, step_model, next_batch, optimizers, grad_accum=grad_accum, rt=rt
-        )
-
-    def checkpoint_meta() -> dict:
-        return {
-            **run_meta(stage, run_fp, cfg, inputs, rt, model.config),
-            "loader": train_loader.state(),
-            "total_steps": total_steps,
-            "carried": {"train_seconds": state.train_seconds, "mlflow_run_ids": state.run_ids},
-        }
-
-    checkpoints = Checkpointer(work, cfg, model, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
+    def one_step(step: int) -> StepOut:
+        kw = dict(grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
+        row = train_step_metrics(step_model, train_loader.next_batch, optimizers, **kw)
+        return StepOut({**row, "epoch": train_loader.epoch})
 
     # --- loop
     params = run_params(stage, cfg, model, mixture, grad_accum, total_steps, rt)
     with tracked_run(stage, params, rt) as run:
         metrics = Curves(run, stage, ["train/loss", "val/bpb"], enabled=rt.is_main)
         metrics.log({"packing/fill_ratio": mixture.fill}, 0)
-        state.run_ids = producing_runs(carried, run.id, trains=start_step < total_steps)
-        run_loop(
-            cfg, stage, state, total_steps, val_metrics, train_step, lambda: train_loader.epoch, checkpoints, metrics
+        loop = Loop(
+            stage,
+            cfg,
+            rt,
+            work,
+            model,
+            optimizers,
+            step=one_step,
+            schedule=train_schedule(cfg, total_steps),
+            hooks=[Every(val_metrics, cfg.eval_every)],
+            identity=run_meta(stage, run_fp, cfg, inputs, rt, model.config),
+            stage_state=lambda: {"loader": train_loader.state()},
         )
+        run_loop(loop, state, run, metrics)
 
         # --- stage-specific checks, then save the final model for the next stage
-        summary, final = state.summary(mixture.fill), {"final/val_loss": state.val_loss, "final/val_bpb": state.bpb}
+        summary = chat_summary(state, mixture.fill)
         if rt.is_main and finish is not None:
             summary.update(finish(model, tok, run))
+        final = {"final/val_loss": summary["val_loss"], "final/val_bpb": summary["val_bpb"]}
         finish_stage(
-            out_dir, model, checkpoint_meta(), summary, step=state.step, run=run, metrics=metrics, rt=rt, final=final
+            out_dir, model, loop.meta(state), summary, step=state.step, run=run, metrics=metrics, rt=rt, final=final
         )
     runtime.barrier()
+
+
+def chat_summary(state: LoopState, fill: float) -> dict[str, float]:
+    """The final ``summary`` of ``meta.json`` (before the stage's own checks add to it)."""
+    val_loss, bpb = (state.evals.get(k, float("nan")) for k in ("val/loss", "val/bpb"))
+    return {"val_loss": val_loss, "val_bpb": bpb, "fill_ratio": fill, "train_seconds": state.total("train_seconds")}
 
 
 class Mixture(NamedTuple):
@@ -216,35 +190,3 @@ def val_steps(cfg: ChatTrainSettings, val_rows: int, rt: runtime.Runtime) -> int
     """Batches per evaluation: ``cfg.eval_tokens`` worth, at most one pass over the val rows, at least one."""
     rows_per_eval = cfg.device_batch_size * rt.world_size
     return max(1, min(cfg.eval_tokens // (rows_per_eval * cfg.max_seq_len), math.ceil(val_rows / rows_per_eval)))
-
-
-def run_loop(
-    cfg: ChatTrainSettings,
-    stage: str,
-    state: LoopState,
-    total_steps: int,
-    val_metrics: Callable[[], tuple[float, float]],
-    train_step: Callable[[int], tuple[float, float, float]],
-    epoch: Callable[[], int],
-    checkpoints: Checkpointer,
-    metrics: Curves,
-) -> None:
-    """Train from ``state.step`` to ``total_steps``: val loss and bpb every ``eval_every`` steps and
-    at the last, checkpoints when due, one optimizer step in between."""
-    bar = progress(total_steps, stage, initial=state.start_step, unit="step")
-    while True:
-        last = state.step == total_steps
-        if last or due(state.step, cfg.eval_every):
-            state.val_loss, state.bpb = val_metrics()
-            metrics.log({"val/loss": state.val_loss, "val/bpb": state.bpb}, state.step)
-            log.info("step %d | val loss %.4f | val bpb %.4f", state.step, state.val_loss, state.bpb)
-        checkpoints.save_if_due(state.step, last=last)
-        if last:
-            bar.close()
-            return
-
-        loss, lr_mult, dt = train_step(state.step)
-        state.step += 1
-        state.train_seconds += dt
-        tok_per_s = cfg.total_batch_size / dt
-        report_step(log, metrics, bar, state.step, total_steps, cfg.log_every, loss, lr_mult, tok_per_s, epoch=epoch())

@@ -1,21 +1,18 @@
-"""Plain functions every training stage shares: batch math, one optimizer step, bpb eval, MFU.
+"""Plain functions every training stage shares: batch math, one optimizer step, its schedule, bpb eval, MFU.
 
-Stages call these from their own top-to-bottom loop; there is no trainer class to inherit from.
+The loop that calls them is :func:`chatpipe.train.trainer.run_loop`, one for every training stage.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-from chatpipe.progress import Progress
 from chatpipe.runtime import Runtime, all_reduce_sum
-from chatpipe.stage_metrics import Curves
 from chatpipe.train.optim import apply_schedules, lr_multiplier, muon_momentum
 
 # Dense bf16 peak FLOP/s per GPU, for MFU. Unknown devices report no MFU.
@@ -47,7 +44,25 @@ def peak_flops(device: torch.device) -> float:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
 
 
-def train_step(
+def step_optimizers(
+    model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], grad_clip: float
+) -> torch.Tensor:
+    """Step every optimizer on the gradients ``model`` holds (clipped to norm ``grad_clip`` when > 0),
+    then zero them; returns their total norm before clipping, as a tensor so nothing waits on it here.
+
+    Reading the norm leaves the gradients as they are: a run logs it without changing its weights."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return norm
+
+
+def train_step_metrics(
     model: torch.nn.Module,
     next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     optimizers: Iterable[torch.optim.Optimizer],
@@ -55,8 +70,11 @@ def train_step(
     grad_accum: int,
     rt: Runtime,
     grad_clip: float = 0.0,
-) -> float:
-    """Forward/backward ``grad_accum`` micro-batches, step every optimizer; returns the mean loss over ranks."""
+) -> dict[str, float]:
+    """Forward/backward ``grad_accum`` micro-batches, step every optimizer; returns the step's metrics:
+    the mean loss over ranks and the gradient norm (the same on every rank once DDP has averaged).
+
+    A per-step metric of the gradients or the loss goes here, once, for every stage that trains through it."""
     total = torch.zeros((), device=rt.device)
     for micro in range(grad_accum):
         x, y = next_batch()
@@ -66,13 +84,27 @@ def train_step(
             loss = model(x, y)
         (loss / grad_accum).backward()
         total += loss.detach()
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    for opt in optimizers:
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    total /= grad_accum
-    return (all_reduce_sum(total) / rt.world_size).item()
+    norm = step_optimizers(model, optimizers, grad_clip)
+    # one all-reduce and one device-to-host copy for both numbers
+    sums = all_reduce_sum(torch.stack([total / grad_accum, norm.to(total.dtype)])) / rt.world_size
+    loss_mean, grad_norm = sums.tolist()
+    return {"train/loss": loss_mean, "train/grad_norm": grad_norm}
+
+
+def train_step(*args, **kwargs) -> float:
+    """The mean loss alone of :func:`train_step_metrics` (same arguments), for benchmarks timing the step."""
+    return train_step_metrics(*args, **kwargs)["train/loss"]
+
+
+def train_schedule(cfg, total_steps: int) -> Callable[[int], tuple[float, float]]:
+    """The schedule of a :class:`~chatpipe.settings.TrainSettings` stage: step -> (LR multiplier
+    (warmup, flat, warmdown to ``final_lr_frac``), Muon momentum (warmed up over ``momentum_warmup_steps``))."""
+    lr_kw = cfg.lr_schedule()
+
+    def at(step: int) -> tuple[float, float]:
+        return lr_multiplier(step, total_steps, **lr_kw), muon_momentum(step, cfg.momentum_warmup_steps)
+
+    return at
 
 
 def scheduled_train_step(
@@ -86,43 +118,15 @@ def scheduled_train_step(
     grad_accum: int,
     rt: Runtime,
 ) -> tuple[float, float, float]:
-    """Step ``step`` of ``total_steps``: set its LR multiplier and Muon momentum, then :func:`train_step`.
-
-    ``cfg`` is a stage's :class:`~chatpipe.settings.TrainSettings` (LR schedule, Muon momentum warmup,
-    ``grad_clip``).
-    Returns ``(loss, lr multiplier, seconds)``.
-    """
-    lr_mult = lr_multiplier(step, total_steps, **cfg.lr_schedule())
-    apply_schedules(optimizers, lr_mult, muon_momentum(step, cfg.momentum_warmup_steps))
+    """Step ``step`` of ``total_steps`` outside the stage loop: set its LR multiplier and Muon momentum
+    (:func:`train_schedule`), then :func:`train_step`. Returns ``(loss, lr multiplier, seconds)``."""
+    lr_mult, momentum = train_schedule(cfg, total_steps)(step)
+    apply_schedules(optimizers, lr_mult, momentum)
     t0 = time.perf_counter()
     loss = train_step(model, next_batch, optimizers, grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     return loss, lr_mult, time.perf_counter() - t0
-
-
-@torch.no_grad()
-def report_step(
-    log: logging.Logger,
-    metrics: Curves,
-    bar: Progress,
-    step: int,
-    total_steps: int,
-    every: int,
-    loss: float,
-    lr_mult: float,
-    tokens_per_s: float,
-    **extra: float,
-) -> None:
-    """Record a finished training step: its metrics row, the progress bar, and every ``every`` steps
-    (and the last) a log line with loss, LR multiplier, throughput and ``extra``."""
-    metrics.log({"train/loss": loss, "lr_mult": lr_mult, "tokens_per_s": tokens_per_s, **extra}, step)
-    bar.update(loss=loss)
-    if step % every == 0 or step == total_steps:
-        tail = "".join(f" | {k} {v:.3g}" for k, v in extra.items())
-        log.info(
-            "step %d/%d | loss %.4f | lr x%.3f | %.0f tok/s%s", step, total_steps, loss, lr_mult, tokens_per_s, tail
-        )
 
 
 @torch.no_grad()
