@@ -120,7 +120,10 @@ def _shard_checks(out_dir: Path, stem: str) -> dict:
 def verify_store(token_dir: Path, manifest: dict | None = None) -> None:
     """Every token file of the store against the crc32 its manifest records (reads every token once)."""
     manifest = manifest or read_manifest(token_dir / TOKEN_MANIFEST)
-    for stem, check in (manifest.get("checks") or {}).items():
+    checks = manifest.get("checks")
+    if not isinstance(checks, dict) or not checks or not all(isinstance(c, dict) for c in checks.values()):
+        raise ValueError(f"{token_dir / TOKEN_MANIFEST}: corrupt token store manifest (no per-shard checks)")
+    for stem, check in checks.items():
         path = token_dir / f"{stem}.tokens.npy"
         if not path.is_file() or _crc32(path) != check.get("tokens_crc32"):
             raise ValueError(f"{path}: missing or changed since written (crc32 differs from {TOKEN_MANIFEST})")
@@ -251,7 +254,8 @@ def _shard_texts(shard: Path, batch_docs: int) -> Iterator[list[str]]:
     import pyarrow as pa
 
     try:
-        table = pq.ParquetFile(shard)
+        # pages written with a checksum (the data stage writes them) are checked as they are read
+        table = pq.ParquetFile(shard, page_checksum_verification=True)
         field = table.schema_arrow.field("text")
     except KeyError:
         raise ValueError(f"{shard}: no 'text' column; re-run the `data` stage") from None
@@ -280,7 +284,9 @@ class TokenDocs:
             raise FileNotFoundError(f"{token_dir}: no {split}_*.tokens.npy token shards")
         manifest_path = token_dir / TOKEN_MANIFEST
         manifest = read_manifest(manifest_path) if manifest_path.exists() else {}
-        checks = manifest.get("checks") if isinstance(manifest.get("checks"), dict) else {}
+        checks = manifest.get("checks") or {}
+        if not isinstance(checks, dict) or not all(isinstance(c, dict) for c in checks.values()):
+            raise ValueError(f"{manifest_path}: corrupt token store manifest ('checks' is not a mapping of shards)")
         self.vocab_size = vocab_size if vocab_size is not None else manifest.get("vocab_size")
         self.tokens: list[np.ndarray] = []
         self.files = files
