@@ -80,7 +80,16 @@ def strict_scalar(annotation: Any, value: Any) -> Any:
         raise ValueError(f"expected true or false, got the number {value!r}")
     if isinstance(value, float) and int in kinds and float not in kinds:
         raise ValueError(f"expected an integer, got the float {value!r}")
+    if isinstance(value, int) and float in kinds and int not in kinds and abs(value) > 2**53 and not _exact(value):
+        raise ValueError(f"an integer of {len(str(abs(value)))} digits: a float would not hold it exactly")
     return value
+
+
+def _exact(value: int) -> bool:
+    try:
+        return float(value) == value
+    except OverflowError:
+        return False
 
 
 class StrictScalars(BaseModel):
