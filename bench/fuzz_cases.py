@@ -103,7 +103,9 @@ def _outcome(call, names: list[str], accepted) -> tuple[str, str]:
     except ParamsError as e:
         missing = [n for n in names if n not in str(e)]
         return ("unnamed" if missing else "clean"), f"{e} (missing: {missing})"
-    except Exception as e:  # noqa: BLE001 - anything else reaching the user is a traceback
+    except BaseException as e:  # noqa: BLE001 - anything else reaching the user is a traceback (a Rust panic too)
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
         return "traceback", f"{type(e).__name__}: {e}"
     ok, why = accepted(result)
     return ("clean" if ok else "wrong"), why
@@ -490,7 +492,9 @@ def run_file_case(case: tuple, good: dict[str, Any], work: Path) -> tuple[str, s
     except (ValueError, OSError) as e:
         named = target.name in str(e) or str(work / fmt) in str(e)
         return ("clean" if named else "unnamed"), f"{what}: {type(e).__name__}: {e}"
-    except Exception as e:  # noqa: BLE001 - anything else reaching the user is a traceback
+    except BaseException as e:  # noqa: BLE001 - anything else reaching the user is a traceback (a Rust panic too)
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
         return "traceback", f"{what}: {type(e).__name__}: {e}"
     right = answer == good["answers"][fmt]
     if fmt == "checkpoint" and "step_000002" in target.parts:  # falling back to the previous one is right
