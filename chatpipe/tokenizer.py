@@ -11,7 +11,8 @@ Usage::
 
 On disk (one directory)::
 
-    tokenizer.json     {"pattern", "special_tokens": {name: id}, "vocab_size"}
+    tokenizer.json     {"pattern", "special_tokens": {name: id}, "vocab_size", the sha256 of the two
+                       files below and of itself (``checksums``): checked by :meth:`Tokenizer.load`}
     ranks.tiktoken     "<base64 token bytes> <rank>" per line (tiktoken's own format)
     token_bytes.pt     int32 byte length of every id, 0 for specials (for bits-per-byte)
 
@@ -22,6 +23,7 @@ last ids, so ordinary tokens are ``0 .. vocab_size - len(SPECIAL_TOKENS) - 1``.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -35,6 +37,8 @@ import numpy as np
 import rustbpe
 import tiktoken
 import torch
+
+from chatpipe.io import sha256_file
 
 log = logging.getLogger(__name__)
 # rustbpe logs a "Progress: N%" line per 1% of merges (100 lines a run) through Python logging;
@@ -73,6 +77,52 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _config_digest(config: dict[str, Any]) -> str:
+    """sha256 of tokenizer.json's content (its own digest left out), for the check at load."""
+    sums = {k: v for k, v in (config.get("checksums") or {}).items() if k != CONFIG_FILE}
+    body = {**config, "checksums": sums}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _check_sums(directory: Path, config: dict[str, Any], ranks_data: bytes) -> None:
+    """The checksums tokenizer.json records (of itself, the ranks and token_bytes.pt) still hold: an
+    edited split pattern or rank silently changes every encoding. A tokenizer saved before the
+    checksums existed records none and is read as it is."""
+    sums = config.get("checksums")
+    if sums is None:
+        return
+    if not isinstance(sums, dict):
+        raise ValueError(f"{directory / CONFIG_FILE}: corrupt tokenizer config (checksums is not a mapping)")
+    if sums.get(CONFIG_FILE) != _config_digest(config):
+        raise ValueError(f"{directory / CONFIG_FILE}: edited or corrupted since it was saved (its checksum differs)")
+    actual = {RANKS_FILE: hashlib.sha256(ranks_data).hexdigest()}
+    if (directory / TOKEN_BYTES_FILE).is_file():
+        actual[TOKEN_BYTES_FILE] = sha256_file(directory / TOKEN_BYTES_FILE)
+    for name, digest in actual.items():
+        if sums.get(name) != digest:
+            raise ValueError(
+                f"{directory / name}: sha256 {digest[:12]}... does not match {str(sums.get(name))[:12]}... "
+                f"recorded in {directory / CONFIG_FILE} (corrupted or modified); re-run the `tokenizer` stage"
+            )
+
+
+def _parse_ranks(ranks_path: Path, data: bytes) -> dict[bytes, int]:
+    """``<base64 token> <rank>`` lines; ranks are distinct and non-negative (tiktoken assumes so)."""
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        try:
+            tok, rank = line.split()
+            token, value = base64.b64decode(tok, validate=True), int(rank)
+        except ValueError as e:  # binascii.Error is a ValueError
+            raise ValueError(f"{ranks_path}:{lineno}: corrupt rank line ({e})") from None
+        if value < 0 or token in ranks or not token:
+            raise ValueError(f"{ranks_path}:{lineno}: corrupt rank line (empty, repeated or negative token)")
+        ranks[token] = value
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{ranks_path}: corrupt ranks (not the numbers 0..{len(ranks) - 1}, each once)")
+    return ranks
 
 
 class Tokenizer:
@@ -122,35 +172,40 @@ class Tokenizer:
         lines = [
             f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
         ]
-        _write_atomic(directory / RANKS_FILE, "".join(lines).encode())
+        ranks_text = "".join(lines).encode()
+        _write_atomic(directory / RANKS_FILE, ranks_text)
         tb_tmp = directory / f".{TOKEN_BYTES_FILE}.tmp{os.getpid()}"
         torch.save(self.token_bytes(), tb_tmp)
         os.replace(tb_tmp, directory / TOKEN_BYTES_FILE)
         # The config goes last: its presence means the directory is complete.
         config = {"pattern": self.enc._pat_str, "special_tokens": self.special_ids, "vocab_size": self.vocab_size}
+        files = {
+            RANKS_FILE: hashlib.sha256(ranks_text).hexdigest(),
+            TOKEN_BYTES_FILE: sha256_file(tb_tmp.parent / TOKEN_BYTES_FILE),
+        }
+        config["checksums"] = {**files, CONFIG_FILE: _config_digest(config | {"checksums": files})}
         _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2).encode())
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
-        """Load a directory written by :meth:`save`; errors name the missing or corrupt file."""
+        """Load a directory written by :meth:`save`; errors name the missing, corrupt or edited file."""
         directory = Path(directory)
         config_path, ranks_path = directory / CONFIG_FILE, directory / RANKS_FILE
         for path in (config_path, ranks_path):
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: tokenizer file missing; run the `tokenizer` stage first")
         try:
-            config = json.loads(config_path.read_text())
+            config = json.loads(config_path.read_bytes())
             pattern, specials, vocab_size = config["pattern"], config["special_tokens"], config["vocab_size"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
             raise ValueError(f"{config_path}: corrupt tokenizer config ({e!r})") from None
-        ranks: dict[bytes, int] = {}
-        for lineno, line in enumerate(ranks_path.read_bytes().splitlines(), start=1):
-            try:
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok, validate=True)] = int(rank)
-            except ValueError as e:  # binascii.Error is a ValueError
-                raise ValueError(f"{ranks_path}:{lineno}: corrupt rank line ({e})") from None
-        tok = cls.from_ranks(ranks, pattern)
+        ranks_data = ranks_path.read_bytes()
+        ranks = _parse_ranks(ranks_path, ranks_data)  # first: a bad line is named by its number
+        _check_sums(directory, config, ranks_data)
+        try:
+            tok = cls.from_ranks(ranks, pattern)
+        except (ValueError, TypeError) as e:  # a pattern that is not a regex, ranks that are not a BPE table
+            raise ValueError(f"{directory}: tokenizer files do not make a tokenizer ({e})") from None
         if tok.special_ids != specials or tok.vocab_size != vocab_size:
             raise ValueError(
                 f"{directory}: {CONFIG_FILE} disagrees with {RANKS_FILE} (vocab {vocab_size} vs {tok.vocab_size})"

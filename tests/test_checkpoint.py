@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
+import pytest
 import torch
 
 from chatpipe.io import replace_dir, write_json_atomic
@@ -197,3 +199,60 @@ def test_load_model_verifies_the_recorded_sha256(tmp_path):
     (out / "model.pt").write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"model\.pt.*sha256"):
         load_model(out)
+
+
+# ---------------------------------------------------------------- damaged checkpoints: resume falls back
+
+
+def _two_checkpoints(tmp_path):
+    model, opts = _model_and_opt()
+    save_checkpoint(tmp_path, 1, model=model, optimizers=opts, meta={"fingerprint": "f", "world_size": 1})
+    _step(model, opts)
+    save_checkpoint(tmp_path, 2, model=model, optimizers=opts, meta={"fingerprint": "f", "world_size": 1})
+    return tmp_path / "step_000002" / "meta.json"
+
+
+def _edit_meta(path, **changes):
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: p.write_text("{not json"), r"step_000002/meta\.json: unreadable"),
+        (lambda p: p.write_bytes(b"\xff\xfe\x00"), r"step_000002/meta\.json: unreadable"),
+        (lambda p: p.write_text("[1, 2]"), r"step_000002/meta\.json: not a JSON object"),
+        (lambda p: _edit_meta(p, step="two"), r"step_000002/meta\.json: step = 'two'"),
+        (lambda p: _edit_meta(p, step=5), r"step_000002/meta\.json: step = 5, but the directory is step_000002"),
+        (lambda p: _edit_meta(p, files={}), r"step_000002/meta\.json: 'files' must list .* got \{\}"),
+        (lambda p: _edit_meta(p, files=None), r"step_000002/meta\.json: 'files' must list"),
+        (lambda p: _edit_meta(p, files=[1]), r"step_000002/meta\.json: 'files' must list"),
+    ],
+)
+def test_a_damaged_checkpoint_meta_falls_back_to_the_previous_checkpoint(tmp_path, caplog, damage, reason):
+    from chatpipe.train.checkpoint import resume_latest
+
+    damage(_two_checkpoints(tmp_path))
+    assert re.search(reason, verify_checkpoint(tmp_path / "step_000002"))
+    model, opts = _model_and_opt(seed=5)
+    meta = resume_latest(tmp_path, "f", model=model, optimizers=opts)
+    assert meta["step"] == 1  # not a traceback, and not a fresh start
+    assert re.search(reason, caplog.text)
+
+
+def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_leaves_the_model_alone(tmp_path, caplog):
+    from chatpipe.io import sha256_file
+    from chatpipe.train.checkpoint import resume_latest
+
+    meta_path = _two_checkpoints(tmp_path)
+    optim = meta_path.parent / "optim.pt"
+    torch.save({"not": "a list"}, optim)  # re-recorded: the checksum holds, the content is wrong
+    meta = json.loads(meta_path.read_text())
+    meta["files"]["optim.pt"] = sha256_file(optim)
+    meta_path.write_text(json.dumps(meta))
+    assert verify_checkpoint(meta_path.parent) is None
+    model, opts = _model_and_opt(seed=5)
+    assert resume_latest(tmp_path, "f", model=model, optimizers=opts)["step"] == 1
+    assert "does not load" in caplog.text and "optim.pt" in caplog.text

@@ -87,3 +87,68 @@ def check_registry(mlflow, artifacts, tmp_path) -> None:
     assert same_weights(loaded.model, local.model)
     with pytest.raises(FileNotFoundError, match="models:/chatpipe-test/99: cannot download"):
         load_chat_model("models:/chatpipe-test/99", artifacts=artifacts, tracking_uri=uri)
+
+
+# ---------------------------------------------------------------- files checked before they are trusted
+
+
+def _edit_json(path, edit):
+    import json
+
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def test_an_edited_meta_json_is_refused_naming_the_file(artifacts, tmp_path):
+    arts = tmp_path / "artifacts"
+    shutil.copytree(artifacts, arts)
+    load_chat_model("sft", artifacts=arts)  # intact: loads
+    _edit_json(arts / "sft" / "meta.json", lambda m: m["model_config"].update(rotary_base=500.0))
+    with pytest.raises(ValueError, match=r"sft/meta\.json: sha256 .* does not match .* recorded in .*manifest\.json"):
+        load_chat_model("sft", artifacts=arts)
+
+
+def test_a_model_dir_without_a_manifest_is_refused_and_write_manifest_vouches_for_it(artifacts, tmp_path):
+    from chatpipe.model.files import write_manifest
+
+    arts = tmp_path / "artifacts"
+    shutil.copytree(artifacts, arts)
+    (arts / "sft" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match=r"sft/manifest\.json: missing"):
+        load_chat_model("sft", artifacts=arts)
+    write_manifest(arts / "sft")
+    assert load_chat_model("sft", artifacts=arts).stage == "sft"
+    (arts / "sft" / "manifest.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"sft/manifest\.json: corrupt model manifest"):
+        load_chat_model("sft", artifacts=arts)
+
+
+def test_the_tokenizer_must_be_the_one_meta_json_records(artifacts, tmp_path):
+    from chatpipe.io import sha256_file
+    from chatpipe.model.files import write_manifest
+    from chatpipe.tokenizer import Tokenizer
+
+    arts = tmp_path / "artifacts"
+    shutil.copytree(artifacts, arts)
+    recorded = sha256_file(arts / "tokenizer" / "tokenizer.json")
+    _edit_json(arts / "sft" / "meta.json", lambda m: m.update(inputs={"tokenizer": recorded}))
+    write_manifest(arts / "sft")  # as the pipeline writes it: the tokenizer's hash among the inputs
+    load_chat_model("sft", artifacts=arts)
+    # a tokenizer of the same size from other text: loads on its own, but is not the model's
+    from chatpipe.data.synthetic import pretrain_documents
+
+    Tokenizer.train(pretrain_documents(7, 200), vocab_size=512).save(tmp_path / "other")
+    with pytest.raises(
+        ValueError, match=r"other/tokenizer\.json: sha256 .* is not the tokenizer .*sft/meta\.json records"
+    ):
+        load_chat_model("sft", artifacts=arts, tokenizer_dir=tmp_path / "other")
+
+
+def test_an_edited_tokenizer_pattern_is_refused(artifacts, tmp_path):
+    from chatpipe.tokenizer import Tokenizer
+
+    shutil.copytree(artifacts / "tokenizer", tmp_path / "tok")
+    _edit_json(tmp_path / "tok" / "tokenizer.json", lambda c: c.update(pattern=c["pattern"].replace("{1,2}", "{1,3}")))
+    with pytest.raises(ValueError, match=r"tok/tokenizer\.json: edited or corrupted since it was saved"):
+        Tokenizer.load(tmp_path / "tok")

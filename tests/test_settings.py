@@ -215,3 +215,131 @@ def test_python_m_chatpipe_settings_writes_the_overlays(params_file, tmp_path, m
     assert main(["pretrain", "eval"]) == 0
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["eval.yaml", "pretrain.yaml"]
     assert main(["pretrian"]) == 2
+
+
+# ---------------------------------------------------------------- settings that reject what they cannot mean
+
+
+def set_key(params_file, section: str, key: str, value: str) -> None:
+    """Edit ``section.key`` of params.yaml in place, as a person would (the key stays given once)."""
+    lines = params_file.read_text().splitlines()
+    start = lines.index(f"{section}:")
+    at = next(i for i in range(start + 1, len(lines)) if lines[i].startswith(f"  {key}:"))
+    lines[at] = f"  {key}: {value}"
+    params_file.write_text("\n".join(lines) + "\n")
+
+
+def test_duplicate_section_names_both_lines_and_the_file(params_file):
+    text = params_file.read_text()
+    line = text.splitlines().index("pretrain:") + 1
+    params_file.write_text(text + "pretrain:\n  depth: 6\n")
+    last = len(text.splitlines()) + 1
+    with pytest.raises(ParamsError) as e:
+        validate_all()
+    msg = str(e.value)
+    assert f"{params_file}:{last}" in msg and "'pretrain' given twice" in msg and f"first at line {line}" in msg
+
+
+def test_duplicate_key_in_profiles_yaml_names_that_file(params_file):
+    profiles = params_file.with_name("profiles.yaml")
+    profiles.write_text(profiles.read_text().replace("    depth: 24\n", "    depth: 24\n    depth: 26\n", 1))
+    with pytest.raises(ParamsError, match=rf"{profiles}:\d+: key 'depth' given twice \(first at line \d+\)"):
+        validate_all()
+
+
+def test_a_binary_params_yaml_is_a_named_error_not_a_traceback(params_file):
+    params_file.write_bytes(b"pretrain:\n  depth: 4\n\xff\xfe\x00\x81 binary")
+    with pytest.raises(ParamsError, match=rf"{params_file}:3: not UTF-8 text"):
+        validate_all()
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_nan_and_inf_floats_are_refused(params_file, value):
+    set_key(params_file, "pretrain", "matrix_lr", value)
+    with pytest.raises(ParamsError, match=r"pretrain\.matrix_lr = (nan|inf|-inf): Input should be a finite number"):
+        load_section(PretrainSettings)
+
+
+def test_nan_from_the_environment_names_the_variable(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__MATRIX_LR", "nan")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_PRETRAIN__MATRIX_LR.*finite number"):
+        load_section(PretrainSettings)
+
+
+@pytest.mark.parametrize(
+    ("yaml_value", "why"),
+    [("no", "expected an integer, got the boolean false"), ("50.0", "expected an integer, got the float 50.0")],
+)
+def test_integers_are_strict(params_file, yaml_value, why):
+    set_key(params_file, "pretrain", "checkpoint_every", yaml_value)
+    with pytest.raises(ParamsError, match=rf"pretrain\.checkpoint_every = .*: {why}"):
+        load_section(PretrainSettings)
+
+
+def test_booleans_are_strict_from_file_env_and_command_line(params_file, monkeypatch):
+    set_key(params_file, "pretrain", "lambdas", "1")
+    with pytest.raises(ParamsError, match=r"pretrain\.lambdas = 1: expected true or false"):
+        load_section(PretrainSettings)
+    assert load_section(PretrainSettings, ["--lambdas=true"]).lambdas is True  # the command line says it in words
+    with pytest.raises(ParamsError, match=r"lambdas = 'yes' \(from command line --lambdas\): expected true or false"):
+        load_section(PretrainSettings, ["--lambdas=yes"])
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH", "6.5")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_PRETRAIN__DEPTH.*expected an integer"):
+        load_section(PretrainSettings, ["--lambdas=false"])
+
+
+@pytest.mark.parametrize("cls", [DataSettings, EvalSettings, PretrainSettings, RLSettings])
+def test_seeds_stay_within_a_signed_64_bit_integer(params_file, cls):
+    assert load_section(cls, {"seed": 2**63 - 1}).seed == 2**63 - 1
+    with pytest.raises(ParamsError, match=rf"{cls.section}\.seed = {2**63} .*less than or equal to {2**63 - 1}"):
+        load_section(cls, {"seed": str(2**63)})
+
+
+def test_nested_environment_keys_are_refused_by_name(params_file, monkeypatch):
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH__X", "3")
+    with pytest.raises(ParamsError, match=r"CHATPIPE_PRETRAIN__DEPTH__X: nested keys below pretrain\.depth"):
+        load_section(PretrainSettings)
+    monkeypatch.delenv("CHATPIPE_PRETRAIN__DEPTH__X")
+    monkeypatch.setenv("CHATPIPE_EVAL__CHATCORE_TASKS__MMLU", '{"task": "mmlu"}')
+    with pytest.raises(ParamsError, match=r"CHATPIPE_EVAL__CHATCORE_TASKS__MMLU: nested keys .* as JSON"):
+        validate_all()
+
+
+def test_an_error_in_the_active_profile_is_blamed_on_profiles_yaml(params_file, monkeypatch):
+    profiles = params_file.with_name("profiles.yaml")
+    profiles.write_text(profiles.read_text().replace("    depth: 24\n", "    depth: -1\n", 1))
+    monkeypatch.setenv("CHATPIPE_PROFILE", "speedrun")
+    with pytest.raises(ParamsError) as e:
+        load_section(PretrainSettings)
+    assert str(e.value).startswith(f"{profiles} (profile speedrun): invalid settings")
+    assert str(params_file) + ":" not in str(e.value)
+
+
+def test_every_profile_is_validated_not_only_the_active_one(params_file):
+    profiles = params_file.with_name("profiles.yaml")
+    profiles.write_text(profiles.read_text().replace("    depth: 24\n", "    depth: -1\n", 1))
+    assert resolve_params()["profile"] == "tiny"  # the broken profile is not the active one
+    with pytest.raises(ParamsError) as e:
+        validate_all()
+    msg = str(e.value)
+    assert msg.startswith(f"{profiles} (profile speedrun): invalid settings")
+    assert "pretrain.depth = -1: Input should be greater than or equal to 1" in msg
+
+
+def test_a_settings_error_leaves_params_yaml_and_the_overlays_as_they_were(params_file, tmp_path, monkeypatch):
+    from chatpipe.settings.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 0
+    overlays = {p.name: p.read_bytes() for p in (tmp_path / "profile").iterdir()}
+    before = params_file.read_bytes()
+    profiles = params_file.with_name("profiles.yaml")
+    profiles.write_text(profiles.read_text().replace("    depth: 24\n", "    depth: 24\n    matrix_lr: .nan\n", 1))
+    with pytest.raises(ParamsError, match=r"profile speedrun\): invalid settings\n  pretrain\.matrix_lr = nan"):
+        write_profile("speedrun")  # the switch is refused before params.yaml is touched
+    with pytest.raises(ParamsError, match="finite number"):
+        write_profile("d20")  # so is a switch to a good profile while another one is broken
+    assert main(["pretrain"]) == 2  # dvc.yaml's profile stage fails without writing
+    assert params_file.read_bytes() == before
+    assert {p.name: p.read_bytes() for p in (tmp_path / "profile").iterdir()} == overlays
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left

@@ -188,3 +188,36 @@ def test_compression_report_offline_skips(tok: Tokenizer) -> None:
     assert report["ours"]["bytes_per_token"] > 2
     for name in ("gpt2", "cl100k_base"):  # offline: skipped with a reason; online: measured
         assert "skipped" in report[name] or report[name]["bytes_per_token"] > 1
+
+
+def test_edited_ranks_or_config_are_refused_naming_the_file(tok: Tokenizer, tmp_path) -> None:
+    tok.save(tmp_path)
+    ranks = tmp_path / "ranks.tiktoken"
+    good = ranks.read_bytes()
+    lines = good.splitlines(keepends=True)
+    ranks.write_bytes(b"".join([lines[300], *lines[1:300], lines[0], *lines[301:]]))  # two tokens swap ranks
+    with pytest.raises(ValueError, match=r"ranks\.tiktoken: sha256 .* recorded in .*tokenizer\.json"):
+        Tokenizer.load(tmp_path)
+    ranks.write_bytes(good)
+    config = tmp_path / "tokenizer.json"
+    data = json.loads(config.read_text())
+    data["special_tokens"]["<|bos|>"], data["special_tokens"]["<|user_end|>"] = (
+        data["special_tokens"]["<|user_end|>"],
+        data["special_tokens"]["<|bos|>"],
+    )
+    config.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: edited or corrupted since it was saved"):
+        Tokenizer.load(tmp_path)
+
+
+def test_ranks_that_are_not_a_bpe_table_are_named(tok: Tokenizer, tmp_path) -> None:
+    tok.save(tmp_path)
+    config = tmp_path / "tokenizer.json"
+    data = json.loads(config.read_text())
+    data.pop("checksums")  # a tokenizer saved before checksums: the ranks are still checked for sense
+    config.write_text(json.dumps(data))
+    ranks = tmp_path / "ranks.tiktoken"
+    lines = ranks.read_bytes().splitlines(keepends=True)
+    ranks.write_bytes(b"".join([*lines[:-1], lines[-1].split()[0] + b" 3\n"]))  # a rank given twice
+    with pytest.raises(ValueError, match=r"ranks\.tiktoken: corrupt ranks \(not the numbers 0\.\."):
+        Tokenizer.load(tmp_path)

@@ -4,6 +4,7 @@ exactly those of the loader before the store (kept below as a reference), bad fi
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -12,6 +13,7 @@ import pytest
 
 from chatpipe.data import synthetic
 from chatpipe.data.loader import Packer, RowLoader, TokenDocs, tokenize_shards
+from chatpipe.data.tokenstore import verify_store
 from chatpipe.tokenizer import Tokenizer
 from tests.conftest import require_shared_data
 
@@ -238,3 +240,49 @@ def test_sigkill_while_tokenizing_leaves_no_half_written_file(small_store):
     tokenize_shards(root / "text", tok, root / "tokens", fingerprint="killed")  # the re-run completes
     assert not [p for p in (root / "tokens").iterdir() if ".tmp" in p.name]
     assert len(TokenDocs(root / "tokens", "train").lengths) == 60
+
+
+# ---------------------------------------------------------------- a damaged store is named, never read as data
+
+
+def _rewrite(path, edit):
+    array = np.load(path).copy()
+    np.save(path, edit(array))
+
+
+def test_a_token_id_beyond_the_vocabulary_is_named_and_the_cached_store_rebuilt(small_store, caplog):
+    root, tok = small_store
+    path = root / "tokens" / "train_00000.tokens.npy"
+    _rewrite(path, lambda a: np.where(np.arange(len(a)) == 5, tok.vocab_size + 3, a).astype(a.dtype))
+    docs = TokenDocs(root / "tokens", "train")  # the header and offsets still hold: opening stays cheap
+    with pytest.raises(ValueError, match=rf"train_00000\.tokens\.npy: document 0 holds token id {tok.vocab_size + 3}"):
+        docs.slice(0, 50)
+    with pytest.raises(ValueError, match=r"train_00000\.tokens\.npy: missing or changed since written"):
+        verify_store(root / "tokens")
+    tokenize_shards(root / "text", tok, root / "tokens", fingerprint="fp")  # same fingerprint: rebuilt, not reused
+    assert "rebuilding the token store" in caplog.text
+    assert int(TokenDocs(root / "tokens", "train").slice(0, 50).max()) < tok.vocab_size
+
+
+@pytest.mark.parametrize(
+    ("target", "edit", "message"),
+    [
+        ("train_00001.offsets.npy", lambda a: np.concatenate([a[:1], a[2:3], a[1:2], a[3:]]), "offsets go backwards"),
+        ("train_00001.offsets.npy", lambda a: np.concatenate([a[:1], a[1:-1] + 1, a[-1:]]), "changed since written"),
+        ("train.index.npy", lambda a: a[::-1].copy(), "does not match shard 0's offsets"),
+        ("train.index.npy", lambda a: a + np.array([0, 1, 0]), "does not match shard 0's offsets"),
+        ("train.index.npy", lambda a: a[:-1], "does not match shard 1's offsets"),
+    ],
+)
+def test_shifted_offsets_and_a_scrambled_index_are_named(small_store, target, edit, message):
+    root, _ = small_store
+    _rewrite(root / "tokens" / target, edit)
+    with pytest.raises(ValueError, match=re.escape(target) + ": .*" + message):
+        TokenDocs(root / "tokens", "train")
+
+
+def test_a_corrupt_store_manifest_is_named(small_store):
+    root, _ = small_store
+    (root / "tokens" / "manifest.json").write_text('{"fingerprint": ')
+    with pytest.raises(ValueError, match=r"manifest\.json: corrupt token store manifest"):
+        TokenDocs(root / "tokens", "train")

@@ -63,8 +63,11 @@ class _ShardWriter:
         if not self.buffer:
             return
         name = f"{self.split}_{len(self.shards):05d}.parquet"
-        pq.write_table(
-            pa.table({"text": pa.array(self.buffer, pa.string())}), self.out_dir / name, row_group_size=ROW_GROUP_DOCS
+        pq.write_table(  # page checksums: a flipped bit in a shard is an error at read, not other text
+            pa.table({"text": pa.array(self.buffer, pa.string())}),
+            self.out_dir / name,
+            row_group_size=ROW_GROUP_DOCS,
+            write_page_checksum=True,
         )
         self.shards.append(name)
         self.buffer = []
@@ -280,7 +283,7 @@ def _link_or_rewrite(src: Path, dst: Path, column: str) -> tuple[int, int]:
         except OSError:
             shutil.copy2(src, dst)
     else:
-        with pq.ParquetWriter(dst, pa.schema([("text", pa.string())])) as writer:
+        with pq.ParquetWriter(dst, pa.schema([("text", pa.string())]), write_page_checksum=True) as writer:
             for i in range(pf.num_row_groups):
                 col = pf.read_row_group(i, columns=[column]).column(0).cast(pa.string())
                 writer.write_table(pa.table({"text": col}))

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from chatpipe.io import sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import MODEL_STAGES
-from chatpipe.tokenizer import Tokenizer
+from chatpipe.tokenizer import CONFIG_FILE, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,23 @@ def resolve(
     )
 
 
+def check_tokenizer(meta: dict[str, Any], tokenizer_dir: Path, model_dir: Path) -> None:
+    """The tokenizer is the one the model was trained with: the sha256 of its ``tokenizer.json`` (which
+    records the hashes of the ranks and the split pattern) equals the one ``meta.json`` records in
+    ``inputs.tokenizer``. Another tokenizer, or one edited since, would silently change every answer."""
+    inputs = meta.get("inputs")
+    recorded = inputs.get("tokenizer") if isinstance(inputs, dict) else None
+    if recorded is None:
+        return  # a model made outside the pipeline (tests, imports) records no tokenizer
+    config = tokenizer_dir / CONFIG_FILE
+    actual = sha256_file(config)
+    if actual != recorded:
+        raise ValueError(
+            f"{config}: sha256 {actual[:12]}... is not the tokenizer {model_dir / 'meta.json'} records "
+            f"({str(recorded)[:12]}...): the tokenizer was changed or comes from another run"
+        )
+
+
 def load_chat_model(
     name: str = "latest",
     *,
@@ -165,6 +183,7 @@ def load_chat_model(
             tokenizer_dir = beside if beside.is_dir() else Path(artifacts) / "tokenizer"
         tokenizer = Tokenizer.load(tokenizer_dir)
         model, meta = load_model(model_dir, device=dev)
+        check_tokenizer(meta, Path(tokenizer_dir), model_dir)
     vocab = model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(

@@ -27,6 +27,7 @@ in ``sections`` (data, tokenizer, eval, report, export, launch, tracking, chat, 
 from __future__ import annotations
 
 from chatpipe.settings.base import (
+    MAX_SEED,
     MODEL_STAGES,
     SECTIONS,
     STAGES,
@@ -71,8 +72,10 @@ from chatpipe.settings.training import (
     TaskName,
     TrainSettings,
 )
+from chatpipe.settings.yamlfile import read_settings_yaml
 
 __all__ = [
+    "MAX_SEED",
     "MODEL_STAGES",
     "OVERLAYS_DIR",
     "SECTIONS",
@@ -109,6 +112,7 @@ __all__ = [
     "profile_overlay",
     "profiles_path",
     "read_profiles",
+    "read_settings_yaml",
     "resolve_params",
     "resume_neutral",
     "snapshot",

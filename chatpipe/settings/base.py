@@ -6,9 +6,12 @@ A section model subclasses :class:`StageSettings` and sets ``section``; defining
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import re
+import types
+from contextvars import ContextVar
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from chatpipe.settings.params import ParamsError, params_path, resolve_params
@@ -18,6 +21,90 @@ from chatpipe.settings.params import ParamsError, params_path, resolve_params
 STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "rl", "eval", "report", "export")
 MODEL_STAGES = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
 ModelStage = Literal[tuple(MODEL_STAGES)]
+
+# The largest seed: torch.manual_seed and numpy take at most a signed 64-bit integer; a bigger one
+# passed validation before and failed later, at generation.
+MAX_SEED = 2**63 - 1
+
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def _scalar_kinds(annotation: Any) -> tuple[set[type], bool]:
+    """The plain scalar types (bool, int, float) a field's annotation admits, and whether it admits
+    anything else too (a Literal, a str, None, a list, a model)."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        kinds, other = set(), False
+        for arg in get_args(annotation):
+            k, o = _scalar_kinds(arg)
+            kinds |= k
+            other = other or o
+        return kinds, other
+    if annotation in (bool, int, float):
+        return {annotation}, False
+    return set(), True
+
+
+def _expected(kinds: set[type]) -> str:
+    return "true or false" if kinds == {bool} else "an integer" if float not in kinds else "a number"
+
+
+def strict_scalar(annotation: Any, value: Any) -> Any:
+    """``value`` for a field typed ``annotation``, without pydantic's loose coercions of scalars.
+
+    Refused: a boolean for a number (YAML 1.1 reads ``no``/``off`` as false, which became 0), a
+    number for a boolean (1 became true), a float for an integer (``50.0``), text that is not a whole
+    number for an integer. Text from the command line or the environment is read here: ``true`` /
+    ``false`` for booleans, decimal digits for integers; floats are parsed by pydantic, finite only.
+    """
+    kinds, other = _scalar_kinds(annotation)
+    if not kinds:
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if bool in kinds and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if int in kinds and _INT_TEXT.fullmatch(text):
+            return int(text)
+        if float in kinds or other:
+            return value
+        raise ValueError(f"expected {_expected(kinds)}, got the text {value!r}")
+    if isinstance(value, bool):
+        if bool not in kinds:
+            raise ValueError(
+                f"expected {_expected(kinds)}, got the boolean {str(value).lower()} "
+                "(YAML reads yes/no/on/off as booleans)"
+            )
+        return value
+    if isinstance(value, int | float) and bool in kinds and not kinds & {int, float}:
+        raise ValueError(f"expected true or false, got the number {value!r}")
+    if isinstance(value, float) and int in kinds and float not in kinds:
+        raise ValueError(f"expected an integer, got the float {value!r}")
+    if isinstance(value, int) and float in kinds and int not in kinds and abs(value) > 2**53 and not _exact(value):
+        raise ValueError(f"an integer of {len(str(abs(value)))} digits: a float would not hold it exactly")
+    return value
+
+
+def _exact(value: int) -> bool:
+    try:
+        return float(value) == value
+    except OverflowError:
+        return False
+
+
+class StrictScalars(BaseModel):
+    """Booleans, integers and floats taken only as what they say: see :func:`strict_scalar`.
+
+    Floats must be finite (``allow_inf_nan``): a NaN learning rate passes every ``gt``/``le`` bound.
+    """
+
+    model_config = {"allow_inf_nan": False}
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        return value if field is None else strict_scalar(field.annotation, value)
 
 
 def snapshot(settings: BaseModel) -> dict[str, Any]:
@@ -44,10 +131,17 @@ def math_settings(settings: BaseModel) -> dict[str, Any]:
     return {k: v for k, v in snapshot(settings).items() if k not in neutral}
 
 
+# Set while a section is validated from values given whole (another profile's, see validate_profile):
+# the params file then adds nothing, and is not read again for every section of every profile.
+FILE_VALUES_GIVEN: ContextVar[bool] = ContextVar("FILE_VALUES_GIVEN", default=False)
+
+
 class _ParamsFileSource(PydanticBaseSettingsSource):
     """Feeds one section of the resolved params.yaml into a settings model."""
 
     def __call__(self) -> dict[str, Any]:
+        if FILE_VALUES_GIVEN.get():
+            return {}
         section = self.settings_cls.section
         values = resolve_params().get(section, {}) or {}
         if not isinstance(values, dict):
@@ -58,13 +152,15 @@ class _ParamsFileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
 
-class StageSettings(BaseSettings):
-    """Base for a params.yaml section: forbids unknown keys, reads env and the params file."""
+class StageSettings(BaseSettings, StrictScalars):
+    """Base for a params.yaml section: forbids unknown keys, strict scalars, reads env and the params file."""
 
     section: ClassVar[str] = ""
     # keys this section used to have -> what replaced them; a params file that still sets one fails with it
     removed: ClassVar[dict[str, str]] = {}
-    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", validate_default=True)
+    model_config = SettingsConfigDict(
+        extra="forbid", env_nested_delimiter="__", validate_default=True, allow_inf_nan=False
+    )
 
     @classmethod
     def settings_customise_sources(

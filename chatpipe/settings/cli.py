@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from chatpipe.settings.base import StageSettings
-from chatpipe.settings.params import ParamsError, params_path
+from chatpipe.settings.params import ParamsError, params_path, profile_overlay, profiles_path, read_profiles, read_yaml
 
 
 def parse_cli(args: list[str]) -> dict[str, str]:
@@ -35,7 +35,24 @@ def _source(cls: type[StageSettings], key: str, overrides: dict[str, Any]) -> st
     env = f"CHATPIPE_{cls.section.upper()}__{top.upper()}"
     if any(name.upper() == env for name in os.environ):
         return f"environment variable {env}"
-    return str(params_path())
+    return _profile_source(cls.section, top) or str(params_path())
+
+
+def _profile_source(section: str, key: str) -> str | None:
+    """profiles.yaml (and the profile) when the active profile sets ``section.key``, else None."""
+    path = params_path()
+    try:
+        raw = read_yaml(path)
+        profiles = read_profiles(path, raw)
+        chosen = os.environ.get("CHATPIPE_PROFILE") or raw.get("profile", "tiny")
+        overlay = profile_overlay(profiles, chosen, profiles_path(path))
+    except ParamsError:
+        return None
+    values = overlay.get(section)
+    if not isinstance(values, dict) or key not in values:
+        return None
+    legacy = isinstance(raw.get("profiles"), dict) and chosen in raw["profiles"]
+    return f"{path if legacy else profiles_path(path)} (profile {chosen})"
 
 
 def format_error(cls: type[StageSettings], err: ValidationError, overrides: dict[str, Any] | None = None) -> str:
@@ -55,6 +72,6 @@ def format_error(cls: type[StageSettings], err: ValidationError, overrides: dict
         elif e["type"] == "extra_forbidden":
             lines.append(f"{cls.section}.{key} = {value!r}{where}: unknown key; allowed keys: {allowed}")
         else:
-            lines.append(f"{cls.section}.{key} = {value!r}{where}: {e['msg']}")
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: {e['msg'].removeprefix('Value error, ')}")
     head = sources.pop() if len(sources) == 1 else "settings"
     return f"{head}: invalid settings\n  " + "\n  ".join(lines)

@@ -9,10 +9,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from chatpipe.settings.base import SECTIONS, StageSettings
+from chatpipe.settings.base import FILE_VALUES_GIVEN, SECTIONS, StageSettings
 from chatpipe.settings.cli import format_error, parse_cli
 from chatpipe.settings.params import (
     ParamsError,
+    _deep_merge,
     params_path,
     profile_overlay,
     profiles_path,
@@ -26,8 +27,9 @@ def check_env_sections() -> None:
     """Reject ``CHATPIPE_<SECTION>__<KEY>`` variables whose section does not exist (a typo such as
     ``CHATPIPE_PRETRAINN__DEPTH`` would otherwise be ignored without a word)."""
     for name in os.environ:
-        if name.startswith("CHATPIPE_") and "__" in name:
-            section = name[len("CHATPIPE_") :].split("__")[0].lower()
+        upper = name.upper()
+        if upper.startswith("CHATPIPE_") and "__" in name:
+            section = upper[len("CHATPIPE_") :].split("__")[0].lower()
             if section not in SECTIONS:
                 raise ParamsError(
                     f"environment variable {name}: unknown section {section!r}; "
@@ -36,12 +38,23 @@ def check_env_sections() -> None:
 
 
 def _check_env(cls: type[StageSettings]) -> None:
+    """Every ``CHATPIPE_<SECTION>__...`` variable names a key of the section, one level deep: a deeper
+    name (``CHATPIPE_EVAL__CHATCORE_TASKS__MMLU``) is refused rather than read for some fields and
+    silently dropped for others; a list or mapping is set whole, as JSON."""
     prefix = f"CHATPIPE_{cls.section.upper()}__"
     for name in os.environ:
-        key = name[len(prefix) :].lower() if name.startswith(prefix) else None
-        if key and key.split("__")[0] not in cls.model_fields:
+        key = name[len(prefix) :].lower() if name.upper().startswith(prefix) else None
+        if not key:
+            continue
+        top = key.split("__")[0]
+        if top not in cls.model_fields:
             raise ParamsError(
                 f"environment {name}: unknown key {cls.section}.{key}; allowed keys: {', '.join(cls.model_fields)}"
+            )
+        if "__" in key:
+            raise ParamsError(
+                f"environment variable {name}: nested keys below {cls.section}.{top} are not read; set the "
+                f"whole value as JSON instead, e.g. {prefix}{top.upper()}='{{...}}' or '[...]'"
             )
 
 
@@ -65,7 +78,8 @@ def load_section(cls: type[StageSettings], cli: list[str] | dict[str, Any] | Non
 
 
 def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
-    """Validate every section of params.yaml (used before any stage does work)."""
+    """Validate every section of params.yaml, and every profile of profiles.yaml (used before any
+    stage does work, and before switching profile)."""
     path = path or params_path()
     raw = read_yaml(path)
     check_env_sections()
@@ -73,7 +87,8 @@ def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
     unknown = set(raw) - top_level_keys
     if unknown:
         raise ParamsError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(top_level_keys)}")
-    for name, overlay in read_profiles(path, raw).items():
+    profiles = read_profiles(path, raw)
+    for name, overlay in profiles.items():
         if not isinstance(overlay, dict):
             raise ParamsError(f"{profiles_path(path)}: profile {name!r} must be a mapping of sections")
         bad = set(overlay or {}) - set(SECTIONS) - {"extends"}
@@ -81,7 +96,38 @@ def validate_all(path: Path | None = None) -> dict[str, StageSettings]:
             raise ParamsError(
                 f"{profiles_path(path)}: {name} has unknown section(s) {sorted(bad)}; allowed: {sorted(SECTIONS)}"
             )
-    return {name: load_section(cls) for name, cls in SECTIONS.items()}
+    loaded = {name: load_section(cls) for name, cls in SECTIONS.items()}
+    base = {k: v for k, v in raw.items() if k != "profiles"}
+    for name in profiles:
+        validate_profile(name, path, base, profiles)
+    return loaded
+
+
+def validate_profile(name: str, path: Path, base: dict[str, Any], profiles: dict[str, Any]) -> None:
+    """Every section of params.yaml (``base``) under profile ``name``, without env or command line: a
+    profile that is not the active one is checked as well, so switching to it cannot meet a bad value."""
+    where = profiles_path(path)
+    overlay = profile_overlay(profiles, name, where)
+    resolved = _deep_merge(base, overlay)
+    for section, cls in SECTIONS.items():
+        values = resolved.get(section) or {}
+        source = f"{where} (profile {name})"
+        if not isinstance(values, dict):
+            raise ParamsError(f"{source}: section {section!r} must be a mapping, got {values!r}")
+        token = FILE_VALUES_GIVEN.set(True)
+        try:
+            cls(**{str(k): v for k, v in values.items()})
+        except ValidationError as err:
+            mine = overlay.get(section) if isinstance(overlay.get(section), dict) else {}
+            lines = []
+            for e in err.errors():
+                key = ".".join(str(p) for p in e["loc"])
+                origin = "" if key.split(".")[0] in mine else f" (from {path})"
+                why = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+                lines.append(f"{section}.{key} = {e.get('input')!r}{origin}: {why}")
+            raise ParamsError(f"{source}: invalid settings\n  " + "\n  ".join(lines)) from None
+        finally:
+            FILE_VALUES_GIVEN.reset(token)
 
 
 OVERLAYS_DIR = Path("profile")

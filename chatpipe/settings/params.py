@@ -9,13 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from chatpipe.io import load_yaml
-
-
-class ParamsError(ValueError):
-    """A params.yaml / env / CLI value that is not allowed; the message names key and value."""
+from chatpipe.settings.errors import ParamsError
+from chatpipe.settings.yamlfile import read_settings_yaml
 
 
 def params_path() -> Path:
@@ -26,12 +21,9 @@ def params_path() -> Path:
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ParamsError(f"{path}: params file not found (set CHATPIPE_PARAMS or run from the repo root)")
-    try:
-        data = load_yaml(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ParamsError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    data = read_settings_yaml(path)
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     return data
@@ -103,8 +95,11 @@ def write_profile(name: str, path: Path | None = None) -> None:
     """Set the top-level ``profile:`` of params.yaml (atomically), so DVC sees the change."""
     import re
 
+    from chatpipe.settings.load import validate_all  # here: load builds on this module
+
     path = path or params_path()
     resolve_params(path, name)  # raises if the profile is not defined
+    validate_all(path)  # a bad value in any profile stops here, before params.yaml changes
     text = path.read_text()
     new, n = re.subn(r"(?m)^profile:.*$", f"profile: {name}", text, count=1)
     if n == 0:

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from chatpipe.settings.base import MODEL_STAGES, ModelStage, StageSettings
+from chatpipe.settings.base import MAX_SEED, MODEL_STAGES, ModelStage, StageSettings
 
 
 class DataSettings(StageSettings):
@@ -17,7 +17,7 @@ class DataSettings(StageSettings):
         "chat_examples": "nothing read it; chat examples per task are each mixture item's `limit` in midtrain/sft"
     }
     source: Literal["synthetic", "hf", "local"] = "synthetic"
-    seed: int = Field(42, ge=0)
+    seed: int = Field(42, ge=0, le=MAX_SEED)
     num_docs: int = Field(4000, ge=10, description="synthetic: documents to generate")
     val_docs: int = Field(200, ge=1, description="documents held out for validation")
     docs_per_shard: int = Field(2000, ge=1)
@@ -79,7 +79,7 @@ class EvalSettings(StageSettings):
     temperature: float = Field(0.0, ge=0)
     top_k: int = Field(50, ge=0)
     max_new_tokens: int = Field(256, ge=1)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
     @field_validator("chatcore_tasks")
     @classmethod
@@ -163,7 +163,7 @@ class ChatSettings(StageSettings):
     temperature: float = Field(0.6, ge=0, le=5)
     top_k: int = Field(50, ge=0, description="0: no top-k filtering")
     max_tokens: int = Field(256, ge=1, le=8192, description="new tokens per reply")
-    seed: int = Field(42, ge=0)
+    seed: int = Field(42, ge=0, le=MAX_SEED)
 
 
 class ServeSettings(ChatSettings):

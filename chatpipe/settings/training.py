@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from chatpipe.settings.base import StageSettings, resume_neutral
+from chatpipe.settings.base import MAX_SEED, StageSettings, StrictScalars, resume_neutral
 
 
 class RunSettings(StageSettings):
     """What every training-like stage reads: seed, device, batch rows, length, checkpoint and log cadence."""
 
-    seed: int = Field(1337, ge=0)
+    seed: int = Field(1337, ge=0, le=MAX_SEED)
     device: Literal["auto", "cpu", "cuda"] = resume_neutral("auto")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -172,10 +172,10 @@ TaskName = Literal[
 ]  # = chatpipe.data.tasks.TASK_NAMES (a test keeps them equal)
 
 
-class MixItem(BaseModel):
+class MixItem(StrictScalars):
     """One task of a chat-stage mixture: ``{task: gsm8k, limit: 8000, epochs: 2, source: local, path: ...}``."""
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "allow_inf_nan": False}
     task: TaskName
     limit: int | None = Field(None, ge=0, description="examples taken from the task (None: all / its default)")
     epochs: int = Field(1, ge=1, description="times every example appears in one pass of the mixture")

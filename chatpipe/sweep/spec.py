@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from chatpipe.settings import SECTIONS, STAGES, ParamsError, _deep_merge, resolve_params
+from chatpipe.settings import SECTIONS, STAGES, ParamsError, _deep_merge, read_settings_yaml, resolve_params
 
 # Sections that say where a point runs or logs, not what it computes: never part of a point's identity.
 PLACEMENT_SECTIONS = ("launch", "tracking")
@@ -101,10 +100,9 @@ def point_name(values: dict[str, Any]) -> str:
 
 def load_sweep(path: Path) -> SweepSettings:
     """Read and type-check a sweep file; a ParamsError names the file and the bad key."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ParamsError(f"{path}: cannot read the sweep file: {e}") from None
+    raw = read_settings_yaml(Path(path)) or {}  # UTF-8, no key twice; errors name the file and line
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: a sweep file is a mapping (profile, stages, settings, grid), got {raw!r}")
     try:
         return SweepSettings.model_validate(raw)
     except ValidationError as err:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -177,30 +178,52 @@ def prune_checkpoints(work_dir: Path, keep: int, fingerprint_: str | None = None
             shutil.rmtree(path, ignore_errors=True)
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """Return None if every file matches its checksum in meta.json, else the reason it does not."""
+def _read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json; ValueError naming the file when it is unreadable or not what save wrote."""
     meta_path = path / "meta.json"
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        return f"{meta_path}: unreadable ({e})"
-    for name, digest in meta.get("files", {}).items():
-        f = path / name
-        if not f.exists():
+        meta = json.loads(meta_path.read_bytes())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{meta_path}: unreadable ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: not a JSON object")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step != _step_of(path):
+        raise ValueError(f"{meta_path}: step = {step!r}, but the directory is {path.name}")
+    files = meta.get("files")
+    if not isinstance(files, dict) or "model.pt" not in files or "optim.pt" not in files:
+        # an empty record would verify nothing: the files a resume loads must be listed
+        raise ValueError(f"{meta_path}: 'files' must list the sha256 of model.pt and optim.pt, got {files!r}")
+    return meta
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Return None if meta.json is sound and every file matches its checksum, else the reason (naming the file)."""
+    try:
+        meta = _read_meta(path)
+    except ValueError as e:
+        return str(e)
+    for name, digest in meta["files"].items():
+        f = path / str(name)
+        if f.parent != path:
+            return f"{path / 'meta.json'}: lists {name!r}, not a file of the checkpoint"
+        if not f.is_file():
             return f"{f}: missing"
         if sha256_file(f) != digest:
             return f"{f}: checksum mismatch (truncated or corrupted)"
     return None
 
 
-def latest_checkpoint(work_dir: Path, fingerprint_: str | None = None) -> Path | None:
+def latest_checkpoint(work_dir: Path, fingerprint_: str | None = None, skip: tuple[Path, ...] = ()) -> Path | None:
     """Newest checkpoint that verifies and (if given) matches ``fingerprint_``; warns on skipped ones."""
     for path in list_checkpoints(work_dir):
+        if path in skip:
+            continue
         problem = verify_checkpoint(path)
         if problem:
             log.warning("skipping checkpoint %s: %s", path, problem)
             continue
-        meta = json.loads((path / "meta.json").read_text())
+        meta = _read_meta(path)
         if fingerprint_ is not None and meta.get("fingerprint") != fingerprint_:
             log.warning(
                 "skipping checkpoint %s: made with different settings or inputs (fingerprint %s, now %s)",
@@ -213,17 +236,31 @@ def latest_checkpoint(work_dir: Path, fingerprint_: str | None = None) -> Path |
     return None
 
 
+def _read_states(path: Path, rank: int) -> tuple[dict[str, Any], Any, Any, Any]:
+    """Everything a resume needs from ``path``, read before any of it is applied: a file that fails to
+    load then leaves the model and optimizers untouched, and the caller can fall back."""
+    meta = _read_meta(path)
+    model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    optim_states = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
+    if not isinstance(optim_states, list):
+        raise ValueError(f"{path / 'optim.pt'}: not a list of optimizer states")
+    rank_file = path / f"rank{rank}.pt"
+    rng = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
+    return meta, model_state, optim_states, rng
+
+
 def load_checkpoint(
     path: Path, *, model: torch.nn.Module, optimizers: list, rank: int = 0, world_size: int = 1
 ) -> dict[str, Any]:
     """Load model, optimizer and this rank's RNG state from ``path``; return its meta dict."""
-    meta = json.loads((path / "meta.json").read_text())
-    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
-    for opt, state in zip(optimizers, torch.load(path / "optim.pt", map_location="cpu", weights_only=False)):
+    meta, model_state, optim_states, rng = _read_states(path, rank)
+    if len(optim_states) != len(optimizers):
+        raise ValueError(f"{path / 'optim.pt'}: {len(optim_states)} optimizer states for {len(optimizers)} optimizers")
+    model.load_state_dict(model_state)
+    for opt, state in zip(optimizers, optim_states):
         opt.load_state_dict(state)
-    rank_file = path / f"rank{rank}.pt"
-    if meta.get("world_size") == world_size and rank_file.exists():
-        set_rng_state(torch.load(rank_file, map_location="cpu", weights_only=False))
+    if meta.get("world_size") == world_size and rng is not None:
+        set_rng_state(rng)
     else:
         log.warning(
             "checkpoint %s was written by %s ranks, now %s: RNG states re-seeded, model and optimizer restored",
@@ -239,14 +276,21 @@ def resume_latest(
 ) -> dict[str, Any] | None:
     """Load the newest valid checkpoint of the run ``fingerprint_`` into model and optimizers.
 
-    Returns its meta dict, or None when the run has no checkpoint yet (a fresh start).
+    A checkpoint that verifies but still fails to load (a file torch cannot read, a state of the
+    wrong shape) is skipped with a warning, like one that fails verification, and the one before it
+    is tried. Returns its meta dict, or None when the run has no usable checkpoint (a fresh start).
     """
-    ckpt = latest_checkpoint(work_dir, fingerprint_)
-    if ckpt is None:
-        return None
-    meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rank, world_size=world_size)
-    log.info("resuming from %s (step %d)", ckpt, meta["step"])
-    return meta
+    tried: tuple[Path, ...] = ()
+    while (ckpt := latest_checkpoint(work_dir, fingerprint_, skip=tried)) is not None:
+        try:
+            meta = load_checkpoint(ckpt, model=model, optimizers=optimizers, rank=rank, world_size=world_size)
+        except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
+            log.warning("skipping checkpoint %s: it does not load (%s)", ckpt, str(e).splitlines()[0] if str(e) else e)
+            tried += (ckpt,)
+            continue
+        log.info("resuming from %s (step %d)", ckpt, meta["step"])
+        return meta
+    return None
 
 
 def carried_over(meta: dict[str, Any] | None) -> dict[str, Any]:
