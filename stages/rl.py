@@ -12,9 +12,10 @@ penalty folded into the token rewards), a critic (GAE) and clipped updates over 
 minibatches; both updates are library functions (chatpipe/rl/update.py, unit-tested against
 hand-computed values). With ``replay`` set, each optimizer step also follows the assistant-only LM
 loss of a few packed chat-stage rows, so what RL does not reward (spelling, multiple choice) is not
-worn away. Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
-reference, optimizers, KL coefficient, step, replay cursor, RNG) in ``checkpoints/rl/``; the final policy goes to
-``artifacts/rl/``.
+worn away. Held-out pass@k (a pass is the task's own verdict, not the reward) every ``eval_every``
+steps; resumable checkpoints (policy, critic, reference, optimizers, KL coefficient, value-norm
+moments, filter_solved's prompt pool, step, replay cursor, RNG) in ``checkpoints/rl/``; the final
+policy goes to ``artifacts/rl/``.
 """
 
 from __future__ import annotations
