@@ -88,8 +88,10 @@ def _stage(project: Path, *args: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     project = setup_project(tmp_path, algorithm="ppo", max_steps=6, eval_every=0, checkpoint_every=2)
-    # value_norm's running moments and filter_solved's pool are part of what a resume restores
+    # value_norm's running moments and filter_solved's pool are part of what a resume restores; best-of-n,
+    # gradient clipping and a sampling temperature other than 1 run through the stage too
     args = ("--kl_ctl=adaptive", "--value_norm=true", "--bootstrap=true", "--filter_solved=0.5")
+    args += ("--generation_size=6", "--grad_clip=1.0", "--temperature=0.8")
 
     # reference: one uninterrupted run
     ref = _stage(project, *args)
