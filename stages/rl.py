@@ -12,9 +12,10 @@ penalty folded into the token rewards), a critic (GAE) and clipped updates over 
 minibatches; both updates are library functions (chatpipe/rl/update.py, unit-tested against
 hand-computed values). With ``replay`` set, each optimizer step also follows the assistant-only LM
 loss of a few packed chat-stage rows, so what RL does not reward (spelling, multiple choice) is not
-worn away. Held-out pass@k every ``eval_every`` steps; resumable checkpoints (policy, critic,
-reference, optimizers, KL coefficient, step, replay cursor, RNG) in ``checkpoints/rl/``; the final policy goes to
-``artifacts/rl/``.
+worn away. Held-out pass@k (a pass is the task's own verdict, not the reward) every ``eval_every``
+steps; resumable checkpoints (policy, critic, reference, optimizers, KL coefficient, value-norm
+moments, filter_solved's prompt pool, step, replay cursor, RNG) in ``checkpoints/rl/``; the final
+policy goes to ``artifacts/rl/``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Parts:
     replay_loader: ConversationLoader | None
     train_policy: torch.nn.Module  # the policy, DDP-wrapped when there are several ranks
     train_critic: torch.nn.Module | None
+    value_norm: losses.ValueNorm | None = None  # PPO's running moments of the returns (rl.value_norm)
 
 
 @dataclass
@@ -107,6 +109,10 @@ class LoopState:
     train_seconds: float = 0.0
     gen_tokens: int = 0
     run_ids: list[str] = field(default_factory=list)
+    # filter_solved: prompts a step's group solved at that rate, and the pool sampled since pool_start
+    solved: list[int] = field(default_factory=list)
+    pool: list[int] | None = None
+    pool_start: int = 0
 
     @classmethod
     def resumed(cls, meta: dict) -> LoopState:
@@ -123,6 +129,7 @@ class LoopState:
             gen_seconds=carried.get("gen_seconds", 0.0),
             train_seconds=carried.get("train_seconds", 0.0),
             gen_tokens=carried.get("gen_tokens", 0),
+            **meta.get("filter", {}),
         )
 
     def summary(self) -> dict[str, float]:
@@ -143,6 +150,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         raise ValueError(
             f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the {rt.world_size} ranks"
         )
+    check_minibatches(cfg, rt.world_size)
 
     # --- models: policy from the init stage, a frozen reference copy, a critic for PPO; their optimizers
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
@@ -163,8 +171,11 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
     state = LoopState.resumed(meta)
+    value_norm = losses.ValueNorm(cfg.value_norm_beta) if cfg.value_norm and models.critic else None
     if meta:
         kl_ctl.value = meta["kl_coef"]
+        if value_norm is not None:
+            value_norm.load(meta["value_norm"])
     replay_loader = None
     if replay_pack:  # its cursor resumes where the checkpoint left it
         start_row = meta["replay"]["row"] if meta else 0
@@ -181,6 +192,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     problems = (train_problems, eval_problems)
     engine = Engine(models.policy, tok)
     parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
+    parts.value_norm = value_norm
 
     def checkpoint_meta() -> dict:
         return rl_meta(parts, state, run_meta("rl", run_fp, cfg, inputs, rt, models.policy.config))
@@ -273,6 +285,8 @@ def rl_meta(parts: Parts, state: LoopState, run_identity: dict) -> dict:
         "prompt_indices": state.prompt_log,
         "replay": parts.replay_loader.state() if parts.replay_loader else None,
         "first_eval": state.first_eval,
+        "value_norm": parts.value_norm.state() if parts.value_norm else None,
+        "filter": {"solved": state.solved, "pool": state.pool, "pool_start": state.pool_start},
         "carried": {
             "gen_seconds": state.gen_seconds,
             "train_seconds": state.train_seconds,
@@ -325,12 +339,26 @@ def run_loop(parts: Parts, state: LoopState, checkpoints: Checkpointer, metrics:
             log_step(state.step, cfg.max_steps, row, stats, t_gen + t_train)
 
 
+def check_minibatches(cfg: RLSettings, world_size: int) -> None:
+    """Each rank's rows per step must split into PPO's minibatches: checked before any rollout."""
+    rows = cfg.prompts_per_step // world_size * cfg.group_size
+    if cfg.algorithm == "ppo" and rows % cfg.num_minibatches:
+        raise ValueError(
+            f"rl: {cfg.prompts_per_step} prompts_per_step / {world_size} ranks x group_size {cfg.group_size} = "
+            f"{rows} rows per rank per step do not split into num_minibatches = {cfg.num_minibatches}"
+        )
+
+
 def sample_rollouts(parts: Parts, state: LoopState) -> Rollouts:
     """This rank's prompts x ``group_size`` responses for step ``state.step``, seeded by (seed, step,
-    rank); rank 0 records who sampled what in ``state.prompt_log`` (tests check no overlap)."""
+    rank); rank 0 records who sampled what in ``state.prompt_log`` (tests check no overlap). With
+    ``generation_size`` each prompt is sampled that many times and the best ``group_size`` kept."""
     cfg, rt, policy = parts.cfg, parts.rt, parts.models.policy
     per_rank = cfg.prompts_per_step // rt.world_size
-    idx = rank_indices(len(parts.train_problems), state.step, per_rank, rt.rank, rt.world_size, cfg.seed)
+    pool = prompt_pool(cfg, len(parts.train_problems), state)
+    seed = cfg.seed + state.pool_start  # pool_start is 0 unless filter_solved re-pooled
+    picks = rank_indices(len(pool), state.step - state.pool_start, per_rank, rt.rank, rt.world_size, seed)
+    idx = [pool[i] for i in picks]
     state.prompt_log.append(gather(idx, rt))
     policy.eval()
     batch = collect_rollouts(
@@ -342,24 +370,51 @@ def sample_rollouts(parts: Parts, state: LoopState) -> Rollouts:
         top_k=cfg.top_k or None,
         device=rt.device,
         seed=((cfg.seed * 1_000_003 + state.step) * rt.world_size + rt.rank) * per_rank,
+        generation_size=cfg.generation_size,
     )
     policy.train()
+    if cfg.filter_solved > 0:
+        rates = losses.group_solve_rates(batch.correct, batch.groups)
+        solved = [idx[g] for g, rate in rates.items() if rate >= cfg.filter_solved]
+        state.solved = sorted(set(state.solved).union(*gather(solved, rt)))
     return batch
+
+
+def prompt_pool(cfg: RLSettings, num_problems: int, state: LoopState) -> list[int]:
+    """The train prompts sampled from at ``state.step``: all of them, or with ``filter_solved`` those
+    not solved as of the end of the pool's last epoch (AReaL filters its dataset once per epoch). A
+    pool too small for one step stays as it was."""
+    everything = range(num_problems)
+    if cfg.filter_solved <= 0:
+        return list(everything)
+    pool = state.pool if state.pool is not None else list(everything)
+    if state.step - state.pool_start >= len(pool) // cfg.prompts_per_step:  # the pool's epoch is over
+        solved = set(state.solved)
+        fresh = [i for i in everything if i not in solved]
+        if len(fresh) >= cfg.prompts_per_step:
+            pool, state.pool_start = fresh, state.step
+            log.info("step %d | filter_solved: %d of %d prompts left", state.step, len(pool), len(everything))
+    state.pool = pool
+    return pool
 
 
 def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
     """One GRPO-lite or PPO update on ``batch`` with shaped scores (PPO then moves the reference
     towards the policy by ``ref_ema``); returns the update's stats."""
     cfg, models = parts.cfg, parts.models
-    penalized = losses.length_penalties(
+    scores = losses.final_scores(
         batch.scores,
         batch.ended,
         batch.lengths,
+        scale=cfg.reward_scale,
+        bias=cfg.reward_bias,
+        clip=cfg.reward_clip,
         no_eos=cfg.no_eos,
         penalty=cfg.length_penalty,
         min_length=cfg.min_response_length,
     )
-    scores = losses.shape_scores(penalized, scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip)
+    if cfg.mask_too_long:
+        batch = batch.without_unfinished()
     replay = (lambda model: cfg.replay_coef * model(*parts.replay_loader.next_batch())) if parts.replay_loader else None
     if cfg.algorithm == "grpo":
         return grpo_update(
@@ -372,6 +427,8 @@ def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
             micro_batch=cfg.device_batch_size,
             autocast=parts.rt.autocast,
             replay=replay,
+            temperature=cfg.temperature,
+            grad_clip=cfg.grad_clip,
         )
     stats = ppo_update(
         parts.train_policy,
@@ -386,6 +443,7 @@ def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
         step=step,
         autocast=parts.rt.autocast,
         replay=replay,
+        value_norm=parts.value_norm,
     )
     losses.ema_update(models.ref, models.policy, cfg.ref_ema)
     return stats

@@ -155,3 +155,48 @@ def test_ema_update_and_pass_at_k():
         (0.5 + 5 / 6) / 2
     )
     assert rl.mean_pass_at_k([[True, False]], 1) == pytest.approx(0.5)
+
+
+def test_no_eos_zero_applies_after_scale_bias_and_clip():
+    # a bias of 0.5 must not lift a cut-off response off 0; an ended one is shaped as usual
+    scores, ended, lengths = T([0.0, 1.0, 1.0]), T([False, True, False]), T([4, 4, 4])
+    out = rl.final_scores(scores, ended, lengths, scale=2.0, bias=0.5, clip=2.0, no_eos="zero")
+    assert out.tolist() == [0.0, 2.0, 0.0]
+    # penalty is the final score too, unscaled; min_length likewise
+    out = rl.final_scores(scores, ended, lengths, scale=2.0, bias=0.5, no_eos="penalty", penalty=-1.0)
+    assert out.tolist() == [-1.0, 3.0, -1.0]
+    out = rl.final_scores(scores, ended, lengths, bias=0.5, min_length=5, penalty=-2.0)
+    assert out.tolist() == [-2.0, -2.0, -2.0]
+
+
+def test_value_norm_moments_by_hand():
+    norm = rl.ValueNorm(beta=0.5)
+    assert norm.moments() == (0.0, 1.0)  # before any update: the identity
+    norm.update(T([[1.0, 3.0, 99.0]]), T([[1.0, 1.0, 0.0]]))  # masked: mean 2, mean square 5
+    # m = 0.5 * 2 = 1, s = 0.5 * 5 = 2.5, d = 0.5: mean 2, var 5 - 4 = 1
+    assert norm.moments() == pytest.approx((2.0, 1.0))
+    norm.update(T([[5.0]]), T([[1.0]]))
+    # m = 0.5 + 2.5 = 3, s = 1.25 + 12.5 = 13.75, d = 0.75: mean 4, var 13.75 / 0.75 - 16 = 7/3
+    mean, std = norm.moments()
+    assert (mean, std) == pytest.approx((4.0, math.sqrt(7 / 3)))
+    assert norm.normalize(T([5.0])).item() == pytest.approx(1 / math.sqrt(7 / 3), rel=1e-6)
+    assert norm.denormalize(norm.normalize(T([5.0]))).item() == pytest.approx(5.0)
+    # what the checkpoint saves restores the same moments
+    again = rl.ValueNorm(beta=0.5)
+    again.load(norm.state())
+    assert again.moments() == (mean, std)
+
+
+def test_gae_bootstraps_cut_rows_from_the_last_value():
+    # 2 actions then padding, V = 0.5 on both, no reward; the row was cut: V after it = 2. gamma = lam = 1:
+    # delta_1 = 0 + 2 - 0.5 = 1.5 = A_1; delta_0 = 0 + 0.5 - 0.5 = 0, A_0 = 0 + 1.5 = 1.5; returns = A + V = 2
+    rewards, values, mask = T([[0.0, 0.0, 0.0]]), T([[0.5, 0.5, 9.0]]), T([[1.0, 1.0, 0.0]])
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=1.0, last_values=T([2.0]))
+    assert close(adv, [[1.5, 1.5, 0.0]]) and close(ret, [[2.0, 2.0, 0.0]])
+    adv, _ = rl.gae(rewards, values, mask, gamma=1.0, lam=1.0)  # no bootstrap: the episode ended
+    assert close(adv, [[-0.5, -0.5, 0.0]])
+
+
+def test_group_solve_rates():
+    correct, groups = T([True, False, True, True, False, False]), T([0, 0, 1, 1, 2, 2])
+    assert rl.group_solve_rates(correct, groups) == {0: 0.5, 1: 1.0, 2: 0.0}

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatpipe.rl.losses import KLController
+from chatpipe.rl.losses import KLController, ValueNorm
 from chatpipe.rl.rollout import Rollouts
-from chatpipe.rl.update import PPOConfig, grpo_update, micro_batches, ppo_update
+from chatpipe.rl.update import PPOConfig, critic_values, grpo_update, micro_batches, ppo_targets, ppo_update
 
 
 class Unigram(torch.nn.Module):
@@ -26,8 +26,10 @@ class Unigram(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.tensor(w))
 
-    def forward(self, inputs, targets, loss_reduction="none"):
-        logits = self.w.expand(*targets.shape, -1)
+    def forward(self, inputs, targets=None, loss_reduction="none"):
+        logits = self.w.expand(*inputs.shape, -1)
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none").view(
             targets.shape
         )
@@ -192,7 +194,8 @@ def test_grpo_rejects_batch_not_made_of_groups():
 def ppo_cfg(**kw) -> PPOConfig:
     base = dict(group_size=2, epochs=1, num_minibatches=1, micro_batch=16, clip_eps=0.2, value_clip=0.2)
     base |= dict(value_coef=0.1, gamma=1.0, lam=0.95, kl_estimator="k1", whiten="none", normalize_std=False)
-    return PPOConfig(**{**base, "max_ratio": 0.0, "seed": 0, **kw})
+    base |= dict(max_ratio=0.0, max_token_ratio=0.0, temperature=1.0, bootstrap=False, grad_clip=0.0)
+    return PPOConfig(**{**base, "seed": 0, **kw})
 
 
 def test_ppo_config_from_settings_takes_every_knob_of_the_rl_section():
@@ -218,13 +221,13 @@ def test_ppo_without_critic_first_step_equals_policy_gradient():
     assert stats["kl_sum"] == pytest.approx(0.0)
 
 
-def test_ppo_stops_when_ratio_exceeds_cap():
+def test_ppo_stops_when_a_token_ratio_exceeds_max_token_ratio():
     # epoch 1 moves w to (1/4, -1/4); in epoch 2 p(0) = sigmoid(1/2) = 0.6225, ratio 0.6225/0.5 = 1.245 > 1.2
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
     stats = ppo_update(
         model, Unigram([0.0, 0.0]), None, sgd(model), [], batch, batch.scores, KLController(0.0),
-        ppo_cfg(epochs=2, max_ratio=1.2),
+        ppo_cfg(epochs=2, max_token_ratio=1.2),
     )  # fmt: skip
     assert stats["ppo/updates"] == 1.0 and stats["ppo/early_stop"] == 1.0
     assert model.w.tolist() == pytest.approx([0.25, -0.25])  # the second epoch's gradient was dropped
@@ -257,3 +260,112 @@ def test_ppo_kl_penalty_moves_adaptive_controller():
     assert stats["kl_sum"] == pytest.approx(2 * kl0, rel=1e-5)
     # KL far above target: error clipped to +0.2, beta *= 1 + 0.2 * 2 rows / 10
     assert ctl.value == pytest.approx(0.1 * 1.04)
+
+
+def test_ppo_max_ratio_skips_a_minibatch_whose_mean_ratio_is_too_high_and_goes_on():
+    # rows (0, 0 | 0, 1) scored (1, 1 | 1, 0): group 1 has advantage 0, group 2 (+1/2, -1/2); 4 action tokens
+    # epoch 1 (ratio 1): grad = -(1/2 (e0 - p) - 1/2 (e1 - p)) / 4 = (-1/8, +1/8)  ->  w = (1/8, -1/8)
+    # epoch 2: p(0) = sigmoid(1/4) = 0.56218, ratios 1.12436 (x3) and 0.87564: mean 1.06218
+    r0 = 2 / (1 + math.exp(-0.25))
+    mean_ratio = (3 * r0 + (2 - r0)) / 4
+    batch = two_rows([[0], [0], [0], [1]], [[1.0]] * 4, [1.0, 1.0, 1.0, 0.0])
+
+    def run(cap: float, token_cap: float = 0.0):
+        model = Unigram([0.0, 0.0])
+        stats = ppo_update(
+            model, Unigram([0.0, 0.0]), None, sgd(model), [], batch, batch.scores, KLController(0.0),
+            ppo_cfg(epochs=3, max_ratio=cap, max_token_ratio=token_cap),
+        )  # fmt: skip
+        return model, stats
+
+    model, stats = run(1.05)  # epochs 2 and 3 see the same mean 1.062 > 1.05: both skipped, none stops the update
+    assert model.w.tolist() == pytest.approx([0.125, -0.125])
+    assert stats["ppo/updates"] == 1.0 and stats["ppo/skipped"] == 2.0 and stats["ppo/early_stop"] == 0.0
+    # importance ratios are logged: mean per minibatch (1, 1.062, 1.062) and the largest
+    assert stats["ppo/ratio_mean"] == pytest.approx((1 + 2 * mean_ratio) / 3, rel=1e-5)
+    assert stats["ppo/ratio_max"] == pytest.approx(r0, rel=1e-5)
+    assert stats["ppo/clip_frac"] == pytest.approx(0.0)
+    model, stats = run(2.0)  # under the cap: every epoch steps
+    assert stats["ppo/updates"] == 3.0 and stats["ppo/skipped"] == 0.0
+    model, stats = run(0.0, token_cap=1.1)  # the old rule (one token's 1.124 > 1.1): epoch 2 ends the update
+    assert stats["ppo/updates"] == 1.0 and stats["ppo/early_stop"] == 1.0
+
+
+def test_ppo_rejects_rows_that_do_not_split_into_minibatches():
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1], [0]], [[1.0]] * 3, [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="3 rollout rows do not split into num_minibatches=2"):
+        ppo_update(model, Unigram([0.0, 0.0]), None, sgd(model), [], batch, batch.scores, KLController(0.0),
+                   ppo_cfg(group_size=1, num_minibatches=2))  # fmt: skip
+    assert model.w.tolist() == [0.0, 0.0]
+
+
+def test_grpo_log_probs_at_the_sampling_temperature():
+    # log p_T(t) = log_softmax(w / T)[t]: d/dw = (e_t - p_T) / T. At w = 0, T = 1/2 the by-hand step of
+    # test_grpo_step_by_hand doubles: w = (1/2, -1/2)
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    grpo_update(model, sgd(model), batch, batch.scores, group_size=2, temperature=0.5)
+    assert model.w.tolist() == pytest.approx([0.5, -0.5])
+
+
+def test_ppo_old_reference_and_training_log_probs_use_the_temperature():
+    # policy w = (1, 0), reference w = 0, T = 0.7: every log-prob is log_softmax(w / 0.7)
+    model, ref = Unigram([1.0, 0.0]), Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    cfg = ppo_cfg(temperature=0.7)
+    t = ppo_targets(model, ref, None, batch, batch.scores, KLController(0.1), cfg, contextlib.nullcontext)
+    logp = torch.log_softmax(torch.tensor([1.0, 0.0]) / 0.7, dim=0)
+    assert t.old_logp[:, 0].tolist() == pytest.approx([logp[0].item(), logp[1].item()], rel=1e-6)
+    assert t.kl[:, 0].tolist() == pytest.approx((logp - math.log(0.5)).tolist(), rel=1e-6)
+    # the first minibatch's ratio is exactly 1 only if training log-probs use T too
+    stats = ppo_update(model, ref, None, sgd(model, 0.0), [], batch, batch.scores, KLController(0.1), cfg)
+    assert stats["ppo/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_grad_clip_scales_the_step_to_the_clipped_norm():
+    # the by-hand grad (-1/4, +1/4) has norm sqrt(2)/4; clipped to 0.1 the step is 0.1 along it
+    model = Unigram([0.0, 0.0])
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    grpo_update(model, sgd(model), batch, batch.scores, group_size=2, grad_clip=0.1)
+    assert model.w.tolist() == pytest.approx([0.1 / math.sqrt(2), -0.1 / math.sqrt(2)], rel=1e-4)
+
+
+def test_value_norm_trains_the_critic_on_normalised_returns():
+    # as test_ppo_with_critic_by_hand, returns (1, 0); their moments after one update: mean 1/2, std 1/2,
+    # so the critic's targets are (+1, -1): value loss 1/2 mean(1, 1) = 1/2 and d/dc = mean(c - R) = 0
+    model, critic = Unigram([0.0, 0.0]), ConstantCritic(0.0)
+    batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
+    norm = ValueNorm(beta=0.9)
+    stats = ppo_update(
+        model, Unigram([0.0, 0.0]), critic, sgd(model), sgd(critic), batch, batch.scores, KLController(0.0),
+        ppo_cfg(whiten="batch", gamma=1.0, lam=1.0, value_coef=1.0), value_norm=norm,
+    )  # fmt: skip
+    assert critic.c.item() == pytest.approx(0.0, abs=1e-7)
+    assert stats["loss/value"] == pytest.approx(0.5)
+    assert norm.moments() == pytest.approx((0.5, 0.5))
+
+
+class PositionCritic(torch.nn.Module):
+    """V = the column index, whatever the input (so which column a value came from shows)."""
+
+    def forward(self, inputs):
+        return torch.arange(inputs.size(1), dtype=torch.float32).expand(inputs.shape)
+
+
+def test_bootstrap_reads_the_value_after_the_last_action_of_cut_rows_only():
+    # row 0: actions at columns 0, 1 and cut at max_new_tokens; row 1: one action, ended
+    batch = two_rows([[0, 1, 0], [1, 0, 0]], [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], [0.0, 1.0])
+    batch.ended = torch.tensor([False, True])
+    values, last = critic_values(PositionCritic(), batch, ppo_cfg(bootstrap=True))
+    assert values.tolist() == [[0.0, 1.0, 2.0]] * 2
+    assert last.tolist() == [2.0, 1.0]  # the state after each row's last action
+    assert critic_values(PositionCritic(), batch, ppo_cfg())[1] is None
+    # in the update: row 0 (cut, score 0) ends on V = 2; row 1 (ended) on 0. gamma = lam = 1, V = column:
+    # row 0: A_1 = 0 + 2 - 1 = 1, A_0 = 0 + 1 - 0 + 1 = 2; row 1: A_0 = 1 + 0 - 0 = 1
+    cfg = ppo_cfg(bootstrap=True, gamma=1.0, lam=1.0)
+    t = ppo_targets(Unigram([0.0, 0.0]), Unigram([0.0, 0.0]), PositionCritic(), batch, batch.scores,
+                    KLController(0.0), cfg, contextlib.nullcontext)  # fmt: skip
+    assert t.adv.tolist() == [[2.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert t.returns.tolist() == [[2.0, 2.0, 0.0], [1.0, 0.0, 0.0]]

@@ -7,8 +7,19 @@ import torch
 
 from chatpipe.inference.engine import Engine
 from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.rl.losses import mean_pass_at_k
 from chatpipe.rl.rewards import exact_answer
-from chatpipe.rl.rollout import Problem, collect_rollouts, load_problems, rank_indices, token_logprobs
+from chatpipe.rl.rollout import (
+    Problem,
+    Rollouts,
+    best_of_n,
+    collect_rollouts,
+    evaluate_problems,
+    gold_text,
+    load_problems,
+    rank_indices,
+    token_logprobs,
+)
 from chatpipe.rl.value import ValueModel, token_values
 from chatpipe.tokenizer import Tokenizer
 
@@ -175,3 +186,68 @@ def test_keep_tasks_load_with_their_own_options_and_grader():
         assert p.score(gold) == 1.0 and p.score("#### 987654") == 0.0
     with pytest.raises(ValueError, match="does not take"):
         load_problems("tinyworld_arith", "train", 2, words="tinyworld")
+
+
+def test_pass_at_k_counts_the_tasks_verdict_not_partial_credit():
+    # exact_or_format pays 0.1 for a wrong answer in the #### format; that is not a pass.
+    # One right, one formatted-wrong and one unformatted answer: pass@1 = 1/3 (not 2/3)
+    problem = load_problems("tinyworld_arith", "val", n=1, seed=0, reward="exact_or_format")[0]
+    gold = gold_text(problem.conversation).split("####")[-1].strip()
+    prompt_len = len(TOK.render_for_completion(problem.conversation))
+    end = TOK.special_ids["<|assistant_end|>"]
+    answers = [f"#### {gold}", f"#### {int(gold) + 1}", gold]
+    assert [problem.score(a) for a in answers] == [1.0, 0.1, 0.0]
+    correct = []
+    for answer in answers:
+        engine = Engine(ScriptedModel([*TOK.encode(answer), end], prompt_len, TOK.vocab_size), TOK)
+        kw = dict(num_samples=1, max_new_tokens=16, temperature=1.0, top_k=None, seed=0)
+        correct += evaluate_problems(engine, [problem], **kw)[0]
+    assert correct == [True, False, False]
+    assert mean_pass_at_k([correct], 1) == pytest.approx(1 / 3)
+    # a problem without a checker of its own passes on full credit only
+    assert not Problem(problem.conversation, lambda text: 0.1).is_correct("x")
+
+
+def test_token_logprobs_at_a_sampling_temperature_match_tempered_logits():
+    model = tiny_gpt()
+    x = torch.randint(0, 256, (5, 12))
+    y = torch.randint(0, 256, (5, 12))
+    want = torch.log_softmax(model(x) / 0.7, dim=-1).gather(-1, y[..., None]).squeeze(-1)
+    assert torch.allclose(token_logprobs(model, x, y, temperature=0.7), want, atol=1e-5)
+    assert torch.allclose(token_logprobs(model, x, y, micro_batch=2, temperature=0.7), want, atol=1e-5)
+    assert not torch.allclose(token_logprobs(model, x, y), want, atol=1e-3)  # T = 1 is another policy
+
+
+def test_best_of_n_keeps_the_highest_scores_in_sampling_order():
+    # scores 0.1, 1, 0, 1, 0.1: the two 1s, then the earlier 0.1
+    assert best_of_n([0.1, 1.0, 0.0, 1.0, 0.1], 3) == [0, 1, 3]
+    assert best_of_n([0.0, 0.0], 2) == [0, 1]
+
+
+def test_generation_size_samples_more_and_keeps_the_best_group():
+    problems = [Problem(conv("q", "1"), lambda t: float(sum(map(ord, t)) % 7))]
+    model = ScriptedModel([], 0, TOK.vocab_size)  # flat logits: random tokens
+    kw = dict(max_new_tokens=4, seed=3)
+    everything = collect_rollouts(Engine(model, TOK), problems, group_size=5, **kw)
+    kept = collect_rollouts(Engine(model, TOK), problems, group_size=2, generation_size=5, **kw)
+    rows = best_of_n(everything.scores.tolist(), 2)
+    assert kept.completions == [everything.completions[i] for i in rows]
+    assert sorted(kept.scores.tolist(), reverse=True) == sorted(everything.scores.tolist(), reverse=True)[:2]
+    assert len(set(everything.scores.tolist())) > 1  # the case has something to choose between
+    assert kept.groups.tolist() == [0, 0] and kept.inputs.size(0) == 2
+
+
+def test_mask_too_long_takes_cut_responses_out_of_the_loss():
+    batch = Rollouts(
+        inputs=torch.zeros(2, 3, dtype=torch.long),
+        targets=torch.zeros(2, 3, dtype=torch.long),
+        mask=torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        scores=torch.tensor([0.5, 1.0]),
+        ended=torch.tensor([False, True]),
+        lengths=torch.tensor([2, 2]),
+        groups=torch.tensor([0, 0]),
+    )
+    out = batch.without_unfinished()
+    assert out.mask.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    assert out.scores.tolist() == [0.5, 1.0]  # the score still counts in its group's mean
+    assert batch.mask.sum() == 4  # the batch itself is unchanged

@@ -110,7 +110,7 @@ def test_a_removed_key_names_what_replaced_it(params_file):
 
 def test_rl_declares_only_what_it_reads(params_file):
     """The training schedule knobs RL never read are refused, saying what RL does instead."""
-    assert not {"total_batch_size", "warmup_steps", "schedule", "grad_clip", "compile"} & set(RLSettings.model_fields)
+    assert not {"total_batch_size", "warmup_steps", "schedule", "compile"} & set(RLSettings.model_fields)
     with pytest.raises(
         ParamsError,
         match=r"rl\.warmup_steps = '5' \(from command line --warmup_steps\): this key was removed: RL's policy LR",

@@ -20,7 +20,9 @@ import torch
 from chatpipe.io import sha256_file
 from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.settings import ParamsError, RLSettings, load_section
 from chatpipe.tokenizer import Tokenizer
+from stages.rl import LoopState, check_minibatches, prompt_pool
 from tests.project import SMALL_RL, dvc, make_project, project_env, run
 
 # replay on: its loader's cursor is part of what a resume must restore, and its loss the last backward DDP syncs
@@ -86,7 +88,10 @@ def _stage(project: Path, *args: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     project = setup_project(tmp_path, algorithm="ppo", max_steps=6, eval_every=0, checkpoint_every=2)
-    args = ("--kl_ctl=adaptive",)
+    # value_norm's running moments and filter_solved's pool are part of what a resume restores; best-of-n,
+    # gradient clipping and a sampling temperature other than 1 run through the stage too
+    args = ("--kl_ctl=adaptive", "--value_norm=true", "--bootstrap=true", "--filter_solved=0.5")
+    args += ("--generation_size=6", "--grad_clip=1.0", "--temperature=0.8")
 
     # reference: one uninterrupted run
     ref = _stage(project, *args)
@@ -114,6 +119,7 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     assert meta["step"] == 6 and len(meta["prompt_indices"]) == 6
     assert meta["replay"] == want_replay == {"row": 6 * 4 * 2}  # steps x PPO updates x replay rows
+    assert meta["value_norm"]["debias"] > 0 and meta["filter"]["pool"] is not None
     # policy, critic, optimizers, KL coefficient and sampling seeds all restored: same final weights
     assert sha256_file(project / "artifacts" / "rl" / "model.pt") == want
 
@@ -126,3 +132,48 @@ def test_replay_rows_longer_than_the_model_stop_before_anything_is_written(tmp_p
     assert proc.returncode != 0
     assert "rl.replay_seq_len = 128 is longer than the model's sequence_len 64" in out, out[-2000:]
     assert not (project / "checkpoints" / "rl").exists() and not (project / "artifacts" / "rl").exists()
+
+
+def test_a_ppo_key_under_grpo_is_an_error_naming_it():
+    with pytest.raises(ParamsError, match=r"rl.kl_coef = 0.2.*PPO-only.*algorithm: grpo"):
+        load_section(RLSettings, {"algorithm": "grpo", "kl_coef": 0.2})
+    with pytest.raises(ParamsError, match=r"rl.value_norm = True.*PPO-only"):
+        load_section(RLSettings, {"algorithm": "grpo", "value_norm": True})
+    # at its default (as params.yaml lists every key) it is not "set"; under PPO it is read
+    assert load_section(RLSettings, {"algorithm": "grpo", "kl_coef": 0.1}).kl_coef == 0.1
+    assert load_section(RLSettings, {"algorithm": "ppo", "kl_coef": 0.2}).kl_coef == 0.2
+
+
+def test_indivisible_minibatches_are_an_error_naming_the_numbers():
+    with pytest.raises(ParamsError, match=r"8 x 8 = 64 rows per step do not split into 3 minibatches"):
+        load_section(RLSettings, {"algorithm": "ppo", "prompts_per_step": 8, "group_size": 8, "num_minibatches": 3})
+    # per rank: 12 rows over all ranks split into 4, but 2 ranks hold 6 each
+    cfg = load_section(RLSettings, {"algorithm": "ppo", "prompts_per_step": 4, "group_size": 3, "num_minibatches": 4})
+    check_minibatches(cfg, 1)
+    with pytest.raises(ValueError, match=r"6 rows per rank per step do not split into num_minibatches = 4"):
+        check_minibatches(cfg, 2)
+
+
+@pytest.mark.slow
+def test_indivisible_minibatches_stop_the_stage_before_any_rollout(tmp_path):
+    project = setup_project(tmp_path, algorithm="ppo")  # 2 prompts x 4 samples = 8 rows
+    proc = _stage(project, "--num_minibatches=3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "2 x 4 = 8 rows per step do not split into 3 minibatches" in out, out[-2000:]
+    assert not (project / "checkpoints" / "rl").exists() and not (project / "artifacts" / "rl").exists()
+
+
+def test_filter_solved_drops_solved_prompts_at_the_end_of_the_pools_epoch():
+    # 6 problems, 2 prompts per step: the first pool (all 6) lasts 3 steps; prompts solved by then leave
+    cfg = load_section(RLSettings, {"filter_solved": 0.75, "prompts_per_step": 2, "num_train_problems": 6})
+    state = LoopState()
+    assert prompt_pool(cfg, 6, state) == [0, 1, 2, 3, 4, 5]
+    state.solved, state.step = [1, 4], 2
+    assert prompt_pool(cfg, 6, state) == [0, 1, 2, 3, 4, 5]  # mid-epoch: unchanged
+    state.step = 3
+    assert prompt_pool(cfg, 6, state) == [0, 2, 3, 5] and state.pool_start == 3
+    state.solved, state.step = [0, 1, 2, 4, 5], 5  # the 4-prompt pool lasts 2 steps; 1 left is too few
+    assert prompt_pool(cfg, 6, state) == [0, 2, 3, 5] and state.pool_start == 3
+    off = load_section(RLSettings, {"num_train_problems": 6})
+    assert prompt_pool(off, 6, LoopState(solved=[0, 1])) == list(range(6))  # filter off: every prompt

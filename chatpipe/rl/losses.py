@@ -75,18 +75,27 @@ def whiten(
 
 
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    last_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the action tokens of each row; returns (advantages, returns).
 
     Positions where ``mask`` is 0 are skipped: the "next state" of an action is the next action
     of the same row, so a forced tool output between two sampled tokens is not a step. After the
-    last action the value is 0 (the episode ended). delta_t = r_t + gamma V_next - V_t,
-    A_t = delta_t + gamma lam A_next, returns = A + V. Both are 0 off the mask.
+    last action the value is ``last_values`` [B] (default 0: the episode ended; a response cut at
+    max_new_tokens may bootstrap from the critic's value of the state it was cut in).
+    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, returns = A + V.
+    Both are 0 off the mask.
     """
     b, t = rewards.shape
     adv = torch.zeros_like(rewards)
     next_value = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
+    if last_values is not None:
+        next_value = last_values.to(rewards.dtype).clone()
     next_adv = torch.zeros_like(next_value)
     m = mask.to(rewards.dtype)
     for i in reversed(range(t)):
@@ -206,10 +215,20 @@ def clipped_value_loss(
 
 
 def ratio_exceeds_cap(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> bool:
-    """True when any action token's importance ratio exp(logp - old) is above ``cap`` (early-stop the update)."""
+    """True when any action token's importance ratio exp(logp - old) is above ``cap`` (``max_token_ratio``:
+    early-stop the whole update)."""
     if cap <= 0 or not mask.any():
         return False
     return bool((torch.exp(logp - old_logp)[mask > 0] > cap).any())
+
+
+def ratio_sums(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum of the importance ratios, action tokens, largest ratio] over the masked tokens, for
+    summing over micro-batches and ranks: ``max_ratio`` compares the minibatch's mean ratio
+    (sum / tokens) with its cap, as AReaL's ``early_stop_imp_ratio`` does."""
+    ratio = torch.exp(logp.detach() - old_logp) * mask
+    peak = ratio.max() if mask.any() else ratio.new_zeros(())
+    return torch.stack([ratio.sum(), mask.sum().to(ratio.dtype), peak]).float()
 
 
 # --------------------------------------------------------------------------- KL coefficient
@@ -239,6 +258,59 @@ class KLController:
 # --------------------------------------------------------------------------- reward shaping
 
 
+@dataclass
+class ValueNorm:
+    """Running mean and std of the returns (an EMA, debiased), in which the critic predicts values.
+
+    AReaL's default ``value_norm``: the critic's targets are normalised returns, and its outputs
+    are de-normalised before GAE. Each :meth:`update` with a batch's masked returns x does
+    m <- beta m + (1 - beta) mean(x), s <- beta s + (1 - beta) mean(x^2), d <- beta d + (1 - beta);
+    then mean = m / d, var = max(s / d - mean^2, eps) (d removes the bias towards 0 of the first
+    steps, as Adam's moment estimates do).
+    """
+
+    beta: float = 0.99
+    eps: float = 1e-5
+    running_mean: float = 0.0
+    running_mean_sq: float = 0.0
+    debias: float = 0.0
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor) -> None:
+        """Fold the masked entries of ``x`` into the running moments (a no-op with no masked entry)."""
+        if mask.any():
+            self.update_moments(masked_mean(x, mask).item(), masked_mean(x * x, mask).item())
+
+    def update_moments(self, mean: float, mean_sq: float) -> None:
+        """Fold a batch's mean and mean square (e.g. summed over ranks) into the running moments."""
+        b = self.beta
+        self.running_mean = b * self.running_mean + (1 - b) * mean
+        self.running_mean_sq = b * self.running_mean_sq + (1 - b) * mean_sq
+        self.debias = b * self.debias + (1 - b)
+
+    def moments(self) -> tuple[float, float]:
+        """(mean, std); (0, 1) before the first update."""
+        if self.debias == 0:
+            return 0.0, 1.0
+        mean = self.running_mean / self.debias
+        var = max(self.running_mean_sq / self.debias - mean * mean, self.eps)
+        return mean, math.sqrt(var)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        mean, std = self.moments()
+        return (x - mean) / std
+
+    def denormalize(self, x: torch.Tensor) -> torch.Tensor:
+        mean, std = self.moments()
+        return x * std + mean
+
+    def state(self) -> dict[str, float]:
+        """What a checkpoint saves, and :meth:`load` restores."""
+        return {"running_mean": self.running_mean, "running_mean_sq": self.running_mean_sq, "debias": self.debias}
+
+    def load(self, state: dict[str, float]) -> None:
+        self.running_mean, self.running_mean_sq, self.debias = (state[k] for k in self.state())
+
+
 def shape_scores(scores: torch.Tensor, *, scale: float = 1.0, bias: float = 0.0, clip: float = 0.0) -> torch.Tensor:
     """(score + bias) * scale, then clipped to [-clip, clip] (clip 0 = no clipping)."""
     out = (scores + bias) * scale
@@ -264,13 +336,39 @@ def length_penalties(
     if no_eos not in ("keep", "zero", "penalty"):
         raise ValueError(f"no_eos={no_eos!r}; allowed: keep, zero, penalty")
     out = scores.clone()
-    if no_eos == "zero":
+    if no_eos == "zero":  # exactly 0, whatever scale, bias and clip did (final_scores runs this after them)
         out = torch.where(ended, out, torch.zeros_like(out))
     elif no_eos == "penalty":
         out = torch.where(ended, out, torch.full_like(out, penalty))
     if min_length > 0:
         out = torch.where(lengths < min_length, torch.full_like(out, penalty), out)
     return out
+
+
+def final_scores(
+    scores: torch.Tensor,
+    ended: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    bias: float = 0.0,
+    clip: float = 0.0,
+    no_eos: str = "keep",
+    penalty: float = -1.0,
+    min_length: int = 0,
+) -> torch.Tensor:
+    """The scores RL trains on: :func:`shape_scores`, then :func:`length_penalties`.
+
+    The response-shape rules run last, so ``no_eos="zero"`` gives a cut-off response exactly 0 and
+    ``penalty`` exactly ``penalty``, whatever the scale, bias and clip (as AReaL zeroes after shaping).
+    """
+    shaped = shape_scores(scores, scale=scale, bias=bias, clip=clip)
+    return length_penalties(shaped, ended, lengths, no_eos=no_eos, penalty=penalty, min_length=min_length)
+
+
+def group_solve_rates(correct: torch.Tensor, groups: torch.Tensor) -> dict[int, float]:
+    """Fraction of each group's samples that are right, by group id (``filter_solved``)."""
+    return {int(g): correct[groups == g].float().mean().item() for g in groups.unique()}
 
 
 # --------------------------------------------------------------------------- reference EMA, pass@k

@@ -13,22 +13,34 @@ prompt, on tool outputs the engine forced in, and on padding.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from chatpipe.rl.rewards import RewardFn, get_reward
+from chatpipe.rl.rewards import RewardFn, exact_answer, get_reward
 
 # --------------------------------------------------------------------------- problems
 
 
 @dataclass
 class Problem:
-    """One RL prompt: the conversation (last message = gold answer) and how to score a completion."""
+    """One RL prompt: the conversation (last message = gold answer), how to score a completion (the
+    reward) and whether a completion is right (what pass@k counts).
+
+    The two differ when the reward gives partial credit (``exact_or_format`` pays 0.1 for a wrong
+    answer in the right format): a pass is the task's own verdict, never ``score > 0``. Without
+    ``correct``, a pass is full credit, ``score >= 1``.
+    """
 
     conversation: dict[str, Any]
     score: Callable[[str], float]
+    correct: Callable[[str], bool] | None = None
+
+    def is_correct(self, text: str) -> bool:
+        """The task's verdict on ``text`` (full credit when the problem has no checker of its own)."""
+        return bool(self.correct(text)) if self.correct is not None else self.score(text) >= 1.0
 
 
 def gold_text(conversation: dict[str, Any]) -> str:
@@ -57,8 +69,8 @@ def load_problems(
         t = build_task(task, split, limit=n, source=source or None, **task_kw)
         convs = [t[i] for i in range(min(n, len(t)))]
         if reward == "exact" and hasattr(t, "reward"):
-            return [Problem(c, lambda text, c=c: float(t.reward(c, text))) for c in convs]
-        return [Problem(c, _gold_scorer(reward_fn, gold_text(c))) for c in convs]
+            return [Problem(c, lambda text, c=c: float(t.reward(c, text)), _task_checker(t, c)) for c in convs]
+        return [Problem(c, _gold_scorer(reward_fn, gold_text(c)), _task_checker(t, c)) for c in convs]
     if task != "tinyworld_arith":
         raise ValueError(
             f"task {task!r} needs chatpipe.data.tasks (not installed yet); available without it: tinyworld_arith"
@@ -66,11 +78,24 @@ def load_problems(
     from chatpipe.data.synthetic import tool_conversations
 
     convs = tool_conversations(seed, n, split)
-    return [Problem(c, _gold_scorer(reward_fn, gold_text(c))) for c in convs]
+    return [Problem(c, _gold_scorer(reward_fn, gold_text(c)), _exact_checker(gold_text(c))) for c in convs]
 
 
 def _gold_scorer(fn: RewardFn, gold: str) -> Callable[[str], float]:
     return lambda text: fn(text, gold)
+
+
+def _exact_checker(gold: str) -> Callable[[str], bool]:
+    return lambda text: exact_answer(text, gold) == 1.0
+
+
+def _task_checker(task: Any, conversation: dict[str, Any]) -> Callable[[str], bool]:
+    """The task's own ``evaluate``; a task without one is checked by the exact ``####`` answer."""
+    from chatpipe.data.tasks.base import Task
+
+    if type(task).evaluate is Task.evaluate:
+        return _exact_checker(gold_text(conversation))
+    return lambda text: bool(task.evaluate(conversation, text))
 
 
 def rank_indices(num_items: int, step: int, per_rank: int, rank: int, world_size: int, seed: int) -> list[int]:
@@ -107,6 +132,7 @@ class Rollouts:
     lengths: torch.Tensor  # [B] long, number of action tokens
     groups: torch.Tensor  # [B] long, which prompt (within this batch) the row answers
     completions: list[str] = field(default_factory=list)
+    correct: torch.Tensor | None = None  # [B] bool, the task's verdict (what pass@k and filter_solved count)
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +151,22 @@ class Rollouts:
             self.lengths[rows],
             self.groups[rows],
             picked,
+            None if self.correct is None else self.correct[rows],
         )
+
+    def without_unfinished(self) -> Rollouts:
+        """The batch with the action mask of every response cut at max_new_tokens set to 0 (``mask_too_long``):
+        their tokens leave the loss, their scores still count in their group's mean."""
+        return replace(self, mask=self.mask * self.ended[:, None].to(self.mask.dtype))
+
+
+def best_of_n(scores: list[float], keep: int) -> list[int]:
+    """Indices of the ``keep`` highest ``scores`` (ties: the earlier sample), in sampling order.
+
+    ``generation_size`` samples per prompt, ``group_size`` kept: the best-scored responses.
+    """
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return sorted(ranked[:keep])
 
 
 def pad_batch(
@@ -152,59 +193,83 @@ def collect_rollouts(
     top_k: int | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    generation_size: int = 0,
 ) -> Rollouts:
     """Sample ``group_size`` responses per problem (tool use on) and score them with each problem's verifier.
 
-    ``seed`` makes the batch reproducible (see :meth:`Engine.generate_many` for how it is split).
+    With ``generation_size`` > ``group_size``, that many are sampled per problem and the
+    ``group_size`` best-scored are kept (:func:`best_of_n`). ``seed`` makes the batch reproducible
+    (see :meth:`Engine.generate_many` for how it is split).
     """
     tok = engine.tokenizer
-    seqs, masks, scores, ended, lengths, groups, completions = [], [], [], [], [], [], []
+    rows: dict[str, list] = {k: [] for k in ("seqs", "masks", "scores", "ended", "lengths", "groups", "texts", "ok")}
     prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
     generated = engine.generate_many(
-        prompts, num_samples=group_size, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        prompts,
+        num_samples=max(generation_size, group_size),
+        max_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
     )
     for j, (problem, prompt, (out, out_masks)) in enumerate(zip(problems, prompts, generated)):
-        for s, mk in zip(out, out_masks):
-            gen, gen_mask = s[len(prompt) :], mk[len(prompt) :]
-            stopped = bool(gen) and gen[-1] == engine.assistant_end and gen_mask[-1] == 1
-            text = tok.decode(gen[:-1] if stopped else gen)
-            seqs.append(s)
-            masks.append(mk)
-            scores.append(problem.score(text))
-            ended.append(stopped)
-            lengths.append(sum(gen_mask))
-            groups.append(j)
-            completions.append(text)
-    inputs, targets, mask = pad_batch(seqs, masks, tok.bos_id)
+        samples = [_read_sample(engine, problem, s, mk, len(prompt)) for s, mk in zip(out, out_masks)]
+        for i in best_of_n([sample[2] for sample in samples], group_size):
+            for key, value in zip(rows, (*samples[i][:5], j, *samples[i][5:])):  # the prompt's index after length
+                rows[key].append(value)
+    inputs, targets, mask = pad_batch(rows["seqs"], rows["masks"], tok.bos_id)
     return Rollouts(
         inputs.to(device),
         targets.to(device),
         mask.to(device),
-        torch.tensor(scores, dtype=torch.float32, device=device),
-        torch.tensor(ended, dtype=torch.bool, device=device),
-        torch.tensor(lengths, dtype=torch.long, device=device),
-        torch.tensor(groups, dtype=torch.long, device=device),
-        completions,
+        torch.tensor(rows["scores"], dtype=torch.float32, device=device),
+        torch.tensor(rows["ended"], dtype=torch.bool, device=device),
+        torch.tensor(rows["lengths"], dtype=torch.long, device=device),
+        torch.tensor(rows["groups"], dtype=torch.long, device=device),
+        rows["texts"],
+        torch.tensor(rows["ok"], dtype=torch.bool, device=device),
     )
+
+
+def _read_sample(engine: Any, problem: Problem, seq: list[int], mask: list[int], prompt_len: int) -> tuple:
+    """(ids, mask, score, ended, action tokens, text, correct) of one sampled sequence."""
+    gen, gen_mask = seq[prompt_len:], mask[prompt_len:]
+    stopped = bool(gen) and gen[-1] == engine.assistant_end and gen_mask[-1] == 1
+    text = engine.tokenizer.decode(gen[:-1] if stopped else gen)
+    return seq, mask, problem.score(text), stopped, sum(gen_mask), text, problem.is_correct(text)
 
 
 # --------------------------------------------------------------------------- model passes
 
 
 def token_logprobs(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int = 0
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int = 0, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log p(target | prefix) for every position [B, T], computed ``micro_batch`` rows at a time.
+    """log p(target | prefix) for every position [B, T] at sampling ``temperature``, ``micro_batch`` rows at a time.
 
-    Uses the model's own per-token cross-entropy, so the [B, T, vocab] log-softmax is never kept.
-    Gradients flow when called outside ``no_grad``.
+    Gradients flow when called outside ``no_grad``. See :func:`sampled_logprobs`.
     """
     step = micro_batch if micro_batch > 0 else inputs.size(0)
     parts = [
-        -model(inputs[i : i + step], targets[i : i + step], loss_reduction="none")
+        sampled_logprobs(model, inputs[i : i + step], targets[i : i + step], temperature)
         for i in range(0, inputs.size(0), step)
     ]
     return torch.cat(parts)
+
+
+def sampled_logprobs(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] [B, T]: the log-prob of each token under the policy that sampled it.
+
+    The engine samples from logits / T, so the PPO ratio, the KL to the reference and the policy
+    gradient all use the same tempered distribution (top-k is not applied: its cut changes with
+    every step's logits). At T = 1 the model's own per-token cross-entropy gives it directly.
+    """
+    if temperature == 1.0:
+        return -model(inputs, targets, loss_reduction="none")
+    logits = model(inputs).float() / temperature
+    return -F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), reduction="none").view(targets.shape)
 
 
 def evaluate_problems(
@@ -217,7 +282,7 @@ def evaluate_problems(
     top_k: int | None,
     seed: int,
 ) -> list[list[bool]]:
-    """Per-problem lists of sample correctness (score > 0), for pass@k."""
+    """Per-problem lists of sample correctness (the task's verdict, :meth:`Problem.is_correct`), for pass@k."""
     out = []
     prompts = [engine.tokenizer.render_for_completion(problem.conversation) for problem in problems]
     generated = engine.generate_many(
@@ -225,5 +290,5 @@ def evaluate_problems(
     )
     for problem, prompt, (seqs, _) in zip(problems, prompts, generated):
         texts = [engine.tokenizer.decode([t for t in s[len(prompt) :] if t != engine.assistant_end]) for s in seqs]
-        out.append([problem.score(t) > 0 for t in texts])
+        out.append([problem.is_correct(t) for t in texts])
     return out

@@ -23,7 +23,7 @@ import torch
 
 from chatpipe import runtime
 from chatpipe.rl import losses as rl
-from chatpipe.rl.rollout import Rollouts, token_logprobs
+from chatpipe.rl.rollout import Rollouts, sampled_logprobs, token_logprobs
 from chatpipe.rl.value import token_values
 
 if TYPE_CHECKING:
@@ -45,7 +45,12 @@ def _no_sync(model, last: bool) -> AbstractContextManager:
     return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
 
 
-def _step(optimizers: list, modules: list) -> None:
+def _step(optimizers: list, modules: list, grad_clip: float = 0.0) -> None:
+    """Clip each module's gradient norm to ``grad_clip`` (0: off; policy and critic each on its own), then step."""
+    if grad_clip > 0:
+        for m in modules:
+            if m is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
     for opt in optimizers:
         opt.step()
     _zero(modules)
@@ -80,6 +85,8 @@ def grpo_update(
     micro_batch: int = 16,
     autocast: Autocast = contextlib.nullcontext,
     replay: Replay | None = None,
+    temperature: float = 1.0,
+    grad_clip: float = 0.0,
 ) -> dict[str, float]:
     """One policy-gradient step: advantage = score - group mean, loss over the batch's informative tokens.
 
@@ -90,8 +97,10 @@ def grpo_update(
     many groups are already solved (counting solved rows would shrink it as the policy improves).
     The loss of every micro-batch is divided by that count for the *whole* batch, so accumulating
     the micro-batches' gradients equals one pass over the rows. With ``replay`` the step also
-    follows one replay batch's loss (:func:`replay_backward`). Returns ``loss/policy`` (the summed
-    loss), ``adv/abs_mean``, ``adv/informative_frac`` and, with replay, ``loss/replay``.
+    follows one replay batch's loss (:func:`replay_backward`). Log-probs are taken at the sampling
+    ``temperature``; ``grad_clip`` > 0 clips the gradient norm before the step. Returns
+    ``loss/policy`` (the summed loss), ``adv/abs_mean``, ``adv/informative_frac`` and, with replay,
+    ``loss/replay``.
     """
     if len(scores) % group_size:
         raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
@@ -106,14 +115,14 @@ def grpo_update(
     stats = {"adv/informative_frac": informative.float().mean().item()}
     for i, rows in enumerate(chunks):
         with _no_sync(model, i == len(chunks) - 1 and replay is None), autocast():
-            logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+            logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], temperature)
             loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
         loss.backward()
         total += loss.item()
     if replay is not None:
         stats["loss/replay"] = replay_backward(model, replay, autocast)
     if chunks or replay is not None:  # a batch of solved groups and no replay: nothing to step on
-        _step(optimizers, [model])
+        _step(optimizers, [model], grad_clip)
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
 
 
@@ -139,6 +148,10 @@ class PPOConfig:
     whiten: str  # batch | group | none
     normalize_std: bool
     max_ratio: float
+    max_token_ratio: float
+    temperature: float
+    bootstrap: bool
+    grad_clip: float
     seed: int
 
     @classmethod
@@ -161,17 +174,28 @@ class PPOTargets:
 
 def ppo_targets(
     model, ref, critic, batch: Rollouts, scores: torch.Tensor, kl_ctl: rl.KLController, cfg: PPOConfig,
-    autocast: Autocast,
+    autocast: Autocast, value_norm: rl.ValueNorm | None = None,
 ) -> PPOTargets:  # fmt: skip
-    """KL-penalised token rewards turned into advantages: GAE with a critic, else group advantages."""
+    """KL-penalised token rewards turned into advantages: GAE with a critic, else group advantages.
+
+    Log-probs are those of the sampling distribution (logits / ``cfg.temperature``). With
+    ``value_norm`` the critic works in normalised units: its values are de-normalised for GAE, the
+    running moments take this batch's returns (over every rank), and the value targets are the
+    returns normalised by them.
+    """
     mb = cfg.micro_batch
     with torch.no_grad(), autocast():
-        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb)
-        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb)
-        old_values = token_values(critic, batch.inputs, mb) if critic is not None else None
+        old_logp = token_logprobs(model, batch.inputs, batch.targets, mb, cfg.temperature)
+        ref_logp = token_logprobs(ref, batch.inputs, batch.targets, mb, cfg.temperature)
+        old_values, last_values = critic_values(critic, batch, cfg) if critic is not None else (None, None)
     rewards, kl = rl.kl_penalized_rewards(scores, old_logp, ref_logp, batch.mask, kl_ctl.value, cfg.kl_estimator)
     if critic is not None:
-        adv, returns = rl.gae(rewards, old_values, batch.mask, cfg.gamma, cfg.lam)
+        denorm = value_norm.denormalize if value_norm is not None else (lambda v: v)
+        last = denorm(last_values) * ~batch.ended if last_values is not None else None
+        adv, returns = rl.gae(rewards, denorm(old_values), batch.mask, cfg.gamma, cfg.lam, last)
+        if value_norm is not None:
+            update_value_norm(value_norm, returns, batch.mask)
+            returns = value_norm.normalize(returns) * batch.mask
     else:  # no critic: the sequence's total reward minus its group's mean, on every action token
         seq_adv = rl.group_advantages(rewards.sum(1).view(-1, cfg.group_size), cfg.normalize_std).flatten()
         adv, returns = seq_adv[:, None] * batch.mask, None
@@ -180,19 +204,38 @@ def ppo_targets(
     return PPOTargets(old_logp, old_values, adv, returns, kl)
 
 
+def critic_values(critic, batch: Rollouts, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values [B, T], values after each row's last action [B] or None): the second only with
+    ``cfg.bootstrap``, read from one extra column (the row's final token as an input)."""
+    if not cfg.bootstrap:
+        return token_values(critic, batch.inputs, cfg.micro_batch), None
+    full = token_values(critic, torch.cat([batch.inputs, batch.targets[:, -1:]], 1), cfg.micro_batch)
+    rows = torch.arange(full.size(0), device=full.device)
+    return full[:, :-1], full[rows, rl.last_action_index(batch.mask) + 1]
+
+
+def update_value_norm(value_norm: rl.ValueNorm, returns: torch.Tensor, mask: torch.Tensor) -> None:
+    """Fold this step's returns, over every rank, into the running moments."""
+    sums = torch.stack([rl.masked_sum(returns, mask), rl.masked_sum(returns * returns, mask), mask.sum()])
+    sums = runtime.all_reduce_sum(sums.double())
+    if sums[2] > 0:
+        value_norm.update_moments((sums[0] / sums[2]).item(), (sums[1] / sums[2]).item())
+
+
 def ppo_minibatch_backward(
     model, critic, batch: Rollouts, t: PPOTargets, rows_mb: torch.Tensor, cfg: PPOConfig, autocast: Autocast,
     replay_follows: bool, stats: dict[str, float],
 ) -> torch.Tensor:  # fmt: skip
     """Accumulate one minibatch's gradients over its micro-batches, adding their losses to ``stats``.
 
-    Returns how many micro-batches had a token whose importance ratio exceeds ``cfg.max_ratio``
-    (a one-element tensor, for the all-reduce). ``replay_follows``: a replay batch's backward ends
-    the step, so DDP syncs the policy there, not here.
+    Returns [sum of importance ratios, action tokens, micro-batches with a token ratio above
+    ``cfg.max_token_ratio``] (for the all-reduce) and keeps this rank's largest ratio in
+    ``stats["ppo/ratio_max"]``. ``replay_follows``: a replay batch's backward ends the step, so
+    DDP syncs the policy there, not here.
     """
     num_tokens = batch.mask[rows_mb].sum().item()
     chunks = micro_batches(len(rows_mb), cfg.micro_batch)
-    exceeded = torch.zeros(1, device=batch.inputs.device)
+    sums = torch.zeros(3, device=batch.inputs.device)
     for i, sl in enumerate(chunks):
         rows = rows_mb[sl]
         mask = batch.mask[rows]
@@ -202,7 +245,7 @@ def ppo_minibatch_backward(
             if critic is not None:
                 stack.enter_context(_no_sync(critic, last))
             stack.enter_context(autocast())
-            logp = -model(batch.inputs[rows], batch.targets[rows], loss_reduction="none")
+            logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], cfg.temperature)
             loss, s = rl.clipped_surrogate(logp, t.old_logp[rows], t.adv[rows], mask, cfg.clip_eps, num_tokens)
             stats["loss/policy"] += loss.item()
             if critic is not None:
@@ -215,19 +258,21 @@ def ppo_minibatch_backward(
         loss.backward()  # DDP decided in the forward (inside no_sync or not) whether this syncs
         stats["ppo/clip_frac"] += s["clip_frac"] / len(chunks)
         stats["ppo/approx_kl"] += s["approx_kl"] / len(chunks)
-        if rl.ratio_exceeds_cap(logp.detach(), t.old_logp[rows], mask, cfg.max_ratio):
-            exceeded += 1
-    return exceeded
+        ratio_sum, tokens, peak = rl.ratio_sums(logp, t.old_logp[rows], mask).tolist()
+        stats["ppo/ratio_max"] = max(stats["ppo/ratio_max"], peak)
+        over = rl.ratio_exceeds_cap(logp.detach(), t.old_logp[rows], mask, cfg.max_token_ratio)
+        sums += torch.tensor([ratio_sum, tokens, float(over)], device=sums.device)
+    return sums
 
 
 def ppo_summary(
     stats: dict[str, float], stopped: bool, kl: torch.Tensor, kl_ctl: rl.KLController, n: int
 ) -> dict[str, float]:
-    """Sums per optimizer step become means; the KL controller moves by the batch's mean sequence KL."""
-    updates = max(stats["ppo/updates"], 1.0)
-    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "loss/replay"):
+    """Sums per minibatch become means; the KL controller moves by the batch's mean sequence KL."""
+    seen = max(stats.pop("ppo/minibatches"), 1.0)
+    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "ppo/ratio_mean", "loss/replay"):
         if k in stats:
-            stats[k] /= updates
+            stats[k] /= max(stats["ppo/updates"], 1.0) if k == "loss/replay" else seen
     stats["ppo/early_stop"] = float(stopped)
     seq_kl = kl.sum(1)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -250,43 +295,66 @@ def ppo_update(
     step: int = 0,
     autocast: Autocast = contextlib.nullcontext,
     replay: Replay | None = None,
+    value_norm: rl.ValueNorm | None = None,
 ) -> dict[str, float]:
     """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches.
 
     Each epoch shuffles the rows (seeded by ``cfg.seed`` and ``step``) into ``num_minibatches``
-    minibatches; each minibatch is one optimizer step, accumulated over micro-batches (and, with
-    ``replay``, one replay batch: :func:`replay_backward`). When any
-    action token's importance ratio exceeds ``cfg.max_ratio`` (on any rank) the minibatch's
-    gradients are dropped and the update stops. The KL controller is moved by the batch's mean
-    sequence KL. Returns mean losses, clip fraction and approximate KL per optimizer step,
-    ``ppo/updates``, ``ppo/early_stop`` and ``kl_sum`` (summed sequence KL of this rank's rows).
+    minibatches, which must divide the rows; each minibatch is one optimizer step, accumulated over
+    micro-batches (and, with ``replay``, one replay batch: :func:`replay_backward`). A minibatch
+    whose mean importance ratio over its action tokens (every rank's) exceeds ``cfg.max_ratio`` is
+    skipped: its gradients are dropped and the next minibatch goes on. When one action token's ratio
+    exceeds ``cfg.max_token_ratio`` the update stops. The KL controller is moved by the batch's
+    mean sequence KL. Returns mean losses, clip fraction, approximate KL and importance ratio per
+    minibatch, the largest ratio, ``ppo/updates``, ``ppo/skipped``, ``ppo/early_stop`` and
+    ``kl_sum`` (summed sequence KL of this rank's rows).
     """
-    t = ppo_targets(model, ref, critic, batch, scores, kl_ctl, cfg, autocast)
     n = len(scores)
-    rows_per_mb = max(1, n // cfg.num_minibatches)
+    if n % cfg.num_minibatches:
+        raise ValueError(f"{n} rollout rows do not split into num_minibatches={cfg.num_minibatches}")
+    t = ppo_targets(model, ref, critic, batch, scores, kl_ctl, cfg, autocast, value_norm)
+    rows_per_mb = n // cfg.num_minibatches
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
-    stats = {"loss/policy": 0.0, "loss/value": 0.0, "ppo/clip_frac": 0.0, "ppo/approx_kl": 0.0, "ppo/updates": 0.0}
+    stats = dict.fromkeys(["loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "ppo/updates"], 0.0)
+    stats |= dict.fromkeys(["ppo/ratio_mean", "ppo/ratio_max", "ppo/skipped", "ppo/minibatches"], 0.0)
     if replay is not None:
         stats["loss/replay"] = 0.0
     stopped = False
     for _ in range(cfg.epochs):
         perm = torch.randperm(n, generator=g).to(batch.inputs.device)
-        for start in range(0, rows_per_mb * cfg.num_minibatches, rows_per_mb):
-            rows_mb = perm[start : start + rows_per_mb]
-            if len(rows_mb) == 0:
-                continue
-            exceeded = ppo_minibatch_backward(
-                model, critic, batch, t, rows_mb, cfg, autocast, replay is not None, stats
-            )
-            # every rank must agree to step or stop, or DDP's next all-reduce would hang
-            if runtime.all_reduce_sum(exceeded).item() > 0:
-                stopped = True
-                _zero([model, critic])
+        for start in range(0, n, rows_per_mb):
+            stopped = ppo_minibatch_step(
+                model, critic, policy_opts + critic_opts, batch, t, perm[start : start + rows_per_mb], cfg,
+                autocast, replay, stats,
+            )  # fmt: skip
+            if stopped:
                 break
-            if replay is not None:
-                stats["loss/replay"] += replay_backward(model, replay, autocast)
-            _step(policy_opts + critic_opts, [model, critic])
-            stats["ppo/updates"] += 1
         if stopped:
             break
     return ppo_summary(stats, stopped, t.kl, kl_ctl, n)
+
+
+def ppo_minibatch_step(
+    model, critic, optimizers: list, batch: Rollouts, t: PPOTargets, rows_mb: torch.Tensor, cfg: PPOConfig,
+    autocast: Autocast, replay: Replay | None, stats: dict[str, float],
+) -> bool:  # fmt: skip
+    """One minibatch: its gradients, then a step, a skip (mean ratio above ``max_ratio``) or a stop
+    (a token ratio above ``max_token_ratio``); returns True to stop the update."""
+    sums = ppo_minibatch_backward(model, critic, batch, t, rows_mb, cfg, autocast, replay is not None, stats)
+    # every rank must agree to step, skip or stop, or DDP's next all-reduce would hang
+    ratio_sum, tokens, over = runtime.all_reduce_sum(sums).tolist()
+    mean_ratio = ratio_sum / max(tokens, 1.0)
+    stats["ppo/ratio_mean"] += mean_ratio
+    stats["ppo/minibatches"] += 1
+    if over > 0:
+        _zero([model, critic])
+        return True
+    if cfg.max_ratio > 0 and mean_ratio > cfg.max_ratio:
+        stats["ppo/skipped"] += 1
+        _zero([model, critic])
+        return False
+    if replay is not None:
+        stats["loss/replay"] += replay_backward(model, replay, autocast)
+    _step(optimizers, [model, critic], cfg.grad_clip)
+    stats["ppo/updates"] += 1
+    return False

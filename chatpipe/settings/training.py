@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from chatpipe.settings.base import MAX_SEED, StageSettings, StrictScalars, resume_neutral
 
@@ -231,7 +231,6 @@ class RLSettings(RunSettings):
         **dict.fromkeys(["matrix_lr", "embedding_lr", "unembedding_lr"], _RL_LR_NOTE),
         "momentum_warmup_steps": "RL keeps the init model's optimizer momentum; nothing to warm up",
         "total_batch_size": "a step is prompts_per_step x group_size samples; rows per forward is device_batch_size",
-        "grad_clip": "RL never clipped gradients; the PPO ratio cap is max_ratio",
         "eval_tokens": "RL evaluates pass@k: eval_problems x eval_samples",
         "compile": "RL runs eager (generation dominates and changes shape every step)",
     }
@@ -294,9 +293,28 @@ class RLSettings(RunSettings):
     no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
     length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
     min_response_length: int = Field(0, ge=0)
-    max_ratio: float = Field(5.0, ge=0, description="stop an update when an importance ratio exceeds this (0: off)")
+    max_ratio: float = Field(
+        5.0, ge=0, description="skip a PPO minibatch whose mean importance ratio exceeds this (0: off)"
+    )
+    max_token_ratio: float = Field(
+        0.0, ge=0, description="stop the whole PPO update when one token's importance ratio exceeds this (0: off)"
+    )
     ref_ema: float = Field(0.0, ge=0, le=1, description="reference <- (1-eta) ref + eta policy each step (0: frozen)")
     disable_value: bool = Field(False, description="PPO without a critic: group-mean advantages (GRPO)")
+    value_norm: bool = Field(False, description="critic predicts returns normalised by their running mean and std")
+    value_norm_beta: float = Field(0.99995, gt=0, lt=1, description="EMA decay of value_norm's running moments")
+    bootstrap: bool = Field(
+        False, description="a response cut at max_new_tokens ends on the critic's value of its last state, not 0"
+    )
+    # both algorithms
+    mask_too_long: bool = Field(False, description="responses cut at max_new_tokens leave the loss (scores kept)")
+    generation_size: int = Field(
+        0, ge=0, description="samples per prompt, of which the group_size best-scored are trained on (0: group_size)"
+    )
+    filter_solved: float = Field(
+        0.0, ge=0, le=1, description="drop from the pool a prompt a step's group solved at this rate or more (0: off)"
+    )
+    grad_clip: float = Field(0.0, ge=0, description="clip the policy's (and critic's) gradient norm (0: off)")
     # eval
     eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
     eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
@@ -304,3 +322,47 @@ class RLSettings(RunSettings):
     eval_samples: int = resume_neutral(4, ge=1, description="samples per held-out problem")
     eval_temperature: float = resume_neutral(1.0, ge=0)
     checkpoint_every: int = resume_neutral(10, ge=0)
+
+    # keys that only PPO reads: set under `algorithm: grpo` they would do nothing, so they are an error
+    PPO_ONLY: ClassVar[tuple[str, ...]] = (
+        "ppo_epochs", "num_minibatches", "clip_eps", "value_clip", "value_coef", "value_lr_frac", "gamma", "lam",
+        "kl_ctl", "kl_coef", "kl_target", "kl_horizon", "kl_estimator", "whiten", "max_ratio", "max_token_ratio",
+        "ref_ema", "disable_value", "value_norm", "value_norm_beta", "bootstrap",
+    )  # fmt: skip
+
+    @field_validator(*PPO_ONLY)
+    @classmethod
+    def _ppo_keys_need_ppo(cls, v: Any, info: ValidationInfo) -> Any:
+        """A PPO-only key whose value differs from its default is an error under GRPO (params.yaml lists
+        every key at its default, so being present in the file cannot count as set)."""
+        if info.data.get("algorithm") == "grpo" and v != cls.model_fields[info.field_name].default:
+            raise ValueError(f"{info.field_name} is PPO-only: under algorithm: grpo it would do nothing; "
+                             "set algorithm: ppo, or leave it at its default "
+                             f"{cls.model_fields[info.field_name].default!r}")  # fmt: skip
+        return v
+
+    @field_validator("num_minibatches")
+    @classmethod
+    def _rows_split_into_minibatches(cls, v: int, info: ValidationInfo) -> int:
+        prompts, group = info.data.get("prompts_per_step"), info.data.get("group_size")
+        if info.data.get("algorithm") == "ppo" and prompts and group and (prompts * group) % v:
+            raise ValueError(
+                f"prompts_per_step x group_size = {prompts} x {group} = {prompts * group} rows per step do not "
+                f"split into {v} minibatches; pick a divisor of {prompts * group}"
+            )
+        return v
+
+    @field_validator("generation_size")
+    @classmethod
+    def _best_of_n_keeps_a_group(cls, v: int, info: ValidationInfo) -> int:
+        group = info.data.get("group_size")
+        if v and group and v < group:
+            raise ValueError(f"best-of-n keeps group_size = {group} of generation_size samples; set >= {group}, or 0")
+        return v
+
+    @field_validator("value_norm", "bootstrap")
+    @classmethod
+    def _needs_the_critic(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("disable_value"):
+            raise ValueError(f"{info.field_name} needs the critic; it cannot be on with disable_value: true")
+        return v
