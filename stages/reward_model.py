@@ -139,13 +139,21 @@ def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> Pairs:
             raise ValueError(
                 "reward_model.source = local needs reward_model.path (a {prompt, chosen, rejected} JSONL file)"
             )
-        pairs = prefs.read_jsonl_pairs(cfg.path, tok, cfg.max_seq_len, cfg.limit)
-        held = prefs.read_jsonl_pairs(cfg.val_path, tok, cfg.max_seq_len, cfg.val_pairs) if cfg.val_path else None
+        pairs = prefs.read_jsonl_pairs(cfg.path, tok, cfg.max_seq_len, cfg.limit, cfg.skip_too_long)
+        held = (
+            prefs.read_jsonl_pairs(cfg.val_path, tok, cfg.max_seq_len, cfg.val_pairs, cfg.skip_too_long)
+            if cfg.val_path
+            else None
+        )
     else:
         config = cfg.hf_config or None
-        pairs = prefs.read_hub_pairs(cfg.hf_repo, config, cfg.hf_split, tok, cfg.max_seq_len, cfg.limit)
+        pairs = prefs.read_hub_pairs(
+            cfg.hf_repo, config, cfg.hf_split, tok, cfg.max_seq_len, cfg.limit, cfg.skip_too_long
+        )
         held = (
-            prefs.read_hub_pairs(cfg.hf_repo, config, cfg.hf_val_split, tok, cfg.max_seq_len, cfg.val_pairs)
+            prefs.read_hub_pairs(
+                cfg.hf_repo, config, cfg.hf_val_split, tok, cfg.max_seq_len, cfg.val_pairs, cfg.skip_too_long
+            )
             if cfg.hf_val_split
             else None
         )
@@ -190,7 +198,16 @@ def _tiny_split(
         scores = [float(task.reward(conv, t)) for t in texts]
         where = f"tinyworld_arith/{split} problem {i}"
         out += [(p, "sampled") for p in prefs.ranked_pairs(prompt, seqs, scores, where)]
-    return out
+    fits = [(p, k) for p, k in out if max(len(p.chosen), len(p.rejected)) <= cfg.max_seq_len]
+    if len(fits) < len(out):  # made here, not read from a user's file: longer ones are left out, not an error
+        log.info(
+            "tiny %s: %d of %d pairs over max_seq_len %d left out",
+            split,
+            len(out) - len(fits),
+            len(out),
+            cfg.max_seq_len,
+        )
+    return fits
 
 
 def batch_indices(n: int, step: int, per_rank: int, rank: int, world_size: int, seed: int) -> list[int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,10 @@ from typing import Any
 from chatpipe.data.jsonl import iter_jsonl
 
 _TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+class TooLong(ValueError):
+    """A pair longer than the context (a ValueError naming the file and line)."""
 
 
 @dataclass(frozen=True)
@@ -89,43 +93,55 @@ def record_pair(record: Any, tok: Any, max_len: int, where: str) -> Pair:
         except ValueError as e:
             raise ValueError(f"{where}: field '{key}': {e}") from None
         if len(ids[key]) > max_len:
-            raise ValueError(
+            raise TooLong(
                 f"{where}: '{key}' is {len(ids[key])} tokens, longer than the context of {max_len} "
                 "(reward_model.max_seq_len); shorten or drop the pair"
             )
     return Pair(ids["chosen"], ids["rejected"], where)
 
 
-def read_jsonl_pairs(path: Path | str, tok: Any, max_len: int, limit: int = 0) -> list[Pair]:
-    """Every pair of a ``{prompt, chosen, rejected}`` JSONL file (the first ``limit``; 0: all)."""
+def _collect(rows: Iterable[tuple[str, Any]], tok: Any, max_len: int, limit: int, skip_too_long: bool) -> list[Pair]:
     pairs = []
-    for lineno, record in iter_jsonl(path):
-        pairs.append(record_pair(record, tok, max_len, f"{path}:{lineno}"))
+    for where, record in rows:
+        try:
+            pairs.append(record_pair(record, tok, max_len, where))
+        except TooLong:
+            if not skip_too_long:
+                raise
         if limit and len(pairs) == limit:
             break
+    return pairs
+
+
+def read_jsonl_pairs(
+    path: Path | str, tok: Any, max_len: int, limit: int = 0, skip_too_long: bool = False
+) -> list[Pair]:
+    """Every pair of a ``{prompt, chosen, rejected}`` JSONL file (the first ``limit``; 0: all); a pair
+    over ``max_len`` tokens fails, or with ``skip_too_long`` is left out."""
+    rows = ((f"{path}:{lineno}", record) for lineno, record in iter_jsonl(path))
+    pairs = _collect(rows, tok, max_len, limit, skip_too_long)
     if not pairs:
         raise ValueError(f"{path}: no preference pairs (the file is empty)")
     return pairs
 
 
-def read_hub_pairs(repo: str, config: str | None, split: str, tok: Any, max_len: int, limit: int = 0) -> list[Pair]:
-    """Pairs of one split of a hub dataset in the chosen/rejected format (through the hub cache)."""
+def read_hub_pairs(
+    repo: str, config: str | None, split: str, tok: Any, max_len: int, limit: int = 0, skip_too_long: bool = False
+) -> list[Pair]:
+    """Pairs of one split of a hub dataset in the chosen/rejected format (through the hub cache,
+    ``HF_ENDPOINT`` mirrors included); parquet or JSONL data files."""
     import pyarrow.parquet as pq
 
     from chatpipe.data import hub
 
-    pairs = []
-    for path in hub.dataset_split_files(repo, config, split, cache_dir=hub.default_cache_dir()):
-        if path.suffix == ".parquet":
-            rows: Iterable[tuple[str, Any]] = (
-                (f"{repo} {path.name}:row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())
-            )
-        else:
-            rows = ((f"{repo} {path.name}:{n}", r) for n, r in iter_jsonl(path))
-        for where, record in rows:
-            pairs.append(record_pair(record, tok, max_len, where))
-            if limit and len(pairs) == limit:
-                return pairs
+    def rows() -> Iterator[tuple[str, Any]]:
+        for path in hub.dataset_split_files(repo, config, split, cache_dir=hub.default_cache_dir()):
+            if path.suffix == ".parquet":
+                yield from ((f"{repo} {path.name}:row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist()))
+            else:
+                yield from ((f"{repo} {path.name}:{n}", r) for n, r in iter_jsonl(path))
+
+    pairs = _collect(rows(), tok, max_len, limit, skip_too_long)
     if not pairs:
         raise ValueError(f"{repo} ({config}/{split}): no preference pairs")
     return pairs

@@ -343,6 +343,9 @@ class RewardModelSettings(RunSettings):
         200, ge=1, description="held-out pairs evaluated (drawn from the train pairs where no split)"
     )
     max_seq_len: int = Field(256, ge=8, description="longest conversation of a pair, in tokens; longer fails")
+    skip_too_long: bool = Field(
+        False, description="local/hf: leave out pairs over max_seq_len instead of failing (tiny always leaves them out)"
+    )
     tiny_prompts: int = Field(
         256, ge=1, description="tiny: train arithmetic problems (val_pairs come from its val split)"
     )
