@@ -219,3 +219,15 @@ def test_rl_on_reward_model_scores_with_role_dirs(project, monkeypatch):
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     assert set(meta["inputs"]) >= {"ref", "reward_model"}
     assert meta["settings"]["reward_source"] == "model"
+
+
+def test_report_card_shows_held_out_pair_accuracy_and_margins():
+    from chatpipe.report import reward_model_section
+
+    summary = {"val_pair_accuracy": 0.95, "val_pairs": 200, "train_pairs": 900, "val_margin/mean": 4.2}
+    summary |= {"val_margin/q05": -0.5, "val_margin/q50": 4.0, "val_pair_accuracy_sampled": 0.9}
+    text = "\n".join(reward_model_section({"summary": summary, "settings": {"source": "tiny"}, "step": 60}))
+    assert "| pair accuracy | 0.950 [0.91, 0.97] n=200 |" in text
+    assert "| margin q05 | -0.500 |" in text and "| margin q50 | 4.000 |" in text
+    assert "| pair accuracy, sampled pairs | 0.900 |" in text
+    assert reward_model_section({"summary": {}}) == []
