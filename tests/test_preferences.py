@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -115,3 +116,89 @@ def test_contrasts_are_what_the_verifier_rejects(tok):
             assert task.reward(conv, text) == 0.0, text
     pairs = prefs.contrast_pairs([task[i] for i in range(5)], tok, seed=0)
     assert len(pairs) == 10 and all(p.chosen != p.rejected for p in pairs)
+
+
+# --------------------------------------------------------------------------- hub format, through the local mirror
+
+UF_REPO = "HuggingFaceH4/ultrafeedback_binarized"
+# Read in a child process: huggingface_hub reads HF_ENDPOINT when it is first imported
+READ_HUB = """
+import sys
+from chatpipe.data.preferences import read_hub_pairs
+from chatpipe.data.synthetic import pretrain_documents
+from chatpipe.tokenizer import Tokenizer
+tok = Tokenizer.train(pretrain_documents(0, 100), vocab_size=400)
+try:
+    pairs = read_hub_pairs(sys.argv[1], None, sys.argv[2], tok, max_len=256)
+except ValueError as e:
+    print("ERROR", e)
+else:
+    print("PAIRS", len(pairs), pairs[0].where, tok.decode(pairs[0].chosen[-8:]))
+"""
+
+
+def build_preference_repos(root: Path, bad_row: bool) -> None:
+    """The mirror's repos: ultrafeedback_binarized's layout (prompt, chosen/rejected message lists, a
+    dataset card with its train_prefs/test_prefs splits) and the pretraining repo the mirror's probe reads."""
+    import pyarrow as pa
+
+    from scripts.hub_mirror import PRETRAIN_REPO, _card, _git, _parquet
+
+    def conv(prompt: str, reply: str) -> list[dict[str, str]]:
+        return [{"content": prompt, "role": "user"}, {"content": reply, "role": "assistant"}]
+
+    repo = root / "datasets" / UF_REPO
+    for split, n in (("train_prefs", 6), ("test_prefs", 3)):
+        rows = [
+            {
+                "prompt": f"What is {i} plus {i}?",
+                "chosen": conv(f"What is {i} plus {i}?", f"It is {2 * i}."),
+                "rejected": conv(f"What is {i} plus {i}?", "No idea."),
+                "score_chosen": 9.0,
+                "score_rejected": 2.0,
+            }
+            for i in range(n)
+        ]
+        if bad_row and split == "train_prefs":
+            rows[4]["chosen"] = conv(rows[4]["prompt"], "")
+        _parquet(repo / "data" / f"{split}-00000-of-00001.parquet", pa.Table.from_pylist(rows))
+    splits = [{"split": s, "path": f"data/{s}-*"} for s in ("train_prefs", "test_prefs")]
+    (repo / "README.md").write_text(_card([{"config_name": "default", "data_files": splits}]))
+    pretrain = root / "datasets" / PRETRAIN_REPO
+    pretrain.mkdir(parents=True)
+    (pretrain / "README.md").write_text("probe target\n")
+    for r in (repo, pretrain):
+        _git(r, "init", "-q", "-b", "main")
+        _git(r, "add", "-A")
+        _git(r, "commit", "-qm", "fixture")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_row", [False, True])
+def test_hub_chosen_rejected_pairs_through_the_local_mirror(tmp_path, bad_row):
+    pytest.importorskip("olah")
+    import subprocess
+    import sys
+
+    from scripts.hub_mirror import Mirror
+    from tests.conftest import REPO
+
+    root = tmp_path / "hub"
+    build_preference_repos(root, bad_row)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATPIPE_", "HF_"))}
+    with Mirror(root) as mirror:
+        env |= {"HF_ENDPOINT": mirror.url, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        env |= {"CHATPIPE_HUB_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(
+            [sys.executable, "-c", READ_HUB, UF_REPO, "train_prefs"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    if bad_row:
+        assert f"ERROR {UF_REPO} train_prefs-00000-of-00001.parquet:row 4: field 'chosen' is empty" in out.stdout
+    else:
+        assert f"PAIRS 6 {UF_REPO} train_prefs-00000-of-00001.parquet:row 0 " in out.stdout
+        assert "It is 0.<|assistant_end|>" in out.stdout
