@@ -397,7 +397,7 @@ def run_loop(parts: Parts, state: LoopState, checkpoints: Checkpointer, metrics:
         metrics.log(row, state.step)
         bar.update(reward=row["reward/mean"])
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-            log_step(state.step, cfg.max_steps, row, stats, t_gen + t_train)
+            log_step(state.step, cfg.max_steps, row, {**stats, **reward_stats}, t_gen + t_train)
 
 
 def sample_rollouts(parts: Parts, state: LoopState) -> Rollouts:
