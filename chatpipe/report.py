@@ -207,6 +207,7 @@ ARTIFACT_RECORDS = {
     "pretrain": "base/meta.json",
     "midtrain": "mid/meta.json",
     "sft": "sft/meta.json",
+    "reward_model": "reward_model/meta.json",
     "rl": "rl/meta.json",
     "eval": "eval/results.json",
 }
