@@ -231,3 +231,22 @@ def test_report_card_shows_held_out_pair_accuracy_and_margins():
     assert "| margin q05 | -0.500 |" in text and "| margin q50 | 4.000 |" in text
     assert "| pair accuracy, sampled pairs | 0.900 |" in text
     assert reward_model_section({"summary": {}}) == []
+
+
+def test_role_dirs_load_their_own_checkpoints_and_a_mismatch_names_the_key(project, monkeypatch):
+    from chatpipe import runtime
+    from chatpipe.settings import RLSettings, load_section
+    from stages import rl
+
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    make_artifacts(project / "other", seed=1, sequence_len=128)
+    models = rl.load_models(load_section(RLSettings, ["--algorithm=ppo", "--critic_init_dir=other/sft"]), rt)
+    other, _ = load_model(project / "other" / "sft")
+    assert torch.equal(models.critic.trunk.wte.weight, other.wte.weight)  # trunk from critic_init_dir
+    assert not models.critic.head.weight.any()  # a GPT dir: zero head
+    assert not torch.equal(models.policy.wte.weight, other.wte.weight)
+    make_artifacts(project / "short", seed=1, sequence_len=64)
+    with pytest.raises(ValueError, match=r"rl.ref_dir = short/sft: vocab_size 512 / sequence_len 64 differ"):
+        rl.load_models(load_section(RLSettings, ["--ref_dir=short/sft"]), rt)
+    with pytest.raises(FileNotFoundError, match="reward_model"):  # reward_source model needs the stage's output
+        rl.load_models(load_section(RLSettings, ["--reward_source=model"]), rt)
