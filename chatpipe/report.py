@@ -207,6 +207,7 @@ ARTIFACT_RECORDS = {
     "pretrain": "base/meta.json",
     "midtrain": "mid/meta.json",
     "sft": "sft/meta.json",
+    "reward_model": "reward_model/meta.json",
     "rl": "rl/meta.json",
     "eval": "eval/results.json",
 }
@@ -430,3 +431,29 @@ def rl_section(meta: dict) -> list[str]:
         f"| change | {after - before:+.3f} |",
         "",
     ]
+
+
+def reward_model_section(meta: dict) -> list[str]:
+    """Markdown lines for the reward model's held-out pair accuracy and score-margin distribution
+    (from ``artifacts/reward_model/meta.json``), with the accuracy's 95% interval over the pairs."""
+    summary, settings = meta.get("summary") or {}, meta.get("settings") or {}
+    acc, n = summary.get("val_pair_accuracy"), int(summary.get("val_pairs") or 0)
+    if acc is None or n < 1:
+        return []
+    quantiles = [k for k in sorted(summary) if k.startswith("val_margin/q")]
+    kinds = [k for k in sorted(summary) if k.startswith("val_pair_accuracy_")]
+    lines = [
+        "## Reward model",
+        "",
+        f"Source `{settings.get('source')}`, {summary.get('train_pairs')} train pairs, {n} held-out pairs it never "
+        f"trained on; {meta.get('step')} steps from `{settings.get('init_dir')}`. Interval: 95% Wilson over pairs.",
+        "",
+        "| held-out | value |",
+        "|---|---|",
+        f"| pair accuracy | {accuracy_cell(acc, n)} |",
+        *(f"| pair accuracy, {k.removeprefix('val_pair_accuracy_')} pairs | {summary[k]:.3f} |" for k in kinds),
+        f"| margin mean (r_chosen - r_rejected) | {summary.get('val_margin/mean', float('nan')):.3f} |",
+        *(f"| margin {k.removeprefix('val_margin/')} | {summary[k]:.3f} |" for k in quantiles),
+        "",
+    ]
+    return lines

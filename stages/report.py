@@ -28,6 +28,7 @@ from chatpipe.report import (
     dvc_lock_hashes,
     plot_curves,
     render_report,
+    reward_model_section,
     rl_section,
     summary_values,
     system_info,
@@ -69,6 +70,9 @@ def report(cfg: ReportSettings) -> None:
         text = render_report(
             results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots
         )
+        rm_meta = ARTIFACTS / "reward_model" / "meta.json"
+        if rm_meta.exists():
+            text += "\n" + "\n".join(reward_model_section(json.loads(rm_meta.read_text())))
         rl_meta = ARTIFACTS / "rl" / "meta.json"
         if rl_meta.exists():
             text += "\n" + "\n".join(rl_section(json.loads(rl_meta.read_text())))

@@ -21,6 +21,7 @@ policy goes to ``artifacts/rl/``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.progress import Progress, progress
 from chatpipe.rl import losses
+from chatpipe.rl.reward_model import RewardModel, is_reward_model_dir, load_reward_model, rollout_scores
+from chatpipe.rl.rewards import combine_rewards
 from chatpipe.rl.rollout import Problem, Rollouts, collect_rollouts, evaluate_problems, load_problems, rank_indices
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
 
 @dataclass
 class Models:
-    """The policy RL trains, its frozen reference, PPO's critic (None otherwise) and their optimizers."""
+    """The policy RL trains, its frozen reference, PPO's critic (None otherwise), their optimizers and
+    the frozen reward model that scores responses under ``reward_source`` model|both (None otherwise)."""
 
     policy: GPT
     ref: GPT
@@ -70,6 +74,7 @@ class Models:
     init_lrs: dict[str, float]  # the init model's LRs, which the RL LRs are fractions of
     policy_opts: list
     critic_opts: list
+    reward_model: RewardModel | None = None
 
     @property
     def optimizers(self) -> list:
@@ -168,6 +173,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     inputs = {
         "init": sha256_file(init_dir / "model.pt"),
         "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
+        **role_inputs(cfg),
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
     state = LoopState.resumed(meta)
@@ -224,12 +230,19 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
 
 def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
-    """The init model as policy, a frozen copy as reference, PPO's critic, and optimizers whose LRs
-    are fractions of the init model's (decayed linearly to 0 by the loop)."""
+    """The init model as policy; the reference (``ref_dir``, else a frozen copy of the policy); PPO's
+    critic (:func:`load_critic`); the reward model for ``reward_source`` model|both; optimizers whose
+    LRs are fractions of the init model's (decayed linearly to 0 by the loop)."""
     policy, init_meta = load_model(Path(cfg.init_dir), rt.device)
     policy.train()
-    ref = copy.deepcopy(policy).requires_grad_(False).eval()
-    critic = ValueModel.from_policy(policy) if cfg.algorithm == "ppo" and not cfg.disable_value else None
+    ref = load_role(cfg.ref_dir, "ref_dir", policy, rt) if cfg.ref_dir else copy.deepcopy(policy)
+    ref.requires_grad_(False).eval()
+    rm = None
+    if cfg.reward_source != "verifier":
+        rm, _ = load_reward_model(Path(cfg.reward_model_dir), rt.device)
+        check_same_shape(rm.trunk, policy, f"rl.reward_model_dir = {cfg.reward_model_dir}")
+        rm.requires_grad_(False)
+    critic = load_critic(cfg, policy, rm, rt) if cfg.algorithm == "ppo" and not cfg.disable_value else None
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
     init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
         k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
@@ -246,7 +259,67 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
         if critic
         else []
     )
-    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts)
+    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts, rm)
+
+
+def critic_source(cfg: RLSettings) -> str:
+    """The dir PPO's critic starts from: ``critic_init_dir``, else the reward model when it scores
+    (torchtune's PPO starts its value model from the reward model), else the init model."""
+    if cfg.critic_init_dir:
+        return cfg.critic_init_dir
+    return cfg.reward_model_dir if cfg.reward_source != "verifier" else cfg.init_dir
+
+
+def load_critic(cfg: RLSettings, policy: GPT, rm: RewardModel | None, rt: runtime.Runtime) -> ValueModel:
+    """PPO's critic from :func:`critic_source`: a reward model dir gives trunk and head, a GPT dir the
+    trunk with a zero head (the init model's: today's critic)."""
+    source = critic_source(cfg)
+    if source == cfg.init_dir and not cfg.critic_init_dir:
+        return ValueModel.from_policy(policy)
+    if rm is not None and source == cfg.reward_model_dir:
+        return ValueModel.from_reward_model(rm)
+    if is_reward_model_dir(source):
+        other, _ = load_reward_model(Path(source), rt.device)
+        check_same_shape(other.trunk, policy, f"rl.critic_init_dir = {source}")
+        return ValueModel.from_reward_model(other)
+    return ValueModel.from_policy(load_role(source, "critic_init_dir", policy, rt))
+
+
+def load_role(model_dir: str, key: str, policy: GPT, rt: runtime.Runtime) -> GPT:
+    """The GPT in ``model_dir`` (a role's own checkpoint), checked to match the policy's shape."""
+    model, _ = load_model(Path(model_dir), rt.device)
+    check_same_shape(model, policy, f"rl.{key} = {model_dir}")
+    return model
+
+
+def check_same_shape(model: GPT, policy: GPT, what: str) -> None:
+    """A role model must read the policy's tokens: the same vocabulary and sequence length."""
+    a, b = model.config, policy.config
+    if (a.vocab_size, a.sequence_len) != (b.vocab_size, b.sequence_len):
+        raise ValueError(
+            f"{what}: vocab_size {a.vocab_size} / sequence_len {a.sequence_len} differ from the policy's "
+            f"{b.vocab_size} / {b.sequence_len} (rl.init_dir); every role must share the policy's tokenizer and context"
+        )
+
+
+def role_inputs(cfg: RLSettings) -> dict[str, str]:
+    """Hashes of the role models other than the policy, so a resume never mixes checkpoints of others."""
+    dirs = {"ref": cfg.ref_dir, "critic_init": cfg.critic_init_dir if cfg.algorithm == "ppo" else ""}
+    if cfg.reward_source != "verifier":
+        dirs["reward_model"] = cfg.reward_model_dir
+    return {k: sha256_file(Path(d) / "model.pt") for k, d in dirs.items() if d}
+
+
+def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
+    """``batch`` with the scores ``reward_source`` trains on (the verifier's stay in the stats), and
+    the mean verifier and reward-model scores of this rank's rows."""
+    cfg, rm = parts.cfg, parts.models.reward_model
+    if rm is None:
+        return batch, {}
+    with parts.rt.autocast():
+        model = rollout_scores(rm, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size)
+    stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": model.mean().item()}
+    return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
 
 
 def load_rl_problems(cfg: RLSettings, rt: runtime.Runtime) -> tuple[list[Problem], list[Problem]]:
@@ -315,6 +388,7 @@ def run_loop(parts: Parts, state: LoopState, checkpoints: Checkpointer, metrics:
         apply_schedules(parts.models.optimizers, lr_mult, None)
         t0 = time.perf_counter()
         batch = sample_rollouts(parts, state)
+        batch, reward_stats = score_rollouts(parts, batch)
         t_gen = time.perf_counter() - t0
         t1 = time.perf_counter()
         stats = update(parts, batch, state.step)
@@ -332,11 +406,12 @@ def run_loop(parts: Parts, state: LoopState, checkpoints: Checkpointer, metrics:
             "kl/coef": parts.kl_ctl.value,
             **{f"tools/{k}": float(v) for k, v in parts.engine.tool_stats.items()},  # running totals, this rank
             **stats,
+            **reward_stats,
         }
         metrics.log(row, state.step)
         bar.update(reward=row["reward/mean"])
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-            log_step(state.step, cfg.max_steps, row, stats, t_gen + t_train)
+            log_step(state.step, cfg.max_steps, row, {**stats, **reward_stats}, t_gen + t_train)
 
 
 def check_minibatches(cfg: RLSettings, world_size: int) -> None:

@@ -71,6 +71,18 @@ SMALL_PARAMS = {
         "eval_arith": 6,
         "eval_max_tokens": 32,
     },
+    "reward_model": {  # the small model's context is 64 tokens
+        "max_seq_len": 64,
+        "tiny_prompts": 12,
+        "tiny_samples": 2,
+        "tiny_max_new_tokens": 12,
+        "val_pairs": 8,
+        "device_batch_size": 4,
+        "max_steps": 4,
+        "eval_every": 2,
+        "checkpoint_every": 2,
+        "log_every": 1,
+    },
 }
 
 

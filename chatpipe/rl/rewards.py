@@ -9,12 +9,16 @@ when the completion's extracted number equals the gold one.
     reward("The answer is 12.\\n#### 12", "12")        # 1.0
 
 A reward function is ``f(completion: str, gold: str) -> float``; register more with :func:`register`.
+These are the *verifier*: RL can also train on a learned reward model's scores (``rl.reward_source``,
+:func:`combine_rewards`); held-out pass@k always uses the verifier.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+
+import torch
 
 RewardFn = Callable[[str, str], float]
 
@@ -73,3 +77,18 @@ def get_reward(name: str) -> RewardFn:
         return REWARDS[name]
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; allowed: {', '.join(sorted(REWARDS))}") from None
+
+
+REWARD_SOURCES = ("verifier", "model", "both")
+
+
+def combine_rewards(source: str, verifier: torch.Tensor, model: torch.Tensor | None) -> torch.Tensor:
+    """The scores that train the policy under ``rl.reward_source``: the verifier's, the reward
+    model's, or their sum (``both``)."""
+    if source not in REWARD_SOURCES:
+        raise ValueError(f"unknown reward_source {source!r}; allowed: {', '.join(REWARD_SOURCES)}")
+    if source == "verifier":
+        return verifier
+    if model is None:
+        raise ValueError(f"reward_source {source!r} needs reward-model scores")
+    return model if source == "model" else verifier + model

@@ -1,6 +1,7 @@
 """PPO critic: a value head on a copy of the policy's transformer trunk.
 
     critic = ValueModel.from_policy(policy)     # deep copy of the trunk, zero-initialised head
+    critic = ValueModel.from_reward_model(rm)   # or a copy of a reward model's trunk and head
     values = critic(inputs)                     # [B, T]: V of the state before predicting targets[:, t]
     optimizers = build_optimizers(critic, ...)  # same Muon/AdamW split as the policy
 
@@ -35,6 +36,15 @@ class ValueModel(nn.Module):
         trunk = copy.deepcopy(policy)
         trunk.requires_grad_(True)
         return cls(trunk).to(next(policy.parameters()).device)
+
+    @classmethod
+    def from_reward_model(cls, rm: nn.Module) -> ValueModel:
+        """A critic that starts as a copy of a reward model (trunk and scalar head), as torchtune's
+        PPO recipe starts its value model: the first values already estimate the final score."""
+        critic = cls.from_policy(rm.trunk)
+        with torch.no_grad():
+            critic.head.weight.copy_(rm.head.weight)
+        return critic
 
     @property
     def config(self):

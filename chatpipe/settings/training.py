@@ -237,7 +237,21 @@ class RLSettings(RunSettings):
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
     task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
-    reward: str = Field("exact", description="reward function name in chatpipe.rl.rewards")
+    reward: str = Field("exact", description="the verifier: reward function name in chatpipe.rl.rewards")
+    reward_source: Literal["verifier", "model", "both"] = Field(
+        "verifier",
+        description="what trains the policy: the verifier (`reward`), the reward model at reward_model_dir "
+        "(scored at each response's last token), or their sum; held-out pass@k is always the verifier's",
+    )
+    reward_model_dir: str = Field(
+        "artifacts/reward_model", description="reward model dir (reward_model stage) for reward_source model|both"
+    )
+    ref_dir: str = Field("", description="frozen reference policy's model dir ('': a copy of init_dir)")
+    critic_init_dir: str = Field(
+        "",
+        description="PPO critic's start: a reward model dir (trunk and head) or a GPT dir (zero head); '': "
+        "reward_model_dir when reward_source is model|both, else init_dir",
+    )
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
     num_train_problems: int = Field(512, ge=1)
     keep_tasks: list[MixItem] = Field(
@@ -366,3 +380,44 @@ class RLSettings(RunSettings):
         if v and info.data.get("disable_value"):
             raise ValueError(f"{info.field_name} needs the critic; it cannot be on with disable_value: true")
         return v
+
+
+class RewardModelSettings(RunSettings):
+    """Reward model on preference pairs (`reward_model` stage): a scalar head on the init model's trunk,
+    Bradley-Terry loss; held-out pair accuracy and score margins at the end."""
+
+    section: ClassVar[str] = "reward_model"
+    init_dir: str = Field("artifacts/sft", description="model dir whose trunk (and LRs) the reward model starts from")
+    source: Literal["tiny", "local", "hf"] = Field(
+        "tiny",
+        description="tiny: pairs made offline from tiny-world arithmetic (the init model's own samples ranked by "
+        "the verifier, plus synthetic contrasts); local: a {prompt, chosen, rejected} JSONL file (`path`); hf: "
+        "a hub dataset in the chosen/rejected format (`hf_repo`)",
+    )
+    path: str = Field("", description="local: the train pairs' JSONL file")
+    val_path: str = Field("", description="local: held-out pairs' JSONL file ('': val_pairs drawn from `path`)")
+    hf_repo: str = "HuggingFaceH4/ultrafeedback_binarized"
+    hf_config: str = Field("", description="hub dataset config ('': the default)")
+    hf_split: str = "train_prefs"
+    hf_val_split: str = Field("test_prefs", description="held-out split ('': val_pairs drawn from hf_split)")
+    limit: int = Field(0, ge=0, description="train pairs read at most (0: all)")
+    val_pairs: int = Field(
+        200, ge=1, description="held-out pairs evaluated (drawn from the train pairs where no split)"
+    )
+    max_seq_len: int = Field(256, ge=8, description="longest conversation of a pair, in tokens; longer fails")
+    skip_too_long: bool = Field(
+        False, description="local/hf: leave out pairs over max_seq_len instead of failing (tiny always leaves them out)"
+    )
+    tiny_prompts: int = Field(
+        256, ge=1, description="tiny: train arithmetic problems (val_pairs come from its val split)"
+    )
+    tiny_samples: int = Field(4, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
+    tiny_max_new_tokens: int = Field(48, ge=1)
+    tiny_temperature: float = Field(1.0, gt=0)
+    max_steps: int = Field(60, ge=1, description="optimizer steps of device_batch_size pairs (x world size)")
+    device_batch_size: int = Field(16, ge=1, description="pairs per rank per step")
+    lr_frac: float = Field(0.5, gt=0, description="LRs = lr_frac x the init model's LRs, linear decay to 0")
+    head_lr: float = Field(0.01, gt=0, description="AdamW LR of the scalar head (starts at zero)")
+    weight_decay: float = Field(0.0, ge=0)
+    eval_every: int = resume_neutral(20, ge=0, description="held-out pair accuracy every N steps (0: only at the end)")
+    checkpoint_every: int = resume_neutral(20, ge=0)

@@ -1,0 +1,212 @@
+"""Preference pairs for the reward model: a chosen and a rejected response to the same prompt.
+
+Three sources, each giving :class:`Pair` rows of token ids (chosen and rejected rendered as whole
+conversations, ``<|assistant_end|>`` included, so the reward model scores both at their last token):
+
+    pairs = read_jsonl_pairs(Path("prefs.jsonl"), tok, max_len=256)          # {prompt, chosen, rejected}
+    pairs = read_hub_pairs("HuggingFaceH4/ultrafeedback_binarized", None, "train_prefs", tok, max_len=256)
+    pairs = contrast_pairs(build_task("tinyworld_arith", "train", limit=256), tok, seed=0)   # tiny, offline
+    pairs += ranked_pairs(prompt_ids, samples, verifier_scores, where="...")               # tiny, sampled
+
+Record formats (local JSONL lines and hub rows alike):
+
+- ``{"prompt": str, "chosen": str, "rejected": str}``: one user turn and two assistant replies;
+- ``{"prompt": str, "chosen": [messages], "rejected": [messages]}`` (ultrafeedback_binarized):
+  ``chosen``/``rejected`` are whole conversations of ``{"role", "content"}`` messages;
+- ``{"chosen": str, "rejected": str}`` (hh-rlhf): transcripts of ``\\n\\nHuman: ...`` and
+  ``\\n\\nAssistant: ...`` turns.
+
+A record with a missing or empty field, or whose rendered pair is longer than ``max_len`` tokens,
+raises ValueError naming the file and line (hub rows: file and row) before any training.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chatpipe.data.jsonl import iter_jsonl
+
+_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+class TooLong(ValueError):
+    """A pair longer than the context (a ValueError naming the file and line)."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Token ids of a preferred and a dispreferred conversation, and where the pair came from."""
+
+    chosen: list[int]
+    rejected: list[int]
+    where: str  # "file:line", "file:row N" or the tiny source that made it
+
+
+# --------------------------------------------------------------------------- records -> pairs
+
+
+def _transcript(text: str, where: str, key: str) -> list[dict[str, str]]:
+    """hh-rlhf ``\\n\\nHuman: ... \\n\\nAssistant: ...`` text as chat messages."""
+    parts = _TURN.split(text)
+    if len(parts) < 3 or parts[0].strip():
+        raise ValueError(f"{where}: '{key}' is a string but not a '\\n\\nHuman: ...\\n\\nAssistant: ...' transcript")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[r], "content": c.strip()} for r, c in zip(parts[1::2], parts[2::2])]
+
+
+def _messages(record: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
+    """The conversation ``record[key]`` stands for, ending with the assistant's reply."""
+    if key not in record:
+        raise ValueError(
+            f"{where}: missing field '{key}' (a pair needs 'chosen' and 'rejected', and 'prompt' or a transcript)"
+        )
+    value, prompt = record[key], record.get("prompt")
+    if isinstance(value, list):
+        msgs = [dict(m) for m in value]
+    elif isinstance(value, str) and prompt is None:
+        msgs = _transcript(value, where, key)
+    elif isinstance(value, str):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: field 'prompt' is empty or not a string")
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": value}]
+    else:
+        raise ValueError(f"{where}: field '{key}' must be a string or a list of messages, got {type(value).__name__}")
+    if not msgs or msgs[-1].get("role") != "assistant" or not str(msgs[-1].get("content") or "").strip():
+        raise ValueError(f"{where}: field '{key}' is empty (it needs a non-empty assistant reply)")
+    return msgs
+
+
+def record_pair(record: Any, tok: Any, max_len: int, where: str) -> Pair:
+    """The :class:`Pair` of one record, rendered with ``tok``; errors name ``where``."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with 'chosen' and 'rejected', got {type(record).__name__}")
+    ids = {}
+    for key in ("chosen", "rejected"):
+        msgs = _messages(record, key, where)
+        try:
+            ids[key], _ = tok.render_conversation({"messages": msgs}, max_tokens=1 << 62)
+        except ValueError as e:
+            raise ValueError(f"{where}: field '{key}': {e}") from None
+        if len(ids[key]) > max_len:
+            raise TooLong(
+                f"{where}: '{key}' is {len(ids[key])} tokens, longer than the context of {max_len} "
+                "(reward_model.max_seq_len); shorten or drop the pair"
+            )
+    return Pair(ids["chosen"], ids["rejected"], where)
+
+
+def _collect(rows: Iterable[tuple[str, Any]], tok: Any, max_len: int, limit: int, skip_too_long: bool) -> list[Pair]:
+    pairs = []
+    for where, record in rows:
+        try:
+            pairs.append(record_pair(record, tok, max_len, where))
+        except TooLong:
+            if not skip_too_long:
+                raise
+        if limit and len(pairs) == limit:
+            break
+    return pairs
+
+
+def read_jsonl_pairs(
+    path: Path | str, tok: Any, max_len: int, limit: int = 0, skip_too_long: bool = False
+) -> list[Pair]:
+    """Every pair of a ``{prompt, chosen, rejected}`` JSONL file (the first ``limit``; 0: all); a pair
+    over ``max_len`` tokens fails, or with ``skip_too_long`` is left out."""
+    rows = ((f"{path}:{lineno}", record) for lineno, record in iter_jsonl(path))
+    pairs = _collect(rows, tok, max_len, limit, skip_too_long)
+    if not pairs:
+        raise ValueError(f"{path}: no preference pairs (the file is empty)")
+    return pairs
+
+
+def read_hub_pairs(
+    repo: str, config: str | None, split: str, tok: Any, max_len: int, limit: int = 0, skip_too_long: bool = False
+) -> list[Pair]:
+    """Pairs of one split of a hub dataset in the chosen/rejected format (through the hub cache,
+    ``HF_ENDPOINT`` mirrors included); parquet or JSONL data files."""
+    import pyarrow.parquet as pq
+
+    from chatpipe.data import hub
+
+    def rows() -> Iterator[tuple[str, Any]]:
+        for path in hub.dataset_split_files(repo, config, split, cache_dir=hub.default_cache_dir()):
+            if path.suffix == ".parquet":
+                yield from ((f"{repo} {path.name}:row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist()))
+            else:
+                yield from ((f"{repo} {path.name}:{n}", r) for n, r in iter_jsonl(path))
+
+    pairs = _collect(rows(), tok, max_len, limit, skip_too_long)
+    if not pairs:
+        raise ValueError(f"{repo} ({config}/{split}): no preference pairs")
+    return pairs
+
+
+def split_pairs(pairs: Sequence[Pair], val: int, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """(train, held-out): ``val`` pairs drawn at random (seeded) are held out, the rest train."""
+    if val >= len(pairs):
+        raise ValueError(f"{len(pairs)} pairs cannot hold out {val} and keep any to train on; lower val_pairs")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:val])
+    return [p for i, p in enumerate(pairs) if i not in held], [pairs[i] for i in sorted(held)]
+
+
+# --------------------------------------------------------------------------- tiny: made offline
+
+
+def ranked_pairs(prompt: list[int], samples: list[list[int]], scores: list[float], where: str) -> list[Pair]:
+    """Pairs from one prompt's samples ranked by the verifier: each better-scored sample against a
+    worse one (sample ids include the prompt). Ties give no pair; each sample is used at most once
+    on each side, so one prompt adds at most ``len(samples) // 2`` pairs."""
+    del prompt  # the samples carry it; kept in the signature so callers say which prompt they rank
+    order = sorted(range(len(samples)), key=lambda i: -scores[i])
+    top, bottom = order[: len(order) // 2], order[len(order) // 2 :][::-1]
+    return [
+        Pair(list(samples[i]), list(samples[j]), f"{where}:samples {i}>{j}")
+        for i, j in zip(top, bottom)
+        if scores[i] > scores[j]
+    ]
+
+
+def _replace_answer(parts: list[dict[str, str]], answer: str, new: str) -> list[dict[str, str]]:
+    """Assistant parts with the final text's answer ``answer`` changed to ``new`` (sentence and ``####``)."""
+    out = [dict(p) for p in parts]
+    last = out[-1]
+    last["text"] = last["text"].replace(f"is {answer}.", f"is {new}.").replace(f"#### {answer}", f"#### {new}")
+    return out
+
+
+def contrasts(conv: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+    """Wrong versions of a solved tiny-world arithmetic conversation, each one the verifier rejects:
+    a final answer off by a few (the calculator's result miscopied), and the answer without ``####``."""
+    user, reply = conv["messages"][0], conv["messages"][-1]
+    parts = reply["content"] if isinstance(reply["content"], list) else [{"type": "text", "text": reply["content"]}]
+    m = re.search(r"####\s*(-?[0-9]+)", parts[-1]["text"])
+    if not m:
+        return []
+    answer = m.group(1)
+    off = str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3, 10]))
+    unformatted = [dict(p) for p in parts]
+    unformatted[-1]["text"] = parts[-1]["text"].split("####")[0].rstrip()
+    return [
+        {"messages": [user, {"role": "assistant", "content": _replace_answer(parts, answer, off)}]},
+        {"messages": [user, {"role": "assistant", "content": unformatted}]},
+    ]
+
+
+def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: str = "tiny contrasts") -> list[Pair]:
+    """Synthetic pairs: each gold conversation (chosen) against each of its :func:`contrasts` (rejected)."""
+    rng = random.Random(seed)
+    pairs = []
+    for i, conv in enumerate(convs):
+        chosen, _ = tok.render_conversation(conv, max_tokens=1 << 62)
+        for k, bad in enumerate(contrasts(conv, rng)):
+            rejected, _ = tok.render_conversation(bad, max_tokens=1 << 62)
+            pairs.append(Pair(chosen, rejected, f"{where}:{i}.{k}"))
+    return pairs

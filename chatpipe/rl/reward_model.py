@@ -1,0 +1,153 @@
+"""Learned reward model: a scalar head on a GPT trunk, trained on preference pairs (Bradley-Terry).
+
+    rm = RewardModel.from_policy(sft_model)              # copy of the trunk, zero-initialised head
+    r = rm(ids, last)                                    # [B] score of each row at its index ``last``
+    loss = bradley_terry_loss(r_chosen, r_rejected)      # -log sigmoid(r_chosen - r_rejected)
+    pair_metrics(r_chosen, r_rejected)                   # accuracy, margin mean and quantiles
+    save_reward_model(out_dir, rm, meta); rm, meta = load_reward_model(out_dir)
+
+A response is scored at its last token, as the PPO recipes that train against a reward model do:
+the hidden state there has read the prompt and the whole response. The head has the same shape as
+the critic's (:class:`chatpipe.rl.value.ValueModel`), so a critic can start from a reward model.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from chatpipe.model.files import read_meta, save_model_dir, verify_model_dir
+from chatpipe.model.gpt import GPT, GPTConfig
+
+KIND = "reward_model"  # meta.json "kind" of a reward model dir (a GPT dir has none)
+MARGIN_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+class RewardModel(nn.Module):
+    """Scalar score per position from a GPT trunk; a sequence's reward is the score at its last token."""
+
+    def __init__(self, trunk: GPT) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.trunk.lm_head.requires_grad_(False)  # unused: DDP and the optimizers skip it
+        self.head = nn.Linear(trunk.config.n_embd, 1, bias=False)
+        nn.init.zeros_(self.head.weight)  # every score starts at 0: the first loss is log 2
+
+    @classmethod
+    def from_policy(cls, policy: GPT) -> RewardModel:
+        """A reward model whose trunk starts as a copy of ``policy``'s weights."""
+        trunk = copy.deepcopy(policy).requires_grad_(True)
+        return cls(trunk).to(next(policy.parameters()).device)
+
+    @property
+    def config(self) -> GPTConfig:
+        """The trunk's GPTConfig (build_optimizers scales AdamW lrs by n_embd)."""
+        return self.trunk.config
+
+    def token_scores(self, idx: torch.Tensor) -> torch.Tensor:
+        """Scores [B, T] (float32) at every position."""
+        return self.head(self.trunk.hidden(idx)).squeeze(-1).float()
+
+    def forward(self, idx: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Scores [B] of right-padded rows ``idx`` [B, T] at positions ``last`` [B] (their last real token)."""
+        scores = self.token_scores(idx)
+        return scores.gather(1, last.view(-1, 1)).squeeze(1)
+
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Trainable parameters by optimizer: Muon matrices, embedding and the head (AdamW)."""
+        return {
+            "matrix": [p for p in self.trunk.blocks.parameters() if p.dim() == 2],
+            "embedding": [self.trunk.wte.weight],
+            "lm_head": [self.head.weight],
+        }
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Mean of -log sigmoid(r_chosen - r_rejected): the negative log-likelihood that chosen wins."""
+    return -F.logsigmoid(chosen - rejected).mean()
+
+
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
+    """Pair accuracy (chosen scored strictly higher), mean margin and margin quantiles (``margin/q50``...)."""
+    margin = (chosen - rejected).double().cpu()
+    if margin.numel() == 0:
+        return {}
+    out = {
+        "pair_accuracy": (margin > 0).double().mean().item(),
+        "margin/mean": margin.mean().item(),
+        "loss": bradley_terry_loss(chosen.double().cpu(), rejected.double().cpu()).item(),
+    }
+    qs = torch.quantile(margin, torch.tensor(MARGIN_QUANTILES, dtype=torch.float64))
+    out.update({f"margin/q{round(q * 100):02d}": v.item() for q, v in zip(MARGIN_QUANTILES, qs)})
+    return out
+
+
+def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T] and each row's last index [B]."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids, torch.tensor([len(r) - 1 for r in rows], dtype=torch.long)
+
+
+@torch.no_grad()
+def score_rows(rm: RewardModel, rows: list[list[int]], pad_id: int, micro_batch: int = 32) -> torch.Tensor:
+    """Scores [len(rows)] of token sequences (each scored at its last token), ``micro_batch`` rows a pass."""
+    device = next(rm.parameters()).device
+    out = []
+    for i in range(0, len(rows), micro_batch):
+        ids, last = pad_rows(rows[i : i + micro_batch], pad_id)
+        out.append(rm(ids.to(device), last.to(device)).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def save_reward_model(out_dir: Path, rm: RewardModel, meta: dict[str, Any]) -> None:
+    """Write ``out_dir`` (``model.pt`` with ``trunk.*`` and ``head.weight``, ``meta.json`` with kind)."""
+    save_model_dir(out_dir, rm, {**meta, "kind": KIND, "model_config": rm.config.to_dict()})
+
+
+def is_reward_model_dir(model_dir: Path | str) -> bool:
+    """Whether ``model_dir`` holds a reward model (else a plain GPT)."""
+    return read_meta(Path(model_dir)).get("kind") == KIND
+
+
+def load_reward_model(model_dir: Path | str, device: str | torch.device = "cpu") -> tuple[RewardModel, dict]:
+    """The reward model saved in ``model_dir`` (checksums verified) and its meta, in eval mode."""
+    model_dir = Path(model_dir)
+    meta = read_meta(model_dir)
+    if meta.get("kind") != KIND:
+        raise ValueError(
+            f"{model_dir} holds a {meta.get('stage', 'GPT')!r} model, not a reward model (meta.json kind "
+            f"{meta.get('kind')!r}); point it at the reward_model stage's output, e.g. artifacts/reward_model"
+        )
+    verify_model_dir(model_dir, meta)
+    with torch.device(device):
+        rm = RewardModel(GPT(GPTConfig.from_dict(meta["model_config"])))
+    rm.load_state_dict(torch.load(model_dir / "model.pt", map_location=device, weights_only=True))
+    return rm.eval(), meta
+
+
+def last_action_index(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a next-token ``mask`` [B, T] (1 = sampled token), the index in ``ids = [inputs[:, :1],
+    targets]`` of the last sampled token: where the reward model reads a response (0-based, [B])."""
+    positions = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    last_target = torch.where(mask > 0, positions, torch.zeros_like(positions)).amax(dim=1)
+    return last_target + 1
+
+
+@torch.no_grad()
+def rollout_scores(
+    rm: RewardModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, micro_batch: int = 0
+) -> torch.Tensor:
+    """Reward-model scores [B] of rollout rows (prompt + response), each read at its last sampled token."""
+    ids = torch.cat([inputs[:, :1], targets], dim=1)
+    last = last_action_index(mask)
+    step = micro_batch if micro_batch > 0 else ids.size(0)
+    out = [rm(ids[i : i + step], last[i : i + step]) for i in range(0, ids.size(0), step)]
+    return torch.cat(out).float()

@@ -1,0 +1,252 @@
+"""The reward model: Bradley-Terry math, last-token scoring, the stage (train, resume, bad input) and RL on its scores."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatpipe.model.files import load_model
+from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.rl.reward_model import (
+    RewardModel,
+    bradley_terry_loss,
+    last_action_index,
+    load_reward_model,
+    pad_rows,
+    pair_metrics,
+    rollout_scores,
+)
+from chatpipe.rl.rewards import combine_rewards
+from chatpipe.rl.value import ValueModel
+from tests.chatmodel import make_artifacts
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32))
+    model.init_weights()
+    return model
+
+
+def trained_head(model: GPT) -> RewardModel:
+    rm = RewardModel.from_policy(model)
+    with torch.no_grad():
+        rm.head.weight.normal_()
+    return rm
+
+
+def test_bradley_terry_loss_and_pair_metrics_by_hand():
+    chosen, rejected = torch.tensor([1.0, 0.0, 2.0, 0.0]), torch.tensor([0.0, 0.0, -1.0, 3.0])
+    want = (math.log1p(math.exp(-1)) + math.log(2) + math.log1p(math.exp(-3)) + math.log1p(math.exp(3))) / 4
+    assert bradley_terry_loss(chosen, rejected).item() == pytest.approx(want, rel=1e-6)
+    m = pair_metrics(chosen, rejected)  # margins 1, 0, 3, -3: a tie is not a win
+    assert m["pair_accuracy"] == 0.5
+    assert m["margin/mean"] == pytest.approx(0.25)
+    assert m["margin/q50"] == pytest.approx(0.5)  # between the middle two margins, 0 and 1
+    assert m["margin/q05"] == pytest.approx(-3 + 0.15 * 3)  # torch.quantile's linear interpolation
+
+
+def test_a_row_is_scored_at_its_last_token_whatever_the_padding():
+    rm = trained_head(tiny_gpt())
+    rows = [[1, 5, 6, 7], [1, 8, 9, 10, 11, 12, 13]]
+    ids, last = pad_rows(rows, pad_id=0)
+    assert last.tolist() == [3, 6]
+    batch = rm(ids, last)
+    alone = rm(torch.tensor([rows[0]]), torch.tensor([3]))
+    assert batch[0].item() == pytest.approx(alone.item(), abs=1e-5)
+    assert batch[0].item() == pytest.approx(rm.token_scores(ids)[0, 3].item(), abs=1e-6)
+
+
+def test_rollout_rows_are_read_at_their_last_sampled_token():
+    # ids = [bos, p, a1, a2, pad]: targets = ids[1:], the mask marks a1 and a2 (targets 1 and 2) -> ids index 3
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    assert last_action_index(mask).tolist() == [3, 2]
+    rm = trained_head(tiny_gpt())
+    ids = torch.tensor([[1, 2, 3, 4, 0], [1, 2, 5, 0, 0]])
+    got = rollout_scores(rm, ids[:, :-1], ids[:, 1:], mask)
+    want = rm.token_scores(ids)
+    assert got.tolist() == pytest.approx([want[0, 3].item(), want[1, 2].item()], abs=1e-6)
+
+
+def test_critic_from_reward_model_starts_at_its_scores():
+    rm = trained_head(tiny_gpt())
+    critic = ValueModel.from_reward_model(rm)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.allclose(critic(ids), rm.token_scores(ids))
+    assert critic.trunk is not rm.trunk and critic.head.weight.requires_grad
+
+
+def test_combine_rewards():
+    v, m = torch.tensor([1.0, 0.0]), torch.tensor([0.5, -2.0])
+    assert combine_rewards("verifier", v, m).tolist() == [1.0, 0.0]
+    assert combine_rewards("model", v, m).tolist() == [0.5, -2.0]
+    assert combine_rewards("both", v, m).tolist() == [1.5, -2.0]
+    with pytest.raises(ValueError, match="allowed: verifier, model, both"):
+        combine_rewards("rm", v, m)
+
+
+# --------------------------------------------------------------------------- the stage, in this process
+
+
+@pytest.fixture
+def project(params_file, tmp_path, monkeypatch) -> Path:
+    """A project dir with a tokenizer and a random sft model, MLflow off, small reward_model settings."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CHATPIPE_TRACKING__ENABLED", "false")
+    make_artifacts(tmp_path / "artifacts", sequence_len=128)
+    return tmp_path
+
+
+def write_prefs(path: Path, n: int, start: int = 0) -> Path:
+    """Learnable pairs: the chosen reply says yes, the rejected one no."""
+    rows = [
+        {"prompt": f"Question {i}?", "chosen": f"Yes, {i}.", "rejected": f"No, {i}."} for i in range(start, start + n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+STAGE_ARGS = [
+    "--source=local",
+    "--path=prefs.jsonl",
+    "--val_path=val.jsonl",
+    "--max_seq_len=128",
+    "--device_batch_size=8",
+]
+STAGE_ARGS += [
+    "--eval_every=0",
+    "--checkpoint_every=3",
+    "--lr_frac=1.0",
+    "--head_lr=0.05",
+    "--device=cpu",
+    "--dtype=float32",
+]
+
+
+@pytest.mark.slow
+def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project):
+    from stages import reward_model as stage
+
+    write_prefs(project / "prefs.jsonl", 48)
+    write_prefs(project / "val.jsonl", 16, start=1000)  # prompts never trained on
+    stage.main([*STAGE_ARGS, "--max_steps=6"])
+    out = project / "artifacts" / "reward_model"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["summary"]["val_pair_accuracy"] == 1.0 and meta["summary"]["val_pairs"] == 16
+    assert meta["summary"]["val_margin/q05"] > 0
+    rm, _ = load_reward_model(out)
+    full = {k: v.clone() for k, v in rm.state_dict().items()}
+
+    # lose the final checkpoint and the output: the rerun resumes from step 3 and ends on the same weights
+    shutil.rmtree(project / "checkpoints" / "reward_model" / "step_000006")
+    shutil.rmtree(out)
+    stage.main([*STAGE_ARGS, "--max_steps=6"])
+    resumed, meta2 = load_reward_model(out)
+    assert meta2["summary"]["val_pair_accuracy"] == 1.0
+    for k, v in resumed.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    with pytest.raises(ValueError, match="not a reward model"):
+        load_reward_model(project / "artifacts" / "sft")
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "Q", "chosen": "A"}', "missing field 'rejected'"),
+        ('{"prompt": "Q", "chosen": "", "rejected": "B"}', "'chosen' is empty"),
+    ],
+)
+def test_stage_bad_pair_fails_before_training_naming_file_and_line(project, line, message):
+    from stages import reward_model as stage
+
+    path = write_prefs(project / "prefs.jsonl", 5)
+    path.write_text(path.read_text() + line + "\n")
+    write_prefs(project / "val.jsonl", 4)
+    with pytest.raises(ValueError, match=message) as err:
+        stage.main([*STAGE_ARGS, "--max_steps=2"])
+    assert str(err.value).startswith("prefs.jsonl:6: ")
+    assert not (project / "checkpoints").exists() and not (project / "artifacts" / "reward_model").exists()
+
+
+def test_stage_pair_longer_than_the_context_fails_naming_file_and_line(project):
+    from stages import reward_model as stage
+
+    path = write_prefs(project / "prefs.jsonl", 3)
+    path.write_text(path.read_text() + json.dumps({"prompt": "Q", "chosen": "yes " * 200, "rejected": "no"}) + "\n")
+    write_prefs(project / "val.jsonl", 4)
+    with pytest.raises(ValueError, match=r"^prefs.jsonl:4: 'chosen' is \d+ tokens, longer than the context of 128"):
+        stage.main([*STAGE_ARGS, "--max_steps=2"])
+    assert not (project / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_rl_on_reward_model_scores_with_role_dirs(project, monkeypatch):
+    """PPO scored by the reward model: the critic starts from it, the reference from ref_dir, and the
+    checkpoint inputs hold each role's hash."""
+    from chatpipe import runtime
+    from chatpipe.settings import RLSettings, load_section
+    from stages import reward_model as rm_stage
+    from stages import rl
+
+    write_prefs(project / "prefs.jsonl", 16)
+    write_prefs(project / "val.jsonl", 4, start=100)
+    rm_stage.main([*STAGE_ARGS, "--max_steps=2"])
+    make_artifacts(project / "other", seed=1, sequence_len=128)  # another model for the reference role
+    monkeypatch.setenv("CHATPIPE_RL__REPLAY", "[]")
+    args = ["--algorithm=ppo", "--reward_source=model", "--ref_dir=other/sft", "--max_steps=1", "--prompts_per_step=2"]
+    args += ["--group_size=2", "--max_new_tokens=6", "--eval_problems=2", "--eval_samples=1", "--num_train_problems=4"]
+    args += ["--device_batch_size=4", "--device=cpu", "--dtype=float32"]
+
+    models = rl.load_models(
+        load_section(RLSettings, args), runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    )
+    rm, _ = load_reward_model(project / "artifacts" / "reward_model")
+    assert torch.equal(models.critic.head.weight, rm.head.weight)  # torchtune's critic init
+    assert torch.equal(models.reward_model.head.weight, rm.head.weight)
+    ref, _ = load_model(project / "other" / "sft")
+    assert all(torch.equal(a, b) for a, b in zip(models.ref.state_dict().values(), ref.state_dict().values()))
+    default = rl.load_models(
+        load_section(RLSettings, args[:1]), runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    )
+    assert default.reward_model is None and not default.critic.head.weight.any()  # today's: zero head, policy copy
+
+    rl.main(args)
+    meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+    assert set(meta["inputs"]) >= {"ref", "reward_model"}
+    assert meta["settings"]["reward_source"] == "model"
+
+
+def test_report_card_shows_held_out_pair_accuracy_and_margins():
+    from chatpipe.report import reward_model_section
+
+    summary = {"val_pair_accuracy": 0.95, "val_pairs": 200, "train_pairs": 900, "val_margin/mean": 4.2}
+    summary |= {"val_margin/q05": -0.5, "val_margin/q50": 4.0, "val_pair_accuracy_sampled": 0.9}
+    text = "\n".join(reward_model_section({"summary": summary, "settings": {"source": "tiny"}, "step": 60}))
+    assert "| pair accuracy | 0.950 [0.91, 0.97] n=200 |" in text
+    assert "| margin q05 | -0.500 |" in text and "| margin q50 | 4.000 |" in text
+    assert "| pair accuracy, sampled pairs | 0.900 |" in text
+    assert reward_model_section({"summary": {}}) == []
+
+
+def test_role_dirs_load_their_own_checkpoints_and_a_mismatch_names_the_key(project, monkeypatch):
+    from chatpipe import runtime
+    from chatpipe.settings import RLSettings, load_section
+    from stages import rl
+
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    make_artifacts(project / "other", seed=1, sequence_len=128)
+    models = rl.load_models(load_section(RLSettings, ["--algorithm=ppo", "--critic_init_dir=other/sft"]), rt)
+    other, _ = load_model(project / "other" / "sft")
+    assert torch.equal(models.critic.trunk.wte.weight, other.wte.weight)  # trunk from critic_init_dir
+    assert not models.critic.head.weight.any()  # a GPT dir: zero head
+    assert not torch.equal(models.policy.wte.weight, other.wte.weight)
+    make_artifacts(project / "short", seed=1, sequence_len=64)
+    with pytest.raises(ValueError, match=r"rl.ref_dir = short/sft: vocab_size 512 / sequence_len 64 differ"):
+        rl.load_models(load_section(RLSettings, ["--ref_dir=short/sft"]), rt)
+    with pytest.raises(FileNotFoundError, match="reward_model"):  # reward_source model needs the stage's output
+        rl.load_models(load_section(RLSettings, ["--reward_source=model"]), rt)
