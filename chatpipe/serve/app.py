@@ -53,7 +53,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatpipe.inference.engine import Engine
 from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for, show_stream
-from chatpipe.serve.openai_api import OpenAIError, openai_router, until_disconnected, validation_refusal
+from chatpipe.serve.openai_api import (
+    SSE_EVENT,
+    OpenAIError,
+    Text,
+    openai_router,
+    until_disconnected,
+    validation_refusal,
+)
 from chatpipe.settings import ParamsError, ServeSettings, load_section
 
 log = logging.getLogger(__name__)
@@ -74,12 +81,12 @@ class _Typed(BaseModel):
 
 class Part(_Typed):
     type: Literal["text", "python", "python_output"]
-    text: str
+    text: Text
 
 
 class Message(_Typed):
     role: Literal["system", "user", "assistant"]
-    content: str | list[Part]
+    content: Text | list[Part]
 
 
 class ChatRequest(_Typed):
@@ -398,7 +405,7 @@ async def chat_reply(req: ChatRequest, request: Request, loaded: Any, cfg: Serve
 CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "one JSON object, or with `stream` (the default) server-sent events",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
     },
     "4XX": {"model": PlainError, "description": "a refused request: 400 not JSON, 413 too long, 422 invalid"},
     503: {"model": PlainError, "description": "every engine is busy and the queue is full: retry shortly"},

@@ -34,12 +34,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from chatpipe.serve.chat import ContextTooLong, append_part, check_fits, prompt_for
 
@@ -66,6 +66,18 @@ class OpenAIError(Exception):
 # --------------------------------------------------------------------------- request bodies
 
 
+def _unicode(text: str) -> str:
+    """Refuse text that is not Unicode: JSON's ``\\ud800`` escapes can spell lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Strict(BaseModel):
     # strict: "max_tokens": "8" or "stream": "yes" is a 400, never silently coerced
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -73,13 +85,13 @@ class _Strict(BaseModel):
 
 class ContentPart(_Strict):
     type: Literal["text", "python", "python_output"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
+    content: Text | list[ContentPart]
+    name: Text | None = None
 
 
 class StreamOptions(_Strict):
@@ -92,14 +104,14 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="an extension: 0 disables top-k")
-    stop: str | list[str] | None = Field(
+    stop: Text | list[Text] | None = Field(
         None, description="up to serve.max_stops strings of 1..serve.max_stop_chars characters"
     )
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # accepted so clients that always send them work; only the neutral values are supported
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -112,7 +124,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     echo: bool = False
 
 
@@ -435,6 +447,8 @@ async def respond(request: Request, req: Any, loaded: Any, cfg: Any, pool: Any) 
 
 # --------------------------------------------------------------------------- the router
 
+# one server-sent event: a `data:` line holding a JSON chunk (or `[DONE]`)
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 ERRORS: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": ErrorBody, "description": "a refused request, in OpenAI's error shape"},
     503: {"model": ErrorBody, "description": "every engine is busy and the queue is full: retry shortly"},
@@ -443,7 +457,7 @@ STREAMED = {
     200: {
         "description": "one JSON object, or with `stream: true` server-sent events (`data: {chunk}` lines, "
         "then `data: [DONE]`)",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
     }
 }
 
