@@ -23,10 +23,12 @@ Endpoints:
 - ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``: the OpenAI-compatible API
   (chatpipe/serve/openai_api.py), so the official ``openai`` client works against this server.
 
-Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}``. At most
+Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}`` (under ``/v1``, OpenAI's
+shape); bodies over ``serve.max_body_bytes`` a 413, wrong methods a 405. At most
 ``num_engines`` replies are generated at once (worker threads over the one model: every
 generation has its own KV cache, so conversations never mix); up to ``max_queue`` more wait, then
-503. A client that disconnects mid-stream stops its generation at the next token.
+503. A client that disconnects, mid-stream or while waiting for a whole reply, stops its
+generation at the next token.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Endpoints (mounted by chatpipe/serve/app.py):
   name it was loaded by: ``sft``, ``models:/chatpipe/3``, a directory name).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the chat format the model was trained on;
   ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an
-  extension), ``stop`` (up to 4 strings), ``n``, ``seed``, ``stream`` (server-sent events,
+  extension), ``stop`` (up to ``serve.max_stops`` strings), ``n``, ``seed``, ``stream`` (server-sent events,
   ``stream_options.include_usage`` adds a last chunk with ``usage``). Answers carry ``usage``.
 - ``POST /v1/completions``: plain text continuation (meant for base models): ``prompt`` (a string
   or a list of strings), ``echo`` and the sampling fields above.
@@ -20,9 +20,12 @@ parts; a reply that used the tool also carries its parts (``{"type": "python" | 
 "text", "text"}``) in the non-standard ``message.parts`` (streamed: ``delta.part``). Assistant
 messages sent back may use the same parts as their ``content``.
 
-Bad requests get OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, with a
-4xx status (503 when every engine is busy and the queue is full). Choice ``i`` of ``n`` samples
-with seed ``seed + i``; at temperature 0 every choice is the greedy reply.
+Request bodies are typed pydantic models (strict: ``"max_tokens": "8"`` is refused, not coerced), so
+``/openapi.json`` describes them. Bad requests get OpenAI's error shape, ``{"error": {"message",
+"type", "param", "code"}}``, with a 4xx status (413 over ``serve.max_body_bytes``; 503 when every
+engine is busy and the queue is full). A request generates at most ``serve.max_request_tokens``
+(prompts x n x max_tokens). Choice ``i`` of ``n`` samples with seed ``seed + i``; at temperature 0
+every choice is the greedy reply. A client that leaves stops its generation, streamed or not.
 """
 
 from __future__ import annotations
