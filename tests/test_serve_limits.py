@@ -187,3 +187,14 @@ def test_openapi_schema_describes_every_operation(server):
     assert r.status_code == 405 and set(r.json()) == {"error"}
     r = httpx.post(f"{url}/api/chat", json={"messages": []})
     assert r.status_code == 422 and set(r.json()) == {"error"}
+
+
+def test_pyfunc_params_out_of_range_are_named():
+    from mlflow.exceptions import MlflowException
+
+    from chatpipe.serve.pyfunc import checked_params
+
+    assert checked_params({"seed": 2**63 - 1, "temperature": 1e-50})["seed"] == 2**63 - 1
+    for name, value in [("seed", 2**64), ("seed", -1), ("temperature", float("nan")), ("max_tokens", 0)]:
+        with pytest.raises(MlflowException, match=f"params.{name} = "):
+            checked_params({name: value})
