@@ -59,9 +59,8 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON error body with its HTTP status."""
-        kind = {401: "authentication_error", 404: "invalid_request_error", 503: "server_error"}.get(
-            self.status, "invalid_request_error"
-        )
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        kind = "authentication_error" if self.status == 401 else kind
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
 
