@@ -151,12 +151,17 @@ def run_operation(client, operation, negative: bool, examples: int, counts: Coun
         suppress_health_check=list(HealthCheck),
     )  # fmt: skip
     def one(case: Any) -> None:
+        # every other valid body names the served model, so the checks past the model name (limits,
+        # prompts, generation) are fuzzed too, not only the 404 for an unknown model
+        if not negative and isinstance(case.body, dict) and "model" in case.body and counts["tried"] % 2:
+            case.body["model"] = "sft"
         try:
             response = send(client, case)
         except httpx.HTTPError as e:  # the server hung up or timed out: as bad as a 5xx
             response = httpx.Response(599, text=f"{type(e).__name__}: {e}")
         row = classify(case, response, negative, checks)
         samples.setdefault("operations", Counter())[operation.label] += 1
+        samples.setdefault("statuses", Counter())[response.status_code] += 1
         counts["tried"] += 1
         counts[row] += 1
         if row != "clean":
@@ -355,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     for part, rows in result["samples"].items():
         for row, examples in rows.items():
-            if row == "operations":
-                examples = [f"{op}: {k}" for op, k in examples.items()]
+            if row in ("operations", "statuses"):
+                examples = [f"{key}: {k}" for key, k in sorted(examples.items(), key=str)]
             print(f"\n{part}, {row} ({len(examples)}):", *examples[:8], sep="\n  ")
     print(f"\n{result['seconds']} s; {json.dumps({k: result[k] for k in ('generated', 'hand-made')})}")
     return 0
