@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from chatpipe.inference.engine import Engine, sample_next
+from chatpipe.inference.engine import Engine, StopMatcher, sample_next
 from chatpipe.model.gpt import GPT, GPTConfig
 from tests.chatmodel import ByteTokenizer
 
@@ -267,3 +269,42 @@ def test_rejected_and_good_calls_are_counted():
     engine = rejected_call_engine()
     list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
     assert engine.tool_stats == {"calls": 1, "failed": 1, "cut": 0}
+
+
+def test_temperature_and_top_p_that_underflow_sample_without_nan():
+    """issue 46: a temperature or top_p too small for the logits' dtype gave inf / NaN and a 500."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 0.0]], dtype=torch.bfloat16)
+    rng = torch.Generator().manual_seed(0)
+    for temperature in (1e-50, 1e-320, 1e-40, 5e-324):
+        assert sample_next(logits, rng, temperature).tolist() == [1, 0]  # as good as greedy
+    for top_p in (1e-50, 1e-320):
+        assert sample_next(logits, rng, 1.0, top_p=top_p).tolist() == [1, 0]  # the nucleus keeps its first token
+    assert sample_next(logits, rng, 1e-30, top_k=2, top_p=1e-45).tolist() == [1, 0]
+
+
+def test_stop_matcher_cuts_at_the_first_stop_string_to_end_in_linear_time():
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("hello E") == "hello " and m.feed("N") == "" and m.feed("x") == "ENx"
+    assert m.feed(" done\n") == " done" and m.feed("\nmore") == "" and m.stopped
+    m = StopMatcher(["stop"])
+    assert m.feed("no sto") == "no " and m.flush() == "sto"
+    m = StopMatcher(["aab", "ab"])  # "ab" ends first; a self-overlapping prefix is not lost
+    assert m.feed("xaa") == "x" and m.feed("ab") == "a" and m.stopped
+    m = StopMatcher(["abcd", "bc"])  # both end on the same character: the earlier start wins
+    assert m.feed("zabc") == "za" and m.stopped
+    long = "ab" * 50_000 + "c"  # the held-back text is bounded by the stop string, each character seen once
+    m = StopMatcher([long])
+    t0 = time.perf_counter()
+    out = "".join(m.feed("ab") for _ in range(60_000))
+    assert time.perf_counter() - t0 < 2.0 and not m.stopped
+    assert out == "ab" * 10_000 and len(m.pending) == 100_000  # all that may still start the stop string
+    assert m.feed("c") == "" and m.stopped
+
+
+def test_stream_cuts_text_at_a_stop_string_and_reports_stop():
+    engine = Engine(random_model(), TOK)
+    text = "".join(t for _, t in engine.stream([TOK.bos_id], max_tokens=30, temperature=0.0))
+    word = text[5:8]
+    stats: dict = {}
+    cut = "".join(t for _, t in engine.stream([TOK.bos_id], stats, max_tokens=30, temperature=0.0, stop=[word]))
+    assert cut == text[: text.index(word)] and stats["finish_reason"] == "stop"

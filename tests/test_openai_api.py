@@ -15,7 +15,6 @@ import torch
 
 from chatpipe.inference.engine import Engine, sample_next
 from chatpipe.model.loading import load_chat_model
-from chatpipe.serve.openai_api import StopScanner
 from tests.trained import train_artifacts
 
 openai = pytest.importorskip("openai")
@@ -169,14 +168,6 @@ def test_malformed_requests_get_4xx_in_openais_error_shape(client, server):
     # the web UI's own API keeps its format
     r = httpx.post(f"{server}/api/chat", json={"messages": QUESTION, "stream": False, "max_tokens": 4})
     assert r.status_code == 200 and r.json()["message"]["role"] == "assistant"
-
-
-def test_stop_scanner_cuts_across_deltas_and_holds_back_prefixes():
-    s = StopScanner(["END", "\n\n"])
-    assert s.feed("hello E") == "hello " and s.feed("N") == "" and s.feed("x") == "ENx"
-    assert s.feed(" done\n") == " done" and s.feed("\nmore") == "" and s.stopped
-    s = StopScanner(["stop"])
-    assert s.feed("no sto") == "no " and s.flush() == "sto"
 
 
 def test_top_p_keeps_the_smallest_nucleus():

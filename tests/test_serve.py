@@ -70,7 +70,12 @@ def test_health_names_model_and_stage(server):
     _, url = server
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["model"] == "sft" and h["stage"] == "sft" and h["step"] == 7
-    assert h["limits"] == {"max_message_chars": 200, "max_turns": 5, "max_tokens": 2200}
+    assert {k: h["limits"][k] for k in ("max_message_chars", "max_turns", "max_tokens")} == {
+        "max_message_chars": 200,
+        "max_turns": 5,
+        "max_tokens": 2200,
+    }
+    assert h["limits"]["max_stops"] == 4 and h["limits"]["max_body_bytes"] == 1_000_000 and h["queued_tokens"] == 0
     page = httpx.get(url)
     assert page.status_code == 200 and "<title>chatpipe</title>" in page.text
 

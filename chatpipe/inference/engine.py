@@ -15,7 +15,7 @@ Usage::
     for tokens, masks in engine.generate(prompt_ids, num_samples=4, max_tokens=128, temperature=0.8):
         ...  # one column: next token of each row, 1 = sampled / 0 = forced or padding
     seqs, masks = engine.generate_batch(prompt_ids, num_samples=4, max_tokens=128)
-    for kind, text in engine.stream(prompt_ids, max_tokens=128):   # one sample, as text deltas
+    for kind, text in engine.stream(prompt_ids, max_tokens=128, stop=["\n\n"]):   # one sample, as text deltas
         ...  # kind: "text" | "python" (a tool call) | "python_output" (its result)
 """
 
@@ -55,11 +55,15 @@ def sample_next(
     ``top_p`` (nucleus) keeps the most likely tokens whose probabilities, after top-k, sum to at
     least ``top_p`` (the first token always stays).
     """
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    logits = logits.float() / temperature
+    # a temperature below float32's smallest normal number is 0 or a denormal there: dividing
+    # by it gives inf - inf = NaN. Its distribution is the argmax's, so take the argmax.
+    if temperature < torch.finfo(torch.float32).tiny:
+        return logits.argmax(dim=-1)
+    # shifted so the best logit is 0: a tiny temperature sends the others to -inf, never to +inf
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k > 0:
         k = min(top_k, logits.size(-1))
         kth = torch.topk(logits, k, dim=-1).values[:, -1:]
@@ -68,9 +72,67 @@ def sample_next(
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         p_sorted = torch.softmax(sorted_logits, dim=-1)
         drop = p_sorted.cumsum(dim=-1) - p_sorted >= top_p  # the more likely tokens already hold top_p
+        drop[:, 0] = False  # a top_p that is 0 in float32 would otherwise drop every token
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+def _prefix_table(s: str) -> list[int]:
+    """KMP failure table: ``t[i]`` is the longest proper prefix of ``s[: i + 1]`` that is also its suffix."""
+    t, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = t[k - 1]
+        k += s[i] == s[k]
+        t[i] = k
+    return t
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string to end; holds back a tail that may start one.
+
+    Each stop string runs a KMP automaton, so every character is looked at once per stop string
+    and the held-back text is never longer than the longest stop string: the work is linear in
+    the text and the stop strings, however they overlap.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.tables = [_prefix_table(s) for s in self.stops]
+        self.states = [0] * len(self.stops)  # characters of each stop string matched so far
+        self.pending, self.stopped = "", False
+
+    def _step(self, ch: str) -> int:
+        """Advance every automaton by ``ch``; the length of the longest stop string it completes, or 0."""
+        done = 0
+        for i, (stop, table) in enumerate(zip(self.stops, self.tables)):
+            k = self.states[i]
+            while k and stop[k] != ch:
+                k = table[k - 1]
+            k += stop[k] == ch
+            if k == len(stop):
+                done, k = max(done, k), table[k - 1]
+            self.states[i] = k
+        return done
+
+    def feed(self, text: str) -> str:
+        """The text now safe to emit; after a stop string, ``stopped`` is set and the rest is dropped."""
+        held = len(self.pending)
+        buf = self.pending + text
+        for i, ch in enumerate(text):
+            if matched := self._step(ch):
+                self.pending, self.stopped = "", True
+                return buf[: held + i + 1 - matched]
+        keep = max(self.states, default=0)
+        self.pending = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """What is held back when the text ends (or a tool call starts) without a stop string."""
+        out, self.pending = self.pending, ""
+        self.states = [0] * len(self.stops)
+        return out
 
 
 class Engine:
@@ -229,21 +291,41 @@ class Engine:
         return out
 
     def stream(
-        self, prompt_ids: list[int], stats: dict[str, Any] | None = None, **kw: Any
+        self, prompt_ids: list[int], stats: dict[str, Any] | None = None, stop: list[str] | None = None, **kw: Any
     ) -> Iterator[tuple[str, str]]:
         """One sample as ``(kind, text)`` deltas while it is generated, for chat front ends.
 
         ``kind`` is the assistant message part the text belongs to: ``"text"``, ``"python"`` (a
         calculator call) or ``"python_output"`` (its result); the special tokens that delimit parts
         are not shown. Text is held back while it ends inside a multi-byte UTF-8 character.
+        ``stop`` strings end the reply before the first of them (in text parts; see
+        :class:`StopMatcher`), in this thread, so a server's event loop never scans them.
         Keyword arguments are those of :meth:`generate` (``num_samples`` is 1). A ``stats`` dict,
         when given, receives ``tokens`` (generated so far) and, at the end, ``finish_reason``
-        (``"stop"``: the model ended its turn; ``"length"``: ``max_tokens`` ran out; ``"tool_cut"``:
-        a calculator call ran past ``max_tool_tokens`` and was cut).
+        (``"stop"``: the model ended its turn or a stop string came; ``"length"``: ``max_tokens``
+        ran out; ``"tool_cut"``: a calculator call ran past ``max_tool_tokens`` and was cut).
         """
         stats = {} if stats is None else stats
         stats.update(tokens=0, finish_reason="length")
         cuts = self.tool_stats["cut"]
+        matcher = StopMatcher(stop or [])
+        for kind, text in self._deltas(prompt_ids, stats, **kw):
+            if kind != "text":
+                if held := matcher.flush():  # a stop string never spans a tool call
+                    yield "text", held
+                yield kind, text
+            elif out := matcher.feed(text):
+                yield kind, out
+            if matcher.stopped:
+                stats["finish_reason"] = "stop"
+                return
+        if held := matcher.flush():
+            yield "text", held
+        if self.tool_stats["cut"] > cuts:
+            stats["finish_reason"] = "tool_cut"
+
+    def _deltas(self, prompt_ids: list[int], stats: dict[str, Any], **kw: Any) -> Iterator[tuple[str, str]]:
+        """:meth:`stream`'s deltas before stop strings: parts split at the tool's special tokens."""
         kinds = {
             self.python_start: "python",
             self.output_start: "python_output",
@@ -270,8 +352,6 @@ class Engine:
                 pending = []
         if pending:
             yield kind, self.tokenizer.decode(pending)
-        if self.tool_stats["cut"] > cuts:
-            stats["finish_reason"] = "tool_cut"
 
 
 def _as_prompts(prompt_ids: list[int] | list[list[int]]) -> list[list[int]]:

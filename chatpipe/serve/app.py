@@ -23,10 +23,12 @@ Endpoints:
 - ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``: the OpenAI-compatible API
   (chatpipe/serve/openai_api.py), so the official ``openai`` client works against this server.
 
-Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}``. At most
+Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}`` (under ``/v1``, OpenAI's
+shape); bodies over ``serve.max_body_bytes`` a 413, wrong methods a 405. At most
 ``num_engines`` replies are generated at once (worker threads over the one model: every
 generation has its own KV cache, so conversations never mix); up to ``max_queue`` more wait, then
-503. A client that disconnects mid-stream stops its generation at the next token.
+503. A client that disconnects, mid-stream or while waiting for a whole reply, stops its
+generation at the next token.
 """
 
 from __future__ import annotations
@@ -45,14 +47,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatpipe.inference.engine import Engine
 from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for, show_stream
-from chatpipe.serve.openai_api import openai_router
+from chatpipe.serve.openai_api import (
+    SSE_EVENT,
+    OpenAIError,
+    Text,
+    openai_router,
+    until_disconnected,
+    validation_refusal,
+)
 from chatpipe.settings import ParamsError, ServeSettings, load_section
 
 log = logging.getLogger(__name__)
@@ -67,17 +77,21 @@ class ApiError(Exception):
         self.status, self.message = status, message
 
 
-class Part(BaseModel):
+class _Typed(BaseModel):
+    model_config = ConfigDict(strict=True)  # "max_tokens": "8" is refused, not coerced
+
+
+class Part(_Typed):
     type: Literal["text", "python", "python_output"]
-    text: str
+    text: Text
 
 
-class Message(BaseModel):
+class Message(_Typed):
     role: Literal["system", "user", "assistant"]
-    content: str | list[Part]
+    content: Text | list[Part]
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(_Typed):
     messages: list[Message] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=5)
     top_k: int | None = Field(None, ge=0)
@@ -95,7 +109,10 @@ class Admission:
     The pool holds these weakly: a client that goes away before its stream starts drops its
     Admission with the response, and its place in the queue is free again."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "tokens")
+
+    def __init__(self, tokens: int = 0) -> None:
+        self.tokens = tokens  # the most the request may generate: prompts x n x max_tokens
 
 
 class EnginePool:
@@ -108,7 +125,7 @@ class EnginePool:
         self.active = self.waiting = self.served = self.cancelled = 0
         self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
 
-    def check_capacity(self) -> Admission:
+    def check_capacity(self, tokens: int = 0) -> Admission:
         """Refuse (503) before streaming starts when the queue is full; else hold a place.
 
         Requests admitted but not yet streaming count too (a streaming reply starts only after
@@ -121,9 +138,13 @@ class EnginePool:
                 f"server busy: {self.active} replies generating and {self.waiting + pending} queued "
                 f"(serve.max_queue={self.max_queue}); retry shortly",
             )
-        admission = Admission()
+        admission = Admission(tokens)
         self.admitted.add(admission)
         return admission
+
+    def queued_tokens(self) -> int:
+        """The token budgets of the requests admitted whose replies have not started."""
+        return sum(a.tokens for a in list(self.admitted))
 
     async def stream(
         self, prompt: list[int], stats: dict[str, Any], admission: Admission | None = None, **kw: Any
@@ -204,13 +225,42 @@ def check_request(req: ChatRequest, cfg: ServeSettings) -> None:
         raise ApiError(422, "the last message must be from the user")
 
 
-async def api_error(_: Request, e: ApiError) -> JSONResponse:
+class PlainError(BaseModel):
+    """The web UI API's error body (``/api/chat``, ``/health``, ``/``): what is wrong and the limit."""
+
+    error: str
+
+
+def error_response(path: str, status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the API that ``path`` belongs to: OpenAI's under ``/v1``, else ``{"error"}``."""
+    if path.startswith("/v1/") or path == "/v1":
+        code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        response = OpenAIError(status, message, code=code).response()
+        response.headers.update(headers or {})
+        return response
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def api_error(request: Request, e: ApiError) -> JSONResponse:
     """A refused request: ``{"error": ...}`` with its status."""
-    return JSONResponse({"error": e.message}, status_code=e.status)
+    return error_response(request.url.path, e.status, e.message)
 
 
-async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
-    """A body that is not JSON (400) or does not fit :class:`ChatRequest` (422), each problem named."""
+async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths (404), wrong methods (405, with ``Allow``), unreadable bodies: in the API's error shape."""
+    detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail, default=str)
+    if e.status_code in (404, 405):
+        detail = f"{detail}: {request.method} {request.url.path}"
+    return error_response(request.url.path, e.status_code, detail, dict(e.headers or {}))
+
+
+async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+    """A body that is not JSON (400) or does not fit :class:`ChatRequest` (422), each problem named.
+
+    Under ``/v1`` both are 400s in OpenAI's shape, naming the parameter.
+    """
+    if request.url.path.startswith("/v1/"):
+        return validation_refusal(e)
     errors = e.errors()
     if any(err["type"] == "json_invalid" for err in errors):
         detail = "; ".join(
@@ -221,6 +271,34 @@ async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse
         return JSONResponse({"error": f"request body is not valid JSON: {detail}"}, status_code=400)
     msgs = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errors]
     return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, status_code=422)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is a 413, read no further than the limit."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def too_large(self, path: str) -> JSONResponse:
+        return error_response(path, 413, f"request body is over {self.limit} bytes (serve.max_body_bytes)")
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            return await self.too_large(scope["path"])(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:  # a chunked body has no length up front: count as it arrives
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI passes an HTTPException raised while reading the body through
+                raise HTTPException(413, f"request body is over {self.limit} bytes (serve.max_body_bytes)")
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool) -> dict[str, Any]:
@@ -237,10 +315,15 @@ def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool) -> dict[str
         "waiting": pool.waiting,
         "served": pool.served,
         "cancelled": pool.cancelled,
+        "queued_tokens": pool.queued_tokens(),
         "limits": {
             "max_message_chars": cfg.max_message_chars,
             "max_turns": cfg.max_turns,
             "max_tokens": cfg.max_tokens_limit,
+            "max_request_tokens": cfg.max_request_tokens,
+            "max_body_bytes": cfg.max_body_bytes,
+            "max_stops": cfg.max_stops,
+            "max_stop_chars": cfg.max_stop_chars,
         },
         "defaults": {"temperature": cfg.temperature, "top_k": cfg.top_k, "max_tokens": cfg.max_tokens},
     }
@@ -278,7 +361,18 @@ async def reply_events(
         yield f"data: {json.dumps({'error': f'generation failed: {e}'})}\n\n"
 
 
-async def chat_reply(req: ChatRequest, loaded: Any, cfg: ServeSettings, pool: EnginePool) -> Any:
+async def whole_reply(
+    pool: EnginePool, prompt: list[int], stats: dict[str, Any], admission: Admission, kw: dict[str, Any],
+    summary: Callable[[list[dict[str, str]]], dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """The reply as one JSON object."""
+    parts: list[dict[str, str]] = []
+    async for kind, text in pool.stream(prompt, stats, admission, **kw):
+        append_part(parts, kind, text)
+    return summary(parts)
+
+
+async def chat_reply(req: ChatRequest, request: Request, loaded: Any, cfg: ServeSettings, pool: EnginePool) -> Any:
     """Answer ``POST /api/chat``: one JSON object, or a stream of events."""
     check_request(req, cfg)
     messages = [m.model_dump() for m in req.messages]
@@ -287,7 +381,7 @@ async def chat_reply(req: ChatRequest, loaded: Any, cfg: ServeSettings, pool: En
         prompt = prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
     except ValueError as e:  # roles out of order, or too long for the context
         raise ApiError(413 if isinstance(e, ContextTooLong) else 422, str(e)) from None
-    admission = pool.check_capacity()
+    admission = pool.check_capacity(max_tokens)
     top_k = cfg.top_k if req.top_k is None else req.top_k
     kw = dict(
         max_tokens=max_tokens,
@@ -301,16 +395,23 @@ async def chat_reply(req: ChatRequest, loaded: Any, cfg: ServeSettings, pool: En
     def summary(parts: list[dict[str, str]]) -> dict[str, Any]:
         return reply_summary(parts, stats, t0, loaded.name)
 
-    if not req.stream:
-        parts: list[dict[str, str]] = []
-        async for kind, text in pool.stream(prompt, stats, admission, **kw):
-            append_part(parts, kind, text)
-        return summary(parts)
+    if not req.stream:  # cancelled, like a stream, when the client leaves before it is done
+        return await until_disconnected(request, whole_reply(pool, prompt, stats, admission, kw, summary))
     return StreamingResponse(
         reply_events(pool, prompt, stats, admission, kw, summary),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "one JSON object, or with `stream` (the default) server-sent events",
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
+    },
+    "4XX": {"model": PlainError, "description": "a refused request: 400 not JSON, 413 too long, 422 invalid"},
+    503: {"model": PlainError, "description": "every engine is busy and the queue is full: retry shortly"},
+}
 
 
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
@@ -319,7 +420,9 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     engine = Engine(loaded.model, loaded.tokenizer)
     pool = EnginePool(engine, cfg.num_engines, cfg.max_queue)
     app.state.pool = pool
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(openai_router(loaded, cfg, pool))  # /v1/...: the OpenAI-compatible API
 
@@ -327,17 +430,17 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     async def old_docs() -> RedirectResponse:  # where the docs page used to be
         return RedirectResponse("/docs")
 
-    @app.get("/")
+    @app.get("/", operation_id="chatPage", response_class=HTMLResponse)
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
-    @app.get("/health")
+    @app.get("/health", operation_id="health")
     async def health() -> dict[str, Any]:
         return health_report(loaded, cfg, pool)
 
-    @app.post("/api/chat")
-    async def chat(req: ChatRequest):
-        return await chat_reply(req, loaded, cfg, pool)
+    @app.post("/api/chat", operation_id="chat", responses=CHAT_RESPONSES)
+    async def chat(req: ChatRequest, request: Request):
+        return await chat_reply(req, request, loaded, cfg, pool)
 
     return app
 

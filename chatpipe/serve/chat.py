@@ -128,11 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"chatpipe chat: {e}", file=sys.stderr)
         return 2
+    if cfg.max_tokens >= context_limit(loaded.model):
+        print(
+            f"chatpipe chat: --max-tokens {cfg.max_tokens} leaves no room for a prompt in the model's "
+            f"{context_limit(loaded.model)}-token context (chat.max_tokens)", file=sys.stderr,
+        )  # fmt: skip
+        return 2
     engine = Engine(loaded.model, loaded.tokenizer)
     out = sys.stdout
     messages: list[dict[str, Any]] = []
     if prompt is not None:
-        reply(engine, [{"role": "user", "content": prompt}], cfg, cfg.seed, out)
+        try:
+            reply(engine, [{"role": "user", "content": prompt}], cfg, cfg.seed, out)
+        except ContextTooLong as e:
+            print(f"chatpipe chat: {e}", file=sys.stderr)
+            return 2
         return 0
     print(f"chatpipe chat: {loaded.describe()}\n{HELP}", flush=True)
     turn = 0

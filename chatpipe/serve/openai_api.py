@@ -10,7 +10,7 @@ Endpoints (mounted by chatpipe/serve/app.py):
   name it was loaded by: ``sft``, ``models:/chatpipe/3``, a directory name).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the chat format the model was trained on;
   ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an
-  extension), ``stop`` (up to 4 strings), ``n``, ``seed``, ``stream`` (server-sent events,
+  extension), ``stop`` (up to ``serve.max_stops`` strings), ``n``, ``seed``, ``stream`` (server-sent events,
   ``stream_options.include_usage`` adds a last chunk with ``usage``). Answers carry ``usage``.
 - ``POST /v1/completions``: plain text continuation (meant for base models): ``prompt`` (a string
   or a list of strings), ``echo`` and the sampling fields above.
@@ -20,29 +20,34 @@ parts; a reply that used the tool also carries its parts (``{"type": "python" | 
 "text", "text"}``) in the non-standard ``message.parts`` (streamed: ``delta.part``). Assistant
 messages sent back may use the same parts as their ``content``.
 
-Bad requests get OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, with a
-4xx status (503 when every engine is busy and the queue is full). Choice ``i`` of ``n`` samples
-with seed ``seed + i``; at temperature 0 every choice is the greedy reply.
+Request bodies are typed pydantic models (strict: ``"max_tokens": "8"`` is refused, not coerced), so
+``/openapi.json`` describes them. Bad requests get OpenAI's error shape, ``{"error": {"message",
+"type", "param", "code"}}``, with a 4xx status (413 over ``serve.max_body_bytes``; 503 when every
+engine is busy and the queue is full). A request generates at most ``serve.max_request_tokens``
+(prompts x n x max_tokens). Choice ``i`` of ``n`` samples with seed ``seed + i``; at temperature 0
+every choice is the greedy reply. A client that leaves stops its generation, streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from chatpipe.serve.chat import ContextTooLong, append_part, check_fits, prompt_for
 
 MAX_N = 8  # choices per request: each is a full generation on an engine
-MAX_STOP = 4  # OpenAI allows up to 4 stop sequences
+MAX_SEED = 2**63 - 1  # a signed 64-bit seed (seed + i of n still fits torch's unsigned 64 bits)
 
 
 class OpenAIError(Exception):
@@ -54,9 +59,8 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON error body with its HTTP status."""
-        kind = {401: "authentication_error", 404: "invalid_request_error", 503: "server_error"}.get(
-            self.status, "invalid_request_error"
-        )
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        kind = "authentication_error" if self.status == 401 else kind
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
 
@@ -64,19 +68,32 @@ class OpenAIError(Exception):
 # --------------------------------------------------------------------------- request bodies
 
 
+def _unicode(text: str) -> str:
+    """Refuse text that is not Unicode: JSON's ``\\ud800`` escapes can spell lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "max_tokens": "8" or "stream": "yes" is a 400, never silently coerced
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ContentPart(_Strict):
     type: Literal["text", "python", "python_output"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
+    content: Text | list[ContentPart]
+    name: Text | None = None
 
 
 class StreamOptions(_Strict):
@@ -85,19 +102,21 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    max_tokens: int | None = Field(None, ge=1, description="new tokens per choice, up to serve.max_tokens_limit")
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
+    top_k: int | None = Field(None, ge=0, description="an extension: 0 disables top-k")
+    stop: Text | list[Text] | None = Field(
+        None, description="up to serve.max_stops strings of 1..serve.max_stop_chars characters"
+    )
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # accepted so clients that always send them work; only the neutral values are supported
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logprobs: bool | int | None = None
 
 
@@ -107,60 +126,55 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     echo: bool = False
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _parse(model: type[BaseModel], raw: bytes) -> Any:
-    """Validate a request body; malformed JSON or bad fields become a 400 naming the field."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "json_invalid":
-            raise OpenAIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json") from None
-        param = ".".join(str(p) for p in err["loc"]) or None
-        if err["type"] == "extra_forbidden":
-            raise OpenAIError(400, f"unrecognized request argument supplied: {param}", param=param) from None
-        if err["type"] == "missing":
-            raise OpenAIError(400, f"missing required parameter: {param}", param=param) from None
-        value = json.dumps(err.get("input"), default=str)[:100]
-        raise OpenAIError(400, f"invalid value for {param}: {value}: {err['msg']}", param=param) from None
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    """The stop strings of a request (at most 4, none empty)."""
+class ErrorBody(BaseModel):
+    """OpenAI's error shape: every 4xx and 503 of ``/v1``."""
+
+    error: ErrorDetail
+
+
+def validation_refusal(e: RequestValidationError) -> JSONResponse:
+    """A body that is not JSON or does not fit the request model: a 400 naming the field."""
+    err = e.errors()[0]
+    # loc is ("body", field, ...): the top-level field is the param (deeper steps name union members)
+    param = str(err["loc"][1]) if len(err["loc"]) > 1 else None
+    if err["type"] == "json_invalid":
+        return OpenAIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json").response()
+    if err["type"] == "extra_forbidden":
+        return OpenAIError(400, f"unrecognized request argument supplied: {param}", param).response()
+    if err["type"] == "missing":
+        what = f"missing required parameter: {param}" if param else "the request body is missing"
+        return OpenAIError(400, what, param).response()
+    value = json.dumps(err.get("input"), default=str)[:100]
+    where = ".".join(str(p) for p in err["loc"][1:]) or "the body"
+    return OpenAIError(400, f"invalid value for {where}: {value}: {err['msg']}", param).response()
+
+
+def stop_list(stop: str | list[str] | None, cfg: Any) -> list[str]:
+    """The stop strings of a request: at most serve.max_stops, each 1..serve.max_stop_chars characters."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP or any(not s for s in stops):
-        raise OpenAIError(400, f"stop must be up to {MAX_STOP} non-empty strings, got {stops!r}", param="stop")
+    if len(stops) > cfg.max_stops:
+        raise OpenAIError(400, f"{len(stops)} stop strings; the limit is {cfg.max_stops} (serve.max_stops)", "stop")
+    for s in stops:
+        if not s or len(s) > cfg.max_stop_chars:
+            raise OpenAIError(
+                400, f"a stop string of {len(s)} characters; each must have 1..{cfg.max_stop_chars} "
+                "(serve.max_stop_chars)", "stop",
+            )  # fmt: skip
     return stops
-
-
-class StopScanner:
-    """Cuts a streamed text at the first stop string; holds back a tail that may start one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops, self.pending, self.stopped = stops, "", False
-
-    def feed(self, text: str) -> str:
-        """The text now safe to emit; after a stop string, ``stopped`` is set and the rest is dropped."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
-            return out
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(out) :]
-        return out
-
-    def flush(self) -> str:
-        """What is held back when the generation ends without a stop string."""
-        out, self.pending = self.pending, ""
-        return out
 
 
 def _message_for_engine(msg: ChatMessage) -> dict[str, Any]:
@@ -263,10 +277,10 @@ class Answer:
 
     chat: bool  # /chat/completions, else /completions
     req: Any  # ChatCompletionRequest | CompletionRequest
-    kw: dict[str, Any]  # the engine's sampling arguments
-    stops: list[str]
+    kw: dict[str, Any]  # the engine's sampling arguments, stop strings included
     prompts: list[list[int]]
     base: dict[str, Any]  # id, created, model: the same in the answer and in each of its chunks
+    admission: Any = None  # the request's place in the engine queue until its first choice starts
 
     def jobs(self) -> list[tuple[list[int], int, int]]:
         """(prompt, sample j, choice index): choice j of prompt p has index p * n + j, as OpenAI numbers them."""
@@ -282,38 +296,39 @@ class Answer:
         return sum(len(p) for p in self.prompts)
 
 
-async def checked_answer(request: Request, chat: bool, loaded: Any, cfg: Any, pool: Any) -> Answer:
-    """Parse and check a request body, in the order its errors are reported; 503 when the engine queue is full."""
-    req = _parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
+def check_budget(num_prompts: int, n: int, max_tokens: int, cfg: Any) -> int:
+    """The tokens a request may generate (prompts x n x max_tokens), within serve.max_request_tokens."""
+    budget = num_prompts * n * max_tokens
+    if budget > cfg.max_request_tokens:
+        raise OpenAIError(
+            400, f"{num_prompts} prompt(s) x n={n} x max_tokens={max_tokens} = {budget} tokens; the limit "
+            f"is {cfg.max_request_tokens} per request (serve.max_request_tokens)", "max_tokens",
+        )  # fmt: skip
+    return budget
+
+
+def checked_answer(req: Any, chat: bool, loaded: Any, cfg: Any, pool: Any) -> Answer:
+    """Check a request, in the order its errors are reported; 503 when the engine queue is full."""
     kw = check_sampling(req, loaded.name, cfg)
-    stops = stop_list(req.stop)
+    kw["stop"] = stop_list(req.stop, cfg)
+    budget = check_budget(1 if chat else len(prompt_texts(req)), req.n, kw["max_tokens"], cfg)
     if chat:
         prompts = [chat_prompt(req, loaded, cfg, kw["max_tokens"])]
     else:
         prompts = completion_prompts(req, loaded, cfg, kw["max_tokens"])
-    pool.check_capacity()
+    admission = pool.check_capacity(budget)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": rid, "created": int(time.time()), "model": loaded.name}
-    return Answer(chat, req, kw, stops, prompts, base)
+    return Answer(chat, req, kw, prompts, base, admission)
 
 
-async def generate(
-    pool: Any, prompt: list[int], kw: dict[str, Any], stops: list[str], index: int, stats: dict
-) -> AsyncIterator[tuple[str, str]]:
-    """(kind, text) deltas of sample ``index``, cut at a stop string; ``stats`` gets tokens and finish."""
-    scanner = StopScanner(stops)
-    async with aclosing(pool.stream(prompt, stats, **{**kw, "seed": kw["seed"] + index})) as pieces:
-        async for kind, text in pieces:
-            if kind != "text":
-                yield kind, text
-                continue
-            if out := scanner.feed(text):
-                yield kind, out
-            if scanner.stopped:
-                stats["finish_reason"] = "stop"
-                return  # closing the stream stops the generation at its next token
-    if rest := scanner.flush():
-        yield "text", rest
+async def generate(pool: Any, a: Answer, prompt: list[int], index: int, stats: dict) -> AsyncIterator[tuple[str, str]]:
+    """(kind, text) deltas of sample ``index`` (cut at a stop string by the engine, in its thread)."""
+    admission, a.admission = a.admission, None  # the first choice takes the request's place in the queue
+    kw = {**a.kw, "seed": a.kw["seed"] + index}
+    async with aclosing(pool.stream(prompt, stats, admission, **kw)) as pieces:
+        async for piece in pieces:
+            yield piece
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -342,7 +357,7 @@ async def whole_answer(pool: Any, a: Answer) -> Any:
         for prompt, j, index in a.jobs():
             stats: dict[str, Any] = {}
             parts: list[dict[str, str]] = []
-            async for kind, text in generate(pool, prompt, a.kw, a.stops, j, stats):
+            async for kind, text in generate(pool, a, prompt, j, stats):
                 append_part(parts, kind, text)
             completion_tokens += stats.get("tokens", 0)
             choices.append(choice(a, index, parts, stats.get("finish_reason", "length")))
@@ -350,6 +365,32 @@ async def whole_answer(pool: Any, a: Answer) -> Any:
         return OpenAIError(500, f"generation failed: {e}", code="generation_failed").response()
     kind = "chat.completion" if a.chat else "text_completion"
     return {**a.base, "object": kind, "choices": choices, "usage": usage(a.prompt_tokens(), completion_tokens)}
+
+
+async def until_disconnected(request: Request, answer: Awaitable[Any]) -> Any:
+    """Await ``answer``, cancelling it when the client goes away first (its engines stop at the next token).
+
+    A streamed reply notices the disconnect when a send fails; a whole answer sends nothing until
+    it is done, so it listens for the ASGI server's ``http.disconnect`` instead.
+    """
+    task = asyncio.ensure_future(answer)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        with suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # "client closed request": nobody reads it
+    return task.result()
 
 
 def chunk(a: Answer, choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -375,7 +416,7 @@ async def events(pool: Any, a: Answer) -> AsyncIterator[str]:
                 yield chunk(a, [delta(a, index, {"role": "assistant", "content": ""})])
             elif a.req.echo:
                 yield chunk(a, [delta(a, index, {"content": a.echoed(index)})])
-            async for part_kind, text in generate(pool, prompt, a.kw, a.stops, j, stats):
+            async for part_kind, text in generate(pool, a, prompt, j, stats):
                 if part_kind == "text":
                     yield chunk(a, [delta(a, index, {"content": text})])
                 elif a.chat:
@@ -390,14 +431,15 @@ async def events(pool: Any, a: Answer) -> AsyncIterator[str]:
         yield f"data: {json.dumps({'error': err})}\n\n"
 
 
-async def respond(request: Request, chat: bool, loaded: Any, cfg: Any, pool: Any) -> Any:
+async def respond(request: Request, req: Any, loaded: Any, cfg: Any, pool: Any) -> Any:
     """Answer a chat or completions request: an error, one JSON object, or a stream of events."""
+    chat = isinstance(req, ChatCompletionRequest)
     try:
-        answer = await checked_answer(request, chat, loaded, cfg, pool)
+        answer = checked_answer(req, chat, loaded, cfg, pool)
     except Exception as e:
         return refusal(e, chat)
-    if not answer.req.stream:
-        return await whole_answer(pool, answer)
+    if not req.stream:
+        return await until_disconnected(request, whole_answer(pool, answer))
     return StreamingResponse(
         events(pool, answer),
         media_type="text/event-stream",
@@ -407,33 +449,46 @@ async def respond(request: Request, chat: bool, loaded: Any, cfg: Any, pool: Any
 
 # --------------------------------------------------------------------------- the router
 
+# one server-sent event: a `data:` line holding a JSON chunk (or `[DONE]`)
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "a refused request, in OpenAI's error shape"},
+    503: {"model": ErrorBody, "description": "every engine is busy and the queue is full: retry shortly"},
+}
+STREAMED = {
+    200: {
+        "description": "one JSON object, or with `stream: true` server-sent events (`data: {chunk}` lines, "
+        "then `data: [DONE]`)",
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
+    }
+}
+
 
 def openai_router(loaded: Any, cfg: Any, pool: Any) -> APIRouter:
-    """Routes under ``/v1`` serving ``loaded`` through the server's engine ``pool`` and limits ``cfg``."""
+    """Routes under ``/v1`` serving ``loaded`` through the server's engine ``pool`` and limits ``cfg``.
+
+    Unknown paths and wrong methods are the app's 404 and 405, in OpenAI's error shape there too.
+    """
     router = APIRouter(prefix="/v1")
     created = int(time.time())
     model_card = {"id": loaded.name, "object": "model", "created": created, "owned_by": "chatpipe"}
 
-    @router.get("/models")
+    @router.get("/models", operation_id="listModels")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card]}
 
-    @router.get("/models/{model_id:path}")
+    @router.get("/models/{model_id:path}", operation_id="retrieveModel", responses={404: ERRORS["4XX"]})
     async def model(model_id: str) -> Any:
         if model_id != loaded.name:
             return OpenAIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found").response()
         return model_card
 
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await respond(request, True, loaded, cfg, pool)
+    @router.post("/chat/completions", operation_id="createChatCompletion", responses={**STREAMED, **ERRORS})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        return await respond(request, req, loaded, cfg, pool)
 
-    @router.post("/completions")
-    async def completions(request: Request) -> Any:
-        return await respond(request, False, loaded, cfg, pool)
-
-    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def unknown(path: str, request: Request) -> JSONResponse:
-        return OpenAIError(404, f"unknown endpoint {request.method} /v1/{path}", code="unknown_url").response()
+    @router.post("/completions", operation_id="createCompletion", responses={**STREAMED, **ERRORS})
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await respond(request, req, loaded, cfg, pool)
 
     return router

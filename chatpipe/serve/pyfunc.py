@@ -73,7 +73,7 @@ class ChatModel(mlflow.pyfunc.PythonModel):
         """One reply per prompt (each a new single-turn conversation)."""
         from chatpipe.serve.chat import show_stream
 
-        p = {**DEFAULT_PARAMS, **(params or {})}
+        p = checked_params(params)
         replies = []
         for prompt in _prompts(model_input):
             ids = self.engine.tokenizer.render_for_completion({"messages": [{"role": "user", "content": prompt}]})
@@ -88,6 +88,30 @@ class ChatModel(mlflow.pyfunc.PythonModel):
             show_stream(pieces, out)  # renders calculator calls the way `chatpipe chat` shows them
             replies.append(out.getvalue().removesuffix("\n"))
         return replies
+
+
+def checked_params(params: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampling params over the defaults; a value out of range is MLflow's 400 naming the param."""
+    import math
+    import numbers
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    p = {**DEFAULT_PARAMS, **(params or {})}
+    bounds = {"temperature": (0.0, 5.0), "top_k": (0, 2**31), "max_tokens": (1, 8192), "seed": (0, 2**63 - 1)}
+    for name, (lo, hi) in bounds.items():
+        value = p[name]
+        # numbers.Real: MLflow may hand over numpy scalars
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            ok = False
+        else:
+            ok = lo <= value <= hi and (name == "temperature" or float(value).is_integer())
+        if not ok:
+            raise MlflowException(
+                f"params.{name} = {value!r}: must be a number in {lo}..{hi}", error_code=INVALID_PARAMETER_VALUE
+            )
+    return p
 
 
 def package_model_dir(model_dir: Path, tokenizer_dir: Path, dest: Path) -> Path:

@@ -177,3 +177,9 @@ class ServeSettings(ChatSettings):
     max_message_chars: int = Field(4000, ge=1)
     max_turns: int = Field(32, ge=1, description="messages in one conversation")
     max_tokens_limit: int = Field(1024, ge=1, description="the most max_tokens a request may ask for")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body; bigger ones get 413")
+    max_stops: int = Field(4, ge=0, le=64, description="stop strings one request may send")
+    max_stop_chars: int = Field(1000, ge=1, le=1_000_000, description="longest stop string a request may send")
+    max_request_tokens: int = Field(
+        8192, ge=1, description="work one request may ask for: prompts x n x max_tokens generated tokens"
+    )
