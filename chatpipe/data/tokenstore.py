@@ -17,7 +17,6 @@ no file that looks finished but is not; the next run starts over.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
@@ -27,7 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from chatpipe.io import write_json_atomic
+from chatpipe.io import atomic_write, write_json_atomic
 
 TOKEN_MANIFEST = "manifest.json"
 # Bumped when the layout changes, so a cache in an older layout is rebuilt, not misread.
@@ -51,10 +50,8 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     last, with fsync) is what marks the store complete; a per-file fsync made the tiny pipeline's
     tokenization measurably slower than before the store.
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb", fsync=False) as f:
         np.save(f, array)
-    os.replace(tmp, path)
 
 
 def _is_current(manifest_path: Path, fingerprint: str) -> dict | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from chatpipe.io import load_yaml
+from chatpipe.io import load_yaml, write_text_atomic
 
 
 class ParamsError(ValueError):
@@ -110,6 +110,4 @@ def write_profile(name: str, path: Path | None = None) -> None:
     if n == 0:
         new = f"profile: {name}\n" + text
     if new != text:
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(new)
-        os.replace(tmp, path)
+        write_text_atomic(path, new)
