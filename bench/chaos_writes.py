@@ -36,7 +36,7 @@ CONTROL = "plain"  # np.save straight onto the target: the check must catch its 
 def _tokenizers():
     from chatpipe.tokenizer import Tokenizer
 
-    text = [f"the river {i} runs past town {i % 97} and back" for i in range(4000)]
+    text = [f"the river {i} runs past town {i % 97} and back" for i in range(1500)]
     return Tokenizer.train(text, 400), Tokenizer.train(text, 300)
 
 
@@ -50,7 +50,8 @@ def write_forever(kind: str, out: Path, writes: int | None = None) -> None:
 
     toks = _tokenizers() if kind == "tokenizer" else None
     arrays = [np.zeros(3_000_000, np.uint16), np.ones(1_000_000, np.uint16)]
-    print("ready", flush=True)
+    if writes is None:
+        print("ready", flush=True)
     for i in itertools.count() if writes is None else range(writes):
         v = i % 2
         if kind == "tokenizer":
@@ -74,7 +75,7 @@ def versions(kind: str, out: Path) -> dict[str, list[bytes]]:
         ref = out.parent / f"ref{v}"
         shutil.rmtree(ref, ignore_errors=True)
         prepare(kind, ref)
-        run_writer(kind, ref, writes=v + 1)
+        write_forever(kind, ref, writes=v + 1)  # in this process: the same code, no second start-up
         for path in sorted(p for p in ref.rglob("*") if p.is_file() and not p.name.startswith(".")):
             allowed.setdefault(str(path.relative_to(ref)), []).append(path.read_bytes())
     return allowed
@@ -86,14 +87,6 @@ def prepare(kind: str, out: Path) -> None:
         shutil.copy(REPO / "profiles.yaml", out / "profiles.yaml")
         pad = "".join(f"# padding line {i:07d} so a rewrite is not instant\n" for i in range(60_000))
         (out / "params.yaml").write_text((REPO / "params.yaml").read_text() + pad)
-
-
-def run_writer(kind: str, out: Path, writes: int) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import chaos_writes as c; c.main_writer()"
-    subprocess.run(
-        [sys.executable, "-c", code, kind, str(out), str(writes)], check=True, cwd=REPO, env=env, capture_output=True
-    )
 
 
 def kill_trial(kind: str, out: Path, rng: random.Random) -> None:

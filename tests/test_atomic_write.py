@@ -35,7 +35,7 @@ def renames_in(path: Path, root: Path = REPO) -> list[str]:
 
 def rename_violations(root: Path = REPO) -> list[str]:
     files = [p for top in ("chatpipe", "stages", "flows") for p in sorted((root / top).rglob("*.py"))]
-    return [hit for p in files if p != root / "chatpipe" / "io.py" for hit in renames_in(p)]
+    return [hit for p in files if p != root / "chatpipe" / "io.py" for hit in renames_in(p, root)]
 
 
 def test_no_rename_outside_chatpipe_io():

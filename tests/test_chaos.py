@@ -31,12 +31,12 @@ def test_kill_9_during_tokenizer_tokenstore_report_and_settings_writes_leaves_ol
     versions) at random moments; every target is then exactly one version, never a partial file."""
     import chaos_writes
 
-    summary = chaos_writes.main(["--trials", "4", "--work", str(tmp_path)])
+    summary = chaos_writes.main(["--trials", "3", "--work", str(tmp_path)])
     assert set(summary) == {"tokenizer", "tokenstore", "report", "settings"}
     for kind, s in summary.items():
         assert s["partial"] == [], (kind, s)
     # the kills did land mid-write (each such kill leaves its hidden temp file): the check had work to do
     assert sum(s["temps_left"] for s in summary.values()) >= 1, summary
     # and the check finds the partial files of a writer that writes straight onto the target
-    control = chaos_writes.main(["--trials", "4", "--kinds", "plain", "--work", str(tmp_path / "plain")])
+    control = chaos_writes.main(["--trials", "3", "--kinds", "plain", "--work", str(tmp_path / "plain")])
     assert control["plain"]["partial"], control
