@@ -18,8 +18,8 @@ The experiment is tagged ``mlflow.experimentKind = custom_model_development`` so
 it as model training (runs, metrics, models), not in its GenAI view (traces, evaluations).
 
 Artifact locations: with the store inside the project (a relative sqlite path) and a relative
-``tracking.artifact_root``, the experiment's location is ``project:mlruns/artifacts``, relative to
-the project root (:mod:`chatpipe.project_artifacts`, an MLflow artifact-repository plugin), so a
+``tracking.artifact_root``, the experiment's location is ``store:artifacts``, relative to the
+store's directory (:mod:`chatpipe.project_artifacts`, an MLflow artifact-repository plugin), so a
 moved or copied project reads and writes its own ``mlruns/`` and nothing rewrites MLflow's tables.
 Everything else goes through MLflow's public API; the few names it reads from MLflow that are not
 documented API are checked against the pinned version by tests/test_tracking.py.
@@ -164,12 +164,12 @@ def moves_with_project(settings) -> bool:
 
 
 def artifact_location(settings) -> str:
-    """The artifact location a new experiment gets: ``project:<artifact_root>`` inside the project, else
-    the root's absolute ``file://`` URI."""
-    from chatpipe.project_artifacts import project_uri  # imports MLflow: not at the top of this module
+    """The artifact location a new experiment gets: inside the project, the root relative to the store
+    (``store:artifacts``, :mod:`chatpipe.project_artifacts`), else the root's absolute ``file://`` URI."""
+    from chatpipe.project_artifacts import store_uri  # imports MLflow: not at the top of this module
 
     if moves_with_project(settings):
-        return project_uri(Path(settings.artifact_root).as_posix())
+        return store_uri(Path(settings.artifact_root), settings.uri)
     return Path(settings.artifact_root).resolve().as_uri()
 
 

@@ -119,15 +119,22 @@ def test_moved_project_writes_and_reads_its_own_mlruns(tmp_path):
     original, moved = tmp_path / "original", tmp_path / "moved"
     original.mkdir()
     first = run_in(original, "one")
-    # stored relative to the project (no absolute path in MLflow's tables to rewrite after a move)
-    assert first["artifact_uri"].startswith("project:mlruns/artifacts/")
-    assert (original / first["artifact_uri"].removeprefix("project:") / "note.txt").read_text() == "one"
+    # stored relative to the store (no absolute path in MLflow's tables to rewrite after a move)
+    assert first["artifact_uri"].startswith("store:artifacts/")
+    assert (original / "mlruns" / first["artifact_uri"].removeprefix("store:") / "note.txt").read_text() == "one"
 
     shutil.copytree(original, moved)  # cp -r: the original stays, untouched from now on
     before = sorted(p.relative_to(original) for p in original.rglob("*") if p.suffix != ".db")
     second = run_in(moved, "two")
-    assert (moved / second["artifact_uri"].removeprefix("project:") / "note.txt").read_text() == "two"
-    assert not (original / second["artifact_uri"].removeprefix("project:")).exists()
+    assert (moved / "mlruns" / second["artifact_uri"].removeprefix("store:") / "note.txt").read_text() == "two"
+    assert not (original / "mlruns" / second["artifact_uri"].removeprefix("store:")).exists()
+    # and a process elsewhere that opens the copy's store by its absolute path reads them too
+    mlflow.set_tracking_uri(f"sqlite:///{moved}/mlruns/mlflow.db")
+    try:
+        assert mlflow.artifacts.load_text(second["artifact_uri"] + "/note.txt") == "two"
+        assert mlflow.MlflowClient().list_artifacts(second["run"])[0].path == "note.txt"
+    finally:
+        mlflow.set_tracking_uri(None)
     assert sorted(p.relative_to(original) for p in original.rglob("*") if p.suffix != ".db") == before
     # the copy reads the earlier run's artifacts from its own mlruns/, even with the original gone
     shutil.rmtree(original)
@@ -148,7 +155,7 @@ def test_an_experiment_with_a_location_elsewhere_is_kept_and_warned_about(clean_
     with caplog.at_level("WARNING", logger="chatpipe.tracking"):
         assert tracking.configure(settings) == old
     assert mlflow.MlflowClient().get_experiment(old).artifact_location == "/elsewhere/mlruns/artifacts"
-    assert "set tracking.experiment to a new name to use project:mlruns/artifacts" in caplog.text
+    assert "set tracking.experiment to a new name to use store:artifacts" in caplog.text
 
 
 def test_no_code_writes_mlflows_tables():
@@ -159,22 +166,28 @@ def test_no_code_writes_mlflows_tables():
 
 def test_the_mlflow_names_chatpipe_relies_on_are_still_there():
     """Pinned-version guard: names chatpipe takes from MLflow beyond its documented functions."""
+    from mlflow.server import BACKEND_STORE_URI_ENV_VAR
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
     from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
-    from chatpipe.project_artifacts import ProjectArtifactRepository
+    from chatpipe.project_artifacts import SERVER_STORE_ENV, ProjectArtifactRepository
 
     assert tracking.GIT_COMMIT_TAG == MLFLOW_GIT_COMMIT, (
         f"MLflow {mlflow.__version__} renamed its git commit source tag to {MLFLOW_GIT_COMMIT!r}: "
         "update tracking.GIT_COMMIT_TAG"
     )
-    repo = get_artifact_repository("project:mlruns/artifacts")
-    assert isinstance(repo, ProjectArtifactRepository), (
-        f"MLflow {mlflow.__version__} did not pick chatpipe's project: artifact repository from the "
-        "mlflow.artifact_repository entry point (reinstall chatpipe: bash scripts/install.sh), got {type(repo)}"
+    assert SERVER_STORE_ENV == BACKEND_STORE_URI_ENV_VAR, (
+        f"MLflow {mlflow.__version__}'s server keeps its backend store in {BACKEND_STORE_URI_ENV_VAR}: "
+        "update chatpipe.project_artifacts.SERVER_STORE_ENV"
     )
-    assert Path(repo.artifact_dir) == Path("mlruns/artifacts").resolve(), (
-        f"MLflow {mlflow.__version__}'s LocalArtifactRepository no longer keeps its directory in artifact_dir"
+    repo = get_artifact_repository("store:artifacts", tracking_uri="sqlite:////p/mlruns/mlflow.db")
+    assert isinstance(repo, ProjectArtifactRepository), (
+        f"MLflow {mlflow.__version__} did not pick chatpipe's store: artifact repository from the "
+        f"mlflow.artifact_repository entry point (reinstall chatpipe: bash scripts/install.sh), got {type(repo)}"
+    )
+    assert Path(repo.artifact_dir) == Path("/p/mlruns/artifacts"), (
+        f"MLflow {mlflow.__version__} no longer hands its tracking URI to artifact repositories, or its "
+        "LocalArtifactRepository no longer keeps its directory in artifact_dir"
     )
 
 
