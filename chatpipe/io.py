@@ -1,5 +1,6 @@
-"""Small file helpers every layer uses: content hashes, all-or-nothing writes, torch saves that name
-the file and the free space when the disk fills up, YAML reads through libyaml."""
+"""Small file helpers every layer uses: content hashes, all-or-nothing writes (:func:`atomic_write`,
+the one place that renames a temp file into place), torch saves that name the file and the free space
+when the disk fills up, YAML reads through libyaml."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -39,26 +41,94 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temp file beside ``path`` and rename it into place."""
+def _beside(path: Path, kind: str) -> Path:
+    """A hidden name next to ``path`` (same directory, so same filesystem: the rename is atomic), unique
+    to this process and call (two threads or ranks writing the same file never share a temp name)."""
+    return path.with_name(f".{path.name}.{kind}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, mode: str = "w", *, fsync: bool = True, **open_kw: Any) -> Iterator[IO]:
+    """Open a temp file beside ``path`` for writing; on a clean exit flush, fsync and ``os.replace`` it
+    onto ``path``; on an error remove it. Readers (and a process killed mid-write) see the old file
+    or the whole new one, never a part.
+
+    ``mode`` is ``"w"`` or ``"wb"``; ``open_kw`` goes to ``open`` (``encoding``, ``newline``).
+    ``fsync=False`` skips the fsync for files whose completeness a later fsynced file vouches for
+    (the token store's shards: its manifest is written last).
+
+        with atomic_write(path) as f:
+            f.write(text)
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write mode {mode!r}: allowed 'w', 'wb'")
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+    tmp = _beside(path, "tmp")
+    try:
+        with open(tmp, mode.replace("w", "x"), **open_kw) as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str, **open_kw: Any) -> None:
+    """``path.write_text(text)`` through :func:`atomic_write`."""
+    with atomic_write(path, **open_kw) as f:
+        f.write(text)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, *, fsync: bool = True) -> None:
+    """``path.write_bytes(data)`` through :func:`atomic_write`."""
+    with atomic_write(path, "wb", fsync=fsync) as f:
+        f.write(data)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON through :func:`atomic_write`."""
+    with atomic_write(path) as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def temp_dir_beside(final: Path) -> Path:
+    """A new empty hidden directory beside ``final``, to fill and then move in with :func:`replace_dir`."""
+    tmp = _beside(final, "tmp")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """A temp directory beside ``final`` that replaces ``final`` on a clean exit and is removed on an error."""
+    tmp = temp_dir_beside(final)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished temp dir to ``final``, replacing any old one with no window where neither exists."""
     if final.exists():
-        old = final.with_name(f".{final.name}.old{os.getpid()}")
+        old = _beside(final, "old")
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def move_into_place(src: Path, dest: Path) -> None:
+    """Rename a finished file or directory (made elsewhere on the same filesystem) to ``dest``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dest)
 
 
 def free_space(path: Path) -> str:

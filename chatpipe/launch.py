@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from chatpipe.procs import die_with_parent, parent_gone
+from chatpipe.procs import die_with_parent, parent_gone, process_start
 from chatpipe.settings import STAGES, LaunchSettings, ParamsError, load_section, validate_all
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
@@ -182,15 +182,6 @@ WORKER_GUARD = (
 )
 
 
-def _process_start(pid: int) -> str | None:
-    """Start time of ``pid`` (clock ticks since boot), to tell a live process from a reused PID."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def _process_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -216,12 +207,12 @@ def follow_parent(poll_s: float = 0.5) -> None:
     if _process_name(parent) not in SHELLS:
         return
     grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    started = _process_start(grandparent)
+    started = process_start(grandparent)
     if grandparent <= 1 or started is None:
         return
 
     def watch() -> None:
-        while _process_start(grandparent) == started:
+        while process_start(grandparent) == started:
             time.sleep(poll_s)
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -17,6 +17,8 @@ import ast
 import sys
 from pathlib import Path
 
+from chatpipe.io import atomic_write
+
 CODE_ROOTS = ("chatpipe/", "stages/")
 
 
@@ -121,10 +123,8 @@ def write_deps(root: Path) -> list[str]:
             changed.append(stage)
     if changed:
         path = root / "dvc.yaml"
-        tmp = path.with_name(".dvc.yaml.tmp")
-        with open(tmp, "w") as f:
+        with atomic_write(path) as f:
             yaml.dump(doc, f)
-        tmp.replace(path)
     return changed
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from chatpipe.io import atomic_write
 from chatpipe.settings import MODEL_STAGES, STAGES
 from chatpipe.tracking import first_run
 
@@ -303,11 +304,9 @@ def plot_curves(client: Any, runs: dict[str, Any], name: str, path: Path) -> boo
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    fig.savefig(tmp)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
-    os.replace(tmp, path)
     return True
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from chatpipe.io import atomic_write, write_text_atomic
 
 METRICS_DIR = Path("metrics")
 PLOTS_DIR = Path("plots")
@@ -34,13 +35,6 @@ def _clean(value: Any) -> Any:
         return str(value)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_metrics(stage: str, values: dict[str, Any], root: Path | None = None) -> Path:
     """Write ``metrics/<stage>.json`` as ``{stage: values}`` (nested dicts allowed); returns its path.
 
@@ -48,7 +42,7 @@ def write_metrics(stage: str, values: dict[str, Any], root: Path | None = None) 
     ``pretrain.val_bpb`` and ``eval.sft.ChatCORE`` rather than bare, colliding ``train_seconds``.
     """
     path = (root or METRICS_DIR) / f"{stage}.json"
-    _atomic_write(path, json.dumps({stage: _clean(values)}, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json.dumps({stage: _clean(values)}, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -96,12 +90,9 @@ class Curves:
         for key, points in self.series.items():
             name = series_name(key)
             path = self.root / self.stage / f"{name}.csv"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            with tmp.open("w", newline="") as f:
+            with atomic_write(path, newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(["step", name])
                 writer.writerows((s, round(v, 6)) for s, v in points)
-            os.replace(tmp, path)
             paths.append(path)
         return paths

@@ -26,7 +26,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ import rustbpe
 import tiktoken
 import torch
 
-from chatpipe.io import sha256_file
+from chatpipe.io import atomic_write, sha256_file, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 # rustbpe logs a "Progress: N%" line per 1% of merges (100 lines a run) through Python logging;
@@ -67,16 +66,6 @@ SPLIT_PATTERN = (
 CONFIG_FILE = "tokenizer.json"
 RANKS_FILE = "ranks.tiktoken"
 TOKEN_BYTES_FILE = "token_bytes.pt"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file beside ``path`` and rename it into place (no half-written file)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _config_digest(config: dict[str, Any]) -> str:
@@ -173,18 +162,17 @@ class Tokenizer:
             f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
         ]
         ranks_text = "".join(lines).encode()
-        _write_atomic(directory / RANKS_FILE, ranks_text)
-        tb_tmp = directory / f".{TOKEN_BYTES_FILE}.tmp{os.getpid()}"
-        torch.save(self.token_bytes(), tb_tmp)
-        os.replace(tb_tmp, directory / TOKEN_BYTES_FILE)
+        write_bytes_atomic(directory / RANKS_FILE, ranks_text)
+        with atomic_write(directory / TOKEN_BYTES_FILE, "wb") as f:
+            torch.save(self.token_bytes(), f)
         # The config goes last: its presence means the directory is complete.
         config = {"pattern": self.enc._pat_str, "special_tokens": self.special_ids, "vocab_size": self.vocab_size}
         files = {
             RANKS_FILE: hashlib.sha256(ranks_text).hexdigest(),
-            TOKEN_BYTES_FILE: sha256_file(tb_tmp.parent / TOKEN_BYTES_FILE),
+            TOKEN_BYTES_FILE: sha256_file(directory / TOKEN_BYTES_FILE),
         }
         config["checksums"] = {**files, CONFIG_FILE: _config_digest(config | {"checksums": files})}
-        _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2).encode())
+        write_bytes_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2).encode())
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:

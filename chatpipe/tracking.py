@@ -17,10 +17,12 @@ a stage that ``dvc exp run`` started (DVC sets ``DVC_EXP_NAME``) is named ``pret
 The experiment is tagged ``mlflow.experimentKind = custom_model_development`` so the MLflow UI opens
 it as model training (runs, metrics, models), not in its GenAI view (traces, evaluations).
 
-Artifact locations: MLflow stores them as absolute paths. When the whole project (store and
-artifacts) is moved or copied, :func:`configure` notices that the experiment's artifact location is
-no longer this project's ``tracking.artifact_root`` and rebases the stored locations, so the copy
-never writes into the original's ``mlruns/``.
+Artifact locations: with the store inside the project (a relative sqlite path) and a relative
+``tracking.artifact_root``, the experiment's location is ``store:artifacts``, relative to the
+store's directory (:mod:`chatpipe.project_artifacts`, an MLflow artifact-repository plugin), so a
+moved or copied project reads and writes its own ``mlruns/`` and nothing rewrites MLflow's tables.
+Everything else goes through MLflow's public API; the few names it reads from MLflow that are not
+documented API are checked against the pinned version by tests/test_tracking.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatpipe.io import load_yaml
+from chatpipe.procs import process_start
 from chatpipe.runtime import thread_params
 from chatpipe.settings import TrackingSettings, active_profile, load_section
 
@@ -55,8 +58,8 @@ DVC_EXP_ENV, DVC_BASELINE_ENV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
 SEP = " · "
 # Seconds between system-metric samples (MLflow's default is 10; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 # in the environment wins). MLflow's monitor publishes a sample only if the run is still RUNNING
-# when the interval is over, so a run that ends sooner would show none: such a run publishes one
-# sample itself as it ends (:func:`_publish_a_system_sample`) instead of waiting out the interval.
+# when the interval is over, so a run that ends sooner would show none: such a run gets one psutil
+# sample as it ends (:func:`_publish_a_system_sample`) instead of waiting out the interval.
 SYSTEM_METRICS_INTERVAL_S = 1.0
 # Seconds MLflow's async queue gathers per-step metrics before it writes them (MLflow's
 # MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS; a value in the environment wins). Unset, MLflow writes each
@@ -69,16 +72,34 @@ BUFFERING_ENV = "MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"
 log = logging.getLogger(__name__)
 
 
-def git_commit() -> str:
-    """HEAD commit of the working tree (with ``-dirty`` when there are uncommitted changes)."""
+# MLflow's own source tag for the commit (documented with its system tags; MLflow sets it itself only
+# when the main script sits in a git repo, which a stage started by pytest or torchrun may not)
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
+
+
+def _git_state() -> tuple[str, bool] | None:
+    """(HEAD commit, uncommitted changes to tracked files?) of the working tree; None outside git."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
         ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return sha, bool(dirty)
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None
+
+
+def git_commit() -> str:
+    """HEAD commit of the working tree (with ``-dirty`` when there are uncommitted changes), for
+    files that record it (eval results, the export's lineage); runs carry it as :func:`source_tags`."""
+    state = _git_state()
+    return "unknown" if state is None else state[0] + ("-dirty" if state[1] else "")
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's commit source tag plus ``dirty`` ("true"/"false"); none outside a git checkout."""
+    state = _git_state()
+    return {} if state is None else {GIT_COMMIT_TAG: state[0], "dirty": str(state[1]).lower()}
 
 
 def dvc_lock_hash(path: Path = Path("dvc.lock")) -> str:
@@ -104,8 +125,9 @@ def dvc_stage_hashes(path: Path = Path("dvc.lock")) -> dict[str, str]:
 def configure(settings) -> str:
     """Point MLflow at the store in ``settings`` (a TrackingSettings) and return the experiment id.
 
-    Creates the experiment on first use (tagged as model training); on later uses makes sure the
-    tag is there and that the stored artifact location is this project's (see :func:`relocate`).
+    Creates the experiment on first use (tagged as model training; artifacts at
+    :func:`artifact_location`); on later uses makes sure the tag is there and warns when the stored
+    artifact location is not this project's (see :func:`check_location`).
     """
     import mlflow
 
@@ -118,96 +140,61 @@ def configure(settings) -> str:
         artifacts.mkdir(parents=True, exist_ok=True)
         tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, ARTIFACT_ROOT_TAG: settings.artifact_root}
         try:
-            return mlflow.create_experiment(settings.experiment, artifact_location=artifacts.as_uri(), tags=tags)
+            return mlflow.create_experiment(
+                settings.experiment, artifact_location=artifact_location(settings), tags=tags
+            )
         except Exception:  # another process created it first
             exp = mlflow.get_experiment_by_name(settings.experiment)
     client = mlflow.MlflowClient()
     if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # experiments made before the tag existed
         client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    relocate(settings, exp)
+    check_location(settings, exp)
     return exp.experiment_id
 
 
-def _local_path(location: str) -> Path | None:
-    """The filesystem path of a ``file://`` URI or plain path; None for remote locations."""
-    from urllib.parse import unquote, urlparse
-
-    if location.startswith("file://"):
-        return Path(unquote(urlparse(location).path))
-    return Path(location) if location.startswith("/") else None
-
-
-def relocate(settings, exp) -> bool:
-    """Rebase the stored artifact locations when the project has moved; True when it did.
-
-    MLflow writes absolute artifact paths into the store (experiment, runs, logged models, model
-    versions). After ``mv``/``cp -r`` of the project, the copied sqlite store still points at the
-    original's ``mlruns/``. When the experiment was created with the same configured
-    ``artifact_root`` as now but resolves elsewhere, every stored path under the old root is
-    rewritten to the new one. A changed ``artifact_root`` setting is not a move: MLflow fixes an
-    experiment's location at creation, so that gets a warning (use a new experiment name).
-    Only a sqlite store inside the project (relative path) is rewritten; a tracking server owns its
-    own artifact locations.
-    """
-    import logging
-
-    old = _local_path(exp.artifact_location or "")
+def moves_with_project(settings) -> bool:
+    """True when store and artifacts both live inside the project (a relative sqlite path, a relative
+    artifact root): then artifact locations are stored relative to it. A store at an absolute path
+    may be shared by several checkouts, and a tracking server owns its own locations."""
     db = settings.uri.removeprefix("sqlite:///")
-    # only a store inside the project (a relative sqlite path) moves with it; a store at an absolute
-    # path may be shared by several checkouts, each with its own root: leave it alone
-    if old is None or not settings.uri.startswith("sqlite:///") or Path(db).is_absolute():
-        return False
-    new = Path(settings.artifact_root).resolve()
-    if old == new:
-        return False
-    root = Path(settings.artifact_root)
-    configured = exp.tags.get(ARTIFACT_ROOT_TAG)
-    # experiments created before the tag: the same relative root at the end of the old path
-    same_setting = configured == settings.artifact_root if configured else old.parts[-len(root.parts) :] == root.parts
-    if not same_setting or root.is_absolute():
-        logging.getLogger(__name__).warning(
-            "tracking.artifact_root = %r but experiment %r keeps its artifacts in %s (MLflow fixes an "
-            "experiment's artifact location when it is created): set tracking.experiment to a new name "
-            "to use the new root",
-            settings.artifact_root,
-            settings.experiment,
-            old,
-        )
-        return False
-    rebase_store(Path(db), old, new)
-    logging.getLogger(__name__).info("project moved: artifact locations rebased from %s to %s", old, new)
-    return True
+    return (
+        settings.uri.startswith("sqlite:///")
+        and not Path(db).is_absolute()
+        and not Path(settings.artifact_root).is_absolute()
+    )
 
 
-# (table, column) pairs of an MLflow 3.x sqlite store that hold artifact locations
-_LOCATION_COLUMNS = [
-    ("experiments", "artifact_location"),
-    ("runs", "artifact_uri"),
-    ("logged_models", "artifact_location"),
-    ("model_versions", "source"),
-    ("model_versions", "storage_location"),
-]
+def artifact_location(settings) -> str:
+    """The artifact location a new experiment gets: inside the project, the root relative to the store
+    (``store:artifacts``, :mod:`chatpipe.project_artifacts`), else the root's absolute ``file://`` URI."""
+    from chatpipe.project_artifacts import store_uri  # imports MLflow: not at the top of this module
+
+    if moves_with_project(settings):
+        return store_uri(Path(settings.artifact_root), settings.uri)
+    return Path(settings.artifact_root).resolve().as_uri()
 
 
-def rebase_store(db: Path, old: Path, new: Path) -> int:
-    """Rewrite every stored location under ``old`` (path or file URI) to sit under ``new``; returns rows changed."""
-    import sqlite3
+def check_location(settings, exp) -> bool:
+    """Warn when ``exp`` keeps its artifacts somewhere other than :func:`artifact_location` says; True if it does.
 
-    changed = 0
-    with sqlite3.connect(db) as con:
-        tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
-        for table, column in _LOCATION_COLUMNS:
-            if table not in tables:
-                continue
-            for before, after in ((old.as_uri(), new.as_uri()), (str(old), str(new))):
-                # exactly the old root, or something below it (not a sibling that shares the prefix)
-                cur = con.execute(
-                    f"update {table} set {column} = ? || substr({column}, ?) "
-                    f"where {column} = ? or substr({column}, 1, ?) = ?",
-                    (after, len(before) + 1, before, len(before) + 1, before + "/"),
-                )
-                changed += cur.rowcount
-    return changed
+    MLflow fixes an experiment's artifact location when it creates it, and chatpipe does not rewrite
+    its store: an experiment made with another ``artifact_root`` (or, inside the project, by a
+    chatpipe that stored absolute paths) keeps its location. A new ``tracking.experiment`` name
+    starts one at the configured root.
+    """
+    stored, wanted = exp.artifact_location or "", artifact_location(settings)
+    if stored == wanted or not stored.startswith(("file:", "/", wanted.split(":", 1)[0] + ":")):
+        return True
+    log.warning(
+        "tracking.artifact_root = %r but experiment %r keeps its artifacts in %s (MLflow fixes an "
+        "experiment's artifact location when it is created): set tracking.experiment to a new name "
+        "to use %s",
+        settings.artifact_root,
+        settings.experiment,
+        stored,
+        wanted,
+    )
+    return False
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -229,7 +216,7 @@ def numeric_leaves(d: dict[str, Any]) -> dict[str, float]:
 
 def base_tags(stage: str, profile: str) -> dict[str, str]:
     """Tags that trace a number back to what produced it."""
-    tags = {"stage": stage, "profile": profile, "git_commit": git_commit(), "dvc_lock": dvc_lock_hash()}
+    tags = {"stage": stage, "profile": profile, **source_tags(), "dvc_lock": dvc_lock_hash()}
     if os.environ.get(DVC_EXP_ENV):
         tags["dvc_exp"] = os.environ[DVC_EXP_ENV]
     return tags
@@ -417,45 +404,44 @@ def _stage_run(
         # process exits); end_run then stops the system-metrics thread, which sends its last batch
         with contextlib.suppress(Exception):
             mlflow.flush_async_logging()
-        if status == "FINISHED":  # not when stopping: a cancel publishes nothing more
-            _publish_a_system_sample(run.info.run_id)
         mlflow.end_run(status)
+        if status == "FINISHED":  # not when stopping: a cancel publishes nothing more
+            with contextlib.suppress(Exception):  # a sample is not worth failing a finished stage for
+                _publish_a_system_sample(run.info.run_id)
         if exp_parent:  # the DVC experiment's run ends (for now) with its latest stage
             mlflow.MlflowClient().set_terminated(exp_parent, status=status)
 
 
+# One psutil sample under the names MLflow's monitor gives it, so the UI shows it with the others.
+def _system_sample() -> dict[str, float]:
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return {
+        "system/cpu_utilization_percentage": psutil.cpu_percent(),  # since the last call (the monitor's first sample)
+        "system/system_memory_usage_megabytes": (mem.total - mem.available) / 2**20,
+        "system/system_memory_usage_percentage": mem.percent,
+    }
+
+
 def _publish_a_system_sample(run_id: str) -> None:
-    """Give a run that ends before MLflow's system-metrics monitor published anything one sample.
+    """Give an ended run that MLflow's system-metrics monitor published nothing for one sample.
 
-    The monitor thread samples, waits out its interval, then publishes; a stage shorter than that
-    would end with no system metrics. This stops the thread (as ``end_run`` would) and, when it has
-    published nothing, takes a sample now and queues it; ``end_run`` then flushes it. It reads the monitor MLflow keeps per active run (pinned MLflow 3.17);
-    without one it does nothing.
+    The monitor samples, waits out its interval, then publishes; a stage shorter than that ends with
+    no system metrics. After ``end_run`` (which stops the monitor and flushes what it had), this asks
+    the store whether the run has any ``system/`` metric and, if not, logs one psutil sample as
+    ordinary metrics: MLflow's public client only, no monitor internals.
     """
-    from mlflow.tracking import fluent
+    import mlflow
 
-    monitor = getattr(fluent, "run_id_to_system_metrics_monitor", {}).get(run_id)
-    thread = getattr(monitor, "_process", None)
-    if thread is None:
-        return
-    monitor._shutdown_event.set()
-    thread.join()
-    if monitor._logging_step == 0:  # the thread published nothing
-        monitor.collect_metrics()
-        monitor.publish_metrics(monitor.aggregate_metrics())
-
-
-def _process_start(pid: int) -> str | None:
-    """Start time of ``pid`` in clock ticks since boot (None: no such process)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    client = mlflow.MlflowClient()
+    if not any(k.startswith("system/") for k in client.get_run(run_id).data.metrics):
+        mlflow.log_metrics(_system_sample(), step=0, run_id=run_id)
 
 
 def process_tags() -> dict[str, str]:
     """Tags that identify the process owning a run, so a later run can tell it died."""
-    return {"host": socket.gethostname(), "pid": str(os.getpid()), "pid_start": str(_process_start(os.getpid()))}
+    return {"host": socket.gethostname(), "pid": str(os.getpid()), "pid_start": str(process_start(os.getpid()))}
 
 
 def run_is_orphaned(tags: dict[str, str]) -> bool:
@@ -468,7 +454,7 @@ def run_is_orphaned(tags: dict[str, str]) -> bool:
         return True
     if tags.get("host") != socket.gethostname():
         return False
-    return _process_start(int(tags["pid"])) != tags.get("pid_start")
+    return process_start(int(tags["pid"])) != tags.get("pid_start")
 
 
 def close_stale_runs(client, experiment_id: str, stage: str) -> list[str]:

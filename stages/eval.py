@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from chatpipe.evals.chatcore import evaluate_chatcore
 from chatpipe.evals.core import DEFAULT_CONFIG, evaluate_core, load_core_config
 from chatpipe.evals.core_tinyworld import write_tinyworld_bundle
 from chatpipe.evals.metrics import chatcore_label
-from chatpipe.io import fingerprint, replace_dir, sha256_file, write_json_atomic
+from chatpipe.io import atomic_dir, fingerprint, sha256_file, write_json_atomic
 from chatpipe.model.files import load_model
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.settings import MODEL_STAGES, EvalSettings, active_profile, snapshot
@@ -246,10 +245,8 @@ def write_results(cfg: EvalSettings, results: dict[str, dict], provenance: dict,
         "stages": results,
         "mlflow_run_id": run.id,  # the report credits this run (None without tracking)
     }
-    tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(tmp / "results.json", doc)
-    replace_dir(tmp, OUT)
+    with atomic_dir(OUT) as tmp:
+        write_json_atomic(tmp / "results.json", doc)
     # headline numbers per model (bpb, CORE, ChatCORE, each ChatCORE task): the metric names with one "/"
     write_metrics(
         "eval",

@@ -19,7 +19,7 @@ import logging
 import os
 
 from chatpipe import registry, runtime, tracking
-from chatpipe.io import replace_dir, sha256_file, write_json_atomic
+from chatpipe.io import replace_dir, sha256_file, temp_dir_beside, write_json_atomic
 from chatpipe.paths import ARTIFACTS
 from chatpipe.report import (
     COLUMNS,
@@ -50,8 +50,7 @@ def report(cfg: ReportSettings) -> None:
         raise FileNotFoundError(f"{results_path} not found: run the eval stage first")
     results = json.loads(results_path.read_text())
     parent_id = os.environ.get(tracking.PARENT_ENV) or None
-    tmp = OUT.with_name(f".{OUT.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir_beside(OUT)
 
     with tracking.tracked_run("report", {"report": snapshot(cfg)}) as run:
         # --- curves and wall times from MLflow

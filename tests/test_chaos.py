@@ -1,6 +1,7 @@
 """bench/chaos.py, shortened: kill -9 the pretrain worker (once at a random moment, once during a
 checkpoint write... every third trial) and SIGTERM the flow; every re-run must end bitwise equal
-to the uninterrupted run with no process, temp file or RUNNING MLflow run left behind."""
+to the uninterrupted run with no process, temp file or RUNNING MLflow run left behind. And
+bench/chaos_writes.py: kill -9 during file writes leaves the old file or the new one."""
 
 from __future__ import annotations
 
@@ -22,3 +23,20 @@ def test_chaos_pretrain_short():
     assert s["during_checkpoint_write"] >= 1, s
     assert s["identical_finals"] == s["trials"], s
     assert s["procs_left"] == s["temps_left"] == s["runs_left_running"] == 0, s
+
+
+@pytest.mark.slow
+def test_kill_9_during_tokenizer_tokenstore_report_and_settings_writes_leaves_old_or_new(tmp_path):
+    """bench/chaos_writes.py: SIGKILL a process rewriting each kind of file (alternating two
+    versions) at random moments; every target is then exactly one version, never a partial file."""
+    import chaos_writes
+
+    summary = chaos_writes.main(["--trials", "3", "--work", str(tmp_path)])
+    assert set(summary) == {"tokenizer", "tokenstore", "report", "settings"}
+    for kind, s in summary.items():
+        assert s["partial"] == [], (kind, s)
+    # the kills did land mid-write (each such kill leaves its hidden temp file): the check had work to do
+    assert sum(s["temps_left"] for s in summary.values()) >= 1, summary
+    # and the check finds the partial files of a writer that writes straight onto the target
+    control = chaos_writes.main(["--trials", "3", "--kinds", "plain", "--work", str(tmp_path / "plain")])
+    assert control["plain"]["partial"], control

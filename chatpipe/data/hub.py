@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from chatpipe.io import sha256_file
+from chatpipe.io import move_into_place, sha256_file, write_text_atomic
 from chatpipe.progress import Progress, progress
 
 log = logging.getLogger(__name__)
@@ -244,9 +244,7 @@ def read_manifest(cache_dir: Path) -> dict[str, Any]:
 
 def _write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
     path = Path(cache_dir) / MANIFEST
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def _key(repo_type: str, repo: str, revision: str, file: str) -> str:
@@ -396,8 +394,7 @@ def _download_one(
                 f"checksum mismatch: {m['algorithm']} {m['actual']} != {m['expected']} listed by the hub"
             )
         final = repo_dir(cache_dir, repo) / file
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged, final)  # out of staging: the next file's check hashes only that one
+        move_into_place(staged, final)  # out of staging: the next file's check hashes only that one
         # verified, so an LFS file's sha256 is the hub's; a plain git file was checked by blob sha1
         sha256 = info.lfs.sha256 if getattr(info, "lfs", None) else sha256_file(final)
         return HubFile(repo, commit, file, final.stat().st_size, sha256, revision, repo_type, str(final))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +35,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from chatpipe.io import sha256_file, write_json_atomic
+from chatpipe.io import atomic_write, sha256_file, write_json_atomic
 
 TOKEN_MANIFEST = "manifest.json"
 # Bumped when the layout changes, so a cache in an older layout is rebuilt, not misread.
@@ -60,10 +59,8 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     last, with fsync) is what marks the store complete; a per-file fsync made the tiny pipeline's
     tokenization measurably slower than before the store.
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb", fsync=False) as f:
         np.save(f, array)
-    os.replace(tmp, path)
 
 
 log = logging.getLogger(__name__)

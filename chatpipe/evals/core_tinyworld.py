@@ -19,13 +19,13 @@ The texts follow the sentence templates of the pretraining documents (chatpipe/d
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import yaml
 
 from chatpipe.data.synthetic import DOMAIN_VALUES, TOWNS, WORLD, qa_pairs, vocabulary
+from chatpipe.io import write_text_atomic
 
 # label, type, num_fewshot, random_baseline
 TASKS = [
@@ -88,9 +88,7 @@ def _spell_rows(rng: random.Random, n: int) -> list[dict]:
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 def write_tinyworld_bundle(out_dir: Path, seed: int = 0, n: int = 200) -> Path:
@@ -120,7 +118,5 @@ def write_tinyworld_bundle(out_dir: Path, seed: int = 0, n: int = 200) -> Path:
             }
         )
     config = out_dir / "core_tasks.yaml"
-    tmp = config.with_name(f".{config.name}.tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump({"tasks": entries}, sort_keys=False))
-    os.replace(tmp, config)
+    write_text_atomic(config, yaml.safe_dump({"tasks": entries}, sort_keys=False))
     return config

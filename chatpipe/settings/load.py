@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from chatpipe.io import write_text_atomic
 from chatpipe.settings.base import FILE_VALUES_GIVEN, SECTIONS, StageSettings
 from chatpipe.settings.cli import format_error, parse_cli
 from chatpipe.settings.params import (
@@ -157,8 +158,6 @@ def write_overlays(
         text += yaml.safe_dump(overlay.get(section) or {}, sort_keys=True)
         target = out_dir / f"{section}.yaml"
         if not target.exists() or target.read_text() != text:
-            tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-            tmp.write_text(text)
-            os.replace(tmp, target)
+            write_text_atomic(target, text)
         written.append(target)
     return written

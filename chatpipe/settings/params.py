@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from chatpipe.io import write_text_atomic
 from chatpipe.settings.errors import ParamsError
 from chatpipe.settings.yamlfile import read_settings_yaml
 
@@ -105,6 +106,4 @@ def write_profile(name: str, path: Path | None = None) -> None:
     if n == 0:
         new = f"profile: {name}\n" + text
     if new != text:
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(new)
-        os.replace(tmp, path)
+        write_text_atomic(path, new)

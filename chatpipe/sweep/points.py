@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from chatpipe.io import fingerprint, sha256_file, write_json_atomic
+from chatpipe.io import atomic_dir, fingerprint, sha256_file, write_json_atomic
 from chatpipe.sweep.spec import PLACEMENT_SECTIONS
 
 CODE_DIRS = ("chatpipe", "stages")
@@ -54,10 +54,9 @@ def snapshot_code(repo: Path, runs: Path, code: str) -> Path:
     repo while a sweep runs cannot give later points other code than their hash says."""
     dest = runs / f"code-{code}"
     if not dest.exists():
-        tmp = runs / f".code-{code}.tmp{os.getpid()}"
-        for top in CODE_DIRS:
-            shutil.copytree(repo / top, tmp / top, ignore=shutil.ignore_patterns("__pycache__"))
-        os.replace(tmp, dest)
+        with atomic_dir(dest) as tmp:
+            for top in CODE_DIRS:
+                shutil.copytree(repo / top, tmp / top, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
 

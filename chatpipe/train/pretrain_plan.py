@@ -84,31 +84,26 @@ def horizon_for(cfg: PretrainSettings, model: GPT, world_size: int) -> Horizon:
 
     The d12 reference is the same recipe at depth 12, built on the meta device (allocates nothing).
     """
+    # what both derivations take from the settings as they are
+    given = {
+        "flops_per_token": model.flops_per_token(),
+        "ratio": cfg.target_param_data_ratio,
+        "total_batch_size": cfg.total_batch_size,
+        "num_iterations": cfg.max_steps,
+        "weight_decay": cfg.weight_decay,
+    }
     if not uses_nanochat_horizon(cfg):  # fixed batch, ratio over the 2025 count, LRs and decay as given
-        return derive_horizon(
-            scaling_params=legacy_ratio_params(model),
-            reference_params=legacy_ratio_params(model),
-            flops_per_token=model.flops_per_token(),
-            ratio=cfg.target_param_data_ratio,
-            total_batch_size=cfg.total_batch_size,
-            num_iterations=cfg.max_steps,
-            weight_decay=cfg.weight_decay,
-            lr_scaling=False,
-            wd_scaling=False,
-        )
+        n = legacy_ratio_params(model)
+        return derive_horizon(scaling_params=n, reference_params=n, lr_scaling=False, wd_scaling=False, **given)
     with torch.device("meta"):
         reference = GPT(model_config_for(cfg.model_copy(update={"depth": REFERENCE_DEPTH}), model.config.vocab_size))
     horizon = derive_horizon(
         scaling_params=model.scaling_params(),
         reference_params=reference.scaling_params(),
-        flops_per_token=model.flops_per_token(),
-        ratio=cfg.target_param_data_ratio,
-        total_batch_size=cfg.total_batch_size,
-        num_iterations=cfg.max_steps,
         target_flops=cfg.target_flops,
-        weight_decay=cfg.weight_decay,
         lr_scaling=cfg.lr_scaling,
         wd_scaling=cfg.wd_scaling,
+        **given,
     )
     unit = cfg.device_batch_size * cfg.sequence_len * world_size
     if horizon.total_batch_size % unit:  # gradient accumulation needs whole micro-batches on every rank

@@ -37,6 +37,7 @@ class HumanEval(Task):
     def __init__(self, split: str = "test", limit: int | None = None) -> None:
         if split != "test":
             raise ValueError(f"humaneval: split = {split!r}; allowed: test")
+        sandbox_mode()  # no bubblewrap, no HumanEval: fail with the install hint before any sampling
         super().__init__(limit_rows(load_problems(), limit), split)
 
     def conversation(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +54,7 @@ class HumanEval(Task):
 
     @property
     def sandbox(self) -> str:
-        """Where :meth:`evaluate` runs the code: "bubblewrap" or "fallback (<why>)" (kept with the results)."""
+        """Where :meth:`evaluate` runs the code: "bubblewrap" (kept with the results)."""
         return sandbox_mode()
 
     def evaluate(self, conversation: dict[str, Any], completion: str) -> bool:
