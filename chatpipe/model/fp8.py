@@ -127,14 +127,22 @@ def _to_float8(x: torch.Tensor, dtype: torch.dtype, max_value: float) -> tuple[t
 
 
 def _scaled_matmul(
-    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a * a_inv) @ (b * b_inv)`` of FP8 ``a`` [M, K] and ``b`` [K, N]: ``torch._scaled_mm`` on CUDA
     (it wants ``a`` row-major and ``b`` column-major); on CPU (tests) the same values multiplied in
-    float32, as torchao's emulation does."""
+    float32, as torchao's emulation does. ``fast_accum``: Hopper's faster, less exact accumulation,
+    for the forward only (torchao's default too); the gradients accumulate exactly."""
     if a.device.type == "cuda":
         b = b.t().contiguous().t() if b.stride(0) != 1 else b
-        return torch._scaled_mm(a.contiguous(), b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+        return torch._scaled_mm(
+            a.contiguous(), b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
     return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
 
 
@@ -146,7 +154,7 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
         x2 = x.reshape(-1, x.size(-1))
         x8, x_inv = _to_float8(x2, torch.float8_e4m3fn, E4M3_MAX)
         w8, w_inv = _to_float8(weight, torch.float8_e4m3fn, E4M3_MAX)
-        out = _scaled_matmul(x8, x_inv, w8.t(), w_inv, out_dtype)
+        out = _scaled_matmul(x8, x_inv, w8.t(), w_inv, out_dtype, fast_accum=True)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         ctx.shapes = (x.shape, x.dtype, weight.dtype)
         return out.view(*x.shape[:-1], weight.size(0))
