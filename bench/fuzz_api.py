@@ -133,6 +133,8 @@ def classify(case: Any, response: httpx.Response, negative: bool, checks: list) 
 def send(client: httpx.Client, case: Any) -> httpx.Response:
     kw = case.as_transport_kwargs(base_url=str(client.base_url))
     kw.pop("url", None)
+    if isinstance(kw.get("data"), (str, bytes)):  # a raw body (not a form): httpx calls that content
+        kw["content"] = kw.pop("data")
     return client.request(kw.pop("method"), case.formatted_path, **{k: kw[k] for k in kw if k in SEND_KEYS})
 
 
