@@ -94,9 +94,16 @@ def api_row(n: int) -> str:
     result = module.campaign(n)
     if isinstance(result, str):
         return result.rstrip("\n")
-    if isinstance(result, dict):
-        return row("API requests", collections.Counter(result))
-    return "\n".join(str(r) for r in result)
+    lines = []
+    for part, label in (("generated", "typed /v1 bodies (generated)"), ("hand-made", "hand-made requests")):
+        c = result.get(part) or {}
+        crashed = f"{c.get('5xx', 0)} x 5xx" + (
+            f", {c['bad shape']} 4xx in the wrong shape" if c.get("bad shape") else ""
+        )
+        lines.append(
+            f"| {label} | {c.get('tried', 0)} | {c.get('clean', 0)} | {crashed} | {c.get('silently wrong', 0)} |"
+        )
+    return "\n".join(lines)
 
 
 def row(part: str, c: collections.Counter) -> str:

@@ -281,6 +281,16 @@ def test_shifted_offsets_and_a_scrambled_index_are_named(small_store, target, ed
         TokenDocs(root / "tokens", "train")
 
 
+def test_a_damaged_npy_header_is_named(small_store):
+    root, _ = small_store
+    path = root / "tokens" / "train_00001.offsets.npy"
+    data = path.read_bytes()
+    shape = data.index(b"'shape': (") + len(b"'shape': (")
+    path.write_bytes(data[:shape] + data[shape:].replace(b",)", b", ", 1))  # numpy's header parser: TokenError
+    with pytest.raises(ValueError, match=r"train_00001\.offsets\.npy: corrupt or truncated token file"):
+        TokenDocs(root / "tokens", "train")
+
+
 def test_a_corrupt_store_manifest_is_named(small_store):
     root, _ = small_store
     (root / "tokens" / "manifest.json").write_text('{"fingerprint": ')
