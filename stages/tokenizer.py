@@ -14,8 +14,6 @@ import shutil
 import time
 from collections.abc import Iterator
 
-import torch
-
 from chatpipe import runtime, tracking
 from chatpipe.data.sources import iter_documents
 from chatpipe.io import replace_dir, write_json_atomic
@@ -62,8 +60,7 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
         # --- save atomically: build in a temp dir, then swap it in
         tmp = out_dir.with_name(f".{out_dir.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tok.save(tmp)
-        torch.save(tok.token_bytes(), tmp / "token_bytes.pt")
+        tok.save(tmp)  # tokenizer.json, ranks and token_bytes.pt, with the checksums load verifies
         write_json_atomic(tmp / "report.json", report)
         replace_dir(tmp, out_dir)
         write_metrics(
