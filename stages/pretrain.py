@@ -37,9 +37,9 @@ from chatpipe.train.pretrain_plan import (
     apply_horizon,
     check_memory_fits,
     compile_pays,
-    estimate_memory_bytes,
     horizon_for,
     model_config_for,
+    model_memory_bytes,
     polar_express_dtype,
 )
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
@@ -190,18 +190,9 @@ def build_model(cfg: PretrainSettings, tok: Tokenizer, rt: runtime.Runtime) -> G
     model.init_weights()
     if cfg.fp8:
         enable_fp8(model)  # block matrices only; eval, samples and saved weights go through plain Linear
+    # the plan's figure for this model (value embeddings and padded vocabulary included), as `chatpipe plan` prints it
     check_memory_fits(
-        estimate_memory_bytes(
-            model.num_params(),
-            model.num_embedding_params(),
-            model_config.n_layer,
-            model_config.n_embd,
-            tok.vocab_size,
-            cfg.device_batch_size,
-            cfg.sequence_len,
-        ),
-        rt.device,
-        cfg.device_batch_size,
+        model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len), rt.device, cfg.device_batch_size
     )
     return model
 
