@@ -82,6 +82,23 @@ class Models:
 
 
 @dataclass
+class Prompts:
+    """RL's own sampling state, carried across a resume through the loop's ``stage_state``: per step
+    every rank's prompt indices, and filter_solved's prompts solved so far and the pool sampled since
+    ``pool_start``."""
+
+    log: list = field(default_factory=list)
+    solved: list[int] = field(default_factory=list)
+    pool: list[int] | None = None
+    pool_start: int = 0
+
+    @classmethod
+    def resumed(cls, meta: dict) -> Prompts:
+        """The state a checkpoint's ``meta`` saved (:func:`rl_state`), or a fresh one for ``{}``."""
+        return cls(list(meta.get("prompt_indices", [])), **meta.get("filter", {}))
+
+
+@dataclass
 class Parts:
     """What the loop works with, all built before it starts."""
 
@@ -97,24 +114,7 @@ class Parts:
     train_policy: torch.nn.Module  # the policy, DDP-wrapped when there are several ranks
     train_critic: torch.nn.Module | None
     value_norm: losses.ValueNorm | None = None  # PPO's running moments of the returns (rl.value_norm)
-    prompts: Prompts = field(default_factory=lambda: Prompts())
-
-
-@dataclass
-class Prompts:
-    """RL's own sampling state, carried across a resume through the loop's ``stage_state``: per step
-    every rank's prompt indices, and filter_solved's prompts solved so far and the pool sampled since
-    ``pool_start``."""
-
-    log: list = field(default_factory=list)
-    solved: list[int] = field(default_factory=list)
-    pool: list[int] | None = None
-    pool_start: int = 0
-
-    @classmethod
-    def resumed(cls, meta: dict) -> Prompts:
-        """The state a checkpoint's ``meta`` saved (:func:`rl_state`), or a fresh one for ``{}``."""
-        return cls(list(meta.get("prompt_indices", [])), **meta.get("filter", {}))
+    prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
 
 
 def rl_state(parts: Parts) -> dict:
