@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,7 +39,6 @@ from chatpipe.io import sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.progress import Progress, progress
 from chatpipe.rl import losses
 from chatpipe.rl.reward_model import RewardModel, is_reward_model_dir, load_reward_model, rollout_scores
 from chatpipe.rl.rewards import combine_rewards
@@ -50,10 +50,10 @@ from chatpipe.settings import RLSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.checkpoint import carried_over, producing_runs
-from chatpipe.train.loop import due
-from chatpipe.train.optim import apply_schedules, build_optimizers
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta
+from chatpipe.train.checkpoint import carried_over
+from chatpipe.train.optim import build_optimizers
+from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
+from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
 
 log = logging.getLogger("rl")
 
@@ -82,6 +82,23 @@ class Models:
 
 
 @dataclass
+class Prompts:
+    """RL's own sampling state, carried across a resume through the loop's ``stage_state``: per step
+    every rank's prompt indices, and filter_solved's prompts solved so far and the pool sampled since
+    ``pool_start``."""
+
+    log: list = field(default_factory=list)
+    solved: list[int] = field(default_factory=list)
+    pool: list[int] | None = None
+    pool_start: int = 0
+
+    @classmethod
+    def resumed(cls, meta: dict) -> Prompts:
+        """The state a checkpoint's ``meta`` saved (:func:`rl_state`), or a fresh one for ``{}``."""
+        return cls(list(meta.get("prompt_indices", [])), **meta.get("filter", {}))
+
+
+@dataclass
 class Parts:
     """What the loop works with, all built before it starts."""
 
@@ -97,56 +114,46 @@ class Parts:
     train_policy: torch.nn.Module  # the policy, DDP-wrapped when there are several ranks
     train_critic: torch.nn.Module | None
     value_norm: losses.ValueNorm | None = None  # PPO's running moments of the returns (rl.value_norm)
+    prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
 
 
-@dataclass
-class LoopState:
-    """What the loop carries from step to step, and a checkpoint carries across a resume."""
+def rl_state(parts: Parts) -> dict:
+    """What a checkpoint carries of RL beside the loop's state: the KL coefficient, the prompt log,
+    the replay cursor, value_norm's moments and filter_solved's pool."""
+    prompts = parts.prompts
+    return {
+        "kl_coef": parts.kl_ctl.value,
+        "init_dir": str(Path(parts.cfg.init_dir)),
+        "prompt_indices": prompts.log,
+        "replay": parts.replay_loader.state() if parts.replay_loader else None,
+        "value_norm": parts.value_norm.state() if parts.value_norm else None,
+        "filter": {"solved": prompts.solved, "pool": prompts.pool, "pool_start": prompts.pool_start},
+    }
 
-    start_step: int = 0
-    step: int = 0
-    prompt_log: list = field(default_factory=list)  # per step, every rank's prompt indices
-    first_eval: dict[str, float] | None = None
-    evals: dict[str, float] = field(default_factory=dict)
-    carried: dict = field(default_factory=dict)
-    # totals over every run that trained this policy, so a resume reports the same summary
-    gen_seconds: float = 0.0
-    train_seconds: float = 0.0
-    gen_tokens: int = 0
-    run_ids: list[str] = field(default_factory=list)
-    # filter_solved: prompts a step's group solved at that rate, and the pool sampled since pool_start
-    solved: list[int] = field(default_factory=list)
-    pool: list[int] | None = None
-    pool_start: int = 0
 
-    @classmethod
-    def resumed(cls, meta: dict) -> LoopState:
-        """The state a checkpoint's ``meta`` saved, or a fresh one for ``{}``."""
-        if not meta:
-            return cls()
-        carried = carried_over(meta)
-        return cls(
-            start_step=meta["step"],
-            step=meta["step"],
-            prompt_log=meta["prompt_indices"],
-            first_eval=meta["first_eval"],
-            carried=carried,
-            gen_seconds=carried.get("gen_seconds", 0.0),
-            train_seconds=carried.get("train_seconds", 0.0),
-            gen_tokens=carried.get("gen_tokens", 0),
-            **meta.get("filter", {}),
-        )
+def loop_meta(meta: dict) -> dict:
+    """``meta`` as :meth:`LoopState.resumed` reads it. A checkpoint written before RL ran the shared
+    loop holds ``first_eval`` beside ``carried`` and counts ``train_seconds`` without generation; it
+    resumes with both moved to the shared loop's meaning."""
+    if "first_eval" not in meta:
+        return meta
+    carried = carried_over(meta)
+    carried["train_seconds"] = carried.get("train_seconds", 0.0) + carried.get("gen_seconds", 0.0)
+    carried["first_evals"] = meta["first_eval"] or {}
+    return {**meta, "carried": carried}
 
-    def summary(self) -> dict[str, float]:
-        """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k."""
-        return {
-            "steps": self.step,
-            "gen_seconds": self.gen_seconds,
-            "train_seconds": self.train_seconds,
-            "rollout_tokens_per_s": self.gen_tokens / max(self.gen_seconds, 1e-9),
-            **{f"first_{k}": v for k, v in (self.first_eval or {}).items()},
-            **{f"final_{k}": v for k, v in self.evals.items()},
-        }
+
+def summary(state: LoopState) -> dict[str, float]:
+    """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k."""
+    gen_seconds = state.total("gen_seconds")
+    return {
+        "steps": state.step,
+        "gen_seconds": gen_seconds,
+        "train_seconds": state.total("train_seconds") - gen_seconds,
+        "rollout_tokens_per_s": state.total("gen_tokens") / max(gen_seconds, 1e-9),
+        **{f"first_{k}": v for k, v in state.first_evals.items()},
+        **{f"final_{k}": v for k, v in state.evals.items()},
+    }
 
 
 def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
@@ -176,35 +183,33 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         **role_inputs(cfg),
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
-    state = LoopState.resumed(meta)
+    meta = loop_meta(meta)
+    state = LoopState.resumed(meta, cfg.max_steps)
     value_norm = losses.ValueNorm(cfg.value_norm_beta) if cfg.value_norm and models.critic else None
     if meta:
         kl_ctl.value = meta["kl_coef"]
         if value_norm is not None:
             value_norm.load(meta["value_norm"])
-    replay_loader = None
-    if replay_pack:  # its cursor resumes where the checkpoint left it
-        start_row = meta["replay"]["row"] if meta else 0
-        replay_loader = ConversationLoader(
-            *replay_pack,
-            batch_size=cfg.replay_rows,
-            seq_len=replay_seq_len,
-            pad_id=tok.bos_id,
-            start_row=start_row,
-            **rt.shard,
-        )
+    replay_loader = resumed_replay(cfg, tok, replay_seq_len, replay_pack, meta, rt)
     train_policy = distributed(models.policy, rt)
     train_critic = distributed(models.critic, rt) if models.critic else None
     problems = (train_problems, eval_problems)
     engine = Engine(models.policy, tok)
     parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
-    parts.value_norm = value_norm
-
-    def checkpoint_meta() -> dict:
-        return rl_meta(parts, state, run_meta("rl", run_fp, cfg, inputs, rt, models.policy.config))
-
-    checkpoints = Checkpointer(
-        work, cfg, models.state, models.optimizers, meta=checkpoint_meta, rt=rt, start_step=state.start_step
+    parts.value_norm, parts.prompts = value_norm, Prompts.resumed(meta)
+    loop = Loop(
+        "rl",
+        cfg,
+        rt,
+        work,
+        models.state,
+        models.optimizers,
+        step=functools.partial(rl_step, parts),
+        schedule=lambda step: (1.0 - step / cfg.max_steps, None),  # the RL LRs decay linearly to 0
+        hooks=[Every(lambda step: pass_at_k(parts), cfg.eval_every, at_start=True)],
+        identity=run_meta("rl", run_fp, cfg, inputs, rt, models.policy.config),
+        stage_state=functools.partial(rl_state, parts),
+        headline="reward/mean",
     )
 
     # --- loop
@@ -216,17 +221,26 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     }
     with tracked_run("rl", params, rt) as run:
         metrics = Curves(run, "rl", ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"], enabled=rt.is_main)
-        bar = progress(cfg.max_steps, "rl", initial=state.start_step, unit="step")
-        state.run_ids = producing_runs(state.carried, run.id, trains=state.start_step < cfg.max_steps)
-        run_loop(parts, state, checkpoints, metrics, bar)
-
+        run_loop(loop, state, run, metrics)
         # --- save the final policy for eval and chat
-        bar.close()
-        out_dir, summary = ARTIFACTS / "rl", state.summary()
+        out_dir = ARTIFACTS / "rl"
         finish_stage(
-            out_dir, models.policy, checkpoint_meta(), summary, step=state.step, run=run, metrics=metrics, rt=rt
+            out_dir, models.policy, loop.meta(state), summary(state), step=state.step, run=run, metrics=metrics, rt=rt
         )
     runtime.barrier()
+
+
+def resumed_replay(
+    cfg: RLSettings, tok: Tokenizer, seq_len: int, rows: tuple | None, meta: dict, rt: runtime.Runtime
+) -> ConversationLoader | None:
+    """The loader of the replayed chat-stage ``rows`` (None when replay is off), its cursor where the
+    checkpoint ``meta`` left it."""
+    if not rows:
+        return None
+    start_row = meta["replay"]["row"] if meta else 0
+    return ConversationLoader(
+        *rows, batch_size=cfg.replay_rows, seq_len=seq_len, pad_id=tok.bos_id, start_row=start_row, **rt.shard
+    )
 
 
 def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
@@ -348,70 +362,28 @@ def replay_rows(cfg: RLSettings, tok: Tokenizer, policy: GPT) -> tuple[int, tupl
     return replay_seq_len, replay_pack
 
 
-def rl_meta(parts: Parts, state: LoopState, run_identity: dict) -> dict:
-    """A checkpoint's meta (and the final ``meta.json``): the run's identity plus the loop state."""
-    return {
-        **run_identity,
-        "kl_coef": parts.kl_ctl.value,
-        "init_dir": str(Path(parts.cfg.init_dir)),
-        "total_steps": parts.cfg.max_steps,
-        "prompt_indices": state.prompt_log,
-        "replay": parts.replay_loader.state() if parts.replay_loader else None,
-        "first_eval": state.first_eval,
-        "value_norm": parts.value_norm.state() if parts.value_norm else None,
-        "filter": {"solved": state.solved, "pool": state.pool, "pool_start": state.pool_start},
-        "carried": {
-            "gen_seconds": state.gen_seconds,
-            "train_seconds": state.train_seconds,
-            "gen_tokens": state.gen_tokens,
-            "mlflow_run_ids": state.run_ids,
-        },
+def rl_step(parts: Parts, step: int) -> StepOut:
+    """One rollout-and-update step (its LR already set by the loop): sample and score this rank's
+    prompts, update on them; its row holds the rollouts' means over every rank and the update's stats."""
+    t0 = time.perf_counter()
+    batch = sample_rollouts(parts, step)
+    batch, reward_stats = score_rollouts(parts, batch)
+    t_gen = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    stats = update(parts, batch, step)
+    t_train = time.perf_counter() - t1
+    totals = RolloutTotals.of(batch, kl_sum=stats.pop("kl_sum", 0.0)).summed_over_ranks(parts.rt.device)
+    row = {
+        **totals.means(),
+        "rollout/tokens_per_s": totals.tokens / max(t_gen, 1e-9),  # ranks sample in parallel
+        "time/gen_share": t_gen / (t_gen + t_train),
+        "kl/coef": parts.kl_ctl.value,
+        **{f"tools/{k}": float(v) for k, v in parts.engine.tool_stats.items()},  # running totals, this rank
+        **stats,
+        **reward_stats,
     }
-
-
-def run_loop(parts: Parts, state: LoopState, checkpoints: Checkpointer, metrics: Curves, bar: Progress) -> None:
-    """Train from ``state.step`` to ``max_steps``: held-out pass@k at the first, every ``eval_every``
-    and the last step, checkpoints when due, and one rollout-and-update step in between."""
-    cfg = parts.cfg
-    while True:
-        last = state.step == cfg.max_steps
-        if last or state.step == state.start_step or due(state.step, cfg.eval_every):
-            state.evals = pass_at_k(parts)
-            state.first_eval = state.first_eval or state.evals
-            metrics.log(state.evals, state.step)
-            log.info("step %d | %s", state.step, " | ".join(f"{k} {v:.3f}" for k, v in state.evals.items()))
-        checkpoints.save_if_due(state.step, last=last)
-        if last:
-            return
-
-        lr_mult = 1.0 - state.step / cfg.max_steps
-        apply_schedules(parts.models.optimizers, lr_mult, None)
-        t0 = time.perf_counter()
-        batch = sample_rollouts(parts, state)
-        batch, reward_stats = score_rollouts(parts, batch)
-        t_gen = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        stats = update(parts, batch, state.step)
-        t_train = time.perf_counter() - t1
-        state.step += 1
-
-        totals = RolloutTotals.of(batch, kl_sum=stats.pop("kl_sum", 0.0)).summed_over_ranks(parts.rt.device)
-        state.gen_tokens += int(totals.tokens)
-        state.gen_seconds, state.train_seconds = state.gen_seconds + t_gen, state.train_seconds + t_train
-        row = {
-            **totals.means(),
-            "rollout/tokens_per_s": totals.tokens / max(t_gen, 1e-9),  # ranks sample in parallel
-            "time/gen_share": t_gen / (t_gen + t_train),
-            "lr_mult": lr_mult,
-            "kl/coef": parts.kl_ctl.value,
-            **{f"tools/{k}": float(v) for k, v in parts.engine.tool_stats.items()},  # running totals, this rank
-            **stats,
-            **reward_stats,
-        }
-        metrics.log(row, state.step)
-        bar.update(reward=row["reward/mean"])
-        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-            log_step(state.step, cfg.max_steps, row, {**stats, **reward_stats}, t_gen + t_train)
+    # "gen_tokens", not "tokens": the loop's tokens_per_s and MFU are for trained tokens
+    return StepOut(row, {"gen_seconds": t_gen, "gen_tokens": int(totals.tokens)})
 
 
 def check_minibatches(cfg: RLSettings, world_size: int) -> None:
@@ -424,17 +396,18 @@ def check_minibatches(cfg: RLSettings, world_size: int) -> None:
         )
 
 
-def sample_rollouts(parts: Parts, state: LoopState) -> Rollouts:
-    """This rank's prompts x ``group_size`` responses for step ``state.step``, seeded by (seed, step,
-    rank); rank 0 records who sampled what in ``state.prompt_log`` (tests check no overlap). With
+def sample_rollouts(parts: Parts, step: int) -> Rollouts:
+    """This rank's prompts x ``group_size`` responses for step ``step``, seeded by (seed, step,
+    rank); every rank records who sampled what in ``parts.prompts.log`` (tests check no overlap). With
     ``generation_size`` each prompt is sampled that many times and the best ``group_size`` kept."""
     cfg, rt, policy = parts.cfg, parts.rt, parts.models.policy
     per_rank = cfg.prompts_per_step // rt.world_size
-    pool = prompt_pool(cfg, len(parts.train_problems), state)
-    seed = cfg.seed + state.pool_start  # pool_start is 0 unless filter_solved re-pooled
-    picks = rank_indices(len(pool), state.step - state.pool_start, per_rank, rt.rank, rt.world_size, seed)
+    prompts = parts.prompts
+    pool = prompt_pool(cfg, len(parts.train_problems), prompts, step)
+    seed = cfg.seed + prompts.pool_start  # pool_start is 0 unless filter_solved re-pooled
+    picks = rank_indices(len(pool), step - prompts.pool_start, per_rank, rt.rank, rt.world_size, seed)
     idx = [pool[i] for i in picks]
-    state.prompt_log.append(gather(idx, rt))
+    prompts.log.append(gather(idx, rt))
     policy.eval()
     batch = collect_rollouts(
         parts.engine,
@@ -444,32 +417,32 @@ def sample_rollouts(parts: Parts, state: LoopState) -> Rollouts:
         temperature=cfg.temperature,
         top_k=cfg.top_k or None,
         device=rt.device,
-        seed=((cfg.seed * 1_000_003 + state.step) * rt.world_size + rt.rank) * per_rank,
+        seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank,
         generation_size=cfg.generation_size,
     )
     policy.train()
     if cfg.filter_solved > 0:
         rates = losses.group_solve_rates(batch.correct, batch.groups)
         solved = [idx[g] for g, rate in rates.items() if rate >= cfg.filter_solved]
-        state.solved = sorted(set(state.solved).union(*gather(solved, rt)))
+        prompts.solved = sorted(set(prompts.solved).union(*gather(solved, rt)))
     return batch
 
 
-def prompt_pool(cfg: RLSettings, num_problems: int, state: LoopState) -> list[int]:
-    """The train prompts sampled from at ``state.step``: all of them, or with ``filter_solved`` those
-    not solved as of the end of the pool's last epoch (AReaL filters its dataset once per epoch). A
-    pool too small for one step stays as it was."""
+def prompt_pool(cfg: RLSettings, num_problems: int, prompts: Prompts, step: int) -> list[int]:
+    """The train prompts sampled from at ``step``: all of them, or with ``filter_solved`` those not
+    solved as of the end of the pool's last epoch (AReaL filters its dataset once per epoch). A pool
+    too small for one step stays as it was."""
     everything = range(num_problems)
     if cfg.filter_solved <= 0:
         return list(everything)
-    pool = state.pool if state.pool is not None else list(everything)
-    if state.step - state.pool_start >= len(pool) // cfg.prompts_per_step:  # the pool's epoch is over
-        solved = set(state.solved)
+    pool = prompts.pool if prompts.pool is not None else list(everything)
+    if step - prompts.pool_start >= len(pool) // cfg.prompts_per_step:  # the pool's epoch is over
+        solved = set(prompts.solved)
         fresh = [i for i in everything if i not in solved]
         if len(fresh) >= cfg.prompts_per_step:
-            pool, state.pool_start = fresh, state.step
-            log.info("step %d | filter_solved: %d of %d prompts left", state.step, len(pool), len(everything))
-    state.pool = pool
+            pool, prompts.pool_start = fresh, step
+            log.info("step %d | filter_solved: %d of %d prompts left", step, len(pool), len(everything))
+    prompts.pool = pool
     return pool
 
 
@@ -547,20 +520,6 @@ def pass_at_k(parts: Parts) -> dict[str, float]:
     )
     runtime.all_reduce_sum(sums)
     return {f"eval/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
-
-
-def log_step(step: int, max_steps: int, row: dict[str, float], stats: dict[str, float], seconds: float) -> None:
-    log.info(
-        "step %d/%d | reward %.3f | len %.1f | kl %.4f | %s | gen %.0f%% of %.1fs",
-        step,
-        max_steps,
-        row["reward/mean"],
-        row["response/length"],
-        row["kl/mean"],
-        " ".join(f"{k} {v:.3g}" for k, v in stats.items()),
-        100 * row["time/gen_share"],
-        seconds,
-    )
 
 
 def distributed(module: torch.nn.Module, rt: runtime.Runtime) -> torch.nn.Module:

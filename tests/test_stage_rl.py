@@ -22,7 +22,8 @@ from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.settings import ParamsError, RLSettings, load_section
 from chatpipe.tokenizer import Tokenizer
-from stages.rl import LoopState, check_minibatches, prompt_pool
+from chatpipe.train.trainer import LoopState
+from stages.rl import Prompts, check_minibatches, loop_meta, prompt_pool
 from tests.project import SMALL_RL, dvc, make_project, project_env, run
 
 # replay on: its loader's cursor is part of what a resume must restore, and its loss the last backward DDP syncs
@@ -167,13 +168,29 @@ def test_indivisible_minibatches_stop_the_stage_before_any_rollout(tmp_path):
 def test_filter_solved_drops_solved_prompts_at_the_end_of_the_pools_epoch():
     # 6 problems, 2 prompts per step: the first pool (all 6) lasts 3 steps; prompts solved by then leave
     cfg = load_section(RLSettings, {"filter_solved": 0.75, "prompts_per_step": 2, "num_train_problems": 6})
-    state = LoopState()
-    assert prompt_pool(cfg, 6, state) == [0, 1, 2, 3, 4, 5]
-    state.solved, state.step = [1, 4], 2
-    assert prompt_pool(cfg, 6, state) == [0, 1, 2, 3, 4, 5]  # mid-epoch: unchanged
-    state.step = 3
-    assert prompt_pool(cfg, 6, state) == [0, 2, 3, 5] and state.pool_start == 3
-    state.solved, state.step = [0, 1, 2, 4, 5], 5  # the 4-prompt pool lasts 2 steps; 1 left is too few
-    assert prompt_pool(cfg, 6, state) == [0, 2, 3, 5] and state.pool_start == 3
+    prompts = Prompts()
+    assert prompt_pool(cfg, 6, prompts, 0) == [0, 1, 2, 3, 4, 5]
+    prompts.solved = [1, 4]
+    assert prompt_pool(cfg, 6, prompts, 2) == [0, 1, 2, 3, 4, 5]  # mid-epoch: unchanged
+    assert prompt_pool(cfg, 6, prompts, 3) == [0, 2, 3, 5] and prompts.pool_start == 3
+    prompts.solved = [0, 1, 2, 4, 5]  # the 4-prompt pool lasts 2 steps; 1 left is too few
+    assert prompt_pool(cfg, 6, prompts, 5) == [0, 2, 3, 5] and prompts.pool_start == 3
     off = load_section(RLSettings, {"num_train_problems": 6})
-    assert prompt_pool(off, 6, LoopState(solved=[0, 1])) == list(range(6))  # filter off: every prompt
+    assert prompt_pool(off, 6, Prompts(solved=[0, 1]), 0) == list(range(6))  # filter off: every prompt
+
+
+def test_a_checkpoint_from_before_the_shared_loop_resumes_with_its_totals_and_first_eval():
+    # RL's own loop wrote first_eval beside carried, and train_seconds without generation
+    old = {
+        "step": 4,
+        "first_eval": {"eval/pass_at_1": 0.25},
+        "prompt_indices": [[[1]], [[2]], [[3]], [[4]]],
+        "carried": {"gen_seconds": 3.0, "train_seconds": 1.0, "gen_tokens": 96, "mlflow_run_ids": ["a"]},
+    }
+    state = LoopState.resumed(loop_meta(old), 6)
+    assert (state.step, state.run_ids, state.first_evals) == (4, ["a"], {"eval/pass_at_1": 0.25})
+    assert state.totals == {"gen_seconds": 3.0, "train_seconds": 4.0, "gen_tokens": 96}  # the loop's: whole steps
+    assert Prompts.resumed(old) == Prompts(log=[[[1]], [[2]], [[3]], [[4]]])  # no filter record: a fresh pool
+    new = {**old, "carried": {**old["carried"], "first_evals": {}}}
+    del new["first_eval"]
+    assert loop_meta(new) is new  # the shared loop's meta passes as it is

@@ -25,6 +25,7 @@ from chatpipe import runtime
 from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import Rollouts, sampled_logprobs, token_logprobs
 from chatpipe.rl.value import token_values
+from chatpipe.train.loop import step_optimizers
 
 if TYPE_CHECKING:
     from chatpipe.settings import RLSettings
@@ -45,15 +46,13 @@ def _no_sync(model, last: bool) -> AbstractContextManager:
     return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
 
 
-def _step(optimizers: list, modules: list, grad_clip: float = 0.0) -> None:
-    """Clip each module's gradient norm to ``grad_clip`` (0: off; policy and critic each on its own), then step."""
-    if grad_clip > 0:
-        for m in modules:
-            if m is not None:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), grad_clip)
-    for opt in optimizers:
-        opt.step()
-    _zero(modules)
+def _step(model, optimizers: list, grad_clip: float = 0.0, critic=None, critic_opts: list = ()) -> float:
+    """Step the policy's optimizers (and the critic's on its own norm): each module's gradient clipped to
+    norm ``grad_clip`` (0: off), then zeroed. Returns the policy's gradient norm before clipping."""
+    norm = step_optimizers(model, optimizers, grad_clip)
+    if critic is not None:
+        step_optimizers(critic, critic_opts, grad_clip)
+    return norm.item()
 
 
 def _zero(modules: list) -> None:
@@ -122,7 +121,7 @@ def grpo_update(
     if replay is not None:
         stats["loss/replay"] = replay_backward(model, replay, autocast)
     if chunks or replay is not None:  # a batch of solved groups and no replay: nothing to step on
-        _step(optimizers, [model], grad_clip)
+        stats["train/grad_norm"] = _step(model, optimizers, grad_clip)
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
 
 
@@ -270,9 +269,10 @@ def ppo_summary(
 ) -> dict[str, float]:
     """Sums per minibatch become means; the KL controller moves by the batch's mean sequence KL."""
     seen = max(stats.pop("ppo/minibatches"), 1.0)
-    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "ppo/ratio_mean", "loss/replay"):
+    per_update = ("loss/replay", "train/grad_norm")  # the policy's norm before clipping, over the steps taken
+    for k in ("loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "ppo/ratio_mean", *per_update):
         if k in stats:
-            stats[k] /= max(stats["ppo/updates"], 1.0) if k == "loss/replay" else seen
+            stats[k] /= max(stats["ppo/updates"], 1.0) if k in per_update else seen
     stats["ppo/early_stop"] = float(stopped)
     seq_kl = kl.sum(1)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -316,7 +316,9 @@ def ppo_update(
     rows_per_mb = n // cfg.num_minibatches
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     stats = dict.fromkeys(["loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "ppo/updates"], 0.0)
-    stats |= dict.fromkeys(["ppo/ratio_mean", "ppo/ratio_max", "ppo/skipped", "ppo/minibatches"], 0.0)
+    stats |= dict.fromkeys(
+        ["ppo/ratio_mean", "ppo/ratio_max", "ppo/skipped", "ppo/minibatches", "train/grad_norm"], 0.0
+    )
     if replay is not None:
         stats["loss/replay"] = 0.0
     stopped = False
@@ -324,7 +326,7 @@ def ppo_update(
         perm = torch.randperm(n, generator=g).to(batch.inputs.device)
         for start in range(0, n, rows_per_mb):
             stopped = ppo_minibatch_step(
-                model, critic, policy_opts + critic_opts, batch, t, perm[start : start + rows_per_mb], cfg,
+                model, critic, (policy_opts, critic_opts), batch, t, perm[start : start + rows_per_mb], cfg,
                 autocast, replay, stats,
             )  # fmt: skip
             if stopped:
@@ -335,11 +337,11 @@ def ppo_update(
 
 
 def ppo_minibatch_step(
-    model, critic, optimizers: list, batch: Rollouts, t: PPOTargets, rows_mb: torch.Tensor, cfg: PPOConfig,
+    model, critic, optimizers: tuple[list, list], batch: Rollouts, t: PPOTargets, rows_mb: torch.Tensor, cfg: PPOConfig,
     autocast: Autocast, replay: Replay | None, stats: dict[str, float],
 ) -> bool:  # fmt: skip
-    """One minibatch: its gradients, then a step, a skip (mean ratio above ``max_ratio``) or a stop
-    (a token ratio above ``max_token_ratio``); returns True to stop the update."""
+    """One minibatch: its gradients, then a step of (policy, critic) ``optimizers``, a skip (mean ratio
+    above ``max_ratio``) or a stop (a token ratio above ``max_token_ratio``); returns True to stop the update."""
     sums = ppo_minibatch_backward(model, critic, batch, t, rows_mb, cfg, autocast, replay is not None, stats)
     # every rank must agree to step, skip or stop, or DDP's next all-reduce would hang
     ratio_sum, tokens, over = runtime.all_reduce_sum(sums).tolist()
@@ -355,6 +357,6 @@ def ppo_minibatch_step(
         return False
     if replay is not None:
         stats["loss/replay"] += replay_backward(model, replay, autocast)
-    _step(optimizers, [model, critic], cfg.grad_clip)
+    stats["train/grad_norm"] += _step(model, optimizers[0], cfg.grad_clip, critic, optimizers[1])
     stats["ppo/updates"] += 1
     return False
