@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,33 +68,15 @@ def free_port() -> int:
 @contextmanager
 def server(src: Path = ROOT, timeout: float = 120):
     """A fuzz server from source tree ``src`` in its own process; its base URL. Stopped by its pid."""
+    sys.path.insert(0, str(ROOT))
+    from tests.project import running_server
+
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPIPE_")}
     env.update(PYTHONPATH=str(src), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(ROOT / "bench" / "fuzz_api.py"), "--serve", str(port)]
-    proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"fuzz server exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fuzz server did not answer /health within {timeout:.0f} s")
-            time.sleep(0.2)
+    with running_server(cmd, src, env, port, timeout, "fuzz server") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # --------------------------------------------------------------------------- generated requests

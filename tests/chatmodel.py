@@ -87,3 +87,21 @@ def run_in_thread(app, host: str = "127.0.0.1", port: int = 0):
 def serve_settings(**kw) -> ServeSettings:
     """ServeSettings from code defaults + ``kw`` (no params.yaml, no env), for tests."""
     return ServeSettings.model_construct(**kw)
+
+
+def serve_paced(loaded, cfg: ServeSettings, seconds_per_token: float = 0.005):
+    """``create_app`` over ``loaded`` whose forward takes >= ``seconds_per_token``, like a real model (replies
+    overlap in time), served in a thread: yields (app, url), stops the server after."""
+    from chatpipe.serve.app import create_app
+
+    forward = loaded.model.forward
+
+    def paced_forward(*args, **kw):
+        time.sleep(seconds_per_token)
+        return forward(*args, **kw)
+
+    loaded.model.forward = paced_forward
+    app = create_app(loaded, cfg)
+    srv, url = run_in_thread(app)
+    yield app, url
+    srv.should_exit = True

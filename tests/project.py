@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import compileall
+import contextlib
 import csv
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import psutil
 import yaml
 
@@ -282,3 +285,42 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"tensors differ: {different[:5]}"
+
+
+def wait_until(cond, timeout: float = 10.0, poll: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+@contextlib.contextmanager
+def running_server(cmd: list[str], cwd: Path, env: dict, port: int, timeout: float, what: str):
+    """Start the server ``cmd`` (listening on ``port``), yield its base URL once it answers ``/health``,
+    and stop it (its own pid: terminate, then kill) afterwards; its output is in the error if it exits first."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not answer /health within {timeout:.0f} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

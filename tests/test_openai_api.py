@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +13,7 @@ import torch
 
 from chatpipe.inference.engine import Engine, sample_next
 from chatpipe.model.loading import load_chat_model
+from tests.project import running_server
 from tests.trained import train_artifacts
 
 openai = pytest.importorskip("openai")
@@ -46,29 +45,8 @@ def server(artifacts):
     env.update(PYTHONPATH=str(REPO), CHATPIPE_PARAMS=str(REPO / "params.yaml"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "chatpipe.cli", "serve", "--model", "sft", "--device", "cpu", "--port", str(port)]
     cmd += ["--max-tokens-limit", "64", "--max-turns", "6"]
-    proc = subprocess.Popen(cmd, cwd=artifacts.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"chatpipe serve exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("chatpipe serve did not answer /health within 120 s")
-            time.sleep(0.2)
+    with running_server(cmd, artifacts.parent, env, port, 120, "chatpipe serve") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 
 from chatpipe.inference.engine import Engine
 from chatpipe.model.loading import load_chat_model
-from chatpipe.serve.app import create_app
-from tests.chatmodel import make_artifacts, run_in_thread, serve_settings
+from tests.chatmodel import make_artifacts, serve_paced, serve_settings
+from tests.project import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +32,7 @@ def server(loaded):
         max_tokens_limit=2200,
         temperature=0.0,
     )
-    forward = loaded.model.forward
-
-    def paced_forward(*args, **kw):  # >= 5 ms a token, like a real model: replies overlap in time
-        time.sleep(0.005)
-        return forward(*args, **kw)
-
-    loaded.model.forward = paced_forward
-    app = create_app(loaded, cfg)
-    srv, url = run_in_thread(app)
-    yield app, url
-    srv.should_exit = True
+    yield from serve_paced(loaded, cfg)
 
 
 def user(text: str) -> dict:
@@ -54,16 +44,6 @@ def read_sse(response: httpx.Response) -> Iterator[dict]:
     for line in response.iter_lines():
         if line.startswith("data: "):
             yield json.loads(line.removeprefix("data: "))
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    """Poll ``cond`` (engine slots are freed a moment after the last event is sent)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_health_names_model_and_stage(server):

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from chatpipe.model.loading import load_chat_model
-from chatpipe.serve.app import create_app
-from tests.chatmodel import make_artifacts, run_in_thread, serve_settings
+from tests.chatmodel import make_artifacts, serve_paced, serve_settings
+from tests.project import wait_until
 
 BIG_STOP = 100_000  # this server's serve.max_stop_chars: the largest stop string it allows
 CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -27,17 +27,7 @@ def server(tmp_path_factory):
         num_engines=2, max_queue=4, max_message_chars=200, max_turns=5, max_tokens=16, max_tokens_limit=2000,
         max_stop_chars=BIG_STOP, max_body_bytes=400_000, max_request_tokens=4000,
     )  # fmt: skip
-    forward = loaded.model.forward
-
-    def paced_forward(*args, **kw):
-        time.sleep(0.005)
-        return forward(*args, **kw)
-
-    loaded.model.forward = paced_forward
-    app = create_app(loaded, cfg)
-    srv, url = run_in_thread(app)
-    yield app, url
-    srv.should_exit = True
+    yield from serve_paced(loaded, cfg)
 
 
 def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
@@ -50,15 +40,6 @@ def openai_error(r: httpx.Response, status: int, param: str | None) -> dict:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
     return err
-
-
-def wait_until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_seed_past_2_64_is_a_400_naming_seed(server):
