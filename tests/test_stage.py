@@ -94,7 +94,7 @@ def test_resume_or_fresh_starts_fresh_then_resumes_only_the_same_run(tmp_path):
 def test_checkpointer_saves_every_n_steps_and_the_last_but_never_the_start_step(tmp_path):
     from chatpipe.settings import PretrainSettings
     from chatpipe.train.checkpoint import list_checkpoints
-    from chatpipe.train.stage import Checkpointer, resume_point
+    from chatpipe.train.stage import Checkpointer
 
     rt = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     cfg = PretrainSettings(checkpoint_every=2, keep_checkpoints=10)
@@ -104,5 +104,3 @@ def test_checkpointer_saves_every_n_steps_and_the_last_but_never_the_start_step(
     for step in range(2, 6):
         saver.save_if_due(step, last=step == 5)
     assert sorted(p.name for p in list_checkpoints(tmp_path)) == ["step_000004", "step_000005"]
-    assert resume_point({}) == (0, 0, {})
-    assert resume_point({**meta, "step": 5}) == (5, 7, {"train_seconds": 1.5})

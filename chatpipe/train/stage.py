@@ -11,7 +11,7 @@ resume with :func:`resume_or_fresh` once model and optimizers exist, open their 
                      metrics=metrics, rt=rt, final={"final/val_bpb": bpb})
 
 They are plain functions, not a base class: each stage still reads top to bottom (settings, data,
-model, optimizer, loop) and keeps its own loop state.
+model, optimizer) and hands its step to the one training loop (chatpipe.train.trainer).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from chatpipe.runtime import Runtime
 from chatpipe.settings import RunSettings, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tracking import StageRun
-from chatpipe.train.checkpoint import carried_over, resume_latest, save_checkpoint
+from chatpipe.train.checkpoint import resume_latest, save_checkpoint
 from chatpipe.train.loop import due
 
 
@@ -47,14 +47,6 @@ def resume_or_fresh(
     run_fp = fingerprint({"settings": math_settings(cfg), "inputs": inputs})
     meta = resume_latest(work, run_fp, model=model, optimizers=optimizers, rank=rt.rank, world_size=rt.world_size)
     return run_fp, meta or {}
-
-
-def resume_point(meta: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
-    """``(step, loader row, carried totals)`` a loader-driven stage starts from: its checkpoint's
-    (``meta`` from :func:`resume_or_fresh`), or ``(0, 0, {})`` for a fresh start."""
-    if not meta:
-        return 0, 0, {}
-    return meta["step"], meta["loader"]["row"], carried_over(meta)
 
 
 def run_meta(
