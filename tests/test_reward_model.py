@@ -141,6 +141,11 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
     assert meta["summary"]["val_margin/q05"] > 0
     rm, _ = load_reward_model(out)
     full = {k: v.clone() for k, v in rm.state_dict().items()}
+    # the checkpoint carries the shared loop's state (LoopState.meta), read back on resume
+    step3 = json.loads((project / "checkpoints" / "reward_model" / "step_000003" / "meta.json").read_text())
+    assert step3["total_steps"] == 6 and step3["step"] == 3 and step3["kind"] == "reward_model"
+    assert step3["carried"]["train_seconds"] > 0 and step3["carried"]["first_evals"] == {}  # eval_every 0: none yet
+    assert meta["carried"]["first_evals"]["val/pair_accuracy"] <= 1.0
 
     # lose the final checkpoint and the output: the rerun resumes from step 3 and ends on the same weights
     shutil.rmtree(project / "checkpoints" / "reward_model" / "step_000006")
@@ -152,6 +157,27 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
         assert torch.equal(v, full[k]), k
     with pytest.raises(ValueError, match="not a reward model"):
         load_reward_model(project / "artifacts" / "sft")
+
+
+@pytest.mark.slow
+def test_stage_logs_loss_and_gradient_norm_to_mlflow_every_step(project, monkeypatch):
+    """The shared loop's per-step metrics reach the reward model's MLflow run, as for every training stage."""
+    from stages import reward_model as stage
+    from tests.project import mlflow_client
+
+    monkeypatch.setenv("CHATPIPE_TRACKING__ENABLED", "true")
+    write_prefs(project / "prefs.jsonl", 16)
+    write_prefs(project / "val.jsonl", 4, start=100)
+    stage.main([*STAGE_ARGS, "--max_steps=3", "--eval_every=2"])
+    client = mlflow_client(project)
+    exp = client.get_experiment_by_name("chatpipe")
+    (run,) = client.search_runs([exp.experiment_id], "tags.stage = 'reward_model'")
+    for name in ("train/loss", "train/grad_norm", "train/pair_accuracy", "lr_mult"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert sorted(m.step for m in history) == [1, 2, 3], name
+    assert all(0 < m.value < math.inf for m in client.get_metric_history(run.info.run_id, "train/grad_norm"))
+    held_out = client.get_metric_history(run.info.run_id, "val/pair_accuracy")
+    assert sorted(m.step for m in held_out) == [0, 2, 3]  # eval_every 2, and the last step
 
 
 @pytest.mark.parametrize(
