@@ -12,7 +12,6 @@ the hub files). Output: ``train_*.parquet`` + ``val_*.parquet`` with a ``text`` 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from chatpipe import runtime, tracking
 from chatpipe.data.sources import prepare_text
@@ -28,19 +27,7 @@ def write_data(cfg: DataSettings) -> None:
     out_dir = ARTIFACTS / "data"
     t0 = time.time()
     with tracking.tracked_run("data", {"data": snapshot(cfg)}) as run:
-        manifest = prepare_text(
-            out_dir,
-            source=cfg.source,
-            seed=cfg.seed,
-            num_docs=cfg.num_docs,
-            val_docs=cfg.val_docs,
-            docs_per_shard=cfg.docs_per_shard,
-            hf_repo=cfg.hf_repo,
-            hf_num_shards=cfg.hf_num_shards,
-            hf_text_column=cfg.hf_text_column,
-            local_dir=Path(cfg.local_dir) if cfg.local_dir else None,
-            cache_dir=Path(cfg.cache_dir),
-        )
+        manifest = prepare_text(out_dir, **cfg.model_dump())  # its keywords are the settings' fields
         run.log_metrics({**tracking.numeric_leaves(manifest), "seconds": time.time() - t0})
     print(f"data: {manifest}")
 

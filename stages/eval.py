@@ -206,20 +206,7 @@ def run_chatcore(stage: str, model, inputs: EvalInputs, cfg: EvalSettings, rt: r
     """ChatCORE of ``model`` over the tasks in ``inputs``, logged task by task."""
     with rt.autocast():
         out = evaluate_chatcore(
-            model,
-            inputs.tok,
-            inputs.chat_tasks,
-            device=rt.device,
-            max_per_task=cfg.max_per_task or None,
-            max_generative=cfg.generative_max_per_task or None,
-            rank=rt.rank,
-            world_size=rt.world_size,
-            num_samples=cfg.num_samples,
-            k=cfg.pass_k,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k or None,
-            seed=cfg.seed,
+            model, inputs.tok, inputs.chat_tasks, cfg, device=rt.device, rank=rt.rank, world_size=rt.world_size
         )
     log_tasks(stage, out["tasks"], width=13)
     log.info("%s | ChatCORE %.4f", stage, out["chatcore"])

@@ -11,16 +11,18 @@ held-out pairs are made the same way from the val split's problems), ``local`` r
 ``{prompt, chosen, rejected}`` JSONL file, ``hf`` a hub dataset in the chosen/rejected format. Every
 pair is read and checked before the model loads. Each step takes ``device_batch_size`` pairs per
 rank and follows -log sigmoid(r_chosen - r_rejected), each response scored at its last token.
-Held-out pair accuracy and the margin's quantiles go to MLflow every ``eval_every`` steps and to
-``summary`` in ``artifacts/reward_model/meta.json`` (the report card reads them); resumable
-checkpoints in ``checkpoints/reward_model/``.
+The steps run on the shared training loop (:mod:`chatpipe.train.trainer`), which logs each step's
+loss, batch pair accuracy and gradient norm to MLflow. Held-out pair accuracy and the margin's
+quantiles go to MLflow every ``eval_every`` steps and to ``summary`` in
+``artifacts/reward_model/meta.json`` (the report card reads them); resumable checkpoints in
+``checkpoints/reward_model/``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,16 +37,16 @@ from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.progress import progress
 from chatpipe.rl.reward_model import KIND, RewardModel, bradley_terry_loss, pad_rows, pair_metrics, score_rows
+from chatpipe.runtime import all_reduce_sum
 from chatpipe.settings import RewardModelSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.checkpoint import carried_over, producing_runs
-from chatpipe.train.loop import due
-from chatpipe.train.optim import apply_schedules, build_optimizers
-from chatpipe.train.stage import Checkpointer, finish_stage, resume_or_fresh, run_meta
+from chatpipe.train.loop import step_optimizers
+from chatpipe.train.optim import build_optimizers
+from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
+from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
 
 log = logging.getLogger("reward_model")
 
@@ -60,6 +62,19 @@ class Pairs:
     train: list[prefs.Pair]
     val: list[prefs.Pair]
     val_kinds: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Parts:
+    """What the reward model's step and eval work with, all built before the loop starts."""
+
+    cfg: RewardModelSettings
+    rt: runtime.Runtime
+    rm: RewardModel
+    step_model: torch.nn.Module  # the reward model, DDP-wrapped when there are several ranks
+    optimizers: list
+    pairs: Pairs
+    pad_id: int
 
 
 def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
@@ -79,57 +94,74 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
     # --- model: the init trunk with a zero scalar head; LRs are fractions of the init model's
     rm = RewardModel.from_policy(policy).train()
     del policy
-    init_lrs = {
-        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
-    }
-    optimizers = build_optimizers(
-        rm,
-        matrix_lr=init_lrs["matrix_lr"] * cfg.lr_frac,
-        embedding_lr=init_lrs["embedding_lr"] * cfg.lr_frac,
-        unembedding_lr=cfg.head_lr,  # the "lm_head" group holds only the scalar head
-        weight_decay=cfg.weight_decay,
-    )
+    optimizers = reward_optimizers(cfg, rm, init_meta)
+
+    # --- resume from the newest checkpoint made with the same settings, init model and pairs
     inputs = {
         "init": sha256_file(init_dir / "model.pt"),
         "tokenizer": sha256_file(tok_dir / "tokenizer.json"),
         "pairs": fingerprint([[p.chosen, p.rejected] for p in pairs.train]),
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=rm, optimizers=optimizers, rt=rt)
-    start_step = meta["step"] if meta else 0
-    carried = carried_over(meta) if meta else {}
-    state = {"train_seconds": carried.get("train_seconds", 0.0), "run_ids": []}
-
-    def checkpoint_meta() -> dict:
-        return {
+    state = LoopState.resumed(meta, cfg.max_steps)
+    parts = Parts(cfg, rt, rm, DDP(rm) if rt.world_size > 1 else rm, optimizers, pairs, tok.bos_id)
+    loop = Loop(
+        "reward_model",
+        cfg,
+        rt,
+        work,
+        rm,
+        optimizers,
+        step=functools.partial(rm_step, parts),
+        schedule=lambda step: (1.0 - step / cfg.max_steps, None),  # the LRs decay linearly to 0
+        hooks=[Every(lambda step: held_out(parts), cfg.eval_every)],
+        identity={
             **run_meta("reward_model", run_fp, cfg, inputs, rt, rm.config),
             "kind": KIND,
             "init_dir": str(init_dir),
-            "carried": {"train_seconds": state["train_seconds"], "mlflow_run_ids": state["run_ids"]},
-        }
+        },
+    )
 
-    checkpoints = Checkpointer(work, cfg, rm, optimizers, meta=checkpoint_meta, rt=rt, start_step=start_step)
+    # --- loop
     params = {"reward_model": snapshot(cfg), "model_config": rm.config.to_dict(), "world_size": rt.world_size}
     params |= {"train_pairs": len(pairs.train), "val_pairs": len(pairs.val)}
     with tracked_run("reward_model", params, rt) as run:
         metrics = Curves(run, "reward_model", ["train/loss", "val/pair_accuracy"], enabled=rt.is_main)
-        state["run_ids"] = producing_runs(carried, run.id, trains=start_step < cfg.max_steps)
-        step_model = DDP(rm) if rt.world_size > 1 else rm
-        evals = run_loop(
-            cfg, rt, rm, step_model, optimizers, pairs, tok.bos_id, start_step, state, checkpoints, metrics
-        )
-        summary = {**{f"val_{k}": v for k, v in evals.items()}, "train_pairs": len(pairs.train)}
-        summary |= {"val_pairs": len(pairs.val), "train_seconds": state["train_seconds"]}
+        run_loop(loop, state, run, metrics)
         finish_stage(
             ARTIFACTS / "reward_model",
             rm,
-            checkpoint_meta(),
-            summary,
-            step=cfg.max_steps,
+            loop.meta(state),
+            summary(state, pairs),
+            step=state.step,
             run=run,
             metrics=metrics,
             rt=rt,
         )
     runtime.barrier()
+
+
+def reward_optimizers(cfg: RewardModelSettings, rm: RewardModel, init_meta: dict) -> list:
+    """The trunk's optimizers at ``lr_frac`` of the init model's LRs (the training defaults for a model
+    dir without training settings), the scalar head's at ``head_lr``."""
+    init_lrs = {
+        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
+    }
+    return build_optimizers(
+        rm,
+        matrix_lr=init_lrs["matrix_lr"] * cfg.lr_frac,
+        embedding_lr=init_lrs["embedding_lr"] * cfg.lr_frac,
+        unembedding_lr=cfg.head_lr,  # the "lm_head" group holds only the scalar head
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def summary(state: LoopState, pairs: Pairs) -> dict[str, float]:
+    """The final ``summary`` of ``meta.json`` (the report card reads it): the newest held-out metrics
+    as ``val_<name>``, the pair counts and the training time."""
+    held = {k.replace("val/", "val_", 1): v for k, v in state.evals.items()}
+    counts = {"train_pairs": len(pairs.train), "val_pairs": len(pairs.val)}
+    return {**held, **counts, "train_seconds": state.total("train_seconds")}
 
 
 def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> Pairs:
@@ -223,28 +255,36 @@ def batch_indices(n: int, step: int, per_rank: int, rank: int, world_size: int, 
     return perm[start : start + per_rank].tolist()
 
 
-def train_step(
-    rt: runtime.Runtime, step_model, optimizers: list, batch: list[prefs.Pair], pad_id: int
-) -> tuple[float, float]:
-    """One optimizer step on ``batch``: (Bradley-Terry loss, batch pair accuracy)."""
-    ids, last = pad_rows([p.chosen for p in batch] + [p.rejected for p in batch], pad_id)
+def rm_step(parts: Parts, step: int) -> StepOut:
+    """One optimizer step (its LR already set by the loop) on this rank's ``device_batch_size`` pairs,
+    -log sigmoid(r_chosen - r_rejected); its row holds the loss, the batch pair accuracy and the
+    gradient norm, each the mean over ranks."""
+    cfg, rt, pairs = parts.cfg, parts.rt, parts.pairs
+    idx = batch_indices(len(pairs.train), step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
+    batch = [pairs.train[i] for i in idx]
+    ids, last = pad_rows([p.chosen for p in batch] + [p.rejected for p in batch], parts.pad_id)
     with rt.autocast():
-        scores = step_model(ids.to(rt.device), last.to(rt.device))
+        scores = parts.step_model(ids.to(rt.device), last.to(rt.device))
     chosen, rejected = scores[: len(batch)], scores[len(batch) :]
     loss = bradley_terry_loss(chosen, rejected)
     loss.backward()
-    for opt in optimizers:
-        opt.step()
-    step_model.zero_grad(set_to_none=True)
-    return loss.item(), (chosen > rejected).float().mean().item()
+    # no clipping (grad_clip 0): the norm is read before the step and the weights train as without it
+    norm = step_optimizers(parts.step_model, parts.optimizers, grad_clip=0.0)
+    accuracy = (chosen > rejected).float().mean()
+    # one all-reduce and one device-to-host copy for the three numbers
+    sums = all_reduce_sum(torch.stack([loss.detach().float(), accuracy, norm.float()])) / rt.world_size
+    loss_mean, accuracy_mean, grad_norm = sums.tolist()
+    return StepOut({"train/loss": loss_mean, "train/pair_accuracy": accuracy_mean, "train/grad_norm": grad_norm})
 
 
-def evaluate(rm: RewardModel, pairs: Pairs, pad_id: int, rt: runtime.Runtime) -> dict[str, float]:
-    """Held-out pair accuracy, loss and margin quantiles, overall and (tiny) per kind of pair."""
+def held_out(parts: Parts) -> dict[str, float]:
+    """Held-out pair accuracy, loss and margin quantiles, overall and (tiny) per kind of pair, as
+    ``val/<name>`` metrics. Every rank scores every held-out pair."""
+    rm, pairs, rt = parts.rm, parts.pairs, parts.rt
     rm.eval()
     with rt.autocast():
-        chosen = score_rows(rm, [p.chosen for p in pairs.val], pad_id)
-        rejected = score_rows(rm, [p.rejected for p in pairs.val], pad_id)
+        chosen = score_rows(rm, [p.chosen for p in pairs.val], parts.pad_id)
+        rejected = score_rows(rm, [p.rejected for p in pairs.val], parts.pad_id)
     rm.train()
     out = pair_metrics(chosen, rejected)
     kinds = sorted(set(pairs.val_kinds))
@@ -252,40 +292,7 @@ def evaluate(rm: RewardModel, pairs: Pairs, pad_id: int, rt: runtime.Runtime) ->
         rows = torch.tensor([k == kind for k in pairs.val_kinds])
         out[f"pair_accuracy_{kind}"] = (chosen[rows] > rejected[rows]).double().mean().item()
         out[f"pairs_{kind}"] = int(rows.sum())
-    return out
-
-
-def run_loop(
-    cfg, rt, rm, step_model, optimizers, pairs: Pairs, pad_id: int, step: int, state: dict, checkpoints, metrics
-) -> dict[str, float]:
-    """Train from ``step`` to ``max_steps``: held-out metrics when due and at the end; returns the last."""
-    bar = progress(cfg.max_steps, "reward_model", initial=step, unit="step")
-    evals: dict[str, float] = {}
-    while True:
-        last = step == cfg.max_steps
-        if last or due(step, cfg.eval_every):
-            evals = evaluate(rm, pairs, pad_id, rt)
-            metrics.log({f"val/{k}": v for k, v in evals.items()}, step)
-            log.info(
-                "step %d | held-out pair accuracy %.3f | margin q50 %.3f",
-                step,
-                evals["pair_accuracy"],
-                evals["margin/q50"],
-            )
-        checkpoints.save_if_due(step, last=last)
-        if last:
-            bar.close()
-            return evals
-        apply_schedules(optimizers, 1.0 - step / cfg.max_steps, None)
-        idx = batch_indices(len(pairs.train), step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
-        t0 = time.perf_counter()
-        loss, acc = train_step(rt, step_model, optimizers, [pairs.train[i] for i in idx], pad_id)
-        state["train_seconds"] += time.perf_counter() - t0
-        step += 1
-        metrics.log({"train/loss": loss, "train/pair_accuracy": acc}, step)
-        bar.update(loss=loss)
-        if step % cfg.log_every == 0:
-            log.info("step %d/%d | loss %.4f | batch pair accuracy %.3f", step, cfg.max_steps, loss, acc)
+    return {f"val/{k}": v for k, v in out.items()}
 
 
 if __name__ == "__main__":

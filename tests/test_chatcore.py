@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import chatpipe.evals.chatcore as chatcore_mod
-from chatpipe.evals.chatcore import choose_letters, evaluate_chatcore, evaluate_task, letter_token_ids
+from chatpipe.evals.chatcore import ChatcoreSettings, choose_letters, evaluate_chatcore, evaluate_task, letter_token_ids
 from chatpipe.evals.metrics import pass_at_k
+from chatpipe.settings import EvalSettings
 from chatpipe.tokenizer import SPECIAL_TOKENS
 
 LETTERS = ["A", "B", "C", "D"]
@@ -116,10 +118,16 @@ class ScriptedGen:
         return int(completion) < self.correct[conv["i"]]
 
 
+def options(**given) -> SimpleNamespace:
+    """ChatCORE settings by hand: the eval section's defaults, every item (max_per_task 0), and ``given``."""
+    defaults = {name: EvalSettings.model_fields[name].default for name in ChatcoreSettings.__annotations__}
+    return SimpleNamespace(**{**defaults, "max_per_task": 0, **given})
+
+
 @pytest.fixture
 def scripted_samples(monkeypatch):
-    def fake(engine, tokenizer, convs, *, num_samples, **kw):
-        return [[str(j) for j in range(num_samples)] for _ in convs]
+    def fake(engine, tokenizer, convs, sampling, *, seed):
+        return [[str(j) for j in range(sampling.num_samples)] for _ in convs]
 
     monkeypatch.setattr(chatcore_mod, "generate_completions", fake)
 
@@ -151,17 +159,19 @@ def test_letter_must_be_one_token() -> None:
 
 def test_generative_score_is_unbiased_pass_at_k(scripted_samples) -> None:
     task = ScriptedGen([0, 1, 2, 4])
-    r = evaluate_task(CopyModel(1), TOK, task, device="cpu", num_samples=4, k=2)
+    r = evaluate_task(CopyModel(1), TOK, task, device="cpu", sampling=options(num_samples=4, pass_k=2))
     # hand values: pass@2 of n=4 with c = 0, 1, 2, 4 is 0, 1/2, 5/6, 1
     assert r["accuracy"] == pytest.approx((0 + 0.5 + 5 / 6 + 1) / 4)
     assert [pass_at_k(4, c, 2) for c in (0, 1, 2, 4)] == pytest.approx([0, 0.5, 5 / 6, 1])
-    r1 = evaluate_task(CopyModel(1), TOK, task, device="cpu", num_samples=4, k=1)
+    r1 = evaluate_task(CopyModel(1), TOK, task, device="cpu", sampling=options(num_samples=4, pass_k=1))
     assert r1["accuracy"] == pytest.approx((0 + 1 + 2 + 4) / 16)
 
 
 def test_bad_k_and_eval_type_are_rejected() -> None:
-    with pytest.raises(ValueError, match="1 <= k <= num_samples"):
-        evaluate_task(CopyModel(1), TOK, ScriptedGen([1]), device="cpu", num_samples=2, k=3)
+    with pytest.raises(ValueError, match="1 <= pass_k <= num_samples, got pass_k=3, num_samples=2"):
+        evaluate_task(CopyModel(1), TOK, ScriptedGen([1]), device="cpu", sampling=options(num_samples=2, pass_k=3))
+    with pytest.raises(ValueError, match="generative task 'fake_gen' needs sampling settings"):
+        evaluate_task(CopyModel(1), TOK, ScriptedGen([1]), device="cpu")
     bad = ScriptedGen([1])
     bad.eval_type = "ranking"
     with pytest.raises(ValueError, match="allowed: 'categorical', 'generative'"):
@@ -181,36 +191,53 @@ def test_items_are_split_across_ranks_and_capped() -> None:
 
 def test_chatcore_is_mean_centered_accuracy(scripted_samples) -> None:
     tasks = {"MMLU": FakeMC(40, name="mmlu"), "GSM8K": ScriptedGen([1, 1, 1, 1], name="gsm8k")}
-    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, options(num_samples=2, pass_k=1), device="cpu")
     assert out["tasks"]["MMLU"]["centered"] == 1.0
     assert out["tasks"]["GSM8K"]["accuracy"] == pytest.approx(0.5)
     assert out["chatcore"] == pytest.approx((1.0 + 0.5) / 2)
     tasks = {"ARC-Easy": FakeMC(40, name="arc_easy")}
-    out = evaluate_chatcore(ConstantModel(TOK.vocab_size), TOK, tasks, device="cpu")
+    out = evaluate_chatcore(ConstantModel(TOK.vocab_size), TOK, tasks, options(), device="cpu")
     acc = tasks["ARC-Easy"].gold.count("A") / 40
     assert out["chatcore"] == pytest.approx((acc - 0.25) / 0.75)
     with pytest.raises(ValueError, match="unknown ChatCORE task"):
-        evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"TriviaQA": FakeMC(2)}, device="cpu")
+        evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"TriviaQA": FakeMC(2)}, options(), device="cpu")
+
+
+def test_the_eval_settings_pass_whole_and_cap_generative_tasks_apart(scripted_samples, params_file) -> None:
+    """The eval stage hands evaluate_chatcore its ``eval`` section as it is: 0 means every item, the
+    generative cap applies to generative tasks only, pass_k scores num_samples completions."""
+    from chatpipe.settings import EvalSettings, load_section
+
+    cfg = load_section(EvalSettings, ["--max_per_task=6", "--generative_max_per_task=2", "--num_samples=2"])
+    tasks = {"MMLU": FakeMC(40, name="mmlu"), "GSM8K": ScriptedGen([1] * 10, name="gsm8k")}
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, cfg, device="cpu")
+    assert out["tasks"]["MMLU"]["num_examples"] == 6 and out["tasks"]["GSM8K"]["num_examples"] == 2
+    assert out["tasks"]["GSM8K"]["accuracy"] == 0.5  # pass@1 over 2 completions, 1 right
+    every = load_section(EvalSettings, ["--max_per_task=0", "--generative_max_per_task=0", "--num_samples=2"])
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, every, device="cpu")
+    assert out["tasks"]["MMLU"]["num_examples"] == 40 and out["tasks"]["GSM8K"]["num_examples"] == 10
 
 
 def test_a_stand_in_reports_under_its_own_name_never_the_benchmarks(scripted_samples) -> None:
     tasks = {"MMLU": FakeMC(40, name="tinyworld_mc"), "GSM8K": ScriptedGen([1, 1], name="tinyworld_gsm")}
-    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, options(num_samples=2, pass_k=1), device="cpu")
     assert set(out["tasks"]) == {"tinyworld_mc", "tinyworld_gsm"}
     assert out["tasks"]["tinyworld_gsm"]["stands_in_for"] == "GSM8K"
     # centered with the baseline of the place it took (four letters: 0.25), as the benchmark would be
     assert out["tasks"]["tinyworld_mc"]["centered"] == 1.0 and out["chatcore"] == pytest.approx((1.0 + 0.5) / 2)
-    real = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"GSM8K": ScriptedGen([1], name="gsm8k")}, device="cpu")
+    real = evaluate_chatcore(
+        CopyModel(TOK.vocab_size), TOK, {"GSM8K": ScriptedGen([1], name="gsm8k")}, options(), device="cpu"
+    )
     assert set(real["tasks"]) == {"GSM8K"} and "stands_in_for" not in real["tasks"]["GSM8K"]
     with pytest.raises(ValueError, match="under one name"):
-        evaluate_chatcore(CopyModel(1), TOK, {"MMLU": FakeMC(2), "ARC-Easy": FakeMC(2)}, device="cpu")
+        evaluate_chatcore(CopyModel(1), TOK, {"MMLU": FakeMC(2), "ARC-Easy": FakeMC(2)}, options(), device="cpu")
 
 
 def test_a_task_running_code_records_its_sandbox_mode(scripted_samples) -> None:
     code_task = ScriptedGen([1, 1], name="humaneval")
     code_task.sandbox = "fallback (bwrap not found)"  # as HumanEval reports it
     tasks = {"HumanEval": code_task, "GSM8K": ScriptedGen([1, 1], name="gsm8k")}
-    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, device="cpu", num_samples=2, k=1)
+    out = evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, tasks, options(num_samples=2, pass_k=1), device="cpu")
     assert out["tasks"]["HumanEval"]["sandbox"] == "fallback (bwrap not found)"
     assert "sandbox" not in out["tasks"]["GSM8K"]
 
@@ -229,7 +256,13 @@ def test_generative_path_runs_the_real_engine() -> None:
             got.append(completion)
             return False
 
-    r = evaluate_task(model, TOK, Recorder([0, 0, 0]), device="cpu", num_samples=2, max_new_tokens=5, temperature=1.0)
+    r = evaluate_task(
+        model,
+        TOK,
+        Recorder([0, 0, 0]),
+        device="cpu",
+        sampling=options(num_samples=2, max_new_tokens=5, temperature=1.0),
+    )
     assert r["accuracy"] == 0.0 and len(got) == 6
     assert all("<|assistant_end|>" not in c and "<|bos|>" not in c for c in got)
 

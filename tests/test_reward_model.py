@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from chatpipe.rl.reward_model import (
 from chatpipe.rl.rewards import combine_rewards
 from chatpipe.rl.value import ValueModel
 from tests.chatmodel import make_artifacts
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_gpt(seed: int = 0) -> GPT:
@@ -141,6 +144,11 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
     assert meta["summary"]["val_margin/q05"] > 0
     rm, _ = load_reward_model(out)
     full = {k: v.clone() for k, v in rm.state_dict().items()}
+    # the checkpoint carries the shared loop's state (LoopState.meta), read back on resume
+    step3 = json.loads((project / "checkpoints" / "reward_model" / "step_000003" / "meta.json").read_text())
+    assert step3["total_steps"] == 6 and step3["step"] == 3 and step3["kind"] == "reward_model"
+    assert step3["carried"]["train_seconds"] > 0 and step3["carried"]["first_evals"] == {}  # eval_every 0: none yet
+    assert meta["carried"]["first_evals"]["val/pair_accuracy"] <= 1.0
 
     # lose the final checkpoint and the output: the rerun resumes from step 3 and ends on the same weights
     shutil.rmtree(project / "checkpoints" / "reward_model" / "step_000006")
@@ -152,6 +160,58 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
         assert torch.equal(v, full[k]), k
     with pytest.raises(ValueError, match="not a reward model"):
         load_reward_model(project / "artifacts" / "sft")
+
+
+@pytest.mark.slow
+def test_stage_logs_loss_and_gradient_norm_to_mlflow_every_step(project, monkeypatch):
+    """The shared loop's per-step metrics reach the reward model's MLflow run, as for every training stage."""
+    from stages import reward_model as stage
+    from tests.project import mlflow_client
+
+    monkeypatch.setenv("CHATPIPE_TRACKING__ENABLED", "true")
+    write_prefs(project / "prefs.jsonl", 16)
+    write_prefs(project / "val.jsonl", 4, start=100)
+    stage.main([*STAGE_ARGS, "--max_steps=3", "--eval_every=2"])
+    client = mlflow_client(project)
+    exp = client.get_experiment_by_name("chatpipe")
+    (run,) = client.search_runs([exp.experiment_id], "tags.stage = 'reward_model'")
+    for name in ("train/loss", "train/grad_norm", "train/pair_accuracy", "lr_mult"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert sorted(m.step for m in history) == [1, 2, 3], name
+    assert all(0 < m.value < math.inf for m in client.get_metric_history(run.info.run_id, "train/grad_norm"))
+    held_out = client.get_metric_history(run.info.run_id, "val/pair_accuracy")
+    assert sorted(m.step for m in held_out) == [0, 2, 3]  # eval_every 2, and the last step
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_to_the_same_weights(project):
+    """2 gloo workers through the shared loop: a run resumed from its middle checkpoint ends with the
+    uninterrupted run's weights."""
+    import subprocess
+    import sys
+
+    write_prefs(project / "prefs.jsonl", 32)
+    write_prefs(project / "val.jsonl", 8, start=1000)
+    args = [a for a in STAGE_ARGS if not a.startswith(("--device_batch_size", "--checkpoint_every"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
+    cmd += ["stages.reward_model", *args, "--device_batch_size=4", "--checkpoint_every=2", "--max_steps=4"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def launch() -> str:
+        proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout + proc.stderr
+
+    launch()
+    out = project / "artifacts" / "reward_model"
+    whole, meta = load_reward_model(out)
+    assert meta["world_size"] == 2 and meta["step"] == 4
+    shutil.rmtree(project / "checkpoints" / "reward_model" / "step_000004")
+    shutil.rmtree(out)
+    assert "resuming from checkpoints/reward_model/step_000002" in launch()
+    resumed, _ = load_reward_model(out)
+    wanted = whole.state_dict()
+    assert [k for k, v in resumed.state_dict().items() if not torch.equal(v, wanted[k])] == []
 
 
 @pytest.mark.parametrize(

@@ -84,10 +84,13 @@ def prepare_text(
     hf_repo: str = "karpathy/fineweb-edu-100b-shuffle",
     hf_num_shards: int = 2,
     hf_text_column: str = "text",
-    local_dir: Path | None = None,
-    cache_dir: Path = Path("data/cache"),
+    local_dir: str | Path | None = None,
+    cache_dir: str | Path = "data/cache",
 ) -> dict[str, Any]:
     """Write train/val parquet text shards into ``out_dir`` (atomically) and return the manifest.
+
+    The keywords are the ``data`` settings' fields, named alike, so the stage passes its settings
+    whole (``prepare_text(out_dir, **cfg.model_dump())``); ``local_dir`` "" means none, as in params.yaml.
 
     ``synthetic`` generates ``num_docs`` documents and holds the last ``val_docs`` out as val;
     ``local`` holds out ``val_docs`` documents only when the directory has a single file.

@@ -1,9 +1,10 @@
 """ChatCORE: how well a chat model answers ARC, MMLU, GSM8K, HumanEval and SpellingBee.
 
     from chatpipe.evals.chatcore import evaluate_chatcore
+    from chatpipe.settings import EvalSettings, load_section
     from chatpipe.data.tasks import build_task
     tasks = {"ARC-Easy": build_task("arc_easy", "test"), "GSM8K": build_task("tinyworld_gsm", "test")}
-    out = evaluate_chatcore(model, tokenizer, tasks, device="cpu", max_per_task=50)
+    out = evaluate_chatcore(model, tokenizer, tasks, load_section(EvalSettings), device="cpu")
     out["chatcore"], out["tasks"]["tinyworld_gsm"]["accuracy"]   # a stand-in keeps its own name
 
 Two ways to score a task (``task.eval_type``):
@@ -40,6 +41,20 @@ class Task(Protocol):
     def __len__(self) -> int: ...
     def __getitem__(self, i: int) -> dict: ...
     def evaluate(self, conversation: dict, completion: str) -> bool: ...
+
+
+class ChatcoreSettings(Protocol):
+    """What ChatCORE reads of its settings: the eval stage passes its ``eval`` section
+    (chatpipe.settings.EvalSettings) whole; any object with these attributes will do."""
+
+    max_per_task: int  # items per task (0: all)
+    generative_max_per_task: int  # items per generative task (0: max_per_task): sampling costs more
+    num_samples: int  # generative tasks: completions per item
+    pass_k: int  # an item's score: pass@k over its completions
+    max_new_tokens: int
+    temperature: float
+    top_k: int  # 0: no top-k filtering
+    seed: int
 
 
 def letter_token_ids(tokenizer: Any, letters: list[str]) -> list[int]:
@@ -86,20 +101,19 @@ def choose_letters(
 
 
 def generate_completions(
-    engine: Engine,
-    tokenizer: Any,
-    conversations: list[dict],
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
+    engine: Engine, tokenizer: Any, conversations: list[dict], sampling: ChatcoreSettings, *, seed: int
 ) -> list[list[str]]:
-    """``num_samples`` assistant completions per conversation (text after the prompt, stop token removed)."""
-    prompts = [_fit(tokenizer.render_for_completion(c), engine.model, room=max_new_tokens) for c in conversations]
+    """``sampling.num_samples`` assistant completions per conversation (text after the prompt, stop
+    token removed), sampled as ``sampling`` says from ``seed``."""
+    room = sampling.max_new_tokens
+    prompts = [_fit(tokenizer.render_for_completion(c), engine.model, room=room) for c in conversations]
     generated = engine.generate_many(
-        prompts, num_samples=num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        prompts,
+        num_samples=sampling.num_samples,
+        max_tokens=room,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,  # the engine reads 0 as no top-k
+        seed=seed,
     )
     stops = engine.stop_ids()
     out = []
@@ -139,21 +153,20 @@ def evaluate_task(
     rank: int = 0,
     world_size: int = 1,
     batch_size: int = 8,
-    num_samples: int = 1,
-    k: int = 1,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: ChatcoreSettings | None = None,
 ) -> dict[str, float]:
-    """Accuracy (categorical) or mean pass@k (generative) of ``model`` on ``task``.
+    """Accuracy (categorical) or mean pass@k (generative: sampled as ``sampling`` says, which only a
+    generative task needs) of ``model`` on ``task``.
 
     Returns ``{"accuracy", "num_examples", "seconds"}`` with totals over all ranks.
     """
     if task.eval_type not in ("categorical", "generative"):
         raise ValueError(f"task eval_type = {task.eval_type!r}; allowed: 'categorical', 'generative'")
-    if not 1 <= k <= num_samples:
-        raise ValueError(f"pass@k needs 1 <= k <= num_samples, got k={k}, num_samples={num_samples}")
+    if task.eval_type == "generative" and sampling is None:
+        raise ValueError(f"generative task {task.name!r} needs sampling settings (eval: num_samples, pass_k, ...)")
+    n, k = (sampling.num_samples, sampling.pass_k) if sampling else (1, 1)
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= pass_k <= num_samples, got pass_k={k}, num_samples={n}")
     t0 = time.perf_counter()
     items = _item_indices(len(task), max_examples)
     mine = [i for pos, i in enumerate(items) if pos % world_size == rank]
@@ -168,19 +181,11 @@ def evaluate_task(
                     score += bool(task.evaluate(conv, letter))
         else:
             convs = [task[i] for i in mine]
-            per_item = generate_completions(
-                Engine(model, tokenizer),
-                tokenizer,
-                convs,
-                num_samples=num_samples,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                seed=seed + 1_000_003 * rank,
-            )
+            seed = sampling.seed + 1_000_003 * rank
+            per_item = generate_completions(Engine(model, tokenizer), tokenizer, convs, sampling, seed=seed)
             for conv, completions in zip(convs, per_item):
                 correct = sum(bool(task.evaluate(conv, c)) for c in completions)
-                score += pass_at_k(num_samples, correct, k)
+                score += pass_at_k(n, correct, k)
     finally:
         model.train(was_training)
     score, total = _all_reduce([score, float(len(mine))], device)
@@ -193,21 +198,21 @@ def evaluate_chatcore(
     model: torch.nn.Module,
     tokenizer: Any,
     tasks: dict[str, Task],
+    cfg: ChatcoreSettings,
     *,
     device: torch.device | str,
-    max_per_task: int | None = None,
-    max_generative: int | None = None,
-    **kw: Any,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict:
     """Evaluate every task (ChatCORE task name -> Task run in its place); ChatCORE = mean centered accuracy.
 
-    ``max_generative`` caps generative tasks separately (sampling costs far more than one
-    forward pass); None means ``max_per_task``.
+    ``cfg`` (the ``eval`` settings) caps the items per task, generative tasks separately (sampling
+    costs far more than one forward pass), and says how they sample.
     Returns ``{"tasks": {label: {"accuracy", "centered", "num_examples", "seconds"}}, "chatcore"}``,
     labelled by :func:`chatcore_label`: a stand-in (``tinyworld_gsm`` for ``GSM8K``) goes under its own
     name and records ``"stands_in_for"``; a task that runs model-written code (HumanEval) also gets
     ``"sandbox"``, the sandbox's mode.
-    Extra keyword arguments go to :func:`evaluate_task` (rank, world_size, num_samples, k, ...).
+    Items are split over ``world_size`` ranks (:func:`evaluate_task`).
     """
     unknown = [name for name in tasks if name not in CHATCORE_BASELINES]
     if unknown:
@@ -216,9 +221,10 @@ def evaluate_chatcore(
     if len(set(labels.values())) < len(labels):  # one task standing in twice would overwrite its own result
         raise ValueError(f"two ChatCORE tasks would report under one name: {labels}")
     results, accuracies = {}, {}
+    where = {"device": device, "rank": rank, "world_size": world_size}
     for name, task in tasks.items():
-        limit = max_generative if task.eval_type == "generative" and max_generative else max_per_task
-        r = evaluate_task(model, tokenizer, task, device=device, max_examples=limit, **kw)
+        limit = (task.eval_type == "generative" and cfg.generative_max_per_task) or cfg.max_per_task
+        r = evaluate_task(model, tokenizer, task, **where, max_examples=limit, sampling=cfg)
         r["centered"] = centered(r["accuracy"], CHATCORE_BASELINES[name])
         if hasattr(task, "sandbox"):  # a task running model-written code: say in which sandbox it ran
             r["sandbox"] = task.sandbox

@@ -24,7 +24,7 @@ import torch
 
 from chatpipe.horizon import REFERENCE_DEPTH, Horizon, derive_horizon
 from chatpipe.io import env_set
-from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, quarter_window
+from chatpipe.model.gpt import GPT, MODEL_OPTIONS, GPTConfig, config_from_depth, quarter_window
 from chatpipe.runtime import Runtime, cpu_multiplies_bf16
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
 from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
@@ -46,24 +46,14 @@ COMPILE_OPTIMIZER_MIN_STEPS_CPU = 3000
 
 
 def model_config_for(cfg: PretrainSettings, vocab_size: int) -> GPTConfig:
-    """The GPTConfig a pretrain settings section asks for (shape from depth, plus the recipe options)."""
-    window = quarter_window(cfg.sequence_len) if cfg.short_window == "quarter" else 0
-    return config_from_depth(
-        cfg.depth,
-        vocab_size,
-        cfg.sequence_len,
-        head_dim=cfg.head_dim,
-        n_kv_head=cfg.n_kv_head or None,
-        window_pattern=cfg.window_pattern,
-        short_window=window,
-        value_embeds=cfg.value_embeds,
-        lambdas=cfg.lambdas,
-        smear=cfg.smear,
-        backout=cfg.backout,
-        rotary_base=cfg.rotary_base,
-        qk_scale=cfg.qk_scale,
-        pad_vocab_to=cfg.pad_vocab_to,
-    )
+    """The GPTConfig a pretrain settings section asks for (shape from depth, plus the recipe options).
+
+    The settings name each recipe option as GPTConfig does (:data:`MODEL_OPTIONS`), so they are read
+    by name; only ``short_window`` ("half" | "quarter") becomes a window length here."""
+    options = {name: getattr(cfg, name) for name in MODEL_OPTIONS}
+    options["short_window"] = quarter_window(cfg.sequence_len) if cfg.short_window == "quarter" else 0
+    shape = {"head_dim": cfg.head_dim, "n_kv_head": cfg.n_kv_head or None, "window_pattern": cfg.window_pattern}
+    return config_from_depth(cfg.depth, vocab_size, cfg.sequence_len, **shape, **options)
 
 
 def legacy_ratio_params(model: GPT) -> int:

@@ -1,4 +1,4 @@
-"""The one training loop: pretrain, midtrain, SFT and RL (its rollout-and-update step) all run it.
+"""The one training loop: pretrain, midtrain, SFT, the reward model and RL (its rollout-and-update step) all run it.
 
 A stage builds its data, model and optimizers, then hands :func:`run_loop` a :class:`Loop` holding
 only what differs between stages: its step function, its LR/momentum schedule, its evals and
