@@ -18,6 +18,9 @@ read back (:func:`chatpipe.train.loop.train_step`); nanochat's logged step cover
    round, eager once at the end;
 5. the headline: the tiny pretrain as the pipeline runs it (eager or compiled, whatever
    ``compile: auto`` picks for its 100 steps on this CPU) in every round, against nanochat.
+   ``--pipeline-only`` runs just this pair; ``--cpu-time`` compares process CPU seconds per step
+   at 1 thread instead of wall time (both flags: the headline pair in CPU time, the measure that
+   holds on a machine other jobs load).
 
 Rounds of (ours compiled, nanochat, the pipeline's tiny run, ours gram compiled, tiny compiled,
 ours eager) interleave so load from other processes hits all alike; each ratio is the median of
@@ -295,50 +298,38 @@ def load_average() -> str:
 
 def cpu_time_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
     """Rounds of (ours compiled: nanochat recipe, direct and gram; the tiny pretrain as the pipeline runs
-    it; nanochat compiled) at 1 thread, CPU s per step.
+    it; nanochat compiled) at 1 thread, CPU s per step; with ``--pipeline-only`` just the last two.
 
     A loaded machine stretches wall time but hardly the CPU time a single-threaded step needs, so
     this ratio holds while other jobs run. It times nanochat's model and optimizer (not its
     base_train loop, whose log has wall time only) on random tokens, like our worker.
     """
     os.environ["OMP_NUM_THREADS"] = "1"
-    print(f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB} fp32, 1 thread, CPU seconds per step")
+    print(f"d{DEPTH} head_dim {HEAD_DIM} seq {SEQ} batch {BATCH} vocab {VOCAB}, 1 thread, CPU seconds per step")
     env = dict(os.environ)
-    ours_cpu, gram_cpu, nc_cpu, pipe_cpu = [], [], [], []
     pipeline_compiles = pipeline_compile_choice()
+    runs = {"tiny as the pipeline runs it": ("tiny", pipeline_compiles)}
+    if not args.pipeline_only:
+        runs = {"nanochat recipe": ("nanochat", True), "nanochat recipe, gram": ("nanochat_gram", True), **runs}
+    cpu: dict[str, list[float]] = {name: [] for name in (*runs, "nanochat")}
     for r in range(args.rounds):
-        mine = statistics.median(ours("nanochat", True, args.steps, env)["cpu_s"])
-        gram = statistics.median(ours("nanochat_gram", True, args.steps, env)["cpu_s"])
-        pipe = statistics.median(ours("tiny", pipeline_compiles, args.steps, env)["cpu_s"])
-        ours_cpu.append(mine)
-        gram_cpu.append(gram)
-        pipe_cpu.append(pipe)
-        line = f"round {r + 1} (load {load_average()}): ours {TOKENS / mine:,.0f} tok/CPU-s, gram {TOKENS / gram:,.0f}"
-        line += f", tiny as the pipeline runs it {TOKENS / pipe:,.0f}"
+        line = f"round {r + 1} (load {load_average()}):"
+        for name, (recipe, compiled) in runs.items():
+            cpu[name].append(statistics.median(ours(recipe, compiled, args.steps, env)["cpu_s"]))
+            line += f" {name} {TOKENS / cpu[name][-1]:,.0f} tok/CPU-s,"
         if skip is None:
-            theirs = statistics.median(nanochat_cpu(args.nanochat, nc_python, args.steps)["cpu_s"])
-            nc_cpu.append(theirs)
-            line += f", nanochat {TOKENS / theirs:,.0f} tok/CPU-s, ratios {theirs / mine:.3f} / {theirs / gram:.3f}"
-            line += f" / {theirs / pipe:.3f}"
-        print(line, flush=True)
-    print(
-        f"ours compiled (nanochat recipe): {TOKENS / statistics.median(ours_cpu):,.0f} tokens per CPU-second (median)"
-    )
-    print(
-        f"ours compiled (gram):            {TOKENS / statistics.median(gram_cpu):,.0f} tokens per CPU-second (median)"
-    )
-    if skip is None:
-        print(f"nanochat compiled: {TOKENS / statistics.median(nc_cpu):,.0f} tokens per CPU-second (median)")
-        mode = "compiled" if pipeline_compiles else "eager"
-        for recipe, mine in (
-            ("nanochat recipe", ours_cpu),
-            ("nanochat recipe, gram", gram_cpu),
-            (f"tiny as the pipeline runs it, {mode}", pipe_cpu),
-        ):
-            ratio = statistics.median(t / m for t, m in zip(nc_cpu, mine))
-            print(f"ours ({recipe}) / nanochat (CPU time): {ratio:.3f} (median of per-round ratios)")
-    else:
+            cpu["nanochat"].append(statistics.median(nanochat_cpu(args.nanochat, nc_python, args.steps)["cpu_s"]))
+            line += f" nanochat compiled {TOKENS / cpu['nanochat'][-1]:,.0f}, ratios "
+            line += " / ".join(f"{cpu['nanochat'][-1] / cpu[name][-1]:.3f}" for name in runs)
+        print(line.rstrip(","), flush=True)
+    if skip is not None:
         print(f"nanochat: skipped ({skip})")
+        return
+    mode = "compiled" if pipeline_compiles else "eager"
+    for name in runs:
+        ratio = statistics.median(t / m for t, m in zip(cpu["nanochat"], cpu[name]))
+        shown = f"{name}, {mode}" if name.startswith("tiny") else name
+        print(f"ours ({shown}) / nanochat (CPU time): {ratio:.3f} (median of {args.rounds} per-round ratios)")
 
 
 def pipeline_comparison(args: argparse.Namespace, nc_python: str, skip: str | None) -> None:
@@ -382,7 +373,8 @@ def main() -> None:
     p.add_argument(
         "--pipeline-only",
         action="store_true",
-        help="only rounds of (nanochat, the tiny pretrain as the pipeline runs it): the headline ratio, quickly",
+        help="only rounds of (nanochat, the tiny pretrain as the pipeline runs it): the headline ratio, quickly "
+        "(with --cpu-time: in CPU seconds at 1 thread)",
     )
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run, ours and nanochat's (default: torch's)")
     p.add_argument("--worker", nargs=3, metavar=("RECIPE", "MODE", "STEPS"), help=argparse.SUPPRESS)

@@ -1,14 +1,19 @@
-"""Benchmark: chat server latency and throughput with 1 and 8 concurrent streaming clients.
+"""Benchmark: chat server latency and throughput at given numbers of concurrent streaming clients.
 
 Starts ``python -m chatpipe.serve.app`` on a free 127.0.0.1 port in a subprocess (so the clients do
-not share its interpreter), sends one warm-up request, then for each concurrency level every
-client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and seeds).
-Prints time-to-first-token (median and worst) and tokens/s summed over clients; the last line
-is ``tokens/s at 8 clients: <x>``.
+not share its interpreter), sends one warm-up request, then for each concurrency level
+(``--clients``, default 1 and 8) every client streams ``--rounds`` replies of ``--max-tokens``
+tokens (different prompts and seeds). Prints per level the time to first token (p50, p99 and
+worst over every reply of the level) and tokens/s summed over clients; the last line is
+``tokens/s at N clients: <x>`` for the highest level.
+
+With more clients than engines most replies wait in the server's queue, so the time to first
+token there is mostly queueing: how fast the engines finish the replies ahead.
 
 Run::
 
-    python bench/serve_latency.py [--model latest] [--num-engines 2] [--max-tokens 128] [--rounds 2]
+    python bench/serve_latency.py [--model latest] [--num-engines 2] [--clients 1 8] [--max-tokens 128] [--rounds 2]
+    python bench/serve_latency.py --model sft --num-engines 2 --clients 16   # issue 48's level
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -101,6 +105,17 @@ def one_reply(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float,
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, linear between the closest ranks."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float]:
     """Every client streams ``rounds`` replies back to back; returns (TTFTs, summed tokens/s)."""
     ttfts: list[float] = []
@@ -130,7 +145,10 @@ def main() -> None:
     p.add_argument("--num-engines", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
     args = p.parse_args()
+    if any(c < 1 for c in args.clients):
+        p.error(f"--clients {args.clients}: every level must be at least 1 client")
     proc, url = start_server(args)
     try:
         info = httpx.get(f"{url}/health").json()
@@ -140,14 +158,17 @@ def main() -> None:
         )
         one_reply(url, "warm up", 0, 8)
         results = {}
-        for clients in (1, 8):
+        for clients in args.clients:
             ttfts, tps = run_level(url, clients, args.rounds, args.max_tokens)
             results[clients] = tps
+            p50, p99 = (percentile(ttfts, q) * 1000 for q in (50, 99))
             print(
-                f"{clients} client(s): time to first token median {statistics.median(ttfts) * 1000:.0f} ms, "
-                f"worst {max(ttfts) * 1000:.0f} ms; {tps:.1f} tokens/s in total"
+                f"{clients} client(s), {len(ttfts)} replies: time to first token p50 {p50:.0f} ms, "
+                f"p99 {p99:.0f} ms, worst {max(ttfts) * 1000:.0f} ms; {tps:.1f} tokens/s in total",
+                flush=True,
             )
-        print(f"tokens/s at 8 clients: {results[8]:.1f}")
+        top = max(results)
+        print(f"tokens/s at {top} clients: {results[top]:.1f}")
     finally:
         proc.terminate()
         proc.wait(10)
