@@ -26,11 +26,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(cmd: list[str], env: dict[str, str]) -> str:
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    return out.stdout + out.stderr
+LOGS = REPO / "artifacts" / "bench_reward_model_ppo"
+
+
+def run(cmd: list[str], env: dict[str, str], name: str) -> str:
+    """Run ``cmd``, its output written as it comes to ``LOGS/name.log`` (a long run can be followed
+    with ``tail -f``, and a killed one leaves its steps there); returns that output."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / f"{name}.log"
+    with log.open("w") as f:
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
+    text = log.read_text()
+    if code:
+        sys.exit(f"{' '.join(cmd)} failed (log: {log}):\n{text[-3000:]}")
+    return text
 
 
 def last_step_means(log: str) -> tuple[str, str]:
@@ -51,7 +60,7 @@ def main() -> None:
     args = p.parse_args()
     env = {**os.environ, "CHATPIPE_TRACKING__ENABLED": os.environ.get("CHATPIPE_TRACKING__ENABLED", "false")}
     if not (REPO / "artifacts" / "reward_model" / "meta.json").exists():
-        run([sys.executable, "-m", "stages.reward_model"], env)
+        run([sys.executable, "-m", "stages.reward_model"], env, "reward_model")
     rm = json.loads((REPO / "artifacts" / "reward_model" / "meta.json").read_text())["summary"]
     print(f"reward model held-out pair accuracy {rm['val_pair_accuracy']:.3f} ({rm['val_pairs']} pairs)", rm)
     print("| seed | SFT pass@1 | PPO(RM) pass@1 | change | RM score (last step) | verifier (last step) | wall s |")
@@ -59,7 +68,7 @@ def main() -> None:
     for seed in args.seeds:
         t0 = time.perf_counter()
         flags = ["--algorithm=ppo", "--reward_source=model", f"--seed={seed}", "--log_every=1", *args.rl_args]
-        log = run([sys.executable, "-m", "stages.rl", *flags], env)
+        log = run([sys.executable, "-m", "stages.rl", *flags], env, f"rl_seed{seed}")
         wall = time.perf_counter() - t0
         summary = json.loads((REPO / "artifacts" / "rl" / "meta.json").read_text())["summary"]
         first, final = summary["first_eval/pass_at_1"], summary["final_eval/pass_at_1"]

@@ -210,7 +210,8 @@ def _tiny_split(
     samples ranked by the task's verifier (a right answer over a wrong or unfinished one)."""
     task = build_task("tinyworld_arith", split, limit=n)
     convs = [task[i] for i in range(min(n, len(task)))]
-    out = [(p, "contrast") for p in prefs.contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")]
+    made = prefs.contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
+    out = [(p, "contrast_" + p.where.rsplit(" ", 1)[-1]) for p in made]  # contrast_miscopied, ...
     if not cfg.tiny_samples:
         return out
     engine = Engine(policy.eval(), tok)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -104,18 +105,53 @@ def test_ranked_pairs_put_each_better_sample_over_a_worse_one():
     assert prefs.ranked_pairs([1], samples, [1.0] * 4, "p") == []  # all tied: no preference
 
 
+def _reply(conv: dict) -> list[dict]:
+    return conv["messages"][-1]["content"]
+
+
 def test_contrasts_are_what_the_verifier_rejects(tok):
-    task = build_task("tinyworld_arith", "train", limit=20)
+    task = build_task("tinyworld_arith", "train", limit=40)
     rng = random.Random(0)
-    for i in range(20):
+    for i in range(40):
         conv = task[i]
-        gold = conv["messages"][-1]["content"][-1]["text"]
-        assert task.reward(conv, gold) == 1.0
-        for bad in prefs.contrasts(conv, rng):
-            text = bad["messages"][-1]["content"][-1]["text"]
-            assert task.reward(conv, text) == 0.0, text
+        gold = _reply(conv)
+        assert task.reward(conv, gold[-1]["text"]) == 1.0
+        bad = prefs.contrasts(conv, rng)
+        assert len(bad) == 3, gold  # every tiny problem gets all three kinds
+        assert list(bad) == list(prefs.CONTRASTS)
+        for contrast in bad.values():
+            assert contrast["messages"][0] == conv["messages"][0]  # same question
+            assert task.reward(conv, _reply(contrast)[-1]["text"]) == 0.0, _reply(contrast)
     pairs = prefs.contrast_pairs([task[i] for i in range(5)], tok, seed=0)
-    assert len(pairs) == 10 and all(p.chosen != p.rejected for p in pairs)
+    assert len(pairs) == 15 and all(p.chosen != p.rejected for p in pairs)
+
+
+def _calls(parts: list[dict]) -> list[tuple[str, str]]:
+    return [(p["text"], q["text"]) for p, q in zip(parts, parts[1:]) if p["type"] == "python"]
+
+
+def _operands(call: str) -> tuple[int, str, int]:
+    a, op, b = re.fullmatch(r"(\d+)(\+|-|\*|//)(\d+)", call).groups()
+    return int(a), op, int(b)
+
+
+def test_each_contrast_is_the_mistake_the_docs_name():
+    """Miscopied: calls and outputs kept, the answer differs from the last output. Unformatted: the
+    gold text without its #### line. Wrong call: one operand of the last call off by 1-3, its output
+    recomputed and carried into both answer lines, so only the question shows the mistake."""
+    task = build_task("tinyworld_arith", "val", limit=60)
+    rng = random.Random(3)
+    for i in range(60):
+        gold = _reply(task[i])
+        miscopied, unformatted, wrong = (_reply(c) for c in prefs.contrasts(task[i], rng).values())
+        last_output = _calls(gold)[-1][1]
+        assert _calls(miscopied) == _calls(gold) and f"#### {last_output}" not in miscopied[-1]["text"]
+        assert unformatted[:-1] == gold[:-1] and unformatted[-1]["text"] == gold[-1]["text"].split("\n####")[0]
+        assert _calls(wrong)[:-1] == _calls(gold)[:-1]
+        call, output = _calls(wrong)[-1]
+        (a, op, b), (x, op2, y) = _operands(_calls(gold)[-1][0]), _operands(call)
+        assert op2 == op and [x - a, y - b].count(0) == 1 and 1 <= abs(x - a + y - b) <= 3
+        assert output == str(eval(call)) and wrong[-1]["text"] == f"The answer is {output}.\n#### {output}"
 
 
 # --------------------------------------------------------------------------- hub format, through the local mirror

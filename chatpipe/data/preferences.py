@@ -182,22 +182,54 @@ def _replace_answer(parts: list[dict[str, str]], answer: str, new: str) -> list[
     return out
 
 
-def contrasts(conv: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
-    """Wrong versions of a solved tiny-world arithmetic conversation, each one the verifier rejects:
-    a final answer off by a few (the calculator's result miscopied), and the answer without ``####``."""
+_CALL = re.compile(r"^(-?[0-9]+)(\+|-|\*|//)([0-9]+)$")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "//": lambda a, b: a // b}
+
+
+def _wrong_call(parts: list[dict[str, str]], answer: str, rng: random.Random) -> list[dict[str, str]] | None:
+    """Assistant parts whose last calculator call has one operand off by 1-3 (misread from the question,
+    or the previous result miscopied); its output and the final answer follow that call, so the reply
+    agrees with itself and only the question shows it wrong. None if no such change alters the answer."""
+    calls = [i for i, p in enumerate(parts) if p["type"] == "python"]
+    if not calls or calls[-1] + 1 >= len(parts) or parts[calls[-1] + 1]["type"] != "python_output":
+        return None
+    m = _CALL.match(parts[calls[-1]]["text"].strip())
+    if not m:
+        return None
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    side, delta = rng.randrange(2), rng.choice([-3, -2, -1, 1, 2, 3])
+    for d in (delta, -delta):  # the other direction where the first gives an operand < 1 or the same answer
+        x, y = (a + d, b) if side == 0 else (a, b + d)
+        if min(x, y) < 1 or (op == "-" and x < y):
+            continue
+        value = _OPS[op](x, y)
+        if str(value) != answer:
+            out = _replace_answer(parts, answer, str(value))
+            out[calls[-1]] = {**parts[calls[-1]], "text": f"{x}{op}{y}"}
+            out[calls[-1] + 1] = {**parts[calls[-1] + 1], "text": str(value)}
+            return out
+    return None
+
+
+CONTRASTS = ("miscopied", "unformatted", "wrong_call")
+
+
+def contrasts(conv: dict[str, Any], rng: random.Random) -> dict[str, dict[str, Any]]:
+    """Wrong versions of a solved tiny-world arithmetic conversation by kind (:data:`CONTRASTS`), each
+    one the verifier rejects: ``miscopied``, the final answer miscopied from the calculator's result
+    (off by -3..+3 or +10); ``unformatted``, the answer without ``####``; ``wrong_call``
+    (:func:`_wrong_call`), a wrong last calculator call carried through to the answer."""
     user, reply = conv["messages"][0], conv["messages"][-1]
     parts = reply["content"] if isinstance(reply["content"], list) else [{"type": "text", "text": reply["content"]}]
     m = re.search(r"####\s*(-?[0-9]+)", parts[-1]["text"])
     if not m:
-        return []
+        return {}
     answer = m.group(1)
     off = str(int(answer) + rng.choice([-3, -2, -1, 1, 2, 3, 10]))
     unformatted = [dict(p) for p in parts]
     unformatted[-1]["text"] = parts[-1]["text"].split("####")[0].rstrip()
-    return [
-        {"messages": [user, {"role": "assistant", "content": _replace_answer(parts, answer, off)}]},
-        {"messages": [user, {"role": "assistant", "content": unformatted}]},
-    ]
+    bad = [_replace_answer(parts, answer, off), unformatted, _wrong_call(parts, answer, rng)]
+    return {k: {"messages": [user, {"role": "assistant", "content": b}]} for k, b in zip(CONTRASTS, bad) if b}
 
 
 def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: str = "tiny contrasts") -> list[Pair]:
@@ -206,7 +238,7 @@ def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: 
     pairs = []
     for i, conv in enumerate(convs):
         chosen, _ = tok.render_conversation(conv, max_tokens=1 << 62)
-        for k, bad in enumerate(contrasts(conv, rng)):
+        for kind, bad in contrasts(conv, rng).items():
             rejected, _ = tok.render_conversation(bad, max_tokens=1 << 62)
-            pairs.append(Pair(chosen, rejected, f"{where}:{i}.{k}"))
+            pairs.append(Pair(chosen, rejected, f"{where}:{i} {kind}"))
     return pairs
