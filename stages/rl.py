@@ -450,17 +450,7 @@ def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
     """One GRPO-lite or PPO update on ``batch`` with shaped scores (PPO then moves the reference
     towards the policy by ``ref_ema``); returns the update's stats."""
     cfg, models = parts.cfg, parts.models
-    scores = losses.final_scores(
-        batch.scores,
-        batch.ended,
-        batch.lengths,
-        scale=cfg.reward_scale,
-        bias=cfg.reward_bias,
-        clip=cfg.reward_clip,
-        no_eos=cfg.no_eos,
-        penalty=cfg.length_penalty,
-        min_length=cfg.min_response_length,
-    )
+    scores = losses.final_scores(batch.scores, batch.ended, batch.lengths, cfg)
     if cfg.mask_too_long:
         batch = batch.without_unfinished()
     replay = (lambda model: cfg.replay_coef * model(*parts.replay_loader.next_batch())) if parts.replay_loader else None

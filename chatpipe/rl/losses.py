@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -345,25 +346,34 @@ def length_penalties(
     return out
 
 
+class ScoreShaping(Protocol):
+    """The RL settings' score-shaping keys (``RLSettings`` is one): what :func:`final_scores` reads."""
+
+    reward_scale: float
+    reward_bias: float
+    reward_clip: float
+    no_eos: str
+    length_penalty: float
+    min_response_length: int
+
+
 def final_scores(
-    scores: torch.Tensor,
-    ended: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    bias: float = 0.0,
-    clip: float = 0.0,
-    no_eos: str = "keep",
-    penalty: float = -1.0,
-    min_length: int = 0,
+    scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor, shaping: ScoreShaping
 ) -> torch.Tensor:
     """The scores RL trains on: :func:`shape_scores`, then :func:`length_penalties`.
 
     The response-shape rules run last, so ``no_eos="zero"`` gives a cut-off response exactly 0 and
-    ``penalty`` exactly ``penalty``, whatever the scale, bias and clip (as AReaL zeroes after shaping).
+    ``penalty`` exactly ``length_penalty``, whatever the scale, bias and clip (as AReaL zeroes after shaping).
     """
-    shaped = shape_scores(scores, scale=scale, bias=bias, clip=clip)
-    return length_penalties(shaped, ended, lengths, no_eos=no_eos, penalty=penalty, min_length=min_length)
+    shaped = shape_scores(scores, scale=shaping.reward_scale, bias=shaping.reward_bias, clip=shaping.reward_clip)
+    return length_penalties(
+        shaped,
+        ended,
+        lengths,
+        no_eos=shaping.no_eos,
+        penalty=shaping.length_penalty,
+        min_length=shaping.min_response_length,
+    )
 
 
 def group_solve_rates(correct: torch.Tensor, groups: torch.Tensor) -> dict[int, float]:
