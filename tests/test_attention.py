@@ -163,7 +163,7 @@ FLEX_TOLERANCE = 1e-5
 
 
 @pytest.mark.slow  # each shape compiles flex_attention (~10 s warm, minutes cold, on 2 shared cores)
-@pytest.mark.parametrize(("t", "window", "kv_heads"), [(256, 65, 4), (384, 129, 2), (300, 100, 1)])
+@pytest.mark.parametrize(("t", "window", "kv_heads"), [(256, 65, 4), (384, 129, 2)])
 def test_compiled_flex_forward_equals_masked_sdpa(t, window, kv_heads):
     from chatpipe.model.attention import FlexWindow, flex_window_attention
 
@@ -176,7 +176,7 @@ def test_compiled_flex_forward_equals_masked_sdpa(t, window, kv_heads):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("seq", "kv_heads"), [(512, 2), (640, 1)])
+@pytest.mark.parametrize(("seq", "kv_heads"), [(640, 1)])  # 2 kv heads: the kernel test above
 def test_the_speedrun_d2_model_through_flex_equals_it_through_masked_sdpa(monkeypatch, seq, kv_heads):
     """The d2 speedrun model (SSSL, quarter windows, every option) on the flex path (forced onto CPU:
     the forward only, CPU flex has no backward) computes the logits of the SDPA path."""

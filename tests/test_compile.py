@@ -7,8 +7,9 @@ counters say what it did: a graph break would split the step (and on GPU stall i
 a recompile would stop every step after the first to compile again.
 
 Graph breaks, graph counts and recompiles are dynamo's decisions, made before any backend runs, so
-the step test compiles through ``aot_eager`` (dynamo and AOTAutograd trace forward and backward as
-inductor would get them) and skips inductor's C++ code generation: ~15 s instead of minutes cold.
+both tests compile through ``aot_eager`` (dynamo and AOTAutograd trace forward and backward as
+inductor would get them) and skip inductor's C++ code generation: seconds instead of minutes cold.
+Compiled FlexAttention's numbers on CPU are checked in tests/test_attention.py.
 Inductor's own kernels for the model and the optimizer are checked where their numbers matter
 (tests/test_nanochat_reference.py, tests/test_rehearsal_gpu.py).
 """
@@ -79,13 +80,15 @@ def test_the_compiled_speedrun_step_has_no_graph_breaks_and_compiles_once(monkey
     assert all(torch.isfinite(torch.tensor(losses))) and len(set(losses)) == STEPS  # it trained on each batch
 
 
-@pytest.mark.slow  # compiles the model and FlexAttention (minutes of wall time on a shared 2-core machine)
 def test_the_compiled_forward_through_flex_attention_has_no_graph_breaks_and_compiles_once(monkeypatch):
     """The CUDA path's windowed attention, forced onto CPU (forward only: CPU flex has no backward):
     the block masks built with the model, found cached by the compiled forward."""
+    import chatpipe.model.attention as attention
     import chatpipe.model.gpt as gpt
 
     monkeypatch.setattr(gpt, "FLEX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(attention, "_COMPILED_FLEX", None)  # built here with aot_eager, dropped after
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     seq = 256
