@@ -211,7 +211,7 @@ def _tiny_split(
     task = build_task("tinyworld_arith", split, limit=n)
     convs = [task[i] for i in range(min(n, len(task)))]
     made = prefs.contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
-    out = [(p, "contrast_" + p.where.rsplit(" ", 1)[-1]) for p in made]  # contrast_miscopied, ...
+    out = [(p, f"contrast_{p.kind}") for p in made]  # contrast_miscopied, ...
     if not cfg.tiny_samples:
         return out
     engine = Engine(policy.eval(), tok)

@@ -45,6 +45,7 @@ class Pair:
     chosen: list[int]
     rejected: list[int]
     where: str  # "file:line", "file:row N" or the tiny source that made it
+    kind: str = ""  # tiny contrasts: which mistake the rejected side has (a key of CONTRASTS)
 
 
 # --------------------------------------------------------------------------- records -> pairs
@@ -240,5 +241,5 @@ def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: 
         chosen, _ = tok.render_conversation(conv, max_tokens=1 << 62)
         for kind, bad in contrasts(conv, rng).items():
             rejected, _ = tok.render_conversation(bad, max_tokens=1 << 62)
-            pairs.append(Pair(chosen, rejected, f"{where}:{i} {kind}"))
+            pairs.append(Pair(chosen, rejected, f"{where}:{i} {kind}", kind))
     return pairs
