@@ -131,9 +131,14 @@ def configure(settings) -> str:
     """
     import mlflow
 
-    if settings.uri.startswith("sqlite:///"):
-        Path(settings.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(settings.uri)
+    uri = settings.uri
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///")).resolve()
+        db.parent.mkdir(parents=True, exist_ok=True)
+        # absolute: MLflow keeps one open store per URI string, and a relative one would keep
+        # pointing at the first directory a process used it from
+        uri = f"sqlite:///{db}"
+    mlflow.set_tracking_uri(uri)
     exp = mlflow.get_experiment_by_name(settings.experiment)
     artifacts = Path(settings.artifact_root).resolve()
     if exp is None:

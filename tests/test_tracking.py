@@ -146,7 +146,7 @@ def test_moved_project_writes_and_reads_its_own_mlruns(tmp_path):
 def test_an_experiment_with_a_location_elsewhere_is_kept_and_warned_about(clean_env, caplog):
     # made by a chatpipe that stored absolute paths, or with another artifact_root: MLflow fixes the
     # location at creation and chatpipe does not rewrite the store, so it says what to do instead
-    mlflow.set_tracking_uri("sqlite:///mlruns/mlflow.db")
+    mlflow.set_tracking_uri(f"sqlite:///{clean_env}/mlruns/mlflow.db")  # absolute: see settings_at
     (clean_env / "mlruns").mkdir()
     old = mlflow.create_experiment("chatpipe", artifact_location="/elsewhere/mlruns/artifacts")
     settings = TrackingSettings.model_construct(
@@ -302,3 +302,20 @@ def test_per_step_metrics_reach_the_store_in_a_few_batches(clean_env, monkeypatc
     history = mlflow.MlflowClient().get_metric_history(run.id, "train/loss")
     assert sorted(m.step for m in history) == list(range(20))
     assert 1 <= len(batches) <= 3, batches  # one write per step before: 20
+
+
+def test_a_relative_store_is_the_one_in_the_current_directory_each_time(clean_env, monkeypatch):
+    # MLflow keeps one open store per URI string, so a relative sqlite URI used from a second
+    # directory in the same process would still write the first directory's database
+    settings = TrackingSettings.model_construct(
+        uri="sqlite:///mlruns/mlflow.db", artifact_root="mlruns/artifacts", experiment="chatpipe", enabled=True
+    )
+    for project in (clean_env / "a", clean_env / "b"):
+        project.mkdir()
+        monkeypatch.chdir(project)
+        tracking.configure(settings)
+        with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("chatpipe").experiment_id):
+            mlflow.log_param("project", project.name)
+        assert (project / "mlruns/mlflow.db").exists()
+        runs = mlflow.search_runs(experiment_names=["chatpipe"], output_format="list")
+        assert [r.data.params["project"] for r in runs] == [project.name]
