@@ -412,6 +412,12 @@ class RewardModelSettings(RunSettings):
         256, ge=1, description="tiny: train arithmetic problems (val_pairs come from its val split)"
     )
     tiny_samples: int = Field(4, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
+    tiny_sample_prompts: int = Field(
+        256,
+        ge=0,
+        description="tiny: the init model is sampled on the first N problems of each split only (0: none); "
+        "every problem gets contrasts",
+    )
     tiny_max_new_tokens: int = Field(48, ge=1)
     tiny_temperature: float = Field(1.0, gt=0)
     max_steps: int = Field(60, ge=1, description="optimizer steps of device_batch_size pairs (x world size)")
