@@ -37,7 +37,15 @@ from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.rl.reward_model import KIND, RewardModel, bradley_terry_loss, pad_rows, pair_metrics, score_rows
+from chatpipe.rl.reward_model import (
+    KIND,
+    RewardModel,
+    bradley_terry_loss,
+    pad_rows,
+    pair_metrics,
+    score_rows,
+    unique_rows,
+)
 from chatpipe.runtime import all_reduce_sum
 from chatpipe.settings import RewardModelSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
@@ -75,6 +83,7 @@ class Parts:
     optimizers: list
     pairs: Pairs
     pad_id: int
+    groups: list[list[int]] = field(default_factory=list)  # train pairs sharing a chosen reply (pair_groups)
 
 
 def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
@@ -104,7 +113,9 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=rm, optimizers=optimizers, rt=rt)
     state = LoopState.resumed(meta, cfg.max_steps)
-    parts = Parts(cfg, rt, rm, DDP(rm) if rt.world_size > 1 else rm, optimizers, pairs, tok.bos_id)
+    parts = Parts(
+        cfg, rt, rm, DDP(rm) if rt.world_size > 1 else rm, optimizers, pairs, tok.bos_id, pair_groups(pairs.train)
+    )
     loop = Loop(
         "reward_model",
         cfg,
@@ -114,7 +125,7 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
         optimizers,
         step=functools.partial(rm_step, parts),
         schedule=lambda step: (1.0 - step / cfg.max_steps, None),  # the LRs decay linearly to 0
-        hooks=[Every(lambda step: held_out(parts), cfg.eval_every)],
+        hooks=[Every(lambda step: held_out(parts), cfg.eval_every, from_step=1)],  # a zero head ties every pair at 0
         identity={
             **run_meta("reward_model", run_fp, cfg, inputs, rt, rm.config),
             "kind": KIND,
@@ -212,8 +223,9 @@ def _tiny_split(
     convs = [task[i] for i in range(min(n, len(task)))]
     made = prefs.contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
     out = [(p, f"contrast_{p.kind}") for p in made]  # contrast_miscopied, ...
-    if not cfg.tiny_samples:
-        return out
+    convs = convs[: cfg.tiny_sample_prompts]  # sampling costs far more than a contrast: a few problems suffice
+    if not cfg.tiny_samples or not convs:
+        return _fitting(out, cfg.max_seq_len, split)
     engine = Engine(policy.eval(), tok)
     prompts = [tok.render_for_completion(c) for c in convs]
     with torch.no_grad():
@@ -231,29 +243,45 @@ def _tiny_split(
         scores = [float(task.reward(conv, t)) for t in texts]
         where = f"tinyworld_arith/{split} problem {i}"
         out += [(p, "sampled") for p in prefs.ranked_pairs(prompt, seqs, scores, where)]
-    fits = [(p, k) for p, k in out if max(len(p.chosen), len(p.rejected)) <= cfg.max_seq_len]
-    if len(fits) < len(out):  # made here, not read from a user's file: longer ones are left out, not an error
+    return _fitting(out, cfg.max_seq_len, split)
+
+
+def _fitting(pairs: list[tuple[prefs.Pair, str]], max_len: int, split: str) -> list[tuple[prefs.Pair, str]]:
+    """The pairs of at most ``max_len`` tokens: made here, not read from a user's file, so longer ones
+    are left out (and counted in the log), not an error."""
+    fits = [(p, k) for p, k in pairs if max(len(p.chosen), len(p.rejected)) <= max_len]
+    if len(fits) < len(pairs):
         log.info(
-            "tiny %s: %d of %d pairs over max_seq_len %d left out",
-            split,
-            len(out) - len(fits),
-            len(out),
-            cfg.max_seq_len,
+            "tiny %s: %d of %d pairs over max_seq_len %d left out", split, len(pairs) - len(fits), len(pairs), max_len
         )
     return fits
 
 
-def batch_indices(n: int, step: int, per_rank: int, rank: int, world_size: int, seed: int) -> list[int]:
-    """Pair indices this rank trains on at ``step``: a fresh seeded shuffle every epoch, disjoint over ranks."""
-    per_step = per_rank * world_size
+def pair_groups(pairs: list[prefs.Pair]) -> list[list[int]]:
+    """Indices of the pairs that share a chosen conversation (tiny: one problem's contrasts), each
+    group in first-seen order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(pairs):
+        groups.setdefault(tuple(p.chosen), []).append(i)
+    return list(groups.values())
+
+
+def batch_indices(
+    groups: list[list[int]], step: int, per_rank: int, rank: int, world_size: int, seed: int
+) -> list[int]:
+    """Pair indices this rank trains on at ``step``: every epoch a fresh seeded shuffle of the groups
+    (:func:`pair_groups`), each group's pairs kept together so a step scores their shared chosen
+    reply once; consecutive slices of it, disjoint over ranks."""
+    n, per_step = sum(len(g) for g in groups), per_rank * world_size
     if per_step > n:
         raise ValueError(
             f"{per_step} pairs per step (x{world_size} ranks) but only {n} train pairs; lower device_batch_size"
         )
     epoch, offset = divmod(step, n // per_step)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    perm = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    order = [i for g in perm.tolist() for i in groups[g]]
     start = offset * per_step + rank * per_rank
-    return perm[start : start + per_rank].tolist()
+    return order[start : start + per_rank]
 
 
 def rm_step(parts: Parts, step: int) -> StepOut:
@@ -261,11 +289,12 @@ def rm_step(parts: Parts, step: int) -> StepOut:
     -log sigmoid(r_chosen - r_rejected); its row holds the loss, the batch pair accuracy and the
     gradient norm, each the mean over ranks."""
     cfg, rt, pairs = parts.cfg, parts.rt, parts.pairs
-    idx = batch_indices(len(pairs.train), step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
+    idx = batch_indices(parts.groups, step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
     batch = [pairs.train[i] for i in idx]
-    ids, last = pad_rows([p.chosen for p in batch] + [p.rejected for p in batch], parts.pad_id)
+    rows, where = unique_rows([p.chosen for p in batch] + [p.rejected for p in batch])
+    ids, last = pad_rows(rows, parts.pad_id)
     with rt.autocast():
-        scores = parts.step_model(ids.to(rt.device), last.to(rt.device))
+        scores = parts.step_model(ids.to(rt.device), last.to(rt.device))[where.to(rt.device)]
     chosen, rejected = scores[: len(batch)], scores[len(batch) :]
     loss = bradley_terry_loss(chosen, rejected)
     loss.backward()
@@ -283,16 +312,17 @@ def held_out(parts: Parts) -> dict[str, float]:
     ``val/<name>`` metrics. Every rank scores every held-out pair."""
     rm, pairs, rt = parts.rm, parts.pairs, parts.rt
     rm.eval()
+    rows, where = unique_rows([p.chosen for p in pairs.val] + [p.rejected for p in pairs.val])
     with rt.autocast():
-        chosen = score_rows(rm, [p.chosen for p in pairs.val], parts.pad_id)
-        rejected = score_rows(rm, [p.rejected for p in pairs.val], parts.pad_id)
+        scores = score_rows(rm, rows, parts.pad_id)[where]  # a chosen reply shared by pairs scored once
     rm.train()
+    chosen, rejected = scores[: len(pairs.val)], scores[len(pairs.val) :]
     out = pair_metrics(chosen, rejected)
     kinds = sorted(set(pairs.val_kinds))
     for kind in kinds if len(kinds) > 1 else []:
-        rows = torch.tensor([k == kind for k in pairs.val_kinds])
-        out[f"pair_accuracy_{kind}"] = (chosen[rows] > rejected[rows]).double().mean().item()
-        out[f"pairs_{kind}"] = int(rows.sum())
+        of_kind = torch.tensor([k == kind for k in pairs.val_kinds])
+        out[f"pair_accuracy_{kind}"] = (chosen[of_kind] > rejected[of_kind]).double().mean().item()
+        out[f"pairs_{kind}"] = int(of_kind.sum())
     return {f"val/{k}": v for k, v in out.items()}
 
 

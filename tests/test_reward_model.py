@@ -21,6 +21,7 @@ from chatpipe.rl.reward_model import (
     pad_rows,
     pair_metrics,
     rollout_scores,
+    unique_rows,
 )
 from chatpipe.rl.rewards import combine_rewards
 from chatpipe.rl.value import ValueModel
@@ -63,6 +64,63 @@ def test_a_row_is_scored_at_its_last_token_whatever_the_padding():
     alone = rm(torch.tensor([rows[0]]), torch.tensor([3]))
     assert batch[0].item() == pytest.approx(alone.item(), abs=1e-5)
     assert batch[0].item() == pytest.approx(rm.token_scores(ids)[0, 3].item(), abs=1e-6)
+
+
+def test_a_shared_chosen_reply_is_scored_once_to_the_same_scores():
+    rows = [[1, 5, 6], [1, 7], [1, 5, 6], [1, 8, 9, 10]]
+    distinct, where = unique_rows(rows)
+    assert distinct == [[1, 5, 6], [1, 7], [1, 8, 9, 10]] and where.tolist() == [0, 1, 0, 2]
+    rm = trained_head(tiny_gpt())
+    once = rm(*pad_rows(distinct, pad_id=0))[where]
+    each = rm(*pad_rows(rows, pad_id=0))
+    assert torch.allclose(once, each, atol=1e-5)
+
+
+def test_pairs_sharing_a_chosen_reply_stay_together_and_an_epoch_trains_each_pair_once():
+    from chatpipe.data.preferences import Pair
+    from stages.reward_model import batch_indices, pair_groups
+
+    made = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (3, 0), (3, 1)]  # (problem, contrast)
+    pairs = [Pair([7, g], [7, g, k], "t") for g, k in made]
+    groups = pair_groups(pairs)
+    assert groups == [[0, 1, 2], [3, 4, 5], [6], [7, 8]]
+    for epoch in range(2):
+        order = [i for s in range(3) for i in batch_indices(groups, 3 * epoch + s, 3, 0, 1, seed=5)]
+        assert sorted(order) == list(range(9))
+        for g in groups:  # a group's pairs are consecutive
+            first = order.index(g[0])
+            assert order[first : first + len(g)] == g
+    # two ranks take disjoint consecutive slices of the same order
+    one = batch_indices(groups, 0, 4, 0, 1, seed=5)
+    assert batch_indices(groups, 0, 2, 0, 2, seed=5) + batch_indices(groups, 0, 2, 1, 2, seed=5) == one
+    with pytest.raises(ValueError, match="10 pairs per step .* only 9 train pairs"):
+        batch_indices(groups, 0, 10, 0, 1, seed=5)
+
+
+def test_tiny_pairs_sample_only_the_first_problems_and_fit_the_context(project, monkeypatch):
+    """Every problem gets contrasts, only the first ``tiny_sample_prompts`` are sampled, and no pair
+    is longer than ``max_seq_len`` (with or without samples)."""
+    from chatpipe.data import preferences as prefs
+    from chatpipe.settings import RewardModelSettings, load_section
+    from chatpipe.tokenizer import Tokenizer
+    from stages import reward_model as stage
+
+    tok, (policy, _) = Tokenizer.load(project / "artifacts" / "tokenizer"), load_model(project / "artifacts" / "sft")
+    ranked, real = [], prefs.ranked_pairs
+    monkeypatch.setattr(prefs, "ranked_pairs", lambda *a: ranked.append(a[3]) or real(*a))
+    flags = ["--tiny_samples=2", "--tiny_max_new_tokens=4", "--max_seq_len=128"]
+    got = stage._tiny_split(
+        load_section(RewardModelSettings, [*flags, "--tiny_sample_prompts=2"]), tok, policy, "train", 6
+    )
+    assert ranked == ["tinyworld_arith/train problem 0", "tinyworld_arith/train problem 1"]
+    assert {int(p.where.split(":")[1].split()[0]) for p, k in got if k.startswith("contrast")} == set(range(6))
+    ranked.clear()
+    lengths = sorted(max(len(p.chosen), len(p.rejected)) for p, _ in got)
+    limit = lengths[len(lengths) // 2]  # about half the pairs are longer
+    cfg = load_section(RewardModelSettings, ["--tiny_samples=0", f"--max_seq_len={limit}"])
+    short = stage._tiny_split(cfg, tok, policy, "train", 6)
+    assert ranked == [] and 0 < len(short) < len(got)
+    assert all(max(len(p.chosen), len(p.rejected)) <= limit for p, _ in short)
 
 
 def test_rollout_rows_are_read_at_their_last_sampled_token():
@@ -180,7 +238,7 @@ def test_stage_logs_loss_and_gradient_norm_to_mlflow_every_step(project, monkeyp
         assert sorted(m.step for m in history) == [1, 2, 3], name
     assert all(0 < m.value < math.inf for m in client.get_metric_history(run.info.run_id, "train/grad_norm"))
     held_out = client.get_metric_history(run.info.run_id, "val/pair_accuracy")
-    assert sorted(m.step for m in held_out) == [0, 2, 3]  # eval_every 2, and the last step
+    assert sorted(m.step for m in held_out) == [2, 3]  # eval_every 2 (not step 0: a zero head ties), and the last
 
 
 @pytest.mark.slow

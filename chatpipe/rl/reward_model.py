@@ -96,6 +96,17 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, torch.tensor([len(r) - 1 for r in rows], dtype=torch.long)
 
 
+def unique_rows(rows: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """The distinct rows of ``rows`` in first-seen order, and for each row the index of its copy
+    there: a batch whose pairs share a chosen reply scores it once."""
+    first: dict[tuple[int, ...], int] = {}
+    where = [first.setdefault(tuple(r), len(first)) for r in rows]
+    distinct = [None] * len(first)
+    for r, i in zip(rows, where):
+        distinct[i] = r
+    return distinct, torch.tensor(where, dtype=torch.long)
+
+
 @torch.no_grad()
 def score_rows(rm: RewardModel, rows: list[list[int]], pad_id: int, micro_batch: int = 32) -> torch.Tensor:
     """Scores [len(rows)] of token sequences (each scored at its last token), ``micro_batch`` rows a pass."""

@@ -402,22 +402,28 @@ class RewardModelSettings(RunSettings):
     hf_val_split: str = Field("test_prefs", description="held-out split ('': val_pairs drawn from hf_split)")
     limit: int = Field(0, ge=0, description="train pairs read at most (0: all)")
     val_pairs: int = Field(
-        200, ge=1, description="held-out pairs evaluated (drawn from the train pairs where no split)"
+        400, ge=1, description="held-out pairs evaluated (drawn from the train pairs where no split)"
     )
     max_seq_len: int = Field(256, ge=8, description="longest conversation of a pair, in tokens; longer fails")
     skip_too_long: bool = Field(
         False, description="local/hf: leave out pairs over max_seq_len instead of failing (tiny always leaves them out)"
     )
     tiny_prompts: int = Field(
-        256, ge=1, description="tiny: train arithmetic problems (val_pairs come from its val split)"
+        4096, ge=1, description="tiny: train arithmetic problems (val_pairs come from its val split)"
     )
     tiny_samples: int = Field(4, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
+    tiny_sample_prompts: int = Field(
+        256,
+        ge=0,
+        description="tiny: the init model is sampled on the first N problems of each split only (0: none); "
+        "every problem gets contrasts",
+    )
     tiny_max_new_tokens: int = Field(48, ge=1)
     tiny_temperature: float = Field(1.0, gt=0)
-    max_steps: int = Field(60, ge=1, description="optimizer steps of device_batch_size pairs (x world size)")
-    device_batch_size: int = Field(16, ge=1, description="pairs per rank per step")
-    lr_frac: float = Field(0.5, gt=0, description="LRs = lr_frac x the init model's LRs, linear decay to 0")
+    max_steps: int = Field(600, ge=1, description="optimizer steps of device_batch_size pairs (x world size)")
+    device_batch_size: int = Field(24, ge=1, description="pairs per rank per step")
+    lr_frac: float = Field(0.2, gt=0, description="LRs = lr_frac x the init model's LRs, linear decay to 0")
     head_lr: float = Field(0.01, gt=0, description="AdamW LR of the scalar head (starts at zero)")
     weight_decay: float = Field(0.0, ge=0)
-    eval_every: int = resume_neutral(20, ge=0, description="held-out pair accuracy every N steps (0: only at the end)")
-    checkpoint_every: int = resume_neutral(20, ge=0)
+    eval_every: int = resume_neutral(200, ge=0, description="held-out pair accuracy every N steps (0: only at the end)")
+    checkpoint_every: int = resume_neutral(100, ge=0)
