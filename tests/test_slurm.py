@@ -50,7 +50,7 @@ PIPELINE_PARAMS = {  # tests/project.py SMALL_PARAMS plus small rl/eval, on the 
     # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
     "midtrain": {"total_batch_size": 1024},
     "sft": {"total_batch_size": 1024},
-    # the slurm profile's 8 pairs x 2 ranks per step need >= 16 train pairs (12 prompts make 14)
+    # the slurm profile's 12 pairs x 2 ranks per step need >= 24 train pairs (32 problems give more)
     "reward_model": {"tiny_prompts": 32},
 }
 
