@@ -83,7 +83,7 @@ class Parts:
     optimizers: list
     pairs: Pairs
     pad_id: int
-    groups: list[list[int]] = field(default_factory=list)  # train pairs sharing a chosen reply (pair_groups)
+    groups: list[list[int]]  # train pairs sharing a chosen reply (pair_groups), shuffled together each epoch
 
 
 def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
