@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on two cores: one thread each (OpenMP threads beyond the cores spin and slow
-    # both workers down). Commands the tests start inherit it, as tests/project.py sets anyway.
+    # Three workers on two cores: one thread each (OpenMP threads beyond the cores spin and slow
+    # every worker down). Commands the tests start inherit it, as tests/project.py sets anyway.
     os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,10 +71,16 @@ def require_shared_data() -> Path:
     return SHARED_DATA
 
 
-# Under pytest-xdist (pyproject's addopts: two workers, `--dist loadfile`) a test file runs whole on
+# Under pytest-xdist (pyproject's addopts: three workers, `--dist loadfile`) a test file runs whole on
 # one worker, and files are handed out in collection order. The longest files (measured with
-# `pytest --durations`) go first, so that neither worker picks up a long file when the other is
-# almost done; every other file keeps its place after them.
+# `pytest --durations`) go first, so that no worker picks up a long file when the others are almost
+# done; every other file keeps its place after them.
+#
+# Three workers on two cores, not two: many end-to-end tests spend part of their time waiting (a
+# server starting, a Slurm job being scheduled, a signal's effect, a browser page), and with two
+# workers the two cores were busy ~77% of the time. On the 2-core AMD EPYC (Zen 4), pytest took
+# 1,143 s with two workers and 1,088 s with three (CPU 153% and 167%); about 20 s of that gap is
+# test_lineage's cut, which came with the switch.
 HEAVIEST_FIRST = (
     "test_readme_examples.py",  # the default pipeline, data -> rl (a third of the serial time)
     "test_slurm.py",
