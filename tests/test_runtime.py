@@ -17,7 +17,10 @@ def test_training_steps_stop_faulting_pages_back_in():
     # glibc picks by itself (32 MB), so its default maps and faults them in again every step;
     # kept in the heap, later steps reuse them. "kept" fails if the setting was not applied.
     # (The logits set the faults, not the depth: the bench's d4 costs 3x the CPU for the same check.)
-    default, kept = run("default", 4096, steps=4, depth=1), run("kept", 4096, steps=4, depth=1)
+    # A kept heap still grows by one 64 MB top pad now and then while it settles (its free blocks
+    # fragment): up to two of the first eight steps in 30-step traces. The median of eight
+    # steps reads the settled step; the median of four read a growing one in CI once.
+    default, kept = run("default", 4096, steps=8, depth=1), run("kept", 4096, steps=8, depth=1)
     assert default["faults"] > 2000
     assert kept["faults"] < default["faults"] / 10
 
