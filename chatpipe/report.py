@@ -407,27 +407,65 @@ def _skipped(results: dict) -> list[str]:
     return out
 
 
-def rl_section(meta: dict) -> list[str]:
+def rl_section(meta: dict, controls: dict | None = None) -> list[str]:
     """Markdown lines for the RL stage's own held-out pass@1 before and after training (from
-    ``artifacts/rl/meta.json``), each with its 95% interval over the held-out problems."""
+    ``artifacts/rl/meta.json``), each with its 95% interval over the held-out problems; what trained
+    it; the replay-only control of ``controls`` (``bench/rl_controls.py``'s ``metrics/rl_controls.json``)
+    when it was measured on the same SFT model; and the reward-hacking guard's windows."""
     summary, settings = meta.get("summary") or {}, meta.get("settings") or {}
     before, after = summary.get("first_eval/pass_at_1"), summary.get("final_eval/pass_at_1")
     n = int(settings.get("eval_problems") or 0)
     if before is None or after is None or n < 1:
         return []
     cells = accuracy_cell(before, n), accuracy_cell(after, n, (before, n))
+    replay = "on" if settings.get("replay") and settings.get("replay_coef") else "off"
     return [
         "## RL held-out pass@1",
         "",
         f"Task `{settings.get('task')}`, split `{settings.get('eval_split')}`, {n} problems x "
         f"{settings.get('eval_samples')} samples at temperature {settings.get('eval_temperature')}; "
-        f"{summary.get('steps')} RL steps. Interval: 95% Wilson over problems.",
+        f"{summary.get('steps')} RL steps of `{settings.get('algorithm')}` on the `{settings.get('reward_source')}` "
+        f"reward, chat replay {replay}. Interval: 95% Wilson over problems.",
         "",
         "| | pass@1 |",
         "|---|---|",
         f"| before RL (sft) | {cells[0]} |",
         f"| after RL | {cells[1]} |",
         f"| change | {after - before:+.3f} |",
+        *control_rows(meta, controls, after - before),
+        "",
+        *guard_lines(summary),
+    ]
+
+
+def control_rows(meta: dict, controls: dict | None, change: float) -> list[str]:
+    """The replay-only control's change (supervised steps on the replay mixture, no reward) and RL's
+    gain over it, when ``controls`` were measured on this run's SFT model; else a row saying how."""
+    init = (meta.get("inputs") or {}).get("init")
+    arms = (controls or {}).get("arms") or {}
+    if not controls or controls.get("init") != init or "replay_only" not in arms:
+        return ["| replay-only control | not measured on this SFT model (`python bench/rl_controls.py`) |"]
+    control = arms["replay_only"]["mean_change"]
+    runs = arms["replay_only"]["runs"]
+    return [
+        f"| replay-only control (mean of {runs} seeds) | {control:+.3f} |",
+        f"| RL over the control | {change - control:+.3f} |",
+    ]
+
+
+def guard_lines(summary: dict) -> list[str]:
+    """The reward-hacking guard's verdict (runs trained on a reward model's scores)."""
+    if "guard_trips" not in summary:
+        return []
+    trips = int(summary["guard_trips"])
+    first = {k: summary.get(f"guard_first_{k}", float("nan")) for k in ("model_mean", "verifier_mean", "accuracy")}
+    last = {k: summary.get(f"guard_last_{k}", float("nan")) for k in ("model_mean", "verifier_mean", "accuracy")}
+    verdict = f"**tripped {trips} times**" if trips else "never tripped"
+    return [
+        f"Reward-hacking guard: {verdict}. Rollouts, first window -> last: reward-model score "
+        f"{first['model_mean']:.3f} -> {last['model_mean']:.3f}, verifier {first['verifier_mean']:.3f} -> "
+        f"{last['verifier_mean']:.3f}, the reward model's accuracy on their verifier-ranked pairs "
+        f"{first['accuracy']:.3f} -> {last['accuracy']:.3f}.",
         "",
     ]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 from chatpipe import registry, runtime, tracking
 from chatpipe.io import replace_dir, sha256_file, temp_dir_beside, write_json_atomic
@@ -74,7 +75,9 @@ def report(cfg: ReportSettings) -> None:
             text += "\n" + "\n".join(reward_model_section(json.loads(rm_meta.read_text())))
         rl_meta = ARTIFACTS / "rl" / "meta.json"
         if rl_meta.exists():
-            text += "\n" + "\n".join(rl_section(json.loads(rl_meta.read_text())))
+            controls = Path("metrics") / "rl_controls.json"  # bench/rl_controls.py's, when it ran here
+            known = json.loads(controls.read_text()) if controls.exists() else None
+            text += "\n" + "\n".join(rl_section(json.loads(rl_meta.read_text()), known))
         (tmp / "report.md").write_text(text)
         write_json_atomic(
             tmp / "report.json",

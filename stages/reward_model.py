@@ -5,12 +5,15 @@
     python -m chatpipe.launch reward_model                 # through torchx, as DVC does
 
 Pairs come from ``source`` (:mod:`chatpipe.data.preferences`): ``tiny`` makes them offline from the
-tiny world (the init model's own samples on train arithmetic problems, ranked by the verifier, plus
-synthetic contrasts of each gold answer: the answer miscopied, the ``####`` line left out; the
-held-out pairs are made the same way from the val split's problems), ``local`` reads a
-``{prompt, chosen, rejected}`` JSONL file, ``hf`` a hub dataset in the chosen/rejected format. Every
-pair is read and checked before the model loads. Each step takes ``device_batch_size`` pairs per
-rank and follows -log sigmoid(r_chosen - r_rejected), each response scored at its last token.
+tiny world's arithmetic problems of the train split's ``preferences`` part, which no other stage
+reads (so never one RL prompts with): the init model's own samples ranked by the verifier (what PPO
+will show the reward model), plus synthetic contrasts of each gold answer; the held-out pairs are
+made the same way from the val split's problems. ``local`` reads a ``{prompt, chosen, rejected}``
+JSONL file, ``hf`` a hub dataset in the chosen/rejected format. Every pair is read and checked
+before the model loads. Each step takes ``device_batch_size`` pairs per rank and follows
+-log sigmoid(r_chosen - r_rejected - margin), each response scored at its last token. At the end
+the mean and std of the scores of the init model's own samples are saved as ``score_norm``, which
+RL applies to every score.
 The steps run on the shared training loop (:mod:`chatpipe.train.trainer`), which logs each step's
 loss, batch pair accuracy and gradient norm to MLflow. Held-out pair accuracy and the margin's
 quantiles go to MLflow every ``eval_every`` steps and to ``summary`` in
@@ -43,7 +46,9 @@ from chatpipe.rl.reward_model import (
     bradley_terry_loss,
     pad_rows,
     pair_metrics,
+    score_norm,
     score_rows,
+    scoring_meta,
     unique_rows,
 )
 from chatpipe.runtime import all_reduce_sum
@@ -65,11 +70,12 @@ def main(argv: list[str] | None = None) -> None:
 
 @dataclass
 class Pairs:
-    """Train and held-out pairs, and a name for each held-out pair's kind (tiny: sampled or contrast)."""
+    """Train and held-out pairs, and a name for each pair's kind (tiny: sampled or contrast_<kind>)."""
 
     train: list[prefs.Pair]
     val: list[prefs.Pair]
     val_kinds: list[str] = field(default_factory=list)
+    train_kinds: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -101,7 +107,7 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
     log.info("%d train pairs, %d held-out pairs (%s)", len(pairs.train), len(pairs.val), cfg.source)
 
     # --- model: the init trunk with a zero scalar head; LRs are fractions of the init model's
-    rm = RewardModel.from_policy(policy).train()
+    rm = RewardModel.from_policy(policy, cfg.pool, tok.encode_special("<|assistant_start|>")).train()
     del policy
     optimizers = reward_optimizers(cfg, rm, init_meta)
 
@@ -128,6 +134,7 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
         hooks=[Every(lambda step: held_out(parts), cfg.eval_every, from_step=1)],  # a zero head ties every pair at 0
         identity={
             **run_meta("reward_model", run_fp, cfg, inputs, rt, rm.config),
+            **scoring_meta(rm),
             "kind": KIND,
             "init_dir": str(init_dir),
         },
@@ -142,7 +149,7 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
         finish_stage(
             ARTIFACTS / "reward_model",
             rm,
-            loop.meta(state),
+            {**loop.meta(state), "score_norm": reference_norm(parts)},
             summary(state, pairs),
             step=state.step,
             run=run,
@@ -202,28 +209,39 @@ def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> Pairs:
         )
     if held is None:
         pairs, held = prefs.split_pairs(pairs, cfg.val_pairs, cfg.seed)
-    return Pairs(pairs, held, ["file"] * len(held))
+    return Pairs(pairs, held, ["file"] * len(held), ["file"] * len(pairs))
 
 
 def tiny_pairs(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> Pairs:
-    """Tiny-world pairs: the train split's problems make the train pairs, the val split's the held-out ones."""
-    train = _tiny_split(cfg, tok, policy, "train", cfg.tiny_prompts)
-    val = _tiny_split(cfg, tok, policy, "val", max(cfg.val_pairs // 2, 1))
+    """Tiny-world pairs: the train split's ``preferences`` problems make the train pairs, the val
+    split's the held-out ones: every sampled pair of ``tiny_val_problems`` problems (the kind PPO
+    needs ranked), then their contrasts up to ``val_pairs`` in all."""
+    train = _tiny_split(cfg, tok, policy, "train", cfg.tiny_prompts, cfg.tiny_sample_prompts)
+    val = _tiny_split(cfg, tok, policy, "val", cfg.tiny_val_problems, cfg.tiny_val_problems)
     random.Random(cfg.seed).shuffle(val)
-    val = val[: cfg.val_pairs]
-    return Pairs([p for p, _ in train], [p for p, _ in val], [k for _, k in val])
+    sampled = [pk for pk in val if pk[1] == "sampled"]
+    val = sampled + [pk for pk in val if pk[1] != "sampled"][: max(cfg.val_pairs - len(sampled), 0)]
+    return Pairs([p for p, _ in train], [p for p, _ in val], [k for _, k in val], [k for _, k in train])
+
+
+def tiny_problems(split: str, n: int) -> list[dict]:
+    """The ``n`` arithmetic problems tiny pairs are made from: the train split's ``preferences`` part
+    (:func:`chatpipe.data.synthetic.preference_problem`), or a held-out split."""
+    task = build_task("tinyworld_arith", split, limit=n, part="preferences" if split == "train" else None)
+    return [task[i] for i in range(min(n, len(task)))]
 
 
 def _tiny_split(
-    cfg: RewardModelSettings, tok: Tokenizer, policy: GPT, split: str, n: int
+    cfg: RewardModelSettings, tok: Tokenizer, policy: GPT, split: str, n: int, n_sampled: int
 ) -> list[tuple[prefs.Pair, str]]:
     """(pair, kind) for ``n`` arithmetic problems of ``split``: synthetic contrasts, then the model's
-    samples ranked by the task's verifier (a right answer over a wrong or unfinished one)."""
-    task = build_task("tinyworld_arith", split, limit=n)
-    convs = [task[i] for i in range(min(n, len(task)))]
+    samples on the first ``n_sampled`` ranked by the task's verifier (a right answer over a wrong or
+    unfinished one)."""
+    task = build_task("tinyworld_arith", split, limit=1)  # the verifier
+    convs = tiny_problems(split, n)
     made = prefs.contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
     out = [(p, f"contrast_{p.kind}") for p in made]  # contrast_miscopied, ...
-    convs = convs[: cfg.tiny_sample_prompts]  # sampling costs far more than a contrast: a few problems suffice
+    convs = convs[:n_sampled]  # sampling costs far more than a contrast
     if not cfg.tiny_samples or not convs:
         return _fitting(out, cfg.max_seq_len, split)
     engine = Engine(policy.eval(), tok)
@@ -296,7 +314,7 @@ def rm_step(parts: Parts, step: int) -> StepOut:
     with rt.autocast():
         scores = parts.step_model(ids.to(rt.device), last.to(rt.device))[where.to(rt.device)]
     chosen, rejected = scores[: len(batch)], scores[len(batch) :]
-    loss = bradley_terry_loss(chosen, rejected)
+    loss = bradley_terry_loss(chosen, rejected, cfg.margin)
     loss.backward()
     # no clipping (grad_clip 0): the norm is read before the step and the weights train as without it
     norm = step_optimizers(parts.step_model, parts.optimizers, grad_clip=0.0)
@@ -305,6 +323,21 @@ def rm_step(parts: Parts, step: int) -> StepOut:
     sums = all_reduce_sum(torch.stack([loss.detach().float(), accuracy, norm.float()])) / rt.world_size
     loss_mean, accuracy_mean, grad_norm = sums.tolist()
     return StepOut({"train/loss": loss_mean, "train/pair_accuracy": accuracy_mean, "train/grad_norm": grad_norm})
+
+
+def reference_norm(parts: Parts, max_rows: int = 2048) -> dict[str, float]:
+    """``score_norm`` (:func:`chatpipe.rl.reward_model.score_norm`) over the init model's own sampled
+    train replies, the distribution RL's first rollouts come from (every train reply when there
+    are no samples, e.g. a JSONL source); at most ``max_rows`` distinct replies, every rank alike."""
+    pairs, kinds = parts.pairs.train, parts.pairs.train_kinds
+    own = [p for p, k in zip(pairs, kinds) if k == "sampled"] or pairs
+    rows, _ = unique_rows([r for p in own for r in (p.chosen, p.rejected)])
+    rows = random.Random(parts.cfg.seed).sample(rows, min(max_rows, len(rows)))
+    parts.rm.eval()
+    with parts.rt.autocast():
+        scores = score_rows(parts.rm, rows, parts.pad_id)
+    parts.rm.train()
+    return score_norm(scores)
 
 
 def held_out(parts: Parts) -> dict[str, float]:

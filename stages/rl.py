@@ -40,9 +40,18 @@ from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.rl import losses
+from chatpipe.rl.guard import RewardGuard
 from chatpipe.rl.reward_model import RewardModel, is_reward_model_dir, load_reward_model, rollout_scores
 from chatpipe.rl.rewards import combine_rewards
-from chatpipe.rl.rollout import Problem, Rollouts, collect_rollouts, evaluate_problems, load_problems, rank_indices
+from chatpipe.rl.rollout import (
+    Problem,
+    Rollouts,
+    collect_rollouts,
+    evaluate_problems,
+    keep_best,
+    load_problems,
+    rank_indices,
+)
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
@@ -115,6 +124,7 @@ class Parts:
     train_critic: torch.nn.Module | None
     value_norm: losses.ValueNorm | None = None  # PPO's running moments of the returns (rl.value_norm)
     prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
+    guard: RewardGuard | None = None  # reward_source model|both: the reward-hacking guard
 
 
 def rl_state(parts: Parts) -> dict:
@@ -128,6 +138,7 @@ def rl_state(parts: Parts) -> dict:
         "replay": parts.replay_loader.state() if parts.replay_loader else None,
         "value_norm": parts.value_norm.state() if parts.value_norm else None,
         "filter": {"solved": prompts.solved, "pool": prompts.pool, "pool_start": prompts.pool_start},
+        "guard": parts.guard.state() if parts.guard else None,
     }
 
 
@@ -143,10 +154,12 @@ def loop_meta(meta: dict) -> dict:
     return {**meta, "carried": carried}
 
 
-def summary(state: LoopState) -> dict[str, float]:
-    """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k."""
+def summary(state: LoopState, guard: RewardGuard | None = None) -> dict[str, float]:
+    """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k, and
+    the reward-hacking guard's trips and its first and last windows (the report card shows them)."""
     gen_seconds = state.total("gen_seconds")
     return {
+        **(guard.summary() if guard else {}),
         "steps": state.step,
         "gen_seconds": gen_seconds,
         "train_seconds": state.total("train_seconds") - gen_seconds,
@@ -196,7 +209,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     problems = (train_problems, eval_problems)
     engine = Engine(models.policy, tok)
     parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
-    parts.value_norm, parts.prompts = value_norm, Prompts.resumed(meta)
+    parts.value_norm, parts.prompts, parts.guard = value_norm, Prompts.resumed(meta), reward_guard(cfg, meta)
     loop = Loop(
         "rl",
         cfg,
@@ -225,9 +238,27 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         # --- save the final policy for eval and chat
         out_dir = ARTIFACTS / "rl"
         finish_stage(
-            out_dir, models.policy, loop.meta(state), summary(state), step=state.step, run=run, metrics=metrics, rt=rt
+            out_dir,
+            models.policy,
+            loop.meta(state),
+            summary(state, parts.guard),
+            step=state.step,
+            run=run,
+            metrics=metrics,
+            rt=rt,
         )
     runtime.barrier()
+
+
+def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
+    """The reward-hacking guard of a run trained on the reward model's scores (None otherwise, or
+    with ``guard: off``), its windows where the checkpoint ``meta`` left them."""
+    if cfg.reward_source == "verifier" or cfg.guard == "off":
+        return None
+    guard = RewardGuard(cfg.guard_every, cfg.guard_drop, cfg.guard, cfg.guard_min_accuracy)
+    if meta.get("guard"):
+        guard.load(meta["guard"])
+    return guard
 
 
 def resumed_replay(
@@ -253,7 +284,8 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
     ref.requires_grad_(False).eval()
     rm = None
     if cfg.reward_source != "verifier":
-        rm, _ = load_reward_model(Path(cfg.reward_model_dir), rt.device)
+        rm, rm_meta = load_reward_model(Path(cfg.reward_model_dir), rt.device)
+        check_reward_model(cfg, rm_meta, policy)
         check_same_shape(rm.trunk, policy, f"rl.reward_model_dir = {cfg.reward_model_dir}")
         rm.requires_grad_(False)
     critic = load_critic(cfg, policy, rm, rt) if cfg.algorithm == "ppo" and not cfg.disable_value else None
@@ -306,6 +338,28 @@ def load_role(model_dir: str, key: str, policy: GPT, rt: runtime.Runtime) -> GPT
     return model
 
 
+def check_reward_model(cfg: RLSettings, rm_meta: dict, policy: GPT) -> None:
+    """A reward model must read what the policy writes: the tokenizer it was trained with is the
+    policy's (by hash), and the conversations it was trained on were as long as the policy's context."""
+    where = f"rl.reward_model_dir = {cfg.reward_model_dir}"
+    tok_file = ARTIFACTS / "tokenizer" / "tokenizer.json"
+    ours, theirs = sha256_file(tok_file), rm_meta.get("inputs", {}).get("tokenizer")
+    if theirs is not None and theirs != ours:
+        raise ValueError(
+            f"{where}: the reward model was trained with another tokenizer (sha256 {theirs[:12]}...) than the "
+            f"policy's {tok_file} (sha256 {ours[:12]}...); retrain it on this tokenizer (dvc repro reward_model)"
+        )
+    trained = rm_meta.get("settings", {}).get("max_seq_len", rm_meta["model_config"]["sequence_len"])
+    context = min(trained, rm_meta["model_config"]["sequence_len"])
+    if context < policy.config.sequence_len:
+        raise ValueError(
+            f"{where}: the reward model's context is {context} tokens (reward_model.max_seq_len) but the "
+            f"policy's (rl.init_dir = {cfg.init_dir}) is {policy.config.sequence_len}: it would score rollouts "
+            "longer than any it was trained on; retrain it with max_seq_len "
+            f"= {policy.config.sequence_len}"
+        )
+
+
 def check_same_shape(model: GPT, policy: GPT, what: str) -> None:
     """A role model must read the policy's tokens: the same vocabulary and sequence length."""
     a, b = model.config, policy.config
@@ -326,12 +380,14 @@ def role_inputs(cfg: RLSettings) -> dict[str, str]:
 
 def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
     """``batch`` with the scores ``reward_source`` trains on (the verifier's stay in the stats), and
-    the mean verifier and reward-model scores of this rank's rows."""
+    the mean verifier and (normalised) reward-model scores of this rank's rows; the guard counts them."""
     cfg, rm = parts.cfg, parts.models.reward_model
     if rm is None:
         return batch, {}
     with parts.rt.autocast():
         model = rollout_scores(rm, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size)
+    if parts.guard is not None:
+        parts.guard.add(model, batch.scores, batch.groups)
     stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": model.mean().item()}
     return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
 
@@ -366,8 +422,7 @@ def rl_step(parts: Parts, step: int) -> StepOut:
     """One rollout-and-update step (its LR already set by the loop): sample and score this rank's
     prompts, update on them; its row holds the rollouts' means over every rank and the update's stats."""
     t0 = time.perf_counter()
-    batch = sample_rollouts(parts, step)
-    batch, reward_stats = score_rollouts(parts, batch)
+    batch, reward_stats = sample_rollouts(parts, step)
     t_gen = time.perf_counter() - t0
     t1 = time.perf_counter()
     stats = update(parts, batch, step)
@@ -381,6 +436,7 @@ def rl_step(parts: Parts, step: int) -> StepOut:
         **{f"tools/{k}": float(v) for k, v in parts.engine.tool_stats.items()},  # running totals, this rank
         **stats,
         **reward_stats,
+        **(parts.guard.close_if_due(step + 1, functools.partial(sum_over_ranks, parts.rt)) if parts.guard else {}),
     }
     # "gen_tokens", not "tokens": the loop's tokens_per_s and MFU are for trained tokens
     return StepOut(row, {"gen_seconds": t_gen, "gen_tokens": int(totals.tokens)})
@@ -396,10 +452,13 @@ def check_minibatches(cfg: RLSettings, world_size: int) -> None:
         )
 
 
-def sample_rollouts(parts: Parts, step: int) -> Rollouts:
+def sample_rollouts(parts: Parts, step: int) -> tuple[Rollouts, dict[str, float]]:
     """This rank's prompts x ``group_size`` responses for step ``step``, seeded by (seed, step,
-    rank); every rank records who sampled what in ``parts.prompts.log`` (tests check no overlap). With
-    ``generation_size`` each prompt is sampled that many times and the best ``group_size`` kept."""
+    rank), scored by :func:`score_rollouts`; every rank records who sampled what in
+    ``parts.prompts.log`` (tests check no overlap). With ``generation_size`` each prompt is sampled
+    that many times and the ``group_size`` best by the reward that trains are kept; filter_solved
+    counts a response solved by the verifier's verdict, or with ``reward_source: model`` by its
+    reward-model score reaching ``solved_score``."""
     cfg, rt, policy = parts.cfg, parts.rt, parts.models.policy
     per_rank = cfg.prompts_per_step // rt.world_size
     prompts = parts.prompts
@@ -409,23 +468,29 @@ def sample_rollouts(parts: Parts, step: int) -> Rollouts:
     idx = [pool[i] for i in picks]
     prompts.log.append(gather(idx, rt))
     policy.eval()
+    # the verifier ranks best-of-n inside collect_rollouts; a learned reward ranks after scoring
+    model_ranked = cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier"
     batch = collect_rollouts(
         parts.engine,
         [parts.train_problems[i] for i in idx],
-        group_size=cfg.group_size,
+        group_size=cfg.generation_size if model_ranked else cfg.group_size,
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         top_k=cfg.top_k or None,
         device=rt.device,
         seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank,
-        generation_size=cfg.generation_size,
+        generation_size=0 if model_ranked else cfg.generation_size,
     )
     policy.train()
+    batch, reward_stats = score_rollouts(parts, batch)
+    if model_ranked:
+        batch = keep_best(batch, cfg.group_size)
     if cfg.filter_solved > 0:
-        rates = losses.group_solve_rates(batch.correct, batch.groups)
+        solved_rows = batch.scores >= cfg.solved_score if cfg.reward_source == "model" else batch.correct
+        rates = losses.group_solve_rates(solved_rows, batch.groups)
         solved = [idx[g] for g, rate in rates.items() if rate >= cfg.filter_solved]
         prompts.solved = sorted(set(prompts.solved).union(*gather(solved, rt)))
-    return batch
+    return batch, reward_stats
 
 
 def prompt_pool(cfg: RLSettings, num_problems: int, prompts: Prompts, step: int) -> list[int]:
@@ -467,6 +532,8 @@ def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
             replay=replay,
             temperature=cfg.temperature,
             grad_clip=cfg.grad_clip,
+            ref=models.ref,
+            kl_loss_coef=cfg.kl_loss_coef,
         )
     stats = ppo_update(
         parts.train_policy,
@@ -515,6 +582,13 @@ def pass_at_k(parts: Parts) -> dict[str, float]:
 def distributed(module: torch.nn.Module, rt: runtime.Runtime) -> torch.nn.Module:
     """``module`` wrapped in DDP when there are several ranks (gradients averaged in backward)."""
     return DDP(module) if rt.world_size > 1 else module
+
+
+def sum_over_ranks(rt: runtime.Runtime, numbers: list[float]) -> list[float]:
+    """``numbers`` summed over every rank (float64)."""
+    sums = torch.tensor(numbers, dtype=torch.float64, device=rt.device)
+    runtime.all_reduce_sum(sums)
+    return sums.tolist()
 
 
 def gather(obj, rt: runtime.Runtime) -> list:

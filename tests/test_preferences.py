@@ -117,13 +117,13 @@ def test_contrasts_are_what_the_verifier_rejects(tok):
         gold = _reply(conv)
         assert task.reward(conv, gold[-1]["text"]) == 1.0
         bad = prefs.contrasts(conv, rng)
-        assert len(bad) == 3, gold  # every tiny problem gets all three kinds
+        assert len(bad) == 4, gold  # every tiny problem gets all four kinds
         assert list(bad) == list(prefs.CONTRASTS)
         for contrast in bad.values():
             assert contrast["messages"][0] == conv["messages"][0]  # same question
             assert task.reward(conv, _reply(contrast)[-1]["text"]) == 0.0, _reply(contrast)
     pairs = prefs.contrast_pairs([task[i] for i in range(5)], tok, seed=0)
-    assert len(pairs) == 15 and all(p.chosen != p.rejected for p in pairs)
+    assert len(pairs) == 20 and all(p.chosen != p.rejected for p in pairs)
     assert [p.kind for p in pairs] == list(prefs.CONTRASTS) * 5  # each pair names its contrast's kind
 
 
@@ -139,14 +139,20 @@ def _operands(call: str) -> tuple[int, str, int]:
 def test_each_contrast_is_the_mistake_the_docs_name():
     """Miscopied: calls and outputs kept, the answer differs from the last output. Unformatted: the
     gold text without its #### line. Wrong call: one operand of the last call off by 1-3, its output
-    recomputed and carried into both answer lines, so only the question shows the mistake."""
+    recomputed and carried into both answer lines, so only the question shows the mistake. Wrong op:
+    the last call's operands kept and its operation changed, carried through the same way."""
     task = build_task("tinyworld_arith", "val", limit=60)
     rng = random.Random(3)
     for i in range(60):
         gold = _reply(task[i])
-        miscopied, unformatted, wrong = (_reply(c) for c in prefs.contrasts(task[i], rng).values())
+        miscopied, unformatted, wrong, wrong_op = (_reply(c) for c in prefs.contrasts(task[i], rng).values())
+        (a, op, b), (x, op2, y) = _operands(_calls(gold)[-1][0]), _operands(_calls(wrong_op)[-1][0])
+        assert (x, y) == (a, b) and op2 != op and _calls(wrong_op)[:-1] == _calls(gold)[:-1]
+        out = _calls(wrong_op)[-1][1]
+        assert out == str(eval(f"{x}{op2}{y}")) and wrong_op[-1]["text"] == f"The answer is {out}.\n#### {out}"
+        assert abs(len(wrong_op[-1]["text"]) - len(gold[-1]["text"])) <= 4  # no length shortcut
         last_output = _calls(gold)[-1][1]
-        assert _calls(miscopied) == _calls(gold) and f"#### {last_output}" not in miscopied[-1]["text"]
+        assert _calls(miscopied) == _calls(gold) and miscopied[-1]["text"].split("#### ")[1] != last_output
         assert unformatted[:-1] == gold[:-1] and unformatted[-1]["text"] == gold[-1]["text"].split("\n####")[0]
         assert _calls(wrong)[:-1] == _calls(gold)[:-1]
         call, output = _calls(wrong)[-1]

@@ -368,3 +368,63 @@ def test_role_dirs_load_their_own_checkpoints_and_a_mismatch_names_the_key(proje
         rl.load_models(load_section(RLSettings, ["--ref_dir=short/sft"]), rt)
     with pytest.raises(FileNotFoundError, match="reward_model"):  # reward_source model needs the stage's output
         rl.load_models(load_section(RLSettings, ["--reward_source=model"]), rt)
+
+
+def train_reward_model(project: Path, *flags: str) -> Path:
+    """A 2-step reward model on the yes/no pairs, in ``project``'s artifacts."""
+    from stages import reward_model as rm_stage
+
+    write_prefs(project / "prefs.jsonl", 16)
+    write_prefs(project / "val.jsonl", 4, start=100)
+    rm_stage.main([*STAGE_ARGS, "--max_steps=2", *flags])
+    return project / "artifacts" / "reward_model"
+
+
+def test_a_reward_model_of_another_tokenizer_or_a_shorter_context_is_refused_before_any_rollout(project, monkeypatch):
+    """Both checks run in load_models, before a rollout: the error names the reward model's dir and
+    the policy's, and the two tokenizers' hashes or the two contexts."""
+    from chatpipe import runtime
+    from chatpipe.settings import RLSettings, load_section
+    from stages import rl
+
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    args = ["--algorithm=ppo", "--reward_source=model"]
+    short = train_reward_model(project, "--max_seq_len=64")  # the policy's context is 128
+    with pytest.raises(ValueError, match=r"reward_model_dir = artifacts/reward_model: the reward model's context is "
+                       r"64 tokens .* policy's \(rl.init_dir = artifacts/sft\) is 128"):  # fmt: skip
+        rl.load_models(load_section(RLSettings, args), rt)
+    shutil.rmtree(short)
+    shutil.rmtree(project / "checkpoints")
+    # another project with another tokenizer trains a reward model; this project's RL is handed it
+    other = project / "other"
+    other.mkdir()
+    make_artifacts(other / "artifacts", seed=1, sequence_len=128)
+    monkeypatch.chdir(other)
+    train_reward_model(other)
+    monkeypatch.chdir(project)
+    with pytest.raises(ValueError, match=r"reward_model_dir = other/artifacts/reward_model: .* another tokenizer "
+                       r"\(sha256 \w{12}\.\.\.\) than the policy's artifacts/tokenizer/tokenizer.json"):  # fmt: skip
+        rl.load_models(load_section(RLSettings, [*args, "--reward_model_dir=other/artifacts/reward_model"]), rt)
+    models = rl.load_models(load_section(RLSettings, args[:1]), rt)  # verifier runs read no reward model
+    assert models.reward_model is None
+
+
+def test_scores_are_normalised_by_the_stages_score_norm(project):
+    """The stage saves the mean and std of its scores; load applies them, so RL reads scores of mean 0."""
+    from chatpipe.rl.reward_model import score_norm
+
+    out = train_reward_model(project)
+    meta = json.loads((out / "meta.json").read_text())
+    norm = meta["score_norm"]
+    assert norm["rows"] == 32 and norm["std"] > 0  # every distinct train reply (no samples in a JSONL source)
+    rm, _ = load_reward_model(out)
+    assert (rm.score_mean, rm.score_std) == (norm["mean"], norm["std"])
+    raw = torch.tensor([norm["mean"], norm["mean"] + 2 * norm["std"]])
+    assert rm.normalized(raw).tolist() == pytest.approx([0.0, 2.0])
+    assert score_norm(torch.tensor([1.0, 3.0])) == {"mean": 2.0, "std": pytest.approx(2**0.5), "rows": 2}
+
+
+def test_the_margin_keeps_pushing_pairs_already_ranked_right():
+    chosen, rejected = torch.tensor([2.0]), torch.tensor([0.0])
+    assert bradley_terry_loss(chosen, rejected, margin=2.0).item() == pytest.approx(math.log(2))
+    assert bradley_terry_loss(chosen, rejected, margin=1.0).item() == pytest.approx(math.log1p(math.exp(-1)))

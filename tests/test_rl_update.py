@@ -369,3 +369,19 @@ def test_bootstrap_reads_the_value_after_the_last_action_of_cut_rows_only():
                     KLController(0.0), cfg, contextlib.nullcontext)  # fmt: skip
     assert t.adv.tolist() == [[2.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
     assert t.returns.tolist() == [[2.0, 2.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_grpo_kl_loss_pulls_every_row_towards_the_reference_by_hand():
+    # both rows sampled token 0 and tied (advantage 0): only the KL loss moves w
+    # policy p = (1/2, 1/2), reference p = (3/4, 1/4); x = ref_logp - logp = ln 1.5 on token 0
+    # k3 = e^x - x - 1 = 0.5 - ln 1.5; d k3 / d logp = 1 - e^x = -1/2; d logp / dw = (1/2, -1/2)
+    # mean over the 2 action tokens: grad = coef * (-1/2) * (1/2, -1/2) = (-1/4, 1/4) at coef 1
+    model, ref = Unigram([0.0, 0.0]), Unigram([math.log(3.0), 0.0])
+    batch = two_rows([[0], [0]], [[1.0], [1.0]], [1.0, 1.0])
+    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, ref=ref, kl_loss_coef=1.0)
+    assert model.w.tolist() == pytest.approx([0.25, -0.25])
+    assert stats["kl/loss_mean"] == pytest.approx(0.5 - math.log(1.5))
+    assert stats["adv/informative_frac"] == 0.0
+    off = Unigram([0.0, 0.0])
+    grpo_update(off, sgd(off), batch, batch.scores, group_size=2, ref=ref, kl_loss_coef=0.0)
+    assert off.w.tolist() == [0.0, 0.0]  # no KL loss and no signal: no step

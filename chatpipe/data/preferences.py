@@ -212,14 +212,40 @@ def _wrong_call(parts: list[dict[str, str]], answer: str, rng: random.Random) ->
     return None
 
 
-CONTRASTS = ("miscopied", "unformatted", "wrong_call")
+def _wrong_op(parts: list[dict[str, str]], answer: str, rng: random.Random) -> list[dict[str, str]] | None:
+    """Assistant parts whose last calculator call uses another operation (``+``, ``-`` or ``*`` for the
+    one the question asks), carried through to the answer like :func:`_wrong_call`: the reply is as
+    long and as well formed as the gold one, so only reading the question tells them apart. None
+    where no other operation gives another non-negative answer."""
+    calls = [i for i, p in enumerate(parts) if p["type"] == "python"]
+    if not calls or calls[-1] + 1 >= len(parts) or parts[calls[-1] + 1]["type"] != "python_output":
+        return None
+    m = _CALL.match(parts[calls[-1]]["text"].strip())
+    if not m:
+        return None
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    others = [o for o in ("+", "-", "*") if o != op]
+    rng.shuffle(others)
+    for other in others:
+        value = _OPS[other](a, b)
+        if value >= 0 and str(value) != answer:
+            out = _replace_answer(parts, answer, str(value))
+            out[calls[-1]] = {**parts[calls[-1]], "text": f"{a}{other}{b}"}
+            out[calls[-1] + 1] = {**parts[calls[-1] + 1], "text": str(value)}
+            return out
+    return None
+
+
+CONTRASTS = ("miscopied", "unformatted", "wrong_call", "wrong_op")
 
 
 def contrasts(conv: dict[str, Any], rng: random.Random) -> dict[str, dict[str, Any]]:
     """Wrong versions of a solved tiny-world arithmetic conversation by kind (:data:`CONTRASTS`), each
     one the verifier rejects: ``miscopied``, the final answer miscopied from the calculator's result
     (off by -3..+3 or +10); ``unformatted``, the answer without ``####``; ``wrong_call``
-    (:func:`_wrong_call`), a wrong last calculator call carried through to the answer."""
+    (:func:`_wrong_call`), a wrong last calculator call carried through to the answer; ``wrong_op``
+    (:func:`_wrong_op`), the last call with the wrong operation. All but ``unformatted`` keep the
+    gold reply's format and (within a token or two) its length, so no shortcut ranks them."""
     user, reply = conv["messages"][0], conv["messages"][-1]
     parts = reply["content"] if isinstance(reply["content"], list) else [{"type": "text", "text": reply["content"]}]
     m = re.search(r"####\s*(-?[0-9]+)", parts[-1]["text"])
@@ -230,6 +256,7 @@ def contrasts(conv: dict[str, Any], rng: random.Random) -> dict[str, dict[str, A
     unformatted = [dict(p) for p in parts]
     unformatted[-1]["text"] = parts[-1]["text"].split("####")[0].rstrip()
     bad = [_replace_answer(parts, answer, off), unformatted, _wrong_call(parts, answer, rng)]
+    bad.append(_wrong_op(parts, answer, rng))
     return {k: {"messages": [user, {"role": "assistant", "content": b}]} for k, b in zip(CONTRASTS, bad) if b}
 
 

@@ -11,6 +11,11 @@ generator states the same facts; the ``seed`` argument only changes which items 
 Held-out splits: every question text belongs to exactly one of train / val / test, decided by a
 hash of the text (:func:`split_of`), so no question is ever shared between splits, even across
 generators. The facts themselves appear in the pretraining text: evals measure what was learned.
+
+Arithmetic problems of the train split come in two parts (:func:`preference_problem`, a second
+hash): ``main`` (what SFT, midtrain and RL read) and ``preferences`` (a quarter of the train
+questions, only the reward model's pairs are made from them), so the reward model never trains
+on a problem RL prompts with, nor on one any eval asks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import yaml
 
 SPLITS = ("train", "val", "test")
+PARTS = ("main", "preferences")  # the train split's arithmetic problems: everyone's, the reward model's
 WORLD_SEED = 20240601  # the world never changes; only sampling depends on the caller's seed
 
 # the world's word tables live in a data file; tuples, as the code below unpacks and never changes them
@@ -101,6 +107,12 @@ def split_of(text: str) -> str:
     """Which split a question belongs to: a stable hash (80% train, 10% val, 10% test)."""
     h = zlib.crc32(text.encode("utf-8")) % 100
     return "test" if h < 10 else "val" if h < 20 else "train"
+
+
+def preference_problem(text: str) -> bool:
+    """Whether a train question belongs to the reward model's part (a quarter of them, by a hash
+    independent of :func:`split_of`'s)."""
+    return zlib.crc32(b"preferences:" + text.encode("utf-8")) % 4 == 0
 
 
 def _check_split(split: str) -> None:
@@ -333,20 +345,29 @@ def _word_problem(rng: random.Random) -> tuple[str, list[tuple[str, int, str, in
     return q, steps, value
 
 
-def _sample_split(rng: random.Random, split: str, make: Callable[[random.Random], tuple], n: int) -> list[tuple]:
-    """Draw ``n`` items of distinct question text (item[0]) that hash into ``split``."""
+def _sample_split(
+    rng: random.Random, split: str, make: Callable[[random.Random], tuple], n: int, part: str = "main"
+) -> list[tuple]:
+    """Draw ``n`` items of distinct question text (item[0]) that hash into ``split`` and, in the
+    train split, into ``part`` (:data:`PARTS`, :func:`preference_problem`)."""
     _check_split(split)
+    if part not in PARTS or (part == "preferences" and split != "train"):
+        raise ValueError(f"part must be one of {PARTS} ('preferences' is a part of the train split), got {part!r}")
+    want_preference = part == "preferences"
     seen: set[str] = set()
     out = []
     for _ in range(200 * n + 1000):  # ~10% of draws land in val/test; bounded so a tiny space can't hang
         if len(out) == n:
             break
         item = make(rng)
-        if item[0] not in seen and split_of(item[0]) == split:
-            seen.add(item[0])
-            out.append(item)
+        if item[0] in seen or split_of(item[0]) != split:
+            continue
+        if split == "train" and preference_problem(item[0]) != want_preference:
+            continue
+        seen.add(item[0])
+        out.append(item)
     if len(out) < n:
-        raise ValueError(f"only {len(out)} distinct {split} items exist, asked for {n}")
+        raise ValueError(f"only {len(out)} distinct {split} items exist ({part} part), asked for {n}")
     return out
 
 
@@ -394,14 +415,16 @@ def _direct_problem(rng: random.Random) -> tuple[str, list[tuple[str, int, str, 
     return q, [(f"{a} {op} {b} is {{calc}}.", a, op, b)], value
 
 
-def tool_conversations(seed: int, n: int, split: str) -> list[dict[str, Any]]:
-    """Arithmetic questions where the assistant calls the python calculator for every step.
+def tool_conversations(seed: int, n: int, split: str, part: str = "main") -> list[dict[str, Any]]:
+    """Arithmetic questions where the assistant calls the python calculator for every step; train
+    questions from ``part`` (:data:`PARTS`).
 
     Division is written ``//`` in the tool call so the printed output is an integer.
     """
     rng = random.Random(f"tool:{seed}")
     half = n // 2
-    items = _sample_split(rng, split, _word_problem, n - half) + _sample_split(rng, split, _direct_problem, half)
+    words = _sample_split(rng, split, _word_problem, n - half, part)
+    items = words + _sample_split(rng, split, _direct_problem, half, part)
     rng.shuffle(items)
     convs = []
     for q, steps, value in items:

@@ -2,13 +2,19 @@
 
     rm = RewardModel.from_policy(sft_model)              # copy of the trunk, zero-initialised head
     r = rm(ids, last)                                    # [B] score of each row at its index ``last``
-    loss = bradley_terry_loss(r_chosen, r_rejected)      # -log sigmoid(r_chosen - r_rejected)
+    loss = bradley_terry_loss(r_chosen, r_rejected)      # -log sigmoid(r_chosen - r_rejected - margin)
     pair_metrics(r_chosen, r_rejected)                   # accuracy, margin mean and quantiles
     save_reward_model(out_dir, rm, meta); rm, meta = load_reward_model(out_dir)
+    rm.normalized(r)                                     # (r - mean) / std of its scores, from meta.json
 
 A response is scored at its last token, as the PPO recipes that train against a reward model do:
 the hidden state there has read the prompt and the whole response. The head has the same shape as
 the critic's (:class:`chatpipe.rl.value.ValueModel`), so a critic can start from a reward model.
+
+Raw scores have no fixed scale (Bradley-Terry fixes only their differences), so the stage saves
+the mean and standard deviation of its scores on the init model's own samples (``score_norm`` in
+``meta.json``) and RL reads normalised scores: a KL coefficient or a reward clip then means the
+same whichever reward model is plugged in.
 """
 
 from __future__ import annotations
@@ -28,21 +34,34 @@ KIND = "reward_model"  # meta.json "kind" of a reward model dir (a GPT dir has n
 MARGIN_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-class RewardModel(nn.Module):
-    """Scalar score per position from a GPT trunk; a sequence's reward is the score at its last token."""
+POOLS = ("last", "mean")
 
-    def __init__(self, trunk: GPT) -> None:
+
+class RewardModel(nn.Module):
+    """Scalar score per position from a GPT trunk. A sequence's reward is the score at its last token
+    (``pool`` "last"), or the mean of the scores of its response's tokens (``pool`` "mean"): those
+    after its last ``response_start`` token (``<|assistant_start|>``), up to its last token."""
+
+    def __init__(self, trunk: GPT, pool: str = "last", response_start: int | None = None) -> None:
         super().__init__()
+        if pool not in POOLS or (pool == "mean" and response_start is None):
+            raise ValueError(f"pool must be one of {POOLS} ('mean' needs the response_start token id), got {pool!r}")
+        self.pool, self.response_start = pool, response_start
         self.trunk = trunk
         self.trunk.lm_head.requires_grad_(False)  # unused: DDP and the optimizers skip it
         self.head = nn.Linear(trunk.config.n_embd, 1, bias=False)
         nn.init.zeros_(self.head.weight)  # every score starts at 0: the first loss is log 2
+        self.score_mean, self.score_std = 0.0, 1.0  # set from meta.json's score_norm on load
+
+    def normalized(self, scores: torch.Tensor) -> torch.Tensor:
+        """Raw scores as (score - mean) / std of the stage's reference scores (``score_norm``)."""
+        return (scores - self.score_mean) / self.score_std
 
     @classmethod
-    def from_policy(cls, policy: GPT) -> RewardModel:
+    def from_policy(cls, policy: GPT, pool: str = "last", response_start: int | None = None) -> RewardModel:
         """A reward model whose trunk starts as a copy of ``policy``'s weights."""
         trunk = copy.deepcopy(policy).requires_grad_(True)
-        return cls(trunk).to(next(policy.parameters()).device)
+        return cls(trunk, pool, response_start).to(next(policy.parameters()).device)
 
     @property
     def config(self) -> GPTConfig:
@@ -54,9 +73,17 @@ class RewardModel(nn.Module):
         return self.head(self.trunk.hidden(idx)).squeeze(-1).float()
 
     def forward(self, idx: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Scores [B] of right-padded rows ``idx`` [B, T] at positions ``last`` [B] (their last real token)."""
+        """Scores [B] of right-padded rows ``idx`` [B, T] whose last real token is at ``last`` [B]."""
         scores = self.token_scores(idx)
-        return scores.gather(1, last.view(-1, 1)).squeeze(1)
+        if self.pool == "last":
+            return scores.gather(1, last.view(-1, 1)).squeeze(1)
+        # "mean": every response token's score counts, so a mistake can be scored where it is made
+        # (a calculator operand that is not in the question) instead of being carried to the end
+        pos = torch.arange(idx.size(1), device=idx.device).expand_as(idx)
+        upto = pos <= last.view(-1, 1)
+        start = torch.where((idx == self.response_start) & upto, pos, torch.full_like(pos, -1)).amax(1)
+        inside = (pos > start.view(-1, 1)) & upto
+        return (scores * inside).sum(1) / inside.sum(1).clamp(min=1)
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
         """Trainable parameters by optimizer: Muon matrices, embedding and the head (AdamW)."""
@@ -67,9 +94,18 @@ class RewardModel(nn.Module):
         }
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Mean of -log sigmoid(r_chosen - r_rejected): the negative log-likelihood that chosen wins."""
-    return -F.logsigmoid(chosen - rejected).mean()
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
+    """Mean of -log sigmoid(r_chosen - r_rejected - margin): the negative log-likelihood that chosen
+    wins by at least ``margin`` (0: plain Bradley-Terry; > 0 keeps pushing pairs already ranked right
+    until their scores are ``margin`` apart)."""
+    return -F.logsigmoid(chosen - rejected - margin).mean()
+
+
+def score_norm(scores: torch.Tensor) -> dict[str, float]:
+    """``{"mean", "std", "rows"}`` of reference scores, saved as ``score_norm`` in ``meta.json``."""
+    scores = scores.double()
+    std = scores.std().item() if scores.numel() > 1 else 1.0
+    return {"mean": scores.mean().item(), "std": max(std, 1e-6), "rows": int(scores.numel())}
 
 
 def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
@@ -120,7 +156,12 @@ def score_rows(rm: RewardModel, rows: list[list[int]], pad_id: int, micro_batch:
 
 def save_reward_model(out_dir: Path, rm: RewardModel, meta: dict[str, Any]) -> None:
     """Write ``out_dir`` (``model.pt`` with ``trunk.*`` and ``head.weight``, ``meta.json`` with kind)."""
-    save_model_dir(out_dir, rm, {**meta, "kind": KIND, "model_config": rm.config.to_dict()})
+    save_model_dir(out_dir, rm, {**meta, **scoring_meta(rm), "kind": KIND, "model_config": rm.config.to_dict()})
+
+
+def scoring_meta(rm: RewardModel) -> dict[str, Any]:
+    """How ``rm`` reads a sequence, for its ``meta.json``: ``pool`` and the ``response_start`` token id."""
+    return {"pool": rm.pool, "response_start": rm.response_start}
 
 
 def is_reward_model_dir(model_dir: Path | str) -> bool:
@@ -138,9 +179,13 @@ def load_reward_model(model_dir: Path | str, device: str | torch.device = "cpu")
             f"{meta.get('kind')!r}); point it at the reward_model stage's output, e.g. artifacts/reward_model"
         )
     verify_model_dir(model_dir, meta)
-    with torch.device(device):
-        rm = RewardModel(GPT(GPTConfig.from_dict(meta["model_config"])))
+    with torch.device(device):  # reward models saved before pooling read the last token
+        rm = RewardModel(
+            GPT(GPTConfig.from_dict(meta["model_config"])), meta.get("pool", "last"), meta.get("response_start")
+        )
     rm.load_state_dict(torch.load(model_dir / "model.pt", map_location=device, weights_only=True))
+    norm = meta.get("score_norm") or {}  # reward models saved before normalisation: raw scores
+    rm.score_mean, rm.score_std = float(norm.get("mean", 0.0)), float(norm.get("std", 1.0))
     return rm.eval(), meta
 
 
@@ -156,9 +201,10 @@ def last_action_index(mask: torch.Tensor) -> torch.Tensor:
 def rollout_scores(
     rm: RewardModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, micro_batch: int = 0
 ) -> torch.Tensor:
-    """Reward-model scores [B] of rollout rows (prompt + response), each read at its last sampled token."""
+    """Normalised reward-model scores [B] (:meth:`RewardModel.normalized`) of rollout rows (prompt +
+    response), each read at its last sampled token."""
     ids = torch.cat([inputs[:, :1], targets], dim=1)
     last = last_action_index(mask)
     step = micro_batch if micro_batch > 0 else ids.size(0)
     out = [rm(ids[i : i + step], last[i : i + step]) for i in range(0, ids.size(0), step)]
-    return torch.cat(out).float()
+    return rm.normalized(torch.cat(out).float())

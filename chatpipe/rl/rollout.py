@@ -169,6 +169,16 @@ def best_of_n(scores: list[float], keep: int) -> list[int]:
     return sorted(ranked[:keep])
 
 
+def keep_best(batch: Rollouts, keep: int) -> Rollouts:
+    """Best-of-n after scoring: of each prompt's responses (consecutive rows of one group) the ``keep``
+    with the highest ``batch.scores`` (:func:`best_of_n`), in sampling order."""
+    rows = []
+    for g in batch.groups.unique(sorted=True).tolist():
+        members = (batch.groups == g).nonzero().flatten().tolist()
+        rows += [members[i] for i in best_of_n([batch.scores[r].item() for r in members], keep)]
+    return batch.select(torch.tensor(rows, dtype=torch.long, device=batch.groups.device))
+
+
 def pad_batch(
     seqs: list[list[int]], masks: list[list[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

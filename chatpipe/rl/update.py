@@ -86,6 +86,8 @@ def grpo_update(
     replay: Replay | None = None,
     temperature: float = 1.0,
     grad_clip: float = 0.0,
+    ref: torch.nn.Module | None = None,
+    kl_loss_coef: float = 0.0,
 ) -> dict[str, float]:
     """One policy-gradient step: advantage = score - group mean, loss over the batch's informative tokens.
 
@@ -97,32 +99,53 @@ def grpo_update(
     The loss of every micro-batch is divided by that count for the *whole* batch, so accumulating
     the micro-batches' gradients equals one pass over the rows. With ``replay`` the step also
     follows one replay batch's loss (:func:`replay_backward`). Log-probs are taken at the sampling
-    ``temperature``; ``grad_clip`` > 0 clips the gradient norm before the step. Returns
-    ``loss/policy`` (the summed loss), ``adv/abs_mean``, ``adv/informative_frac`` and, with replay,
-    ``loss/replay``.
+    ``temperature``; ``grad_clip`` > 0 clips the gradient norm before the step. With
+    ``kl_loss_coef`` > 0 every row also carries ``kl_loss_coef`` x the k3 estimate of KL(policy ||
+    ``ref``), a mean over all the batch's action tokens (verl's KL loss: it holds a policy trained on a
+    learned reward near the reference without touching the rewards). Returns ``loss/policy`` (the
+    summed loss), ``adv/abs_mean``, ``adv/informative_frac`` and, with replay, ``loss/replay``; with
+    the KL loss ``kl/loss_mean``.
     """
     if len(scores) % group_size:
         raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
     adv = rl.group_advantages(scores.view(-1, group_size), normalize_std).flatten()
     informative = adv != 0
+    kl_on = kl_loss_coef > 0 and ref is not None
     # under DDP every rank runs every micro-batch (the same number of backward passes on each rank);
-    # solved rows then add exact zeros
-    rows_used = torch.arange(len(adv)) if hasattr(model, "no_sync") else informative.nonzero().flatten().cpu()
+    # solved rows then add exact zeros. The KL loss reaches every row.
+    every_row = hasattr(model, "no_sync") or kl_on
+    rows_used = torch.arange(len(adv)) if every_row else informative.nonzero().flatten().cpu()
     num_tokens = batch.mask[informative].sum().item()
     chunks = [rows_used[s] for s in micro_batches(len(rows_used), micro_batch)]
-    total = 0.0
+    total, kl_total = 0.0, 0.0
     stats = {"adv/informative_frac": informative.float().mean().item()}
     for i, rows in enumerate(chunks):
         with _no_sync(model, i == len(chunks) - 1 and replay is None), autocast():
             logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], temperature)
             loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
+            if kl_on:
+                kl = kl_loss_term(ref, logp, batch.select(rows), temperature, batch.mask.sum().item())
+                kl_total += kl.item()
+                loss = loss + kl_loss_coef * kl
         loss.backward()
         total += loss.item()
+    if kl_on:
+        stats["kl/loss_mean"] = kl_total
     if replay is not None:
         stats["loss/replay"] = replay_backward(model, replay, autocast)
     if chunks or replay is not None:  # a batch of solved groups and no replay: nothing to step on
         stats["train/grad_norm"] = _step(model, optimizers, grad_clip)
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
+
+
+def kl_loss_term(
+    ref: torch.nn.Module, logp: torch.Tensor, rows: Rollouts, temperature: float, batch_tokens: float
+) -> torch.Tensor:
+    """These rows' share of the batch's mean k3 KL(policy || ``ref``) per action token (their sum over
+    ``batch_tokens``, the action tokens of the whole batch); ``logp`` the policy's, with gradients."""
+    with torch.no_grad():
+        ref_logp = sampled_logprobs(ref, rows.inputs, rows.targets, temperature)
+    return rl.token_mean(rl.kl_estimate(logp.float(), ref_logp.float(), "k3"), rows.mask, batch_tokens)
 
 
 @dataclass

@@ -40,10 +40,12 @@ class ValueModel(nn.Module):
     @classmethod
     def from_reward_model(cls, rm: nn.Module) -> ValueModel:
         """A critic that starts as a copy of a reward model (trunk and scalar head), as torchtune's
-        PPO recipe starts its value model: the first values already estimate the final score."""
+        PPO recipe starts its value model: the first values already estimate the final score. RL reads
+        the reward model's normalised scores, so the head is divided by their std (``score_std``) to
+        start on the same scale."""
         critic = cls.from_policy(rm.trunk)
         with torch.no_grad():
-            critic.head.weight.copy_(rm.head.weight)
+            critic.head.weight.copy_(rm.head.weight / getattr(rm, "score_std", 1.0))
         return critic
 
     @property

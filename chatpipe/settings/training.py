@@ -329,6 +329,32 @@ class RLSettings(RunSettings):
         0.0, ge=0, le=1, description="drop from the pool a prompt a step's group solved at this rate or more (0: off)"
     )
     grad_clip: float = Field(0.0, ge=0, description="clip the policy's (and critic's) gradient norm (0: off)")
+    solved_score: float = Field(
+        1.0,
+        description="with reward_source model: a response counts as solved (filter_solved) when its normalised "
+        "reward-model score is at least this; verifier runs count the verifier's verdict",
+    )
+    kl_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="GRPO: weight of a KL(policy || reference) loss term (k3 estimator, per action token), as "
+        "verl's use_kl_loss; PPO puts the KL in its rewards instead (kl_coef)",
+    )
+    # the reward-hacking guard (reward_source model|both): windows of rollouts scored by both
+    guard: Literal["off", "warn", "stop"] = Field(
+        "warn",
+        description="when the reward model's mean score rises while the verifier's falls by guard_drop or more "
+        "since the first window: log a warning, or stop the run with an error",
+    )
+    guard_every: int = Field(10, ge=1, description="guard window, in steps")
+    guard_drop: float = Field(0.1, gt=0, description="verifier mean fall since the first window that trips the guard")
+    guard_min_accuracy: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="also trip when the reward model ranks fewer than this share of a window's verifier-ranked "
+        "pairs right (0: off)",
+    )
     # eval
     eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
     eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
@@ -353,6 +379,13 @@ class RLSettings(RunSettings):
             raise ValueError(f"{info.field_name} is PPO-only: under algorithm: grpo it would do nothing; "
                              "set algorithm: ppo, or leave it at its default "
                              f"{cls.model_fields[info.field_name].default!r}")  # fmt: skip
+        return v
+
+    @field_validator("kl_loss_coef")
+    @classmethod
+    def _kl_loss_is_grpo_only(cls, v: float, info: ValidationInfo) -> float:
+        if v and info.data.get("algorithm") == "ppo":
+            raise ValueError("kl_loss_coef is GRPO-only: PPO puts the KL to the reference in its rewards (kl_coef)")
         return v
 
     @field_validator("num_minibatches")
@@ -409,14 +442,31 @@ class RewardModelSettings(RunSettings):
         False, description="local/hf: leave out pairs over max_seq_len instead of failing (tiny always leaves them out)"
     )
     tiny_prompts: int = Field(
-        4096, ge=1, description="tiny: train arithmetic problems (val_pairs come from its val split)"
+        4096,
+        ge=1,
+        description="tiny: train arithmetic problems, from the train split's `preferences` part that no other "
+        "stage reads",
     )
     tiny_samples: int = Field(4, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
     tiny_sample_prompts: int = Field(
         256,
         ge=0,
-        description="tiny: the init model is sampled on the first N problems of each split only (0: none); "
-        "every problem gets contrasts",
+        description="tiny: the init model is sampled on the first N train problems only (0: none); every "
+        "problem gets contrasts",
+    )
+    tiny_val_problems: int = Field(
+        400,
+        ge=1,
+        description="tiny: held-out val-split problems, each sampled: all their sampled pairs are held out, "
+        "then their contrasts up to val_pairs",
+    )
+    pool: Literal["last", "mean"] = Field(
+        "last",
+        description="a reply's score: the head at its last token, or the mean of the head over its tokens "
+        "(a mistake is scored where it is made)",
+    )
+    margin: float = Field(
+        0.0, ge=0, description="Bradley-Terry margin: -log sigmoid(r_chosen - r_rejected - margin) (0: plain)"
     )
     tiny_max_new_tokens: int = Field(48, ge=1)
     tiny_temperature: float = Field(1.0, gt=0)

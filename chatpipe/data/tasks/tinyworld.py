@@ -33,12 +33,14 @@ class TinyChat(_TinyTask):
 
 
 class TinyArithmetic(_TinyTask, NumericAnswerTask):
-    """Word problems and direct sums solved with calculator tool calls; graded on ``#### n``."""
+    """Word problems and direct sums solved with calculator tool calls; graded on ``#### n``. Train
+    problems come from ``part`` (:data:`chatpipe.data.synthetic.PARTS`): ``main`` for every stage
+    but the reward model, whose pairs are made from ``preferences`` problems only."""
 
     name = "tinyworld_arith"
 
-    def __init__(self, split: str = "train", seed: int = 0, limit: int | None = None) -> None:
-        super().__init__(split, seed, limit, synthetic.tool_conversations)
+    def __init__(self, split: str = "train", seed: int = 0, limit: int | None = None, part: str = "main") -> None:
+        super().__init__(split, seed, limit, lambda s, n, sp: synthetic.tool_conversations(s, n, sp, part))
 
 
 class TinyGSM(_TinyTask, NumericAnswerTask):

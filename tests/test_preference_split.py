@@ -1,0 +1,47 @@
+"""The reward model's problems are its own: never an RL prompt, never an eval problem, never SFT data."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatpipe.data import synthetic
+from chatpipe.data.tasks import build_task
+
+
+def questions(convs) -> set[str]:
+    return {c["messages"][0]["content"] for c in convs}
+
+
+def test_no_reward_model_problem_is_an_rl_prompt_an_eval_problem_or_sft_data(params_file):
+    """The stage's own train problems (default tiny_prompts) against RL's prompts as the stage loads
+    them (default settings, and a pool eight times the default), every held-out split the evals read,
+    and the SFT mixture's arithmetic."""
+    from chatpipe import runtime
+    from chatpipe.settings import RewardModelSettings, RLSettings, load_section
+    from stages import reward_model as rm_stage
+    from stages import rl
+
+    cfg = load_section(RewardModelSettings, [])
+    preference = questions(rm_stage.tiny_problems("train", cfg.tiny_prompts))
+    assert len(preference) == cfg.tiny_prompts
+    rt = runtime.Runtime(0, 0, 1, None, None)
+    for flags in ([], ["--num_train_problems=4096"]):
+        train, held_out = rl.load_rl_problems(load_section(RLSettings, flags), rt)
+        assert not preference & questions(p.conversation for p in train)
+        assert not preference & questions(p.conversation for p in held_out)
+    for name in ("tinyworld_arith", "tinyworld_gsm"):
+        for split in ("val", "test"):
+            task = build_task(name, split, limit=200)
+            asked = {task[i]["messages"][0]["content"] for i in range(len(task))}
+            assert not preference & asked, (name, split)
+    sft_arith = build_task("tinyworld_arith", "train", limit=2500)  # midtrain's and SFT's limits are 2500, 2000
+    assert not preference & questions(sft_arith[i] for i in range(len(sft_arith)))
+
+
+def test_the_preference_part_is_a_quarter_of_the_train_questions_and_only_of_train():
+    convs = synthetic.tool_conversations(0, 2000, "train")
+    assert not any(synthetic.preference_problem(q) for q in questions(convs))
+    share = sum(synthetic.preference_problem(f"question {i}") for i in range(20_000)) / 20_000
+    assert 0.23 < share < 0.27
+    with pytest.raises(ValueError, match="'preferences' is a part of the train split"):
+        synthetic.tool_conversations(0, 10, "val", part="preferences")
