@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_controls")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every arm, e.g. --max_steps=40")
     args = p.parse_args()
-    missing = [a for a in LINKED if not (REPO / "artifacts" / a / "meta.json").exists()]
+    missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
     if missing:
         sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
     threads = max(1, (os.cpu_count() or 2) // args.parallel)

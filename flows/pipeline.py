@@ -33,7 +33,15 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 
 from chatpipe import tracking
 from chatpipe.io import load_yaml
-from chatpipe.settings import ParamsError, TrackingSettings, active_profile, load_section, validate_all, write_profile
+from chatpipe.settings import (
+    ParamsError,
+    RLSettings,
+    TrackingSettings,
+    active_profile,
+    load_section,
+    validate_all,
+    write_profile,
+)
 from flows import prefect_api
 
 
@@ -270,6 +278,21 @@ def log_headline_numbers(client, parent_id: str, stages: list[str]) -> None:
     client.log_batch(parent_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
 
 
+UNREAD_WHY = (
+    "rl.reward_source = verifier reads no reward model; name it (--stages reward_model) or set "
+    "rl.reward_source: model | both to run it"
+)
+
+
+def unread_stages(named: list[str]) -> list[str]:
+    """Stages whose output no later stage reads under the current settings, unless ``named``: the
+    reward model while RL trains on the verifier (its default). It is the second-longest stage of
+    the tiny run, and nothing else reads it (docs/reward-model.md)."""
+    if "reward_model" in named or load_section(RLSettings).reward_source != "verifier":
+        return []
+    return ["reward_model"]
+
+
 @flow(name="chatpipe", log_prints=True)
 def pipeline(
     profile: str | None = None,
@@ -298,6 +321,10 @@ def pipeline(
     if profile:
         write_profile(profile)
     validate_all()  # bad params stop the flow before any stage writes anything
+    for stage in unread_stages(stages or []):
+        if stage in selected:
+            selected.remove(stage)
+            logger.info("stage %s: not needed (%s)", stage, UNREAD_WHY)
 
     track = load_section(TrackingSettings)
     parent_id = None

@@ -78,6 +78,7 @@ SMALL_PARAMS = {
         "max_seq_len": 64,
         "tiny_prompts": 12,
         "tiny_samples": 2,
+        "tiny_val_problems": 4,
         "tiny_max_new_tokens": 12,
         "val_pairs": 8,
         "device_batch_size": 4,

@@ -238,6 +238,17 @@ def test_pipeline_stage_order_is_dvc_order():
     assert stages[:4] == ["profile", *FOUNDATION]  # profile: the active overlay files every stage reads
 
 
+def test_the_reward_model_runs_only_when_rl_reads_it_or_it_is_named(params_file, monkeypatch):
+    """The default RL trains on the verifier: the flow leaves the reward model out (its cost, with
+    nothing reading it); a model-scored RL, or naming the stage, runs it."""
+    from flows.pipeline import unread_stages
+
+    assert unread_stages([]) == ["reward_model"]
+    assert unread_stages(["reward_model", "rl"]) == []
+    monkeypatch.setenv("CHATPIPE_RL__REWARD_SOURCE", "model")
+    assert unread_stages([]) == []
+
+
 def test_dvc_push_then_pull_restores_outputs(finished):
     import shutil
 

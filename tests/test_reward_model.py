@@ -98,8 +98,8 @@ def test_pairs_sharing_a_chosen_reply_stay_together_and_an_epoch_trains_each_pai
 
 
 def test_tiny_pairs_sample_only_the_first_problems_and_fit_the_context(project, monkeypatch):
-    """Every problem gets contrasts, only the first ``tiny_sample_prompts`` are sampled, and no pair
-    is longer than ``max_seq_len`` (with or without samples)."""
+    """Every problem gets contrasts, only the first ``n_sampled`` (train: ``tiny_sample_prompts``) are
+    sampled, and no pair is longer than ``max_seq_len`` (with or without samples)."""
     from chatpipe.data import preferences as prefs
     from chatpipe.settings import RewardModelSettings, load_section
     from chatpipe.tokenizer import Tokenizer
@@ -109,16 +109,14 @@ def test_tiny_pairs_sample_only_the_first_problems_and_fit_the_context(project, 
     ranked, real = [], prefs.ranked_pairs
     monkeypatch.setattr(prefs, "ranked_pairs", lambda *a: ranked.append(a[3]) or real(*a))
     flags = ["--tiny_samples=2", "--tiny_max_new_tokens=4", "--max_seq_len=128"]
-    got = stage._tiny_split(
-        load_section(RewardModelSettings, [*flags, "--tiny_sample_prompts=2"]), tok, policy, "train", 6
-    )
+    got = stage._tiny_split(load_section(RewardModelSettings, flags), tok, policy, "train", 6, 2)
     assert ranked == ["tinyworld_arith/train problem 0", "tinyworld_arith/train problem 1"]
     assert {int(p.where.split(":")[1].split()[0]) for p, k in got if k.startswith("contrast")} == set(range(6))
     ranked.clear()
     lengths = sorted(max(len(p.chosen), len(p.rejected)) for p, _ in got)
     limit = lengths[len(lengths) // 2]  # about half the pairs are longer
     cfg = load_section(RewardModelSettings, ["--tiny_samples=0", f"--max_seq_len={limit}"])
-    short = stage._tiny_split(cfg, tok, policy, "train", 6)
+    short = stage._tiny_split(cfg, tok, policy, "train", 6, 2)
     assert ranked == [] and 0 < len(short) < len(got)
     assert all(max(len(p.chosen), len(p.rejected)) <= limit for p, _ in short)
 

@@ -435,7 +435,7 @@ class RewardModelSettings(RunSettings):
     hf_val_split: str = Field("test_prefs", description="held-out split ('': val_pairs drawn from hf_split)")
     limit: int = Field(0, ge=0, description="train pairs read at most (0: all)")
     val_pairs: int = Field(
-        400, ge=1, description="held-out pairs evaluated (drawn from the train pairs where no split)"
+        600, ge=1, description="held-out pairs evaluated (drawn from the train pairs where no split)"
     )
     max_seq_len: int = Field(256, ge=8, description="longest conversation of a pair, in tokens; longer fails")
     skip_too_long: bool = Field(
@@ -449,19 +449,19 @@ class RewardModelSettings(RunSettings):
     )
     tiny_samples: int = Field(4, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
     tiny_sample_prompts: int = Field(
-        256,
+        2048,
         ge=0,
         description="tiny: the init model is sampled on the first N train problems only (0: none); every "
         "problem gets contrasts",
     )
     tiny_val_problems: int = Field(
-        400,
+        600,
         ge=1,
         description="tiny: held-out val-split problems, each sampled: all their sampled pairs are held out, "
         "then their contrasts up to val_pairs",
     )
     pool: Literal["last", "mean"] = Field(
-        "last",
+        "mean",
         description="a reply's score: the head at its last token, or the mean of the head over its tokens "
         "(a mistake is scored where it is made)",
     )
