@@ -426,3 +426,38 @@ def test_the_margin_keeps_pushing_pairs_already_ranked_right():
     chosen, rejected = torch.tensor([2.0]), torch.tensor([0.0])
     assert bradley_terry_loss(chosen, rejected, margin=2.0).item() == pytest.approx(math.log(2))
     assert bradley_terry_loss(chosen, rejected, margin=1.0).item() == pytest.approx(math.log1p(math.exp(-1)))
+
+
+def test_mean_pooling_averages_the_reply_after_the_last_response_start():
+    """pool "mean": the mean of the head over the tokens after the row's last start token, up to its
+    last real token; padding and the prompt do not count."""
+    model = tiny_gpt()
+    rm = RewardModel.from_policy(model, pool="mean", response_start=9)
+    with torch.no_grad():
+        rm.head.weight.normal_()
+    rows = [[1, 9, 5, 9, 6, 7], [1, 2, 9, 8]]  # row 0: reply 6, 7 (after the second 9); row 1: reply 8
+    ids, last = pad_rows(rows, pad_id=0)
+    per_token = rm.token_scores(ids)
+    got = rm(ids, last)
+    assert got[0].item() == pytest.approx(per_token[0, 4:6].mean().item(), abs=1e-6)
+    assert got[1].item() == pytest.approx(per_token[1, 3].item(), abs=1e-6)
+    with pytest.raises(ValueError, match="'mean' needs the response_start token id"):
+        RewardModel(tiny_gpt(), pool="mean")
+
+
+def test_report_card_states_rl_beside_the_replay_only_control_and_the_guard():
+    from chatpipe.report import rl_section
+
+    meta = {
+        "inputs": {"init": "abc"},
+        "settings": {"eval_problems": 256, "eval_samples": 2, "algorithm": "ppo", "reward_source": "model"},
+        "summary": {"first_eval/pass_at_1": 0.80, "final_eval/pass_at_1": 0.90, "steps": 80, "guard_trips": 1.0},
+    }
+    meta["summary"] |= {"guard_first_model_mean": 0.1, "guard_last_model_mean": 0.4, "guard_last_verifier_mean": 0.6}
+    controls = {"init": "abc", "arms": {"replay_only": {"mean_change": 0.06, "runs": 3}}}
+    text = "\n".join(rl_section(meta, controls))
+    assert "| replay-only control (mean of 3 seeds) | +0.060 |" in text
+    assert "| RL over the control | +0.040 |" in text
+    assert "chat replay off" in text and "**tripped 1 times**" in text and "0.100 -> 0.400" in text
+    other = "\n".join(rl_section(meta, {**controls, "init": "another sft model"}))
+    assert "not measured on this SFT model" in other and "RL over the control" not in other

@@ -251,3 +251,21 @@ def test_mask_too_long_takes_cut_responses_out_of_the_loss():
     assert out.mask.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
     assert out.scores.tolist() == [0.5, 1.0]  # the score still counts in its group's mean
     assert batch.mask.sum() == 4  # the batch itself is unchanged
+
+
+def test_keep_best_keeps_each_groups_highest_scores_in_sampling_order():
+    from chatpipe.rl.rollout import Rollouts, keep_best
+
+    n = 6
+    batch = Rollouts(
+        inputs=torch.arange(n)[:, None],
+        targets=torch.arange(n)[:, None],
+        mask=torch.ones(n, 1),
+        scores=torch.tensor([0.1, 0.9, 0.5, 2.0, -1.0, 3.0]),
+        ended=torch.ones(n, dtype=torch.bool),
+        lengths=torch.ones(n, dtype=torch.long),
+        groups=torch.tensor([0, 0, 0, 1, 1, 1]),
+    )
+    kept = keep_best(batch, 2)
+    assert kept.inputs.flatten().tolist() == [1, 2, 3, 5]  # group 0: 0.9, 0.5; group 1: 2.0, 3.0
+    assert kept.groups.tolist() == [0, 0, 1, 1]
