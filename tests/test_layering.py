@@ -217,3 +217,14 @@ def test_a_cycle_inside_a_subpackage_through_a_function_import_is_caught(tmp_pat
     assert module_cycles(tmp_path) == []
     (tmp_path / "chatpipe/settings/params.py").write_text("def f():\n    from chatpipe.settings.load import g\n")
     assert module_cycles(tmp_path) == ["chatpipe.settings.load -> chatpipe.settings.params -> chatpipe.settings.load"]
+
+
+def test_tests_import_nothing_from_bench_or_scripts():
+    """What a test needs lives in the library or in tests/; bench scripts and scripts/ are entry points."""
+    bad = [
+        f"{path.relative_to(REPO)}: imports {name}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        for name in imports_of(path)
+        if name.split(".")[0] in {"bench", "scripts"}
+    ]
+    assert bad == []
