@@ -23,6 +23,7 @@ by :mod:`chatpipe.model.files`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chatpipe.io import free_space, replace_dir, save_torch, sha256_file, write_json_atomic
+from chatpipe.io import atomic_dir, free_space, save_torch, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -97,33 +98,37 @@ def save_checkpoint(
     the file and the free space left. Then rank 0 prunes by :func:`prune_checkpoints`.
     Returns the final path on rank 0.
     """
-    name = f"{STEP_PREFIX}{step:06d}"
-    tmp = work_dir / f".{name}.tmp"
+    final = work_dir / f"{STEP_PREFIX}{step:06d}"
     if rank == 0:
         sweep_temps(work_dir)  # leftovers of a save a kill interrupted; runs of a stage never overlap
-        tmp.mkdir(parents=True)
-    _barrier()
-    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    # rank 0 owns the temp dir (removed if its part fails); every rank writes its RNG file into it
+    with atomic_dir(final) if rank == 0 else contextlib.nullcontext() as mine:
+        tmp = _rank0_path(mine)
         save_torch(tmp / f"rank{rank}.pt", rng_state())
         if rank == 0:
             save_torch(tmp / "model.pt", model.state_dict())
             save_torch(tmp / "optim.pt", [opt.state_dict() for opt in optimizers])
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _barrier()
-    final = work_dir / name
+        _barrier()
+        if rank == 0:
+            try:
+                files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.pt"))}
+                write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
+            except OSError as e:
+                raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {free_space(work_dir)}") from e
     if rank == 0:
-        try:
-            files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.pt"))}
-            write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {free_space(work_dir)}") from e
-        replace_dir(tmp, final)
         prune_checkpoints(work_dir, keep, meta.get("fingerprint"), newest=final)
     _barrier()
     return final if rank == 0 else None
+
+
+def _rank0_path(path: Path | None) -> Path:
+    """Rank 0's ``path``, on every rank (one broadcast; the path itself in a single process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return path
+    box = [str(path) if path is not None else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return Path(box[0])
 
 
 def sweep_temps(work_dir: Path) -> list[Path]:
