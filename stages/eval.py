@@ -129,7 +129,7 @@ def evaluate(cfg: EvalSettings, rt: runtime.Runtime) -> None:
     """bpb, CORE and ChatCORE of every model stage present; results.json, ``dvc metrics`` and MLflow."""
     work = WORK / "eval"
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
-    token_bytes = torch.load(ARTIFACTS / "tokenizer" / "token_bytes.pt").to(rt.device)
+    token_bytes = torch.load(ARTIFACTS / "tokenizer" / "token_bytes.pt", weights_only=True).to(rt.device)
     present = [s for s in cfg.model_dirs if (ARTIFACTS / s / "meta.json").exists()]
     if not present:
         raise FileNotFoundError(

@@ -60,7 +60,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- data: tokenize the text shards once into the memory-mapped store (ranks split the shards)
     tok = Tokenizer.load(tok_dir)
-    token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
+    token_bytes = torch.load(tok_dir / "token_bytes.pt", weights_only=True).to(rt.device)
     inputs, train_docs, val_docs = tokenized_docs(work, tok, rt)
 
     # --- model, then batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon;

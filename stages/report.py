@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from chatpipe import registry, runtime, tracking
-from chatpipe.io import replace_dir, sha256_file, temp_dir_beside, write_json_atomic
+from chatpipe.io import atomic_dir, sha256_file, write_json_atomic
 from chatpipe.paths import ARTIFACTS
 from chatpipe.report import (
     COLUMNS,
@@ -51,44 +51,9 @@ def report(cfg: ReportSettings) -> None:
         raise FileNotFoundError(f"{results_path} not found: run the eval stage first")
     results = json.loads(results_path.read_text())
     parent_id = os.environ.get(tracking.PARENT_ENV) or None
-    tmp = temp_dir_beside(OUT)
-
     with tracking.tracked_run("report", {"report": snapshot(cfg)}) as run:
-        # --- curves and wall times from MLflow
-        plots, timings = [], "(MLflow tracking disabled: no timings)"
-        if run.enabled:
-            client = run.client
-            runs = artifact_runs(client, run.info.experiment_id, ARTIFACTS)  # the runs behind these artifacts
-            plots = [f"{name}.png" for name in CURVES if plot_curves(client, runs, name, tmp / f"{name}.png")]
-            timings, total_s, total_cost = timing_table(runs, cfg.cost_per_hour)
-            run.log_metrics({"pipeline/wall_seconds": total_s, "pipeline/est_cost_usd": total_cost})
-
-        # --- report.md
-        resolved = resolve_params()
-        params = {s: resolved[s] for s in STAGES if s in resolved}
-        locks = dvc_lock_hashes()
-        text = render_report(
-            results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots
-        )
-        rm_meta = ARTIFACTS / "reward_model" / "meta.json"
-        if rm_meta.exists():
-            text += "\n" + "\n".join(reward_model_section(json.loads(rm_meta.read_text())))
-        rl_meta = ARTIFACTS / "rl" / "meta.json"
-        if rl_meta.exists():
-            controls = Path("metrics") / "rl_controls.json"  # bench/rl_controls.py's, when it ran here
-            known = json.loads(controls.read_text()) if controls.exists() else None
-            text += "\n" + "\n".join(rl_section(json.loads(rl_meta.read_text()), known))
-        (tmp / "report.md").write_text(text)
-        write_json_atomic(
-            tmp / "report.json",
-            {
-                "summary": summary_values(results),
-                "dvc_lock": locks,
-                "git_commit": results.get("git_commit"),
-                "plots": plots,
-            },
-        )
-        replace_dir(tmp, OUT)
+        with atomic_dir(OUT) as tmp:
+            plots = write_report(tmp, cfg, run, results)
         log.info("wrote %s (%d plots)", OUT / "report.md", len(plots))
 
         # --- MLflow: report on the parent run, final model in the registry
@@ -99,6 +64,45 @@ def report(cfg: ReportSettings) -> None:
         )
         if run.enabled and cfg.register_model:
             register_final_model(run, cfg.model_name, results, values)
+
+
+def write_report(tmp: Path, cfg: ReportSettings, run: tracking.StageRun, results: dict) -> list[str]:
+    """Fill the report dir ``tmp``: curve plots and timings from MLflow, report.md, report.json; the plots' names."""
+    # --- curves and wall times from MLflow
+    plots, timings = [], "(MLflow tracking disabled: no timings)"
+    if run.enabled:
+        client = run.client
+        runs = artifact_runs(client, run.info.experiment_id, ARTIFACTS)  # the runs behind these artifacts
+        plots = [f"{name}.png" for name in CURVES if plot_curves(client, runs, name, tmp / f"{name}.png")]
+        timings, total_s, total_cost = timing_table(runs, cfg.cost_per_hour)
+        run.log_metrics({"pipeline/wall_seconds": total_s, "pipeline/est_cost_usd": total_cost})
+
+    # --- report.md
+    resolved = resolve_params()
+    params = {s: resolved[s] for s in STAGES if s in resolved}
+    locks = dvc_lock_hashes()
+    text = render_report(
+        results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots
+    )
+    rm_meta = ARTIFACTS / "reward_model" / "meta.json"
+    if rm_meta.exists():
+        text += "\n" + "\n".join(reward_model_section(json.loads(rm_meta.read_text())))
+    rl_meta = ARTIFACTS / "rl" / "meta.json"
+    if rl_meta.exists():
+        controls = Path("metrics") / "rl_controls.json"  # bench/rl_controls.py's, when it ran here
+        known = json.loads(controls.read_text()) if controls.exists() else None
+        text += "\n" + "\n".join(rl_section(json.loads(rl_meta.read_text()), known))
+    (tmp / "report.md").write_text(text)
+    write_json_atomic(
+        tmp / "report.json",
+        {
+            "summary": summary_values(results),
+            "dvc_lock": locks,
+            "git_commit": results.get("git_commit"),
+            "plots": plots,
+        },
+    )
+    return plots
 
 
 def register_final_model(run: tracking.StageRun, name: str, results: dict, values: dict) -> None:

@@ -10,13 +10,12 @@ Reads ``artifacts/data`` (train split, first ``max_chars`` characters), writes
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 
 from chatpipe import runtime, tracking
 from chatpipe.data.sources import iter_documents
-from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.io import atomic_dir, write_json_atomic
 from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import TokenizerSettings, snapshot
 from chatpipe.stage_metrics import write_metrics
@@ -58,11 +57,9 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
         )
 
         # --- save atomically: build in a temp dir, then swap it in
-        tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tok.save(tmp)  # tokenizer.json, ranks and token_bytes.pt, with the checksums load verifies
-        write_json_atomic(tmp / "report.json", report)
-        replace_dir(tmp, out_dir)
+        with atomic_dir(out_dir) as tmp:
+            tok.save(tmp)  # tokenizer.json, ranks and token_bytes.pt, with the checksums load verifies
+            write_json_atomic(tmp / "report.json", report)
         write_metrics(
             "tokenizer",
             {

@@ -256,3 +256,69 @@ def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_leaves_the_
     model, opts = _model_and_opt(seed=5)
     assert resume_latest(tmp_path, "f", model=model, optimizers=opts)["step"] == 1
     assert "does not load" in caplog.text and "optim.pt" in caplog.text
+
+
+class _Planted:
+    """A pickle that runs code when unpickled: it writes the file named in its argument."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, name: str, marker) -> None:
+    """Replace ``path/name`` with a code-running pickle and rewrite meta.json's hash to match, as an
+    attacker who can write the checkpoint folder would."""
+    import pickle
+
+    from chatpipe.io import sha256_file
+
+    (path / name).write_bytes(pickle.dumps([_Planted(str(marker))]))
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][name] = sha256_file(path / name)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_planted_pickle_in_optim_and_rank_files_never_runs_on_resume(tmp_path, caplog):
+    """Both files of the newest checkpoint replaced by code-running pickles, hashes rewritten: resume
+    loads data only, so nothing runs; the checkpoint is skipped naming optim.pt, and the run
+    resumes from the one before it."""
+    from chatpipe.train.checkpoint import resume_latest
+
+    meta_path = _two_checkpoints(tmp_path)
+    marker = tmp_path / "pwned"
+    for name in ("optim.pt", "rank0.pt"):
+        _plant(meta_path.parent, name, marker)
+    assert verify_checkpoint(meta_path.parent) is None  # the checksums hold: they prove nothing
+    model, opts = _model_and_opt(seed=5)
+    assert resume_latest(tmp_path, "f", model=model, optimizers=opts)["step"] == 1
+    assert not marker.exists()
+    assert "step_000002: it does not load" in caplog.text
+
+
+def test_a_planted_rank_file_alone_resumes_with_a_fresh_rng_and_runs_nothing(tmp_path, caplog):
+    """An RNG file that needs unpickling (planted, or written by an older chatpipe) is not loaded:
+    model and optimizers resume from the checkpoint, the RNG is re-seeded, a warning names the file."""
+    meta_path = _two_checkpoints(tmp_path)
+    marker = tmp_path / "pwned"
+    _plant(meta_path.parent, "rank0.pt", marker)
+    model, opts = _model_and_opt(seed=5)
+    meta = load_checkpoint(meta_path.parent, model=model, optimizers=opts, world_size=1)
+    assert meta["step"] == 2 and not marker.exists()
+    assert "rank0.pt: not loaded, it needs unpickling" in caplog.text
+
+
+def test_rng_states_are_saved_as_data_and_restore_every_generator(tmp_path):
+    import numpy as np
+
+    model, opts = _model_and_opt()
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    save_checkpoint(tmp_path, 1, model=model, optimizers=opts, meta={"world_size": 1})
+    state = torch.load(tmp_path / "step_000001" / "rank0.pt", weights_only=True)  # data only
+    assert isinstance(state["numpy"]["keys"], torch.Tensor) and isinstance(state["python"], list)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    load_checkpoint(tmp_path / "step_000001", model=model, optimizers=opts, world_size=1)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

@@ -164,3 +164,67 @@ def test_an_import_cycle_between_subpackages_is_caught_and_named(tmp_path):
         "chatpipe/model -> chatpipe/train -> chatpipe/model (chatpipe/model/gpt.py imports chatpipe.train; "
         "chatpipe/train/loop.py imports chatpipe.model.gpt)",
     ]
+
+
+def module_graph(root: Path) -> dict[str, dict[str, str]]:
+    """Which library module imports which (anywhere in it, functions included):
+    ``{module: {imported module: the name it imports}}``; a package counts as its ``__init__``."""
+    modules = {".".join(p.relative_to(root).with_suffix("").parts) for p in (root / "chatpipe").rglob("*.py")}
+    modules = {m.removesuffix(".__init__") for m in modules}
+    graph: dict[str, dict[str, str]] = {}
+    for path in sorted((root / "chatpipe").rglob("*.py")):
+        rel = path.relative_to(root)
+        here = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        package = ".".join(rel.parent.parts)
+        for name in sorted(imports_of(path, package)):
+            # `from chatpipe.settings.base import X` names chatpipe.settings.base.X: the longest module prefix
+            parts = name.split(".")
+            there = next(
+                (".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), None
+            )
+            if there and there != here and not here.startswith(f"{there}."):  # a package's modules may use it
+                graph.setdefault(here, {}).setdefault(there, name)
+    return graph
+
+
+def module_cycles(root: Path) -> list[str]:
+    """Every loop of imports between library modules, each as its shortest round from its first module."""
+    graph, cycles, seen = module_graph(root), [], set()
+    for start in sorted(graph):
+        loop = _shortest_loop(graph, start)
+        if not loop or frozenset(loop) in seen:
+            continue
+        seen.add(frozenset(loop))
+        cycles.append(" -> ".join(loop))
+    return cycles
+
+
+def test_no_two_library_modules_import_each_other():
+    """Not even inside one subpackage, and not through an import inside a function."""
+    assert module_cycles(REPO) == [], "move what both need into a module below them"
+
+
+def test_a_cycle_inside_a_subpackage_through_a_function_import_is_caught(tmp_path):
+    files = {
+        "chatpipe/__init__.py": "",
+        "chatpipe/settings/__init__.py": "from chatpipe.settings.load import load\n",
+        "chatpipe/settings/params.py": "import os\n",
+        "chatpipe/settings/load.py": "from chatpipe.settings.params import os\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert module_cycles(tmp_path) == []
+    (tmp_path / "chatpipe/settings/params.py").write_text("def f():\n    from chatpipe.settings.load import g\n")
+    assert module_cycles(tmp_path) == ["chatpipe.settings.load -> chatpipe.settings.params -> chatpipe.settings.load"]
+
+
+def test_tests_import_nothing_from_bench_or_scripts():
+    """What a test needs lives in the library or in tests/; bench scripts and scripts/ are entry points."""
+    bad = [
+        f"{path.relative_to(REPO)}: imports {name}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        for name in imports_of(path)
+        if name.split(".")[0] in {"bench", "scripts"}
+    ]
+    assert bad == []

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from bench.cpu_allocator import run
 from chatpipe.runtime import cpu_multiplies_bf16, keep_freed_memory_in_heap
+from tests.cpu_allocator import run
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")

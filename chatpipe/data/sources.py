@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from chatpipe.data import synthetic
 from chatpipe.data.jsonl import iter_jsonl
-from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.io import atomic_dir, write_json_atomic
 
 SOURCES = ("synthetic", "hf", "local")
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".txt")
@@ -99,10 +99,7 @@ def prepare_text(
     if source not in SOURCES:
         raise ValueError(f"data.source = {source!r} is not supported; allowed: {', '.join(SOURCES)}")
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out_dir) as tmp:
         if source == "synthetic":
             if not 0 < val_docs < num_docs:
                 raise ValueError(f"synthetic: need 0 < val_docs ({val_docs}) < num_docs ({num_docs})")
@@ -115,9 +112,6 @@ def prepare_text(
             manifest = _prepare_hf(tmp, hf_repo, hf_num_shards, hf_text_column, Path(cache_dir))
         manifest["source"] = source
         write_json_atomic(tmp / "manifest.json", manifest)
-        replace_dir(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 

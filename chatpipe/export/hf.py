@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from typing import Any
 
 import torch
 
-from chatpipe.io import replace_dir, sha256_file, write_json_atomic
+from chatpipe.io import atomic_dir, sha256_file, write_json_atomic
 from chatpipe.model.gpt import ROTARY_BASE, SOFTCAP, has_value_embed, layer_windows
 from chatpipe.tokenizer import SPECIAL_TOKENS
 
@@ -430,8 +429,6 @@ def export_model(
     lock_path: Path = Path("dvc.lock"),
 ) -> Path:
     """Write the transformers directory for ``model`` + ``tokenizer`` atomically to ``out_dir``."""
-    from chatpipe import tracking
-
     config = model.config
     builtin_lacks(config)  # refuses an option neither path carries, before anything is written
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -440,9 +437,17 @@ def export_model(
     if tokenizer.vocab_size > config.vocab_size:
         raise ExportError(f"tokenizer has {tokenizer.vocab_size} ids, the model only {config.vocab_size}")
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with atomic_dir(out_dir) as tmp:
+        path = _write_export(tmp, model, tokenizer, torch_dtype, dtype, meta, source, report_path, lock_path)
+    log.info("exported %s (stage %s) to %s (%s)", source, meta.get("stage"), out_dir, path)
+    return out_dir
+
+
+def _write_export(
+    tmp: Path, model, tokenizer, torch_dtype, dtype: str, meta: dict, source: str, report_path, lock_path
+) -> str:
+    """Fill the export dir ``tmp``: weights, tokenizer, model card and lineage; returns the model path."""
+    from chatpipe import tracking
 
     path = _write_model(tmp, model, tokenizer, torch_dtype, dtype)
     hf_tokenizer(tokenizer).save_pretrained(tmp)
@@ -464,9 +469,7 @@ def export_model(
         lineage["report_dvc_lock"] = (report.get("dvc_lock") or {}).get("dvc.lock")
     (tmp / "README.md").write_text(model_card(meta, source, lineage, report, path))
     write_json_atomic(tmp / LINEAGE_FILE, {**lineage, "model_config": meta.get("model_config")})
-    replace_dir(tmp, out_dir)
-    log.info("exported %s (stage %s) to %s (%s)", source, meta.get("stage"), out_dir, path)
-    return out_dir
+    return path
 
 
 def push_to_hub(out_dir: Path, repo_id: str, *, private: bool = False, token: str | None = None) -> str:

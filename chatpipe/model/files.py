@@ -11,14 +11,13 @@ manifest, so a hand-edited ``meta.json`` (``rotary_base``, say) cannot silently 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from chatpipe.io import replace_dir, save_torch, sha256_file, write_json_atomic
+from chatpipe.io import atomic_dir, save_torch, sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
 
@@ -46,16 +45,10 @@ def save_model_dir(out_dir: Path, model: torch.nn.Module, meta: dict[str, Any]) 
     """Atomically write a stage's final model (``model.pt`` + ``meta.json`` + ``manifest.json``) to ``out_dir``."""
     for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_torch(tmp / "model.pt", model.state_dict())
         write_json_atomic(tmp / "meta.json", {**meta, "files": {"model.pt": sha256_file(tmp / "model.pt")}})
         write_manifest(tmp)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out_dir)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -38,7 +38,14 @@ from chatpipe.settings.base import (
     snapshot,
 )
 from chatpipe.settings.cli import format_error, parse_cli
-from chatpipe.settings.load import OVERLAYS_DIR, check_env_sections, load_section, validate_all, write_overlays
+from chatpipe.settings.load import (
+    OVERLAYS_DIR,
+    check_env_sections,
+    load_section,
+    validate_all,
+    write_overlays,
+    write_profile,
+)
 from chatpipe.settings.params import (
     ParamsError,
     _deep_merge,
@@ -48,7 +55,6 @@ from chatpipe.settings.params import (
     profiles_path,
     read_profiles,
     resolve_params,
-    write_profile,
 )
 from chatpipe.settings.sections import (
     ChatSettings,

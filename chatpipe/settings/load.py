@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,16 @@ def write_overlays(
             write_text_atomic(target, text)
         written.append(target)
     return written
+
+
+def write_profile(name: str, path: Path | None = None) -> None:
+    """Set the top-level ``profile:`` of params.yaml (atomically), so DVC sees the change."""
+    path = path or params_path()
+    resolve_params(path, name)  # raises if the profile is not defined
+    validate_all(path)  # a bad value in any profile stops here, before params.yaml changes
+    text = path.read_text()
+    new, n = re.subn(r"(?m)^profile:.*$", f"profile: {name}", text, count=1)
+    if n == 0:
+        new = f"profile: {name}\n" + text
+    if new != text:
+        write_text_atomic(path, new)

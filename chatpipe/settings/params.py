@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from chatpipe.io import write_text_atomic
 from chatpipe.settings.errors import ParamsError
 from chatpipe.settings.yamlfile import read_settings_yaml
 
@@ -90,20 +89,3 @@ def profile_overlay(profiles: dict[str, Any], name: str, path: Path, seen: tuple
 def active_profile() -> str:
     """Name of the profile in force (``CHATPIPE_PROFILE`` or params.yaml's ``profile``)."""
     return resolve_params()["profile"]
-
-
-def write_profile(name: str, path: Path | None = None) -> None:
-    """Set the top-level ``profile:`` of params.yaml (atomically), so DVC sees the change."""
-    import re
-
-    from chatpipe.settings.load import validate_all  # here: load builds on this module
-
-    path = path or params_path()
-    resolve_params(path, name)  # raises if the profile is not defined
-    validate_all(path)  # a bad value in any profile stops here, before params.yaml changes
-    text = path.read_text()
-    new, n = re.subn(r"(?m)^profile:.*$", f"profile: {name}", text, count=1)
-    if n == 0:
-        new = f"profile: {name}\n" + text
-    if new != text:
-        write_text_atomic(path, new)

@@ -55,7 +55,7 @@ def train_chat(
 
     # --- data: build, render and pack the mixtures first, so a malformed row stops us before training
     tok, mixture = packed_mixture(cfg, tok_dir)
-    token_bytes = torch.load(tok_dir / "token_bytes.pt").to(rt.device)
+    token_bytes = torch.load(tok_dir / "token_bytes.pt", weights_only=True).to(rt.device)
 
     # --- model: the previous stage's weights; batch math and schedule length; optimizer
     model, init_meta = load_model(init_dir, rt.device)

@@ -4,8 +4,14 @@ Layout of an in-progress checkpoint (``checkpoints/<stage>/step_000100/``)::
 
     model.pt       model state dict                (rank 0)
     optim.pt       list of optimizer state dicts   (rank 0; plain DDP keeps them identical)
-    rank0.pt ...   RNG states of every rank
+    rank0.pt ...   RNG states of every rank, as tensors, numbers and lists
     meta.json      step, settings, fingerprint, loop state, sha256 of every file above
+
+Every file is read with ``torch.load(..., weights_only=True)``: data only, never code. A checksum
+in ``meta.json`` says a file is the one written, not that it is safe (whoever replaces a file can
+rewrite its hash), so a file that needs unpickling to load (planted, or a ``rank*.pt`` of an older
+chatpipe, which kept numpy's RNG state as an array) is refused: a bad ``optim.pt`` skips the
+checkpoint, a ``rank*.pt`` of the old form resumes with the RNG re-seeded and a warning.
 
 Every checkpoint is written into a hidden temp dir and renamed into place only when complete,
 so a killed run never leaves a half-written ``step_*`` dir. ``meta.json`` carries checksums:
@@ -17,6 +23,7 @@ by :mod:`chatpipe.model.files`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -28,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chatpipe.io import free_space, replace_dir, save_torch, sha256_file, write_json_atomic
+from chatpipe.io import atomic_dir, free_space, save_torch, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +46,16 @@ STEP_PREFIX = "step_"
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a training step can touch, for exact resume."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG a training step can touch, for exact resume, in types ``weights_only`` loads:
+    tensors, numbers, strings, lists and dicts."""
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(words), gauss],
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)},
+    }
+    state["numpy"] |= {"has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -49,8 +64,11 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` captured."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -80,33 +98,37 @@ def save_checkpoint(
     the file and the free space left. Then rank 0 prunes by :func:`prune_checkpoints`.
     Returns the final path on rank 0.
     """
-    name = f"{STEP_PREFIX}{step:06d}"
-    tmp = work_dir / f".{name}.tmp"
+    final = work_dir / f"{STEP_PREFIX}{step:06d}"
     if rank == 0:
         sweep_temps(work_dir)  # leftovers of a save a kill interrupted; runs of a stage never overlap
-        tmp.mkdir(parents=True)
-    _barrier()
-    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    # rank 0 owns the temp dir (removed if its part fails); every rank writes its RNG file into it
+    with atomic_dir(final) if rank == 0 else contextlib.nullcontext() as mine:
+        tmp = _rank0_path(mine)
         save_torch(tmp / f"rank{rank}.pt", rng_state())
         if rank == 0:
             save_torch(tmp / "model.pt", model.state_dict())
             save_torch(tmp / "optim.pt", [opt.state_dict() for opt in optimizers])
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _barrier()
-    final = work_dir / name
+        _barrier()
+        if rank == 0:
+            try:
+                files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.pt"))}
+                write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
+            except OSError as e:
+                raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {free_space(work_dir)}") from e
     if rank == 0:
-        try:
-            files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.pt"))}
-            write_json_atomic(tmp / "meta.json", {**meta, "step": step, "files": files})
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(e.errno, f"could not write {tmp / 'meta.json'}: {e}; {free_space(work_dir)}") from e
-        replace_dir(tmp, final)
         prune_checkpoints(work_dir, keep, meta.get("fingerprint"), newest=final)
     _barrier()
     return final if rank == 0 else None
+
+
+def _rank0_path(path: Path | None) -> Path:
+    """Rank 0's ``path``, on every rank (one broadcast; the path itself in a single process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return path
+    box = [str(path) if path is not None else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return Path(box[0])
 
 
 def sweep_temps(work_dir: Path) -> list[Path]:
@@ -241,12 +263,29 @@ def _read_states(path: Path, rank: int) -> tuple[dict[str, Any], Any, Any, Any]:
     load then leaves the model and optimizers untouched, and the caller can fall back."""
     meta = _read_meta(path)
     model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    optim_states = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
+    optim_states = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
     if not isinstance(optim_states, list):
         raise ValueError(f"{path / 'optim.pt'}: not a list of optimizer states")
-    rank_file = path / f"rank{rank}.pt"
-    rng = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
-    return meta, model_state, optim_states, rng
+    return meta, model_state, optim_states, _read_rng(path / f"rank{rank}.pt")
+
+
+def _read_rng(rank_file: Path) -> dict[str, Any] | None:
+    """A rank's RNG states, or None (the caller re-seeds) when the file is missing or would need
+    unpickling: an older chatpipe kept numpy's state as an array, and a planted file runs code."""
+    if not rank_file.exists():
+        return None
+    try:
+        state = torch.load(rank_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        log.warning(
+            "%s: not loaded, it needs unpickling (%s); an older chatpipe wrote RNG states this way: the run "
+            "resumes with its model and optimizers and a re-seeded RNG, so it is no longer bitwise the "
+            "uninterrupted run",
+            rank_file,
+            str(e).splitlines()[0][:200],
+        )
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("python"), list) else None
 
 
 def load_checkpoint(
@@ -261,7 +300,7 @@ def load_checkpoint(
         opt.load_state_dict(state)
     if meta.get("world_size") == world_size and rng is not None:
         set_rng_state(rng)
-    else:
+    elif meta.get("world_size") != world_size:
         log.warning(
             "checkpoint %s was written by %s ranks, now %s: RNG states re-seeded, model and optimizer restored",
             path,
