@@ -131,6 +131,26 @@ def test_cpu_muon_step_restores_torch_function():
     assert not torch.equal(w0, w.detach())
 
 
+def test_cpu_muon_runs_the_fp32_newton_schulz_and_names_a_moved_private_function(monkeypatch):
+    """The swap reaches torch's step (the fp32 iteration runs), and a torch whose private name moved
+    fails at the first step with a message naming the name, the tested version and the way out."""
+    import torch.optim._muon as torch_muon
+
+    from chatpipe.train import optim
+
+    calls = []
+    real = optim.newton_schulz_fp32
+    monkeypatch.setattr(optim, "newton_schulz_fp32", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    opt = optim.Muon([w], lr=0.02)
+    w.grad = torch.randn(16, 8)
+    opt.step()
+    assert calls == [1]
+    monkeypatch.delattr(torch_muon, "_zeropower_via_newtonschulz")
+    with pytest.raises(RuntimeError, match=r"no torch.optim._muon._zeropower_via_newtonschulz.*torch<2.13.1"):
+        opt.step()
+
+
 def _polar_stack(rows: int, cols: int, rank: int | None) -> torch.Tensor:
     """A stack of normalised matrices, ill-conditioned (low rank + 1% noise) when ``rank`` is given."""
     gen = torch.Generator().manual_seed(rows + cols)

@@ -137,8 +137,19 @@ class Muon(torch.optim.Muon):
             return super().step(closure)
 
 
+PRIVATE_NEWTON_SCHULZ = "_zeropower_via_newtonschulz"  # torch.optim._muon's, in torch 2.13.0 (pyproject's pin)
+
+
 @contextlib.contextmanager
 def _swap_newton_schulz(fn):
+    """``torch.optim._muon``'s private Newton-Schulz swapped for ``fn`` while a step runs. A private
+    name can move in any torch release: where it is gone, say so instead of training in bf16 unseen."""
+    if not callable(getattr(_torch_muon, PRIVATE_NEWTON_SCHULZ, None)):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.optim._muon.{PRIVATE_NEWTON_SCHULZ}, which chatpipe's CPU "
+            "Muon swaps for an fp32 Newton-Schulz (tested on torch 2.13.0, pyproject.toml's pin); install "
+            "torch<2.13.1, or port chatpipe.train.optim.Muon.step to this torch"
+        )
     original = _torch_muon._zeropower_via_newtonschulz
     _torch_muon._zeropower_via_newtonschulz = fn
     try:
