@@ -44,6 +44,7 @@ from chatpipe.model.attention import (
     sliding_window_block_mask,
 )
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
+from chatpipe.model.row_cache import RowKVCache
 
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
@@ -554,7 +555,12 @@ class GPT(nn.Module):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
         cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
         training = kv_cache is None and torch.is_grad_enabled()
-        if kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
+        if isinstance(kv_cache, RowKVCache):  # one token per row, each row at its own position
+            positions = kv_cache.positions(idx.device)
+            cos, sin = self.cos[0, 0, positions][:, None, None], self.sin[0, 0, positions][:, None, None]
+            masks = {w: kv_cache.attention_mask(w, positions) for w in set(self.windows)}
+            plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
+        elif kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
             masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
             plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
         else:
@@ -601,7 +607,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | RowKVCache | None = None,
         loss_reduction: str = "mean",
     ) -> torch.Tensor:
         """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).
