@@ -280,7 +280,9 @@ def generate_continuous(
     rows = max(num_samples, (max_rows // num_samples) * num_samples)
     context = context or longest + kw.get("max_tokens", 64)
     sched = Scheduler(engine, rows=rows, context=context)
-    reqs = [sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, **kw)) for i, p in enumerate(prompts)]
+    reqs = [
+        sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, **kw)) for i, p in enumerate(prompts)
+    ]
     sched.run()
     out = []
     for p, req in zip(prompts, reqs):
