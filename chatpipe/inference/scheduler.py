@@ -201,15 +201,15 @@ class Scheduler:
     def _evict(self) -> None:
         """Drop finished and cancelled rows; the last live rows move into their gaps."""
         keep = [i for i, row in enumerate(self.live) if row.reason is None and not row.req.cancelled]
-        for i, row in enumerate(self.live):
+        for row in self.live:
             if row.reason is None and row.req.cancelled:
                 row.reason = "cancelled"
             if row.reason is not None:
                 row.req.reasons[row.sample] = row.reason
                 if row.req.on_done is not None:
                     row.req.on_done(row.sample, row.reason)
-        m = len(keep)
-        holes = [i for i in range(m) if i not in set(keep)]
+        m, kept = len(keep), set(keep)
+        holes = [i for i in range(m) if i not in kept]
         movers = [i for i in keep if i >= m]
         for src, dst in zip(movers, holes):
             self.cache.move(src, dst)
