@@ -3,7 +3,8 @@
 Run::
 
     chatpipe serve                               # http://127.0.0.1:8000, model from params.yaml `serve`
-    chatpipe serve --model sft --port 8080 --num-engines 4
+    chatpipe serve --model sft --port 8080 --batch-rows 32
+    chatpipe serve --batch-rows 0 --num-engines 4   # the older pool: 4 threads, one reply each
     python -m chatpipe.serve.app --host 0.0.0.0      # expose it beyond this machine (on purpose only)
 
 Endpoints:
@@ -465,6 +466,7 @@ def parse_args(argv: list[str] | None) -> ServeSettings:
     p.add_argument("--port", type=int)
     p.add_argument("--num-engines", dest="num_engines", type=int, help="replies generated at once")
     p.add_argument("--max-queue", dest="max_queue", type=int)
+    p.add_argument("--batch-rows", dest="batch_rows", type=int, help="rows of the running batch; 0 = engine threads")
     p.add_argument("-t", "--temperature", type=float)
     p.add_argument("-k", "--top-k", dest="top_k", type=int)
     p.add_argument("--max-tokens", dest="max_tokens", type=int, help="default new tokens per reply")
