@@ -135,27 +135,41 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill waiting requests into free rows, oldest first, while the next one fits whole."""
-        new_logits = []
-        while self.waiting and (self.waiting[0].cancelled or len(self.live) + self.waiting[0].num_samples <= self.rows):
+        joining: list[GenRequest] = []
+        free = self.rows - len(self.live)
+        while self.waiting and (self.waiting[0].cancelled or self.waiting[0].num_samples <= free):
             req = self.waiting.popleft()
             if req.cancelled:
                 _finish_cancelled(req)
                 continue
-            prompt = KVCache.from_config(self.model.config, batch_size=1, max_len=len(req.prompt))
-            ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
-            logits = self.model(ids, kv_cache=prompt)[:, -1, :]
+            joining.append(req)
+            free -= req.num_samples
+        if not joining:
+            return
+        logits = self._prefill(joining)
+        parts = [] if self.logits is None else [self.logits]
+        self.logits = torch.cat([*parts, logits.repeat_interleave(torch.tensor([r.num_samples for r in joining]), 0)])
+
+    def _prefill(self, joining: list[GenRequest]) -> torch.Tensor:
+        """Prefill ``joining`` together (right-padded: a prompt never attends to the padding after it),
+        copy each into a row per sample; returns each prompt's last logits [len(joining), V]."""
+        lengths = [len(r.prompt) for r in joining]
+        longest = max(lengths)
+        prompt = KVCache.from_config(self.model.config, batch_size=len(joining), max_len=longest)
+        ids = torch.tensor([r.prompt + [r.prompt[-1]] * (longest - len(r.prompt)) for r in joining], device=self.device)
+        out = self.model(ids, kv_cache=prompt)
+        last = out[torch.arange(len(joining)), torch.tensor(lengths) - 1]
+        if prompt.prev_embed is not None:  # smear: a row's previous embedding is its own last token's
+            prompt.prev_embed = self.model.embed_for_smear(ids[torch.arange(len(joining)), torch.tensor(lengths) - 1])
+        for i, req in enumerate(joining):
             stops = self.engine.stop_ids(req.stop_tokens)
             for j in range(req.num_samples):
-                row = len(self.live)
-                self.cache.load(row, prompt)
+                self.cache.load(len(self.live), prompt, source_row=i, length=lengths[i])
                 rng = torch.Generator(device=self.device)
                 rng.manual_seed(req.seed + j * SAMPLE_SEED_STRIDE)
                 self.live.append(_Live(req, j, rng, stops))
-                new_logits.append(logits)
-            self.cache.n = len(self.live)
-        if new_logits:
-            parts = ([self.logits] if self.logits is not None else []) + new_logits
-            self.logits = torch.cat(parts)
+                self.cache.n = len(self.live)
+        return last
 
     def _sample(self) -> list[int]:
         """One token per live row from its logits: argmax at temperature 0, else its own generator's draw."""

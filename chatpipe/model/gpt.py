@@ -586,6 +586,10 @@ class GPT(nn.Module):
             kv_cache.advance(t)
         return norm(x)
 
+    def embed_for_smear(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, 1, n_embd]: what a KV cache keeps as ``prev_embed`` after tokens ``ids`` [B] (their normed embedding)."""
+        return norm(self.wte(ids[:, None]))
+
     def _smear(self, x: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Mix each position's embedding with the previous one's, gated by its first channels."""
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]

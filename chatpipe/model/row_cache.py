@@ -102,9 +102,10 @@ class RowKVCache:
             self.lengths[r] += t
         self._index = None
 
-    def load(self, row: int, source: Any, source_row: int = 0) -> None:
-        """Copy row ``source_row`` of a prefilled :class:`chatpipe.model.gpt.KVCache` (no padding) into ``row``."""
-        length = source.pos
+    def load(self, row: int, source: Any, source_row: int = 0, length: int | None = None) -> None:
+        """Copy the first ``length`` positions (all by default) of row ``source_row`` of a prefilled
+        :class:`chatpipe.model.gpt.KVCache` (no left padding) into ``row``."""
+        length = source.pos if length is None else length
         if length > self.context:
             raise ValueError(f"a prompt of {length} positions does not fit a row of {self.context}")
         if source.key_mask is not None:

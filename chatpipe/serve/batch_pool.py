@@ -48,6 +48,8 @@ class BatchPool:
         self.inflight = self.served = self.cancelled = 0
         self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
         self.inbox: deque[GenRequest] = deque()
+        # what the batch thread has for the event loops, handed over once per step (one wake-up, not one a token)
+        self.outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         self.wake = threading.Event()
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="batch-engine", daemon=True)
@@ -124,6 +126,16 @@ class BatchPool:
                 for req in self.scheduler.fail_all():
                     for j in range(req.num_samples):
                         req.on_done(j, f"error: {e}")
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Pass this step's deltas to their event loops, one call per loop."""
+        outbox, self.outbox = self.outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is gone (server shutting down)
+                pass
 
     def close(self) -> None:
         """Stop the batch thread (after the server stops)."""
@@ -140,11 +152,8 @@ class BatchPool:
         queue: asyncio.Queue = asyncio.Queue()
         text = TextStream(self.engine, stats, kw.pop("stop", None), kw.get("stop_tokens"))
 
-        def put(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (server shutting down)
-                req.cancelled = True
+        def put(item: Any) -> None:  # called in the batch thread; delivered after the step
+            self.outbox.setdefault(loop, []).append((queue, item))
 
         def on_token(_: int, tok: int, mask: int) -> None:
             for piece in text.push(tok, mask):
@@ -169,6 +178,8 @@ class BatchPool:
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
+                while not queue.empty() and _joins(item, queue._queue[0]):  # a slow client gets larger deltas
+                    item = (item[0], item[1] + queue.get_nowait()[1])
                 yield item
             finished = True
         finally:
@@ -176,3 +187,13 @@ class BatchPool:
             self.inflight -= 1
             self.served += finished
             self.cancelled += not finished
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _joins(item: tuple[str, str], following: Any) -> bool:
+    """Whether the delta ``following`` continues ``item``'s part (so the two can go as one)."""
+    return isinstance(following, tuple) and following[0] == item[0]
