@@ -88,11 +88,12 @@ class RowKVCache:
         if self.pos + 1 > self.context:
             raise ValueError(f"KV cache full: a row holds {self.pos} positions of its {self.context}")
         self._allocate(k.dtype, k.device)
-        if layer == 0 or self._index is None:
-            self._index = self.positions(k.device)
-        rows = torch.arange(self.n, device=k.device)
-        self.k[layer, rows, :, self._index] = k[:, :, 0]
-        self.v[layer, rows, :, self._index] = v[:, :, 0]
+        heads, dim = k.size(1), k.size(3)
+        if self._index is None:  # where each (row, head)'s new position sits in a layer's flattened storage
+            row_heads = torch.arange(self.n * heads, device=k.device).view(self.n, heads)
+            self._index = (row_heads * self.context + self.positions(k.device)[:, None]).flatten()
+        self.k[layer].view(-1, dim).index_copy_(0, self._index, k.reshape(-1, dim))
+        self.v[layer].view(-1, dim).index_copy_(0, self._index, v.reshape(-1, dim))
         end = self.pos + 1
         return self.k[layer, : self.n, :, :end], self.v[layer, : self.n, :, :end]
 
