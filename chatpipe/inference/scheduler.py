@@ -5,10 +5,12 @@ A :class:`Scheduler` owns a :class:`chatpipe.model.row_cache.RowKVCache` of ``ro
 :meth:`Scheduler.step`:
 
 1. **admits** waiting requests, oldest first, while the batch has a free row for every sample of
-   the next one: its prompt is prefilled once, alone, and its keys/values copied into one row per
-   sample (samples share the prefill);
-2. samples one token for every live row, each row with its own ``torch.Generator`` (seeded from
-   its request's seed and its sample index), stop tokens, ``max_tokens`` and calculator state;
+   the next one: the joining prompts are prefilled together, right-padded (a prompt never attends
+   to the padding after it, so each keeps its own positions), and each prompt's keys/values copied
+   into one row per sample (samples share their prompt's prefill);
+2. samples one token for every live row, each row with its own stop tokens, ``max_tokens`` and
+   calculator state. Every request has its own ``torch.Generator`` seeded with its seed: its live
+   samples draw from it together, in sample order, wherever their rows sit in the batch;
 3. **evicts** rows that finished or whose request was cancelled (the last live row moves into
    the gap, so live rows stay ``0 .. n - 1``);
 4. runs one decode step for the rows left, each at its own position.
@@ -39,7 +41,6 @@ from chatpipe.inference.engine import Engine, _Row, sampling_probs
 from chatpipe.model.gpt import KVCache
 from chatpipe.model.row_cache import RowKVCache
 
-SAMPLE_SEED_STRIDE = 1_000_003  # sample j of a request draws from seed + j * stride (sample 0: the seed itself)
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class GenRequest:
     masks: list[list[int]] = field(default_factory=list)
     reasons: list[str | None] = field(default_factory=list)
     cancelled: bool = False
+    rng: torch.Generator | None = field(default=None, repr=False)  # seeded when the request joins
 
     @property
     def done(self) -> bool:
@@ -77,7 +79,6 @@ class _Live:
 
     req: GenRequest
     sample: int
-    rng: torch.Generator
     stops: set[int]
     tool: _Row = field(default_factory=_Row)
     count: int = 0
@@ -163,31 +164,44 @@ class Scheduler:
             prompt.prev_embed = self.model.embed_for_smear(ids[torch.arange(len(joining)), torch.tensor(lengths) - 1])
         for i, req in enumerate(joining):
             stops = self.engine.stop_ids(req.stop_tokens)
+            req.rng = torch.Generator(device=self.device)
+            req.rng.manual_seed(req.seed)
             for j in range(req.num_samples):
                 self.cache.load(len(self.live), prompt, source_row=i, length=lengths[i])
-                rng = torch.Generator(device=self.device)
-                rng.manual_seed(req.seed + j * SAMPLE_SEED_STRIDE)
-                self.live.append(_Live(req, j, rng, stops))
+                self.live.append(_Live(req, j, stops))
                 self.cache.n = len(self.live)
         return last
 
     def _sample(self) -> list[int]:
-        """One token per live row from its logits: argmax at temperature 0, else its own generator's draw."""
-        tokens: list[int | None] = [None] * len(self.live)
-        groups: dict[tuple, list[int]] = {}
+        """One token per live row from its logits: argmax at temperature 0, else a draw from its request's
+        generator (its live samples in sample order, one call a step), wherever its rows sit in the batch."""
+        tokens = [0] * len(self.live)
+        by_request: dict[int, list[int]] = {}
+        greedy = []
         for i, row in enumerate(self.live):
-            r = row.req
-            greedy = r.temperature < torch.finfo(torch.float32).tiny
-            groups.setdefault((0.0, None, None) if greedy else (r.temperature, r.top_k, r.top_p), []).append(i)
-        for (temperature, top_k, top_p), idx in groups.items():
-            logits = self.logits[idx]
-            if temperature == 0.0:
-                for i, t in zip(idx, logits.argmax(dim=-1).tolist()):
+            if row.req.temperature < torch.finfo(torch.float32).tiny:
+                greedy.append(i)
+            else:
+                by_request.setdefault(id(row.req), []).append(i)
+        if greedy:
+            for i, t in zip(greedy, self.logits[greedy].argmax(dim=-1).tolist()):
+                tokens[i] = t
+        if not by_request:
+            return tokens
+        settings: dict[tuple, list[list[int]]] = {}  # requests that sample alike: their probabilities together
+        for idx in by_request.values():
+            r = self.live[idx[0]].req
+            idx.sort(key=lambda i: self.live[i].sample)
+            settings.setdefault((r.temperature, r.top_k, r.top_p), []).append(idx)
+        for (temperature, top_k, top_p), groups in settings.items():
+            flat = [i for idx in groups for i in idx]
+            probs = sampling_probs(self.logits[flat], temperature, top_k, top_p)
+            start = 0
+            for idx in groups:
+                drawn = torch.multinomial(probs[start : start + len(idx)], 1, generator=self.live[idx[0]].req.rng)
+                for i, t in zip(idx, drawn.squeeze(1).tolist()):
                     tokens[i] = t
-                continue
-            probs = sampling_probs(logits, temperature, top_k, top_p)
-            for k, i in enumerate(idx):
-                tokens[i] = int(torch.multinomial(probs[k : k + 1], 1, generator=self.live[i].rng))
+                start += len(idx)
         return tokens
 
     def _advance(self, row: _Live, sampled: int) -> None:
@@ -291,7 +305,7 @@ def generate_continuous(
     next prompt's samples take its place as soon as there are rows for all of them.
     """
     longest = max(len(p) for p in prompts) if prompts else 0
-    rows = max(num_samples, (max_rows // num_samples) * num_samples)
+    rows = min(max(num_samples, (max_rows // num_samples) * num_samples), len(prompts) * num_samples)
     context = context or longest + kw.get("max_tokens", 64)
     sched = Scheduler(engine, rows=rows, context=context)
     reqs = [
