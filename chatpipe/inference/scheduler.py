@@ -42,7 +42,6 @@ from chatpipe.model.gpt import KVCache
 from chatpipe.model.row_cache import RowKVCache
 
 
-
 @dataclass(eq=False)
 class GenRequest:
     """One prompt to sample ``num_samples`` replies for, with its sampling settings and results.
