@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatpipe.inference.engine import Engine
-from chatpipe.serve.batch_pool import Admission, BatchPool
+from chatpipe.serve.batch_pool import Admission, BatchPool, take_place
 from chatpipe.serve.chat import ContextTooLong, append_part, context_limit, prompt_for, show_stream
 from chatpipe.serve.openai_api import (
     SSE_EVENT,
@@ -124,16 +124,8 @@ class EnginePool:
         Requests admitted but not yet streaming count too (a streaming reply starts only after
         the response headers go out), so at most ``size + max_queue`` requests are ever in.
         """
-        pending = len(self.admitted)
-        if self.active + self.waiting + pending >= self.size + self.max_queue:
-            raise ApiError(
-                503,
-                f"server busy: {self.active} replies generating and {self.waiting + pending} queued "
-                f"(serve.max_queue={self.max_queue}); retry shortly",
-            )
-        admission = Admission(tokens)
-        self.admitted.add(admission)
-        return admission
+        in_flight = self.active + self.waiting
+        return take_place(self, in_flight, tokens, f"serve.max_queue={self.max_queue}", ApiError)
 
     def queued_tokens(self) -> int:
         """The token budgets of the requests admitted whose replies have not started."""

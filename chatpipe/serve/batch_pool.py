@@ -38,6 +38,22 @@ class Admission:
         self.tokens = tokens  # the most the request may generate: prompts x n x max_tokens
 
 
+def take_place(pool: Any, in_flight: int, tokens: int, limits: str, error: type[Exception]) -> Admission:
+    """Hold a place in ``pool`` for a request, or refuse it (503, naming ``limits``) when its
+    ``size + max_queue`` places are taken: by the ``in_flight`` replies and by those admitted whose
+    reply has not started (a streaming reply starts only after the response headers go out)."""
+    pending = len(pool.admitted)
+    if in_flight + pending >= pool.size + pool.max_queue:
+        raise error(
+            503,
+            f"server busy: {pool.active} replies generating and {pool.waiting + pending} queued ({limits}); "
+            "retry shortly",
+        )
+    admission = Admission(tokens)
+    pool.admitted.add(admission)
+    return admission
+
+
 class BatchPool:
     """Replies generated together in one batch of ``rows`` rows of ``context`` KV positions each."""
 
@@ -94,16 +110,8 @@ class BatchPool:
                 f"prompt + max_tokens = {positions} tokens is over the {self.scheduler.context} KV positions "
                 "a batch row holds (serve.batch_context): ask for fewer tokens or start a new chat",
             )
-        pending = len(self.admitted)
-        if self.inflight + pending >= self.size + self.max_queue:
-            raise self.error(
-                503,
-                f"server busy: {self.active} replies generating and {self.waiting + pending} queued "
-                f"(serve.batch_rows={self.size}, serve.max_queue={self.max_queue}); retry shortly",
-            )
-        admission = Admission(tokens)
-        self.admitted.add(admission)
-        return admission
+        limits = f"serve.batch_rows={self.size}, serve.max_queue={self.max_queue}"
+        return take_place(self, self.inflight, tokens, limits, self.error)
 
     # ------------------------------------------------------------------ the batch thread
 
