@@ -150,3 +150,23 @@ def test_tool_use_and_stops_per_row_in_one_batch():
     got = generate_continuous(engine, [prompt, [S["<|bos|>"], *b("zz")], prompt], 2, max_tokens=30, temperature=0.0)
     assert got[0] == want and got[2] == want  # the calculator's output forced into each row, mask 0
     assert got[1][0][0][3:] == b("?") * 30 and got[1][1][0] == [0] * 3 + [1] * 30  # ran to max_tokens
+
+
+@pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
+def test_rollouts_on_the_continuous_batch_equal_the_static_batches_greedy(options):
+    from chatpipe.rl.rollout import Problem, collect_rollouts
+    from chatpipe.tokenizer import Tokenizer
+
+    model = quiet_model(**options)
+    with torch.no_grad():  # bytes only (logit 0 elsewhere is never the max here): every reply decodes
+        model.lm_head.weight[256:] = 0.0
+    engine = Engine(model, Tokenizer.from_ranks({bytes([i]): i for i in range(256)}))
+    convs = [{"messages": [{"role": "user", "content": "q" * (1 + 5 * i)}, {"role": "assistant", "content": ""}]}
+             for i in range(6)]  # fmt: skip
+    problems = [Problem(c, score=lambda text, i=i: float(len(text) % (i + 2))) for i, c in enumerate(convs)]
+    kw = dict(group_size=3, max_new_tokens=12, temperature=0.0, seed=4, max_rows=9)  # 3 prompts at a time
+    static = collect_rollouts(engine, problems, continuous=False, **kw)
+    batched = collect_rollouts(engine, problems, **kw)  # prompts of 6 lengths prefilled together, right-padded
+    for name in ("inputs", "targets", "mask", "scores", "ended", "lengths", "groups", "correct"):
+        assert torch.equal(getattr(static, name), getattr(batched, name)), name
+    assert batched.completions == static.completions and batched.mask.sum() == 6 * 3 * 12
