@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = parse_args(argv)
-        share_cores(1 if cfg.batch_rows > 0 else cfg.num_engines)  # threads x intra-op threads <= cores
+        # computing threads x intra-op threads <= cores: the batch's thread shares with the event loop
+        share_cores(2 if cfg.batch_rows > 0 else cfg.num_engines)
         loaded = load_chat_model(cfg.model, device=cfg.device)
     except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"chatpipe serve: {e}", file=sys.stderr)
