@@ -170,3 +170,17 @@ def test_rollouts_on_the_continuous_batch_equal_the_static_batches_greedy(option
     for name in ("inputs", "targets", "mask", "scores", "ended", "lengths", "groups", "correct"):
         assert torch.equal(getattr(static, name), getattr(batched, name)), name
     assert batched.completions == static.completions and batched.mask.sum() == 6 * 3 * 12
+
+
+def test_a_failing_callback_cancels_its_own_request_not_the_batch():
+    engine = Engine(quiet_model(), TOK)
+    sched = Scheduler(engine, rows=4, context=64)
+
+    def broken(sample: int, token: int, mask: int) -> None:
+        raise RuntimeError("client gone wrong")
+
+    bad = sched.submit(GenRequest([S["<|bos|>"], 97], max_tokens=20, on_token=broken))
+    good = sched.submit(GenRequest([S["<|bos|>"], 98], max_tokens=20))
+    sched.run()
+    assert bad.reasons == ["cancelled"] and len(bad.seqs[0]) == 1
+    assert good.reasons == ["length"] and len(good.seqs[0]) == 20

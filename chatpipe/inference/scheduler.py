@@ -30,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ import torch
 from chatpipe.inference.engine import Engine, _Row, sampling_probs
 from chatpipe.model.gpt import KVCache
 from chatpipe.model.row_cache import RowKVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -215,7 +218,7 @@ class Scheduler:
         req.seqs[row.sample].append(tok)
         req.masks[row.sample].append(mask)
         if req.on_token is not None:
-            req.on_token(row.sample, tok, mask)
+            _call(req, req.on_token, row.sample, tok, mask)
         if forced and tool.cut and not tool.forced:
             row.reason = "tool_cut"
         elif not forced and tok in row.stops:
@@ -234,7 +237,7 @@ class Scheduler:
             if row.reason is not None:
                 row.req.reasons[row.sample] = row.reason
                 if row.req.on_done is not None:
-                    row.req.on_done(row.sample, row.reason)
+                    _call(row.req, row.req.on_done, row.sample, row.reason)
         m, kept = len(keep), set(keep)
         holes = [i for i in range(m) if i not in kept]
         movers = [i for i in keep if i >= m]
@@ -279,12 +282,21 @@ class Scheduler:
         return reqs
 
 
+def _call(req: GenRequest, callback: Callable[..., None], *args: Any) -> None:
+    """A request's callback; one that fails cancels its own request, never the batch."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a request's callback failed: the request is cancelled")
+        req.cancelled = True
+
+
 def _finish_cancelled(req: GenRequest) -> None:
     """A request cancelled before it joined: every sample ends without a token."""
     for j in range(req.num_samples):
         req.reasons[j] = "cancelled"
         if req.on_done is not None:
-            req.on_done(j, "cancelled")
+            _call(req, req.on_done, j, "cancelled")
 
 
 def generate_continuous(
