@@ -151,7 +151,8 @@ class Scheduler:
             return
         logits = self._prefill(joining)
         parts = [] if self.logits is None else [self.logits]
-        self.logits = torch.cat([*parts, logits.repeat_interleave(torch.tensor([r.num_samples for r in joining]), 0)])
+        repeats = torch.tensor([r.num_samples for r in joining], device=logits.device)
+        self.logits = torch.cat([*parts, logits.repeat_interleave(repeats, 0)])
 
     def _prefill(self, joining: list[GenRequest]) -> torch.Tensor:
         """Prefill ``joining`` together (right-padded: a prompt never attends to the padding after it),
@@ -160,10 +161,10 @@ class Scheduler:
         longest = max(lengths)
         prompt = KVCache.from_config(self.model.config, batch_size=len(joining), max_len=longest)
         ids = torch.tensor([r.prompt + [r.prompt[-1]] * (longest - len(r.prompt)) for r in joining], device=self.device)
-        out = self.model(ids, kv_cache=prompt)
-        last = out[torch.arange(len(joining)), torch.tensor(lengths) - 1]
+        ends = (torch.arange(len(joining), device=self.device), torch.tensor(lengths, device=self.device) - 1)
+        last = self.model(ids, kv_cache=prompt)[ends]  # each prompt's logits at its own last token
         if prompt.prev_embed is not None:  # smear: a row's previous embedding is its own last token's
-            prompt.prev_embed = self.model.embed_for_smear(ids[torch.arange(len(joining)), torch.tensor(lengths) - 1])
+            prompt.prev_embed = self.model.embed_for_smear(ids[ends])
         for i, req in enumerate(joining):
             stops = self.engine.stop_ids(req.stop_tokens)
             req.rng = torch.Generator(device=self.device)
