@@ -1,19 +1,21 @@
-"""Benchmark: chat server latency and throughput at given numbers of concurrent streaming clients.
+"""Benchmark: chat server latency and throughput, the continuous batch beside the thread pool.
 
 Starts ``python -m chatpipe.serve.app`` on a free 127.0.0.1 port in a subprocess (so the clients do
-not share its interpreter), sends one warm-up request, then for each concurrency level
+not share its interpreter) twice, one after the other on the same model: first the older pool
+(``--batch-rows 0``: ``--num-engines`` threads, one reply each), then the continuous batch
+(``--batch-rows``). Each server gets one warm-up request, then for each concurrency level
 (``--clients``, default 1 and 8) every client streams ``--rounds`` replies of ``--max-tokens``
-tokens (different prompts and seeds). Prints per level the time to first token (p50, p99 and
-worst over every reply of the level) and tokens/s summed over clients; the last line is
-``tokens/s at N clients: <x>`` for the highest level.
+tokens (different prompts and seeds). Prints per server and level the time to first token (p50,
+p99 and worst over every reply of the level), tokens/s summed over clients and failed replies; then
+per level the ratios batch / pool (tokens/s; first-token p50 and p99, lower is better).
 
-With more clients than engines most replies wait in the server's queue, so the time to first
+With more clients than engines most replies wait in the pool's queue, so the time to first
 token there is mostly queueing: how fast the engines finish the replies ahead.
 
 Run::
 
-    python bench/serve_latency.py [--model latest] [--num-engines 2] [--clients 1 8] [--max-tokens 128] [--rounds 2]
-    python bench/serve_latency.py --model sft --num-engines 2 --clients 16   # issue 48's level
+    python bench/serve_latency.py [--model latest] [--num-engines 2] [--batch-rows 16] [--clients 1 8] [--max-tokens 128] [--rounds 2]
+    python bench/serve_latency.py --model rl --num-engines 2 --clients 16 --max-tokens 48 --rounds 4   # issue 54's level
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, batch_rows: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -59,6 +61,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         str(port),
         "--num-engines",
         str(args.num_engines),
+        "--batch-rows",
+        str(batch_rows),
         "--max-queue",
         "64",
         "--device",
@@ -116,15 +120,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float]:
-    """Every client streams ``rounds`` replies back to back; returns (TTFTs, summed tokens/s)."""
+def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float, int]:
+    """Every client streams ``rounds`` replies back to back; returns (TTFTs, summed tokens/s, failed replies)."""
     ttfts: list[float] = []
-    total = [0]
+    total, failed = [0], [0]
     lock = threading.Lock()
 
     def client(c: int) -> None:
         for r in range(rounds):
-            ttft, tokens = one_reply(url, PROMPTS[(c + r) % len(PROMPTS)], seed=c * 100 + r, max_tokens=max_tokens)
+            try:
+                ttft, tokens = one_reply(url, PROMPTS[(c + r) % len(PROMPTS)], c * 100 + r, max_tokens)
+            except (httpx.HTTPError, RuntimeError):
+                with lock:
+                    failed[0] += 1
+                continue
             with lock:
                 ttfts.append(ttft)
                 total[0] += tokens
@@ -135,43 +144,55 @@ def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[lis
         t.start()
     for t in threads:
         t.join()
-    return ttfts, total[0] / (time.perf_counter() - t0)
+    return ttfts, total[0] / (time.perf_counter() - t0), failed[0]
+
+
+def measure(args: argparse.Namespace, batch_rows: int) -> dict[int, tuple[float, float, float]]:
+    """Serve with ``batch_rows`` (0: the thread pool) and run every level: {clients: (tokens/s, p50, p99)}."""
+    proc, url = start_server(args, batch_rows)
+    name = f"batch of {batch_rows} rows" if batch_rows else f"pool of {args.num_engines} engine threads"
+    results = {}
+    try:
+        info = httpx.get(f"{url}/health").json()
+        print(f"{name}: model {info['description']}, {args.max_tokens} tokens per reply", flush=True)
+        one_reply(url, "warm up", 0, 8)
+        for clients in args.clients:
+            ttfts, tps, failed = run_level(url, clients, args.rounds, args.max_tokens)
+            p50, p99 = (percentile(ttfts, q) * 1000 if ttfts else float("nan") for q in (50, 99))
+            worst = max(ttfts, default=float("nan")) * 1000
+            results[clients] = (tps, p50, p99)
+            print(
+                f"  {clients} client(s), {len(ttfts)} replies, {failed} failed: time to first token p50 {p50:.0f} ms, "
+                f"p99 {p99:.0f} ms, worst {worst:.0f} ms; {tps:.1f} tokens/s in total",
+                flush=True,
+            )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="latest", help="as for `chatpipe serve --model`")
     p.add_argument("--device", default="auto")
-    p.add_argument("--num-engines", type=int, default=2)
+    p.add_argument("--num-engines", type=int, default=2, help="threads of the older pool")
+    p.add_argument("--batch-rows", type=int, default=16, help="rows of the continuous batch")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
     args = p.parse_args()
-    if any(c < 1 for c in args.clients):
-        p.error(f"--clients {args.clients}: every level must be at least 1 client")
-    proc, url = start_server(args)
-    try:
-        info = httpx.get(f"{url}/health").json()
+    if any(c < 1 for c in args.clients) or args.batch_rows < 1:
+        p.error(f"--clients {args.clients}, --batch-rows {args.batch_rows}: each must be at least 1")
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    pool = measure(args, 0)
+    batch = measure(args, args.batch_rows)
+    for clients in args.clients:
+        (t0, a50, a99), (t1, b50, b99) = pool[clients], batch[clients]
         print(
-            f"model {info['description']}, {args.num_engines} engines, {args.max_tokens} tokens per reply, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+            f"{clients} client(s), batch / pool: tokens/s x{t1 / t0:.2f}, "
+            f"first-token p50 x{b50 / a50:.2f}, p99 x{b99 / a99:.2f}"
         )
-        one_reply(url, "warm up", 0, 8)
-        results = {}
-        for clients in args.clients:
-            ttfts, tps = run_level(url, clients, args.rounds, args.max_tokens)
-            results[clients] = tps
-            p50, p99 = (percentile(ttfts, q) * 1000 for q in (50, 99))
-            print(
-                f"{clients} client(s), {len(ttfts)} replies: time to first token p50 {p50:.0f} ms, "
-                f"p99 {p99:.0f} ms, worst {max(ttfts) * 1000:.0f} ms; {tps:.1f} tokens/s in total",
-                flush=True,
-            )
-        top = max(results)
-        print(f"tokens/s at {top} clients: {results[top]:.1f}")
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 if __name__ == "__main__":

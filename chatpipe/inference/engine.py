@@ -61,6 +61,14 @@ def sample_next(
     # by it gives inf - inf = NaN. Its distribution is the argmax's, so take the argmax.
     if temperature < torch.finfo(torch.float32).tiny:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """The distribution :func:`sample_next` draws from, per row of ``logits`` [B, V] (``temperature`` > 0)."""
     # shifted so the best logit is 0: a tiny temperature sends the others to -inf, never to +inf
     logits = logits.float()
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
@@ -74,8 +82,7 @@ def sample_next(
         drop = p_sorted.cumsum(dim=-1) - p_sorted >= top_p  # the more likely tokens already hold top_p
         drop[:, 0] = False  # a top_p that is 0 in float32 would otherwise drop every token
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+    return torch.softmax(logits, dim=-1)
 
 
 def _prefix_table(s: str) -> list[int]:
@@ -305,53 +312,88 @@ class Engine:
         (``"stop"``: the model ended its turn or a stop string came; ``"length"``: ``max_tokens``
         ran out; ``"tool_cut"``: a calculator call ran past ``max_tool_tokens`` and was cut).
         """
-        stats = {} if stats is None else stats
-        stats.update(tokens=0, finish_reason="length")
         cuts = self.tool_stats["cut"]
-        matcher = StopMatcher(stop or [])
-        for kind, text in self._deltas(prompt_ids, stats, **kw):
-            if kind != "text":
-                if held := matcher.flush():  # a stop string never spans a tool call
-                    yield "text", held
-                yield kind, text
-            elif out := matcher.feed(text):
-                yield kind, out
-            if matcher.stopped:
-                stats["finish_reason"] = "stop"
-                return
-        if held := matcher.flush():
-            yield "text", held
-        if self.tool_stats["cut"] > cuts:
-            stats["finish_reason"] = "tool_cut"
-
-    def _deltas(self, prompt_ids: list[int], stats: dict[str, Any], **kw: Any) -> Iterator[tuple[str, str]]:
-        """:meth:`stream`'s deltas before stop strings: parts split at the tool's special tokens."""
-        kinds = {
-            self.python_start: "python",
-            self.output_start: "python_output",
-            self.python_end: "text",
-            self.output_end: "text",
-        }
-        stops = self.stop_ids(kw.get("stop_tokens"))
-        kind, pending = "text", []  # tokens not shown yet: they end inside a UTF-8 character
+        text = TextStream(self, stats, stop, kw.get("stop_tokens"))
         for tokens, masks in self.generate(prompt_ids, num_samples=1, **kw):
-            tok = tokens[0]
-            stats["tokens"] += 1
-            if masks[0] == 1 and tok in stops:
-                stats["finish_reason"] = "stop"
-                break
-            if tok in kinds:
-                if pending:
-                    yield kind, self.tokenizer.decode(pending)
-                kind, pending = kinds[tok], []
-                continue
-            pending.append(tok)
-            text = self.tokenizer.decode(pending)
-            if not text.endswith("\ufffd"):
-                yield kind, text
-                pending = []
-        if pending:
-            yield kind, self.tokenizer.decode(pending)
+            yield from text.push(tokens[0], masks[0])
+            if text.ended:
+                return
+        yield from text.close(cut=self.tool_stats["cut"] > cuts)
+
+
+class TextStream:
+    """One sample's tokens in, :meth:`Engine.stream`'s ``(kind, text)`` deltas out, a token at a time.
+
+    :meth:`push` takes each generated token (and its mask) and returns the deltas it completes;
+    :meth:`close` the rest when generation ends. ``ended`` turns True at a stop token or stop
+    string: later tokens are ignored (the caller stops generating). ``stats`` gets ``tokens`` and
+    ``finish_reason`` as :meth:`Engine.stream` describes.
+    """
+
+    def __init__(
+        self, engine: Engine, stats: dict[str, Any] | None, stop: list[str] | None, stop_tokens: list[int] | None
+    ) -> None:
+        self.decode = engine.tokenizer.decode
+        self.kinds = {
+            engine.python_start: "python",
+            engine.output_start: "python_output",
+            engine.python_end: "text",
+            engine.output_end: "text",
+        }
+        self.stops = engine.stop_ids(stop_tokens)
+        self.stats = {} if stats is None else stats
+        self.stats.update(tokens=0, finish_reason="length")
+        self.matcher = StopMatcher(stop or [])
+        self.kind, self.pending = "text", []  # tokens not shown yet: they end inside a UTF-8 character
+        self.ended = False
+
+    def _emit(self, kind: str, text: str, out: list[tuple[str, str]]) -> None:
+        if kind != "text":
+            if held := self.matcher.flush():  # a stop string never spans a tool call
+                out.append(("text", held))
+            out.append((kind, text))
+        elif piece := self.matcher.feed(text):
+            out.append((kind, piece))
+        if self.matcher.stopped:
+            self.stats["finish_reason"] = "stop"
+            self.ended = True
+
+    def push(self, tok: int, mask: int) -> list[tuple[str, str]]:
+        """The deltas ``tok`` completes (none while a character or a tool part is still open)."""
+        out: list[tuple[str, str]] = []
+        if self.ended:
+            return out
+        self.stats["tokens"] += 1
+        if mask == 1 and tok in self.stops:
+            self.stats["finish_reason"] = "stop"
+            return self.close()
+        if tok in self.kinds:
+            if self.pending:
+                self._emit(self.kind, self.decode(self.pending), out)
+            self.kind, self.pending = self.kinds[tok], []
+            return out
+        self.pending.append(tok)
+        text = self.decode(self.pending)
+        if not text.endswith("\ufffd"):
+            self._emit(self.kind, text, out)
+            self.pending = []
+        return out
+
+    def close(self, cut: bool = False) -> list[tuple[str, str]]:
+        """What is held back when generation ends; ``cut``: it ended at a calculator call cut short."""
+        out: list[tuple[str, str]] = []
+        if self.ended and self.stats["finish_reason"] == "stop" and self.matcher.stopped:
+            return out
+        if self.pending:
+            self._emit(self.kind, self.decode(self.pending), out)
+            self.pending = []
+        if not self.matcher.stopped:
+            if held := self.matcher.flush():
+                out.append(("text", held))
+            if cut:
+                self.stats["finish_reason"] = "tool_cut"
+        self.ended = True
+        return out
 
 
 def _as_prompts(prompt_ids: list[int] | list[list[int]]) -> list[list[int]]:

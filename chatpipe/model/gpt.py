@@ -44,6 +44,7 @@ from chatpipe.model.attention import (
     sliding_window_block_mask,
 )
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
+from chatpipe.model.row_cache import RowKVCache
 
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
@@ -554,7 +555,12 @@ class GPT(nn.Module):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
         cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
         training = kv_cache is None and torch.is_grad_enabled()
-        if kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
+        if isinstance(kv_cache, RowKVCache):  # one token per row, each row at its own position
+            positions = kv_cache.positions(idx.device)
+            cos, sin = self.cos[0, 0, positions][:, None, None], self.sin[0, 0, positions][:, None, None]
+            masks = {w: kv_cache.attention_mask(w, positions) for w in set(self.windows)}
+            plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
+        elif kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
             masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
             plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
         else:
@@ -580,6 +586,10 @@ class GPT(nn.Module):
             kv_cache.advance(t)
         return norm(x)
 
+    def embed_for_smear(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, 1, n_embd]: what a KV cache keeps as ``prev_embed`` after tokens ``ids`` [B] (their normed embedding)."""
+        return norm(self.wte(ids[:, None]))
+
     def _smear(self, x: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
         """Mix each position's embedding with the previous one's, gated by its first channels."""
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
@@ -601,7 +611,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | RowKVCache | None = None,
         loss_reduction: str = "mean",
     ) -> torch.Tensor:
         """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).

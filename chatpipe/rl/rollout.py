@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chatpipe.inference.scheduler import generate_continuous
 from chatpipe.rl.rewards import RewardFn, exact_answer, get_reward
 
 # --------------------------------------------------------------------------- problems
@@ -204,24 +205,27 @@ def collect_rollouts(
     seed: int = 0,
     device: torch.device | str = "cpu",
     generation_size: int = 0,
+    continuous: bool = True,
+    max_rows: int = 128,
 ) -> Rollouts:
     """Sample ``group_size`` responses per problem (tool use on) and score them with each problem's verifier.
 
     With ``generation_size`` > ``group_size``, that many are sampled per problem and the
-    ``group_size`` best-scored are kept (:func:`best_of_n`). ``seed`` makes the batch reproducible
-    (see :meth:`Engine.generate_many` for how it is split).
+    ``group_size`` best-scored are kept (:func:`best_of_n`). ``seed`` makes the batch reproducible.
+    ``continuous`` (the default) samples on one continuous batch of ``max_rows`` rows
+    (:func:`chatpipe.inference.scheduler.generate_continuous`: when a row finishes, the next
+    prompt's samples take its place); ``continuous=False`` uses the static batches of
+    :meth:`Engine.generate_many` (a batch runs until its longest row ends).
     """
     tok = engine.tokenizer
     rows: dict[str, list] = {k: [] for k in ("seqs", "masks", "scores", "ended", "lengths", "groups", "texts", "ok")}
     prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
-    generated = engine.generate_many(
-        prompts,
-        num_samples=max(generation_size, group_size),
-        max_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-    )
+    sample = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, max_rows=max_rows)
+    num_samples = max(generation_size, group_size)
+    if continuous:
+        generated = generate_continuous(engine, prompts, num_samples, **sample)
+    else:
+        generated = engine.generate_many(prompts, num_samples=num_samples, **sample)
     for j, (problem, prompt, (out, out_masks)) in enumerate(zip(problems, prompts, generated)):
         samples = [_read_sample(engine, problem, s, mk, len(prompt)) for s, mk in zip(out, out_masks)]
         for i in best_of_n([sample[2] for sample in samples], group_size):

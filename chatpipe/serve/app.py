@@ -3,7 +3,8 @@
 Run::
 
     chatpipe serve                               # http://127.0.0.1:8000, model from params.yaml `serve`
-    chatpipe serve --model sft --port 8080 --num-engines 4
+    chatpipe serve --model sft --port 8080 --batch-rows 32
+    chatpipe serve --batch-rows 0 --num-engines 4   # the older pool: 4 threads, one reply each
     python -m chatpipe.serve.app --host 0.0.0.0      # expose it beyond this machine (on purpose only)
 
 Endpoints:
@@ -24,10 +25,13 @@ Endpoints:
   (chatpipe/serve/openai_api.py), so the official ``openai`` client works against this server.
 
 Bad requests get a 4xx with ``{"error": "<what is wrong and the limit>"}`` (under ``/v1``, OpenAI's
-shape); bodies over ``serve.max_body_bytes`` a 413, wrong methods a 405. At most
-``num_engines`` replies are generated at once (worker threads over the one model: every
-generation has its own KV cache, so conversations never mix); up to ``max_queue`` more wait, then
-503. A client that disconnects, mid-stream or while waiting for a whole reply, stops its
+shape); bodies over ``serve.max_body_bytes`` a 413, wrong methods a 405. Replies are decoded
+together in one continuous batch of ``serve.batch_rows`` rows (chatpipe/serve/batch_pool.py: a
+reply joins between decode steps and leaves when it ends, each with its own KV row and random
+generator, so conversations never mix); up to ``max_queue`` more wait, then 503. A request whose
+prompt plus ``max_tokens`` does not fit a row's ``serve.batch_context`` KV positions is a 413.
+``serve.batch_rows: 0`` runs the older pool instead: ``num_engines`` worker threads, one reply
+each. A client that disconnects, mid-stream or while waiting for a whole reply, stops its
 generation at the next token.
 """
 
@@ -54,7 +58,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatpipe.inference.engine import Engine
-from chatpipe.serve.chat import ContextTooLong, append_part, prompt_for, show_stream
+from chatpipe.serve.batch_pool import Admission, BatchPool, take_place
+from chatpipe.serve.chat import ContextTooLong, append_part, context_limit, prompt_for, show_stream
 from chatpipe.serve.openai_api import (
     SSE_EVENT,
     OpenAIError,
@@ -103,18 +108,6 @@ class ChatRequest(_Typed):
 # --------------------------------------------------------------------------- engine pool
 
 
-class Admission:
-    """A request let in by :meth:`EnginePool.check_capacity` whose reply has not started yet.
-
-    The pool holds these weakly: a client that goes away before its stream starts drops its
-    Admission with the response, and its place in the queue is free again."""
-
-    __slots__ = ("__weakref__", "tokens")
-
-    def __init__(self, tokens: int = 0) -> None:
-        self.tokens = tokens  # the most the request may generate: prompts x n x max_tokens
-
-
 class EnginePool:
     """Runs at most ``size`` generations at once in worker threads; up to ``max_queue`` wait."""
 
@@ -125,22 +118,14 @@ class EnginePool:
         self.active = self.waiting = self.served = self.cancelled = 0
         self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
 
-    def check_capacity(self, tokens: int = 0) -> Admission:
+    def check_capacity(self, tokens: int = 0, positions: int = 0) -> Admission:
         """Refuse (503) before streaming starts when the queue is full; else hold a place.
 
         Requests admitted but not yet streaming count too (a streaming reply starts only after
         the response headers go out), so at most ``size + max_queue`` requests are ever in.
         """
-        pending = len(self.admitted)
-        if self.active + self.waiting + pending >= self.size + self.max_queue:
-            raise ApiError(
-                503,
-                f"server busy: {self.active} replies generating and {self.waiting + pending} queued "
-                f"(serve.max_queue={self.max_queue}); retry shortly",
-            )
-        admission = Admission(tokens)
-        self.admitted.add(admission)
-        return admission
+        in_flight = self.active + self.waiting
+        return take_place(self, in_flight, tokens, f"serve.max_queue={self.max_queue}", ApiError)
 
     def queued_tokens(self) -> int:
         """The token budgets of the requests admitted whose replies have not started."""
@@ -301,7 +286,7 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool) -> dict[str, Any]:
+def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool | BatchPool) -> dict[str, Any]:
     """What ``GET /health`` reports: the model, the engines' load, the limits and sampling defaults."""
     return {
         "status": "ok",
@@ -311,6 +296,7 @@ def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool) -> dict[str
         "description": loaded.describe(),
         "device": loaded.device.type,
         "engines": pool.size,
+        "batch": pool.batch_report() if isinstance(pool, BatchPool) else None,
         "active": pool.active,
         "waiting": pool.waiting,
         "served": pool.served,
@@ -381,7 +367,7 @@ async def chat_reply(req: ChatRequest, request: Request, loaded: Any, cfg: Serve
         prompt = prompt_for(loaded.tokenizer, loaded.model, messages, max_tokens)
     except ValueError as e:  # roles out of order, or too long for the context
         raise ApiError(413 if isinstance(e, ContextTooLong) else 422, str(e)) from None
-    admission = pool.check_capacity(max_tokens)
+    admission = pool.check_capacity(max_tokens, len(prompt) + max_tokens)
     top_k = cfg.top_k if req.top_k is None else req.top_k
     kw = dict(
         max_tokens=max_tokens,
@@ -414,11 +400,26 @@ CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+def batch_context(model: Any, cfg: ServeSettings) -> int:
+    """KV positions per batch row: ``serve.batch_context``, or (0) the longest reply the other limits
+    allow after a prompt of the training length, within the model's context."""
+    if cfg.batch_context:
+        return cfg.batch_context
+    return min(context_limit(model), model.config.sequence_len + cfg.max_tokens_limit)
+
+
+def make_pool(engine: Engine, cfg: ServeSettings) -> BatchPool | EnginePool:
+    """The continuous batch (``serve.batch_rows`` > 0), else the pool of ``serve.num_engines`` threads."""
+    if cfg.batch_rows > 0:
+        return BatchPool(engine, cfg.batch_rows, batch_context(engine.model, cfg), cfg.max_queue, ApiError)
+    return EnginePool(engine, cfg.num_engines, cfg.max_queue)
+
+
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
     app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None)
     engine = Engine(loaded.model, loaded.tokenizer)
-    pool = EnginePool(engine, cfg.num_engines, cfg.max_queue)
+    pool = make_pool(engine, cfg)
     app.state.pool = pool
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_exception_handler(ApiError, api_error)
@@ -457,6 +458,7 @@ def parse_args(argv: list[str] | None) -> ServeSettings:
     p.add_argument("--port", type=int)
     p.add_argument("--num-engines", dest="num_engines", type=int, help="replies generated at once")
     p.add_argument("--max-queue", dest="max_queue", type=int)
+    p.add_argument("--batch-rows", dest="batch_rows", type=int, help="rows of the running batch; 0 = engine threads")
     p.add_argument("-t", "--temperature", type=float)
     p.add_argument("-k", "--top-k", dest="top_k", type=int)
     p.add_argument("--max-tokens", dest="max_tokens", type=int, help="default new tokens per reply")
@@ -477,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = parse_args(argv)
-        share_cores(cfg.num_engines)  # engines x intra-op threads <= cores: engines never fight for them
+        # computing threads x intra-op threads <= cores: the batch's thread shares with the event loop
+        share_cores(2 if cfg.batch_rows > 0 else cfg.num_engines)
         loaded = load_chat_model(cfg.model, device=cfg.device)
     except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"chatpipe serve: {e}", file=sys.stderr)

@@ -316,7 +316,7 @@ def checked_answer(req: Any, chat: bool, loaded: Any, cfg: Any, pool: Any) -> An
         prompts = [chat_prompt(req, loaded, cfg, kw["max_tokens"])]
     else:
         prompts = completion_prompts(req, loaded, cfg, kw["max_tokens"])
-    admission = pool.check_capacity(budget)
+    admission = pool.check_capacity(budget, max(map(len, prompts)) + kw["max_tokens"])
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": rid, "created": int(time.time()), "model": loaded.name}
     return Answer(chat, req, kw, prompts, base, admission)

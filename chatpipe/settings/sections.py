@@ -174,6 +174,12 @@ class ServeSettings(ChatSettings):
     port: int = Field(8000, ge=0, le=65535)
     num_engines: int = Field(2, ge=1, le=64, description="replies generated at once; more requests queue")
     max_queue: int = Field(32, ge=0, description="requests waiting for an engine before 503s")
+    batch_rows: int = Field(
+        16, ge=0, le=1024, description="rows of the running batch (replies decoded together); 0 = num_engines threads"
+    )
+    batch_context: int = Field(
+        0, ge=0, description="KV positions per batch row (prompt + reply); 0 = sequence_len + max_tokens_limit"
+    )
     max_message_chars: int = Field(4000, ge=1)
     max_turns: int = Field(32, ge=1, description="messages in one conversation")
     max_tokens_limit: int = Field(1024, ge=1, description="the most max_tokens a request may ask for")

@@ -1,0 +1,84 @@
+"""issue 54: the server on one continuous batch, against a real uvicorn server (tiny random model, paced).
+
+40 requests at once get 200s and 503s in OpenAI's error shape; a reply that cannot fit a batch
+row is a 413 naming serve.batch_context; a client that leaves frees its row within a decode step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from chatpipe.model.loading import load_chat_model
+from tests.chatmodel import make_artifacts, serve_paced, serve_settings
+from tests.project import wait_until
+
+CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
+    cfg = serve_settings(batch_rows=4, batch_context=200, max_queue=6, max_tokens=16, max_tokens_limit=1000)
+    yield from serve_paced(loaded, cfg)
+
+
+def test_forty_requests_at_once_get_200s_and_503s_then_the_server_answers(server):
+    app, url = server
+    statuses: list[int] = []
+    bodies: list[dict] = []
+
+    def ask() -> None:
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
+        statuses.append(r.status_code)
+        bodies.append(r.json())
+
+    threads = [threading.Thread(target=ask) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(statuses) == 40 and set(statuses) == {200, 503}, statuses
+    assert statuses.count(200) >= 10  # 4 rows + 6 queued at least
+    for status, body in zip(statuses, bodies):
+        if status == 503:
+            err = body["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "serve.max_queue=6" in err["message"]
+        else:
+            assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 12
+    assert wait_until(lambda: app.state.pool.live_rows == 0)
+    health = httpx.get(f"{url}/health").json()
+    assert health["active"] == 0 and health["waiting"] == 0 and health["batch"]["rows"] == 4
+    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * 4 * 200 * 4  # k, v x layers x kv width x rows x positions
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_a_reply_that_cannot_fit_a_row_is_a_413_naming_the_limit(server):
+    _, url = server
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 300}, timeout=30)
+    assert r.status_code == 413, r.text
+    assert "200 KV positions" in r.json()["error"]["message"] and "serve.batch_context" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/api/chat", json={"messages": CHAT["messages"], "max_tokens": 300}, timeout=30)
+    assert r.status_code == 413 and "serve.batch_context" in r.json()["error"]
+
+
+def test_a_client_leaving_mid_stream_frees_its_row_within_one_decode_step(server):
+    app, url = server
+    pool = app.state.pool
+    before = pool.cancelled
+    body = {"messages": CHAT["messages"], "max_tokens": 150}
+    with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        [next(lines) for _ in range(6)]  # 3 events, then hang up
+        assert pool.live_rows == 1
+    assert wait_until(lambda: pool.cancelled > before, 5.0, poll=0.0005)
+    at_cancel = pool.scheduler.steps
+    t0 = time.monotonic()
+    assert wait_until(lambda: pool.live_rows == 0, 5.0, poll=0.0005)
+    # the step under way when the request was cancelled ends, and the next one evicts the row first
+    assert pool.scheduler.steps - at_cancel <= 2 and time.monotonic() - t0 < 1.0
+    assert pool.served + pool.cancelled > 0 and pool.active == 0
