@@ -136,6 +136,13 @@ def test_a_library_import_of_a_stage_and_a_stage_importing_a_stage_are_caught(tm
     ]
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """A throwaway source tree: each relative path with its text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def test_library_subpackages_import_no_cycle():
     assert import_cycles(REPO) == [], "move what both sides need below them (a top-level module) or into one side"
 
@@ -151,9 +158,7 @@ def test_an_import_cycle_between_subpackages_is_caught_and_named(tmp_path):
         "chatpipe/data/__init__.py": "",
         "chatpipe/data/tasks/humaneval.py": "import chatpipe.paths\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
     assert import_cycles(tmp_path) == []
     # model -> train, inside a function; data -> paths.py -> data, through a relative import
     (tmp_path / "chatpipe/model/gpt.py").write_text("def f():\n    from chatpipe.train import loop\n")
@@ -205,15 +210,8 @@ def test_no_two_library_modules_import_each_other():
 
 
 def test_a_cycle_inside_a_subpackage_through_a_function_import_is_caught(tmp_path):
-    files = {
-        "chatpipe/__init__.py": "",
-        "chatpipe/settings/__init__.py": "from chatpipe.settings.load import load\n",
-        "chatpipe/settings/params.py": "import os\n",
-        "chatpipe/settings/load.py": "from chatpipe.settings.params import os\n",
-    }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    settings = {"__init__": "from .load import load", "params": "import os", "load": "from .params import os"}
+    write_tree(tmp_path, {"chatpipe/__init__.py": "", **{f"chatpipe/settings/{m}.py": t for m, t in settings.items()}})
     assert module_cycles(tmp_path) == []
     (tmp_path / "chatpipe/settings/params.py").write_text("def f():\n    from chatpipe.settings.load import g\n")
     assert module_cycles(tmp_path) == ["chatpipe.settings.load -> chatpipe.settings.params -> chatpipe.settings.load"]

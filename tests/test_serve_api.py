@@ -21,15 +21,8 @@ CALC_REPLY = [("text", "12 + 7 is "), ("python", "12+7"), ("python_output", "19"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
-    cfg = serve_settings(
-        num_engines=1,
-        max_queue=4,
-        max_message_chars=200,
-        max_turns=5,
-        max_tokens=16,
-        max_tokens_limit=64,
-        batch_rows=0,  # the thread pool, whose engine.stream this test scripts
-    )
+    limits = dict(num_engines=1, max_queue=4, max_message_chars=200, max_turns=5, max_tokens=16, max_tokens_limit=64)
+    cfg = serve_settings(**limits, batch_rows=0)  # the thread pool, whose engine.stream this test scripts
     app = create_app(loaded, cfg)
     engine = app.state.pool.engine
 

@@ -187,17 +187,23 @@ _CALL = re.compile(r"^(-?[0-9]+)(\+|-|\*|//)([0-9]+)$")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "//": lambda a, b: a // b}
 
 
-def _wrong_call(parts: list[dict[str, str]], answer: str, rng: random.Random) -> list[dict[str, str]] | None:
-    """Assistant parts whose last calculator call has one operand off by 1-3 (misread from the question,
-    or the previous result miscopied); its output and the final answer follow that call, so the reply
-    agrees with itself and only the question shows it wrong. None if no such change alters the answer."""
+def _last_call(parts: list[dict[str, str]]) -> tuple[int, int, str, int] | None:
+    """(index, a, op, b) of the last calculator call ``a op b`` that has its output after it; None if none."""
     calls = [i for i, p in enumerate(parts) if p["type"] == "python"]
     if not calls or calls[-1] + 1 >= len(parts) or parts[calls[-1] + 1]["type"] != "python_output":
         return None
     m = _CALL.match(parts[calls[-1]]["text"].strip())
-    if not m:
+    return (calls[-1], int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+
+
+def _wrong_call(parts: list[dict[str, str]], answer: str, rng: random.Random) -> list[dict[str, str]] | None:
+    """Assistant parts whose last calculator call has one operand off by 1-3 (misread from the question,
+    or the previous result miscopied); its output and the final answer follow that call, so the reply
+    agrees with itself and only the question shows it wrong. None if no such change alters the answer."""
+    last = _last_call(parts)
+    if last is None:
         return None
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    at, a, op, b = last
     side, delta = rng.randrange(2), rng.choice([-3, -2, -1, 1, 2, 3])
     for d in (delta, -delta):  # the other direction where the first gives an operand < 1 or the same answer
         x, y = (a + d, b) if side == 0 else (a, b + d)
@@ -206,8 +212,8 @@ def _wrong_call(parts: list[dict[str, str]], answer: str, rng: random.Random) ->
         value = _OPS[op](x, y)
         if str(value) != answer:
             out = _replace_answer(parts, answer, str(value))
-            out[calls[-1]] = {**parts[calls[-1]], "text": f"{x}{op}{y}"}
-            out[calls[-1] + 1] = {**parts[calls[-1] + 1], "text": str(value)}
+            out[at] = {**parts[at], "text": f"{x}{op}{y}"}
+            out[at + 1] = {**parts[at + 1], "text": str(value)}
             return out
     return None
 
@@ -217,21 +223,18 @@ def _wrong_op(parts: list[dict[str, str]], answer: str, rng: random.Random) -> l
     one the question asks), carried through to the answer like :func:`_wrong_call`: the reply is as
     long and as well formed as the gold one, so only reading the question tells them apart. None
     where no other operation gives another non-negative answer."""
-    calls = [i for i, p in enumerate(parts) if p["type"] == "python"]
-    if not calls or calls[-1] + 1 >= len(parts) or parts[calls[-1] + 1]["type"] != "python_output":
+    last = _last_call(parts)
+    if last is None:
         return None
-    m = _CALL.match(parts[calls[-1]]["text"].strip())
-    if not m:
-        return None
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    at, a, op, b = last
     others = [o for o in ("+", "-", "*") if o != op]
     rng.shuffle(others)
     for other in others:
         value = _OPS[other](a, b)
         if value >= 0 and str(value) != answer:
             out = _replace_answer(parts, answer, str(value))
-            out[calls[-1]] = {**parts[calls[-1]], "text": f"{a}{other}{b}"}
-            out[calls[-1] + 1] = {**parts[calls[-1] + 1], "text": str(value)}
+            out[at] = {**parts[at], "text": f"{a}{other}{b}"}
+            out[at + 1] = {**parts[at + 1], "text": str(value)}
             return out
     return None
 
