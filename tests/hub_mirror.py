@@ -28,7 +28,6 @@ it in its own process group and stops it by that group; the tests use it the sam
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -336,33 +335,3 @@ class Mirror:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description="Build small hub dataset repos from shared test data and serve them with olah."
-    )
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared test data folder")
-    p.add_argument("--root", type=Path, default=Path("/tmp/chatpipe-hub"), help="where the repos are built")
-    p.add_argument("--port", type=int, default=0, help="0: a free port")
-    p.add_argument("--shards", type=int, default=4, help="pretraining parquet shards")
-    p.add_argument("--build-only", action="store_true", help="build the repos and exit")
-    args = p.parse_args(argv)
-    for repo, sha in build_repos(args.data, args.root, args.shards).items():
-        print(f"built {repo} @ {sha[:10]}")
-    if args.build_only:
-        return
-    # SIGTERM unwinds like Ctrl-C, so the `with` below stops olah (it runs in its own session).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with Mirror(args.root, args.port) as mirror:
-        print(
-            f"serving on {mirror.url} (olah log: {mirror.log_path}); Ctrl-C stops it\n  export HF_ENDPOINT={mirror.url}"
-        )
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
-
-
-if __name__ == "__main__":
-    main()
