@@ -1,6 +1,6 @@
 """The README and docs/*.md name only things that exist.
 
-The README's layout section matches the tree (every listed module exists, every module is listed),
+The layout listing (docs/layout.md, linked from the README) matches the tree (every listed module exists, every module is listed),
 and in the README and every docs page each module reference (``chatpipe.x.y``, ``flows.pipeline``),
 repository path (``stages/pretrain.py``, ``docs/chat-ui.png``), relative link and command
 (``python -m M --flag``, ``chatpipe <command> --flag``, ``python scripts/x.py --flag``) resolves.
@@ -26,9 +26,10 @@ CODE_SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 
-def layout_paths(readme: str) -> set[str]:
-    """Paths named in the README's Layout code block, with their folders joined from the indentation."""
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+def layout_paths(text: str) -> set[str]:
+    """Paths named in the first code block after the "Layout" heading, with their folders joined from
+    the indentation."""
+    block = text.split("# Layout", 1)[1].split("```", 2)[1]
     paths, stack = set(), []
     for line in block.splitlines():
         m = re.match(r"^( *)(\S+)", line)
@@ -46,9 +47,9 @@ def layout_paths(readme: str) -> set[str]:
 
 
 def test_every_listed_path_exists_and_every_module_is_listed():
-    listed = layout_paths((REPO / "README.md").read_text())
+    listed = layout_paths((REPO / "docs" / "layout.md").read_text())
     missing = sorted(p for p in listed if not (REPO / p).exists())
-    assert not missing, f"README Layout lists paths that do not exist: {missing}"
+    assert not missing, f"docs/layout.md lists paths that do not exist: {missing}"
     modules = {
         p.relative_to(REPO).as_posix()
         for folder in ("chatpipe", "stages", "flows")
@@ -56,7 +57,7 @@ def test_every_listed_path_exists_and_every_module_is_listed():
         if p.name != "__init__.py" and "/tasks/" not in p.as_posix()
     }
     unlisted = sorted(m for m in modules if m not in listed)
-    assert not unlisted, f"modules missing from the README's Layout section: {unlisted}"
+    assert not unlisted, f"modules missing from docs/layout.md: {unlisted}"
 
 
 def module_file(dotted: str, repo: Path) -> tuple[Path | None, list[str]]:
