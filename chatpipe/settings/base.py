@@ -9,30 +9,16 @@ from __future__ import annotations
 import re
 import types
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from chatpipe.io import load_yaml
 from chatpipe.settings.params import ParamsError, params_path, resolve_params
 
-DVC_YAML = Path(__file__).resolve().parents[2] / "dvc.yaml"
-
-
-def dvc_stages(path: Path = DVC_YAML) -> list[str]:
-    """Stage names in dvc.yaml's order, which is the pipeline's: dvc.yaml is the one list of stages."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ParamsError(f"{path}: cannot read the pipeline's stages ({e.strerror})") from None
-    return list((load_yaml(text) or {}).get("stages", {}))
-
-
-# The pipeline's stages in run order (`profile` is DVC's bookkeeping of the settings files, not a
-# stage), and the model each training stage hands on: artifacts/<model stage>/, made by its stage.
-STAGES = tuple(s for s in dvc_stages() if s != "profile")
+# The pipeline's stages in run order (dvc.yaml lists the same, in the same order; a test checks it),
+# and the model each training stage hands on: artifacts/<model stage>/, made by its training stage.
+STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "reward_model", "rl", "eval", "report", "export")
 MODEL_STAGES = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
 ModelStage = Literal[tuple(MODEL_STAGES)]
 
