@@ -46,7 +46,7 @@ def write_forever(kind: str, out: Path, writes: int | None = None) -> None:
 
     from chatpipe.data.tokenstore import save_npy_atomic
     from chatpipe.io import atomic_dir
-    from chatpipe.settings.params import write_profile
+    from chatpipe.settings.load import write_profile
 
     toks = _tokenizers() if kind == "tokenizer" else None
     arrays = [np.zeros(3_000_000, np.uint16), np.ones(1_000_000, np.uint16)]
