@@ -191,8 +191,10 @@ def test_two_points_at_a_time_on_two_cores_train_with_one_thread_each(project):
     # each training process's intra-op threads, read from torch in the process and logged as its
     # MLflow param; left to torch's default, each took both cores and the points ran 10-19x slower
     stage = runs_df(project).query("`tags.stage` == 'pretrain'")
-    assert len(stage) >= 6
-    assert list(stage["params.runtime/threads"].unique()) == ["1"]
+    # a run the first sweep's SIGTERM stopped before it logged its params has none (CI once saw one)
+    logged = stage.dropna(subset=["params.runtime/threads"])
+    assert len(logged) >= 6 and len(stage) - len(logged) <= 1
+    assert list(logged["params.runtime/threads"].unique()) == ["1"]
 
 
 @pytest.mark.parametrize(
