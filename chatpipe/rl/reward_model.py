@@ -7,9 +7,10 @@
     save_reward_model(out_dir, rm, meta); rm, meta = load_reward_model(out_dir)
     rm.normalized(r)                                     # (r - mean) / std of its scores, from meta.json
 
-A response is scored at its last token, as the PPO recipes that train against a reward model do:
-the hidden state there has read the prompt and the whole response. The head has the same shape as
-the critic's (:class:`chatpipe.rl.value.ValueModel`), so a critic can start from a reward model.
+A response is scored at its last token, as the PPO recipes that train against a reward model do
+(``pool`` "last": the hidden state there has read the prompt and the whole response), or by the
+mean of the head over the response's tokens (``pool`` "mean"). The head has the same shape as the
+critic's (:class:`chatpipe.rl.value.ValueModel`), so a critic can start from a reward model.
 
 Raw scores have no fixed scale (Bradley-Terry fixes only their differences), so the stage saves
 the mean and standard deviation of its scores on the init model's own samples (``score_norm`` in
@@ -202,7 +203,7 @@ def rollout_scores(
     rm: RewardModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, micro_batch: int = 0
 ) -> torch.Tensor:
     """Normalised reward-model scores [B] (:meth:`RewardModel.normalized`) of rollout rows (prompt +
-    response), each read at its last sampled token."""
+    response), each row ending at its last sampled token and read as the model's ``pool`` says."""
     ids = torch.cat([inputs[:, :1], targets], dim=1)
     last = last_action_index(mask)
     step = micro_batch if micro_batch > 0 else ids.size(0)
