@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from chatpipe.procs import die_with_parent, parent_gone, process_start
-from chatpipe.settings import STAGES, LaunchSettings, ParamsError, load_section, validate_all
+from chatpipe.settings import LaunchSettings, ParamsError, load_section, pipeline_stages, validate_all
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
@@ -76,8 +76,8 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     from torchx.components.dist import ddp
     from torchx.components.utils import python
 
-    if stage not in STAGES:
-        raise ParamsError(f"unknown stage {stage!r}; allowed: {', '.join(STAGES)}")
+    if stage not in pipeline_stages():
+        raise ParamsError(f"unknown stage {stage!r}; allowed: {', '.join(pipeline_stages())}")
     single = stage in SINGLE_WORKER_STAGES
     nnodes, nproc = (1, 1) if single else (launch.nnodes, launch.nproc_per_node)
     gpu = 0 if single else launch.gpus_per_node
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, stage_args = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description="Launch a chatpipe stage through torchx.")
-    p.add_argument("stage", choices=STAGES)
+    p.add_argument("stage", choices=pipeline_stages())
     p.add_argument("--dryrun", action="store_true", help="print the scheduler request, run nothing")
     p.add_argument("--scheduler", choices=["local_cwd", "slurm", "kubernetes"])
     p.add_argument("--nnodes", type=int)

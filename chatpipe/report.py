@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from chatpipe.io import atomic_write
-from chatpipe.settings import MODEL_STAGES, STAGES
+from chatpipe.settings import MODEL_STAGES, stages_before
 from chatpipe.tracking import first_run
 
 # Summary table: row label -> (where in a stage's eval results, key). The tiny-world CORE (our
@@ -40,8 +40,6 @@ CHAT_ROWS: list[tuple[str, str]] = [
     ("SpellingBee", "SpellingBee"),
 ]
 COLUMNS = list(MODEL_STAGES)
-# dvc.yaml stages whose MLflow runs report on (in pipeline order)
-PIPELINE_STAGES = list(STAGES[: STAGES.index("report")])  # the stages a report describes
 # which curves go in which plot: metric-name fragment per plot
 CURVES = {"loss": "loss", "bpb": "bpb", "reward": "reward"}
 
@@ -195,12 +193,12 @@ def stage_runs(client: Any, experiment_id: str, parent_run_id: str | None) -> di
             max_results=500,
         ):
             runs.setdefault(run.data.tags.get("stage", run.info.run_name), run)
-    for stage in PIPELINE_STAGES:
+    for stage in stages_before("report"):  # the stages a report describes, in pipeline order
         if stage not in runs:
             found = first_run(client, experiment_id, f"tags.stage = '{stage}'")
             if found:
                 runs[stage] = found
-    return {s: runs[s] for s in PIPELINE_STAGES if s in runs}
+    return {s: runs[s] for s in stages_before("report") if s in runs}
 
 
 # stage -> the file in artifacts/ that records the MLflow run id which produced it
@@ -224,7 +222,7 @@ def artifact_runs(client: Any, experiment_id: str, artifacts: Path = Path("artif
     run stands in.
     """
     runs: dict[str, Any] = {}
-    for stage in PIPELINE_STAGES:
+    for stage in stages_before("report"):
         record = ARTIFACT_RECORDS.get(stage)
         if record is None:
             found = first_run(client, experiment_id, f"tags.stage = '{stage}' and attributes.status = 'FINISHED'")

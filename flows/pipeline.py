@@ -32,26 +32,20 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 from prefect import flow, get_run_logger, task  # noqa: E402
 
 from chatpipe import tracking
-from chatpipe.io import load_yaml
 from chatpipe.settings import (
+    PROFILE_STAGE,  # writes profile/<section>.yaml, which every other stage depends on
     ParamsError,
     RLSettings,
     TrackingSettings,
     active_profile,
+    dvc_stages,
     load_section,
     validate_all,
     write_profile,
 )
 from flows import prefect_api
 
-
-def dvc_stages(path: Path = Path("dvc.yaml")) -> list[str]:
-    """Stage names in dvc.yaml order, which is the pipeline order."""
-    return list((load_yaml(path.read_text()) or {}).get("stages", {}))
-
-
-STAGES = dvc_stages(Path(__file__).resolve().parents[1] / "dvc.yaml")
-PROFILE_STAGE = "profile"  # writes profile/<section>.yaml, which every other stage depends on
+STAGES = list(dvc_stages())  # dvc.yaml's, `profile` included: the flow runs what `dvc repro` runs
 # what a stage leaves for git beside its DVC-cached outputs (committed with --commit-lock)
 LOCK_PATHS = ["dvc.lock", "profile", "metrics", "plots"]
 

@@ -35,7 +35,7 @@ from chatpipe.report import (
     system_info,
     timing_table,
 )
-from chatpipe.settings import STAGES, ReportSettings, resolve_params, snapshot
+from chatpipe.settings import ReportSettings, pipeline_stages, resolve_params, snapshot
 
 log = logging.getLogger("report")
 OUT = ARTIFACTS / "report"
@@ -79,7 +79,7 @@ def write_report(tmp: Path, cfg: ReportSettings, run: tracking.StageRun, results
 
     # --- report.md
     resolved = resolve_params()
-    params = {s: resolved[s] for s in STAGES if s in resolved}
+    params = {s: resolved[s] for s in pipeline_stages() if s in resolved}
     locks = dvc_lock_hashes()
     text = render_report(
         results=results, system=system_info(), locks=locks, params=params, timings=timings, plots=plots

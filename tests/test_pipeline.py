@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import dvc_stages
+from chatpipe.settings import dvc_stages
 from tests.project import (
     BIN,
     assert_bitwise_equal,
@@ -234,7 +234,7 @@ def test_bad_params_stop_the_flow_and_write_nothing(tmp_path):
 
 
 def test_pipeline_stage_order_is_dvc_order():
-    stages = dvc_stages()
+    stages = list(dvc_stages())
     assert stages[:4] == ["profile", *FOUNDATION]  # profile: the active overlay files every stage reads
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from chatpipe.settings import (
     SECTIONS,
-    STAGES,
     DataSettings,
     EvalSettings,
     LaunchSettings,
@@ -145,11 +146,44 @@ def snapshot_keys(settings) -> list[str]:
     return list(settings.model_dump())
 
 
-def test_stage_names_are_dvc_yaml_order():
-    from pathlib import Path
+def test_the_stage_list_is_read_from_dvc_yaml(tmp_path):
+    """dvc.yaml is the one list of stages: reorder or add one there and every reader sees it."""
+    from chatpipe.settings import dvc_stages, pipeline_stages
 
-    stages = list(yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"])
-    assert tuple(s for s in stages if s != "profile") == STAGES  # `profile` is DVC bookkeeping, not a stage
+    repo = list(yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"])
+    assert list(dvc_stages()) == repo
+    assert "reward_model" in pipeline_stages() and "profile" not in pipeline_stages()  # profile: bookkeeping
+    other = tmp_path / "dvc.yaml"
+    other.write_text(
+        yaml.safe_dump({"stages": {"profile": {}, "tokenizer": {}, "data": {}, "extra": {}}}, sort_keys=False)
+    )
+    assert pipeline_stages(other) == ("tokenizer", "data", "extra")
+
+
+def test_a_missing_or_empty_dvc_yaml_is_named(tmp_path):
+    from chatpipe.settings import pipeline_stages
+
+    with pytest.raises(ParamsError, match=r"dvc.yaml: missing; the list of stages is read from it"):
+        pipeline_stages(tmp_path / "dvc.yaml")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "dvc.yaml").write_text("vars: []\n")
+    with pytest.raises(ParamsError, match=r"no `stages:` mapping"):
+        pipeline_stages(tmp_path / "empty" / "dvc.yaml")
+
+
+def test_no_module_keeps_its_own_list_of_stages():
+    """A tuple of several stage names written out in code is a second list that can drift from dvc.yaml."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    listed = re.compile(r"\"midtrain\",\s*\"sft\",\s*\"reward_model\"")
+    offenders = [
+        str(p.relative_to(root))
+        for top in ("chatpipe", "stages", "flows")
+        for p in (root / top).rglob("*.py")
+        if listed.search(p.read_text())
+    ]
+    assert offenders == []
 
 
 # --------------------------------------------------------------------------- issue 15 item 5

@@ -18,7 +18,7 @@ file, the key, the bad value and what is allowed, before any work starts.
     cfg = load_section(PretrainSettings, cli=["--depth=6"])
 
 The package, in reading order: ``params`` (params.yaml, profiles.yaml, the active profile),
-``base`` (stage names, :class:`StageSettings`, the :data:`SECTIONS` registry), the section models
+``pipeline`` (the stages, read from dvc.yaml), ``base`` (model stage names, :class:`StageSettings`, the :data:`SECTIONS` registry), the section models
 in ``sections`` (data, tokenizer, eval, report, export, launch, tracking, chat, serve) and
 ``training`` (pretrain, midtrain, sft, rl), ``cli`` (``--key=value`` flags, error messages) and
 ``load`` (:func:`load_section`, :func:`validate_all`, :func:`write_overlays`). Import from here.
@@ -30,7 +30,6 @@ from chatpipe.settings.base import (
     MAX_SEED,
     MODEL_STAGES,
     SECTIONS,
-    STAGES,
     ModelStage,
     StageSettings,
     math_settings,
@@ -56,6 +55,7 @@ from chatpipe.settings.params import (
     read_profiles,
     resolve_params,
 )
+from chatpipe.settings.pipeline import PROFILE_STAGE, dvc_stages, pipeline_stages, stages_before
 from chatpipe.settings.sections import (
     ChatSettings,
     DataSettings,
@@ -82,11 +82,14 @@ from chatpipe.settings.training import (
 from chatpipe.settings.yamlfile import read_settings_yaml
 
 __all__ = [
+    "PROFILE_STAGE",
+    "dvc_stages",
+    "pipeline_stages",
+    "stages_before",
     "MAX_SEED",
     "MODEL_STAGES",
     "OVERLAYS_DIR",
     "SECTIONS",
-    "STAGES",
     "ChatSettings",
     "ChatTrainSettings",
     "DataSettings",

@@ -18,7 +18,6 @@ from chatpipe.settings.params import ParamsError, params_path, resolve_params
 
 # The pipeline's stages in run order (dvc.yaml lists the same, in the same order; a test checks it),
 # and the model each training stage hands on: artifacts/<model stage>/, made by its training stage.
-STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft", "reward_model", "rl", "eval", "report", "export")
 MODEL_STAGES = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
 ModelStage = Literal[tuple(MODEL_STAGES)]
 

@@ -28,9 +28,10 @@ from typing import Any
 import yaml
 
 from chatpipe.io import atomic_dir, fingerprint, sha256_file, write_json_atomic
-from chatpipe.sweep.spec import PLACEMENT_SECTIONS
+from chatpipe.sweep.spec import PLACEMENT_SECTIONS, point_stages
 
 CODE_DIRS = ("chatpipe", "stages")
+CODE_FILES = ("dvc.yaml",)  # the list of stages the copied code reads (chatpipe.settings.pipeline)
 PREP_STAGES = ("data", "tokenizer")  # shared by every point with the same data and tokenizer settings
 DONE = "done.json"
 # the stage-owned sections a point's identity covers (the sections of the stages it runs and their inputs)
@@ -57,6 +58,8 @@ def snapshot_code(repo: Path, runs: Path, code: str) -> Path:
         with atomic_dir(dest) as tmp:
             for top in CODE_DIRS:
                 shutil.copytree(repo / top, tmp / top, ignore=shutil.ignore_patterns("__pycache__"))
+            for name in CODE_FILES:
+                shutil.copy2(repo / name, tmp / name)
     return dest
 
 
@@ -71,9 +74,8 @@ def data_fingerprint(data: dict[str, Any]) -> str:
 
 def identity(params: dict[str, Any], stages: list[str], code: str) -> dict[str, Any]:
     """What a directory's content depends on: the sections up to its last stage (not launch/tracking)."""
-    from chatpipe.sweep.spec import POINT_STAGES
-
-    upto = POINT_STAGES[: POINT_STAGES.index(stages[-1]) + 1]
+    order = point_stages()
+    upto = order[: order.index(stages[-1]) + 1]
     sections = {s: params.get(s) for s in upto if s not in PLACEMENT_SECTIONS}
     return {
         "settings": sections,
@@ -108,6 +110,8 @@ class WorkDir:
             shutil.copytree(
                 repo / top, self.path / top, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
             )
+        for name in CODE_FILES:
+            shutil.copy2(repo / name, self.path / name)
         text = yaml.safe_dump({**self.params, "profile": "tiny"}, sort_keys=False)
         # every value is resolved here already: `tiny` (no overlay) keeps the stages from re-applying a profile
         (self.path / "params.yaml").write_text(text)

@@ -28,12 +28,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from chatpipe.settings import SECTIONS, STAGES, ParamsError, _deep_merge, read_settings_yaml, resolve_params
+from chatpipe.settings import SECTIONS, ParamsError, _deep_merge, pipeline_stages, read_settings_yaml, resolve_params
 
 # Sections that say where a point runs or logs, not what it computes: never part of a point's identity.
 PLACEMENT_SECTIONS = ("launch", "tracking")
-# Stages a point can run, in pipeline order (``report``/``export`` are per-project, not per-point).
-POINT_STAGES = tuple(s for s in STAGES if s not in ("report", "export"))
+
+
+def point_stages() -> tuple[str, ...]:
+    """Stages a point can run, in pipeline order (``report``/``export`` are per-project, not per-point)."""
+    return tuple(s for s in pipeline_stages() if s not in ("report", "export"))
 
 
 class SweepSettings(BaseModel):
@@ -65,13 +68,14 @@ class SweepSettings(BaseModel):
     @field_validator("stages")
     @classmethod
     def _stages_in_order(cls, stages: list[str]) -> list[str]:
-        unknown = [s for s in stages if s not in POINT_STAGES]
+        allowed = point_stages()
+        unknown = [s for s in stages if s not in allowed]
         if unknown:
-            raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(POINT_STAGES)}")
+            raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(allowed)}")
         if not stages:
             raise ValueError("no stages: a point must run at least one")
-        ordered = sorted(set(stages), key=POINT_STAGES.index)
-        later = [s for s in ordered if POINT_STAGES.index(s) > POINT_STAGES.index("tokenizer")]
+        ordered = sorted(set(stages), key=allowed.index)
+        later = [s for s in ordered if allowed.index(s) > allowed.index("tokenizer")]
         missing = [s for s in ("data", "tokenizer") if s not in ordered]
         if later and missing:  # a point prepares its own inputs: every later stage reads data and tokenizer
             raise ValueError(f"stages {stages} need {missing} too (before {later[0]})")
