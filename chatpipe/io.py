@@ -95,8 +95,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
 
 
-def temp_dir_beside(final: Path) -> Path:
-    """A new empty hidden directory beside ``final``, to fill and then move in with :func:`replace_dir`."""
+def _temp_dir_beside(final: Path) -> Path:
+    """A new empty hidden directory beside ``final``, to fill and then move in with :func:`_replace_dir`."""
     tmp = _beside(final, "tmp")
     tmp.mkdir(parents=True)
     return tmp
@@ -105,16 +105,16 @@ def temp_dir_beside(final: Path) -> Path:
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """A temp directory beside ``final`` that replaces ``final`` on a clean exit and is removed on an error."""
-    tmp = temp_dir_beside(final)
+    tmp = _temp_dir_beside(final)
     try:
         yield tmp
-        replace_dir(tmp, final)
+        _replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
+def _replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished temp dir to ``final``, replacing any old one with no window where neither exists."""
     if final.exists():
         old = _beside(final, "old")

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from chatpipe.io import replace_dir, write_json_atomic
+from chatpipe.io import atomic_dir, write_json_atomic
 from chatpipe.model.files import save_model_dir
 from chatpipe.train.checkpoint import (
     latest_checkpoint,
@@ -99,10 +99,12 @@ def test_save_model_dir_replaces_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
 
 
-def test_replace_dir_and_json_atomic(tmp_path):
-    (tmp_path / "new").mkdir()
-    (tmp_path / "new" / "x").write_text("1")
-    replace_dir(tmp_path / "new", tmp_path / "final")
+def test_atomic_dir_replaces_an_old_folder_and_json_atomic(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "stale").write_text("0")
+    with atomic_dir(tmp_path / "final") as tmp:
+        (tmp / "x").write_text("1")
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == ["x"]
     assert (tmp_path / "final" / "x").read_text() == "1"
     write_json_atomic(tmp_path / "a.json", {"k": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"k": 1}
