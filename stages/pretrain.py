@@ -31,7 +31,7 @@ from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_metrics
+from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.pretrain_plan import (
     apply_horizon,
@@ -92,9 +92,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     def one_step(step: int) -> StepOut:
         kw = dict(grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
-        return StepOut(
-            train_step_metrics(step_model, train_loader.next_batch, optimizers, **kw), {"tokens": cfg.total_batch_size}
-        )
+        loss, grad_norm = train_step_stats(step_model, train_loader.next_batch, optimizers, **kw)
+        return StepOut(grad_norm, loss, totals={"tokens": cfg.total_batch_size})
 
     # --- loop
     params = run_params(cfg, model, horizon, grad_accum, rt)
