@@ -106,7 +106,7 @@ def plan_estimate(depth: int, kind: str | None) -> dict[str, float]:
     cfg, vocab = profile_at(depth)
     with torch.device("meta"):
         model = GPT(model_config_for(cfg, vocab))
-    memory = model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len) / GIB
+    memory = model_memory_bytes(model.counts(), cfg.device_batch_size, cfg.sequence_len) / GIB
     return {"tok_s": plan.peak_flops * plan.mfu / plan.flops_per_token, "mfu": plan.mfu, "memory_gib": memory}
 
 

@@ -12,8 +12,8 @@ N scaling parameters (block matrices + lm_head, :meth:`chatpipe.model.gpt.GPT.sc
   of the run; nanochat's ``wd`` is 0.28);
 - steps: given, else ``round(target_flops / (flops_per_token * B))``, else ``D // B``.
 
-Pure arithmetic on counts: :func:`chatpipe.train.pretrain_plan.horizon_for` builds the models (on the meta device)
-and feeds this.
+Pure arithmetic on counts: :func:`chatpipe.train.pretrain_plan.plan_counts` counts the models once (on the
+meta device) and :func:`chatpipe.train.pretrain_plan.horizon_for` feeds those counts to this.
 """
 
 from __future__ import annotations

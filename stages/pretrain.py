@@ -31,7 +31,7 @@ from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_metrics
+from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.pretrain_plan import (
     apply_horizon,
@@ -40,6 +40,7 @@ from chatpipe.train.pretrain_plan import (
     horizon_for,
     model_config_for,
     model_memory_bytes,
+    plan_counts,
     polar_express_dtype,
 )
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
@@ -66,7 +67,7 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     # --- model, then batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon;
     # `chatpipe plan` shows the same): cfg now holds the batch, steps, LRs and decay
     model = build_model(cfg, tok, rt)
-    cfg, horizon = resolve_horizon(cfg, model, rt.world_size)
+    cfg, horizon = resolve_horizon(cfg, tok.vocab_size, rt.world_size)
     total_steps = cfg.max_steps
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     use_compile = compile_pays(cfg.compile, total_steps, rt.device)
@@ -92,9 +93,8 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     def one_step(step: int) -> StepOut:
         kw = dict(grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
-        return StepOut(
-            train_step_metrics(step_model, train_loader.next_batch, optimizers, **kw), {"tokens": cfg.total_batch_size}
-        )
+        loss, grad_norm = train_step_stats(step_model, train_loader.next_batch, optimizers, **kw)
+        return StepOut(grad_norm, loss, totals={"tokens": cfg.total_batch_size})
 
     # --- loop
     params = run_params(cfg, model, horizon, grad_accum, rt)
@@ -192,7 +192,7 @@ def build_model(cfg: PretrainSettings, tok: Tokenizer, rt: runtime.Runtime) -> G
         enable_fp8(model)  # block matrices only; eval, samples and saved weights go through plain Linear
     # the plan's figure for this model (value embeddings and padded vocabulary included), as `chatpipe plan` prints it
     check_memory_fits(
-        model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len), rt.device, cfg.device_batch_size
+        model_memory_bytes(model.counts(), cfg.device_batch_size, cfg.sequence_len), rt.device, cfg.device_batch_size
     )
     return model
 
@@ -225,9 +225,10 @@ def make_optimizers(cfg: PretrainSettings, model: GPT, rt: runtime.Runtime) -> l
     )
 
 
-def resolve_horizon(cfg: PretrainSettings, model: GPT, world_size: int) -> tuple[PretrainSettings, Horizon]:
-    """The run's settings with the derived batch, steps, LRs and weight decay in place, and the derivation."""
-    horizon = horizon_for(cfg, model, world_size)
+def resolve_horizon(cfg: PretrainSettings, vocab_size: int, world_size: int) -> tuple[PretrainSettings, Horizon]:
+    """The run's settings with the derived batch, steps, LRs and weight decay in place, and the derivation
+    (the plan's, from the model's numbers counted once: :func:`chatpipe.train.pretrain_plan.plan_counts`)."""
+    horizon = horizon_for(cfg, plan_counts(cfg, vocab_size), world_size)
     log.info(
         "horizon: %d steps x %d tokens | %d scaling params | LR scale %.4f (%s) | weight decay %.6g",
         horizon.num_iterations,

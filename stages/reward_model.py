@@ -304,8 +304,8 @@ def batch_indices(
 
 def rm_step(parts: Parts, step: int) -> StepOut:
     """One optimizer step (its LR already set by the loop) on this rank's ``device_batch_size`` pairs,
-    -log sigmoid(r_chosen - r_rejected); its row holds the loss, the batch pair accuracy and the
-    gradient norm, each the mean over ranks."""
+    -log sigmoid(r_chosen - r_rejected); returns the loss, the gradient norm and the batch pair
+    accuracy, each the mean over ranks, for the loop's step row (:func:`chatpipe.train.trainer.step_row`)."""
     cfg, rt, pairs = parts.cfg, parts.rt, parts.pairs
     idx = batch_indices(parts.groups, step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
     batch = [pairs.train[i] for i in idx]
@@ -322,7 +322,7 @@ def rm_step(parts: Parts, step: int) -> StepOut:
     # one all-reduce and one device-to-host copy for the three numbers
     sums = all_reduce_sum(torch.stack([loss.detach().float(), accuracy, norm.float()])) / rt.world_size
     loss_mean, accuracy_mean, grad_norm = sums.tolist()
-    return StepOut({"train/loss": loss_mean, "train/pair_accuracy": accuracy_mean, "train/grad_norm": grad_norm})
+    return StepOut(grad_norm, loss_mean, {"train/pair_accuracy": accuracy_mean})
 
 
 def reference_norm(parts: Parts, max_rows: int = 2048) -> dict[str, float]:

@@ -420,7 +420,8 @@ def replay_rows(cfg: RLSettings, tok: Tokenizer, policy: GPT) -> tuple[int, tupl
 
 def rl_step(parts: Parts, step: int) -> StepOut:
     """One rollout-and-update step (its LR already set by the loop): sample and score this rank's
-    prompts, update on them; its row holds the rollouts' means over every rank and the update's stats."""
+    prompts, update on them; returns the policy's gradient norm and, as the stage's own metrics for the
+    loop's step row, the rollouts' means over every rank and the update's stats."""
     t0 = time.perf_counter()
     batch, reward_stats = sample_rollouts(parts, step)
     t_gen = time.perf_counter() - t0
@@ -428,6 +429,7 @@ def rl_step(parts: Parts, step: int) -> StepOut:
     stats = update(parts, batch, step)
     t_train = time.perf_counter() - t1
     totals = RolloutTotals.of(batch, kl_sum=stats.pop("kl_sum", 0.0)).summed_over_ranks(parts.rt.device)
+    grad_norm = stats.pop("train/grad_norm", None)  # the loop's step_row logs it; absent: no optimizer step
     row = {
         **totals.means(),
         "rollout/tokens_per_s": totals.tokens / max(t_gen, 1e-9),  # ranks sample in parallel
@@ -439,7 +441,7 @@ def rl_step(parts: Parts, step: int) -> StepOut:
         **(parts.guard.close_if_due(step + 1, functools.partial(sum_over_ranks, parts.rt)) if parts.guard else {}),
     }
     # "gen_tokens", not "tokens": the loop's tokens_per_s and MFU are for trained tokens
-    return StepOut(row, {"gen_seconds": t_gen, "gen_tokens": int(totals.tokens)})
+    return StepOut(grad_norm, metrics=row, totals={"gen_seconds": t_gen, "gen_tokens": int(totals.tokens)})
 
 
 def check_minibatches(cfg: RLSettings, world_size: int) -> None:

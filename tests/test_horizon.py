@@ -13,14 +13,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from chatpipe.horizon import REFERENCE_BATCH, derive_horizon, power_lines_batch
 from chatpipe.model.gpt import GPT
 from chatpipe.settings import PretrainSettings
 from chatpipe.train.loop import grad_accum_steps
-from chatpipe.train.pretrain_plan import apply_horizon, horizon_for, model_config_for
+from chatpipe.train.pretrain_plan import PlanCounts, apply_horizon, horizon_for, model_config_for, plan_counts
 
 REPO = Path(__file__).resolve().parents[1]
 REF = Path(os.environ.get("CHATPIPE_NANOCHAT_REF", REPO.parent / "shared" / "reference" / "nanochat"))
@@ -71,11 +70,10 @@ def test_every_line_of_nanochats_derivation_is_reproduced():
     rows = reference_lines()
     for row in rows:
         cfg = nanochat_settings(row)
-        with torch.device("meta"):
-            model = GPT(model_config_for(cfg, row["vocab"]))
-        horizon = horizon_for(cfg, model, WORLD)
+        counts = plan_counts(cfg, row["vocab"])
+        horizon = horizon_for(cfg, counts, WORLD)
         where = f"depth {row['depth']}, ratio {row['ratio']}, target_flops {row['target_flops']}"
-        assert model.num_params() == row["params_total"], where
+        assert counts.run.num_params == row["params_total"], where
         got = (horizon.scaling_params, horizon.flops_per_token, horizon.target_tokens)
         assert got == (row["scaling_params"], row["flops_per_token"], row["target_tokens"]), where
         assert (horizon.total_batch_size, horizon.num_iterations) == (row["total_batch_size"], row["num_iterations"]), (
@@ -126,15 +124,14 @@ def test_power_lines_batch_and_scalings_by_hand():
 
 def test_lr_scaling_touches_every_lr_and_nothing_when_off():
     cfg = PretrainSettings(total_batch_size=-1, lr_scaling=True, wd_scaling=False, weight_decay=0.2)
-    with torch.device("meta"):
-        model = GPT(model_config_for(cfg, 1024))
-    horizon = horizon_for(cfg, model, 1)
+    counts = plan_counts(cfg, 1024)
+    horizon = horizon_for(cfg, counts, 1)
     run = apply_horizon(cfg, horizon)
     for key in (*cfg.LR_KEYS, "scalar_lr"):
         assert getattr(run, key) == pytest.approx(getattr(cfg, key) * horizon.batch_lr_scale)
     assert run.weight_decay == 0.2 and horizon.batch_lr_scale != 1.0
     fixed = PretrainSettings()  # tiny defaults: the 2025 numbers, nothing derived
-    fixed_run = apply_horizon(fixed, horizon_for(fixed, model, 1))
+    fixed_run = apply_horizon(fixed, horizon_for(fixed, counts, 1))
     assert fixed_run.lrs() == fixed.lrs() and fixed_run.weight_decay == fixed.weight_decay
 
 
@@ -152,7 +149,15 @@ def test_a_horizon_needs_a_length_and_bad_values_name_the_allowed_ones():
 
 def test_a_batch_that_does_not_split_into_micro_batches_is_refused():
     cfg = PretrainSettings(total_batch_size=-1, device_batch_size=3, sequence_len=256, lr_scaling=True)
-    with torch.device("meta"):
-        model = GPT(model_config_for(cfg, 1024))
     with pytest.raises(ValueError, match="not a multiple of device_batch_size x sequence_len x world size"):
-        horizon_for(cfg, model, 1)
+        horizon_for(cfg, plan_counts(cfg, 1024), 1)
+
+
+def test_the_plan_counts_the_model_once_as_the_stage_builds_it():
+    cfg = PretrainSettings(total_batch_size=-1, lr_scaling=True, depth=2, sequence_len=64)
+    counts = plan_counts(cfg, 300)
+    built = GPT(model_config_for(cfg, 300)).counts()  # on the CPU, as the stage builds its model
+    assert counts.run == built and counts.reference.n_layer == 12
+    assert PretrainSettings().total_batch_size > 0 and plan_counts(PretrainSettings(), 300).reference is None
+    with pytest.raises(ValueError, match="needs the d12 reference's counts"):
+        horizon_for(cfg, PlanCounts(built, None), 1)

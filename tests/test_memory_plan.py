@@ -60,14 +60,14 @@ def test_the_plans_peak_memory_at_d12_is_within_10_percent_of_memtracker(params_
         vocab = load_section(TokenizerSettings).vocab_size
     assert (cfg.depth, cfg.device_batch_size, cfg.sequence_len, vocab) == (12, 16, 2048, 32768)
     tracked, model = tracked_peak_bytes(cfg, vocab)
-    planned = model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len, compiled=False)
+    planned = model_memory_bytes(model.counts(), cfg.device_batch_size, cfg.sequence_len, compiled=False)
     assert abs(planned - tracked) <= 0.10 * tracked, (planned / GIB, tracked / GIB)  # measured: 35.6 vs 35.3 GiB
     assert 30 * GIB < tracked < 40 * GIB  # the step really is the d12 batch (the old plan said 15.0 GiB)
     # the plan's own number for the profile is the same formula (it adds gradients: 8 GPUs accumulate 2)
     with env_set(CHATPIPE_PRETRAIN__DEPTH="12"):
         plan = make_plan("speedrun")
     assert plan.grad_accum == 2
-    assert plan.memory_eager_gib * GIB == model_memory_bytes(model, 16, 2048, grad_accum=2, compiled=False)
+    assert plan.memory_eager_gib * GIB == model_memory_bytes(model.counts(), 16, 2048, grad_accum=2, compiled=False)
 
 
 def test_memory_estimate_terms():

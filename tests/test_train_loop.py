@@ -12,9 +12,9 @@ import torch
 from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
 from chatpipe.stage_metrics import Curves
-from chatpipe.train.loop import train_step_metrics
+from chatpipe.train.loop import train_step_stats
 from chatpipe.train.stage import resume_or_fresh
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop, step_row
 from tests.project import dvc, make_project
 
 RT = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
@@ -75,7 +75,8 @@ def _run(tmp_path, run_id: str, *, stop_after: int | None = None):
         if stop_after is not None and n >= stop_after:
             raise KeyboardInterrupt("killed")
         drawn.append(torch.randint(100, ()).item())
-        return StepOut(train_step_metrics(net, _batch, optimizers, grad_accum=2, rt=RT), {"tokens": 8})
+        loss, grad_norm = train_step_stats(net, _batch, optimizers, grad_accum=2, rt=RT)
+        return StepOut(grad_norm, loss, totals={"tokens": 8})
 
     def evaluate(n: int) -> dict[str, float]:
         evals.append(n)
@@ -134,6 +135,19 @@ def test_every_step_logs_loss_grad_norm_lr_and_throughput(tmp_path):
         assert row["lr_mult"] == pytest.approx(1.0 - n / TOTAL)
 
 
+def test_the_step_row_is_built_in_one_place_and_a_step_cannot_set_its_keys():
+    out = StepOut(2.5, 3.0, {"epoch": 1.0}, {"tokens": 100})
+    row = step_row(out, lr_mult=0.5, seconds=2.0, peak=1000.0, flops_per_token=4.0)
+    assert row["train/loss"] == 3.0 and row["train/grad_norm"] == 2.5 and row["epoch"] == 1.0
+    assert (row["lr_mult"], row["tokens_per_s"], row["mfu"]) == (0.5, 50.0, 0.2)
+    # RL: no single loss and, after a batch of solved groups, no optimizer step; no trained tokens
+    rl_row = step_row(StepOut(None, metrics={"reward/mean": 0.1}), lr_mult=1.0, seconds=1.0)
+    assert rl_row["reward/mean"] == 0.1 and rl_row["lr_mult"] == 1.0
+    assert not {"train/loss", "train/grad_norm", "tokens_per_s", "mfu"} & set(rl_row)
+    with pytest.raises(ValueError, match=r"\['train/grad_norm'\]; the loop's step_row builds those"):
+        step_row(StepOut(1.0, metrics={"train/grad_norm": 1.0}), lr_mult=1.0, seconds=1.0)
+
+
 def test_a_checkpoint_carries_what_resumed_reads_back():
     state = LoopState(10, step=7, start_step=3, totals={"train_seconds": 1.5, "tokens": 64}, run_ids=["a"])
     state.first_evals, state.evals = {"val/bpb": 2.0}, {"val/bpb": 1.0}
@@ -169,7 +183,9 @@ def test_the_step_reports_the_gradient_norm_before_clipping_and_trains_as_before
     torch.manual_seed(1)
     batches = [_batch() for _ in range(2)]
     it = iter(batches)
-    out = train_step_metrics(ToyNet(model), lambda: next(it), optimizers, grad_accum=2, rt=RT, grad_clip=grad_clip)
+    _, grad_norm = train_step_stats(
+        ToyNet(model), lambda: next(it), optimizers, grad_accum=2, rt=RT, grad_clip=grad_clip
+    )
 
     # the same step by hand: accumulate, read the norm, clip, step
     for x, y in batches:
@@ -178,8 +194,8 @@ def test_the_step_reports_the_gradient_norm_before_clipping_and_trains_as_before
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip)
     ref_opts[0].step()
-    assert out["train/grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
-    assert grad_clip == 0 or out["train/grad_norm"] > grad_clip  # the clip was real, the norm logged before it
+    assert grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    assert grad_clip == 0 or grad_norm > grad_clip  # the clip was real, the norm logged before it
     for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
@@ -216,3 +232,32 @@ def test_two_ranks_resume_pretrain_and_midtrain_bitwise(tmp_path):
         assert f"resuming from checkpoints/{stage}/step_{middle:06d}" in out, out[-3000:]
         resumed = torch.load(model, weights_only=True)
         assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == [], stage
+
+
+@pytest.mark.slow
+def test_every_training_stage_logs_the_keys_of_the_one_step_row(params_file, tmp_path, monkeypatch):
+    """pretrain, midtrain, SFT, the reward model and RL, run in this process for two steps each (data and
+    tokenizer before them): every step of every stage's MLflow run holds every key :func:`step_row` puts on
+    a row that stepped. A key added there reaches all five; a stage that built its own row would miss it."""
+    from stages import data, midtrain, pretrain, reward_model, rl, sft, tokenizer
+    from tests.project import SMALL_PARAMS, SMALL_RL, mlflow_client, set_params
+
+    monkeypatch.chdir(tmp_path)
+    short = {"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "log_every": 1}
+    overlay = {
+        name: {**SMALL_PARAMS.get(name, {}), **short} for name in ("pretrain", "midtrain", "sft", "reward_model")
+    }
+    overlay["rl"] = {**SMALL_RL, **short, "eval_problems": 2}
+    set_params(tmp_path, {**SMALL_PARAMS, **overlay, "tracking": {"enabled": True}})
+    always = set(step_row(StepOut(grad_norm=1.0), lr_mult=1.0, seconds=1.0))
+    assert {"train/grad_norm", "lr_mult"} <= always
+    for stage in (data, tokenizer, pretrain, midtrain, sft, reward_model, rl):
+        stage.main([])
+
+    client = mlflow_client(tmp_path)
+    exp = client.get_experiment_by_name("chatpipe")
+    for stage in ("pretrain", "midtrain", "sft", "reward_model", "rl"):
+        (run,) = client.search_runs([exp.experiment_id], f"tags.stage = '{stage}'")
+        for key in sorted(always):
+            steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+            assert steps == [1, 2], (stage, key)

@@ -194,6 +194,27 @@ def config_from_depth(
     )
 
 
+@dataclass(frozen=True)
+class ModelCounts:
+    """A model's numbers that planning derives everything else from (the training horizon, FLOPs,
+    memory: :mod:`chatpipe.train.pretrain_plan`), counted once by :meth:`GPT.counts`."""
+
+    num_params: int  # all parameters
+    embedding_params: int  # the lookup tables (:meth:`GPT.num_embedding_params`)
+    scaling_params: int  # what the data:param ratio counts (:meth:`GPT.scaling_params`)
+    flops_per_token: int  # training FLOPs per token (:meth:`GPT.flops_per_token`)
+    n_layer: int
+    n_embd: int
+    padded_vocab_size: int  # the rows lm_head computes
+    value_embeds: bool
+
+
+def count_model(config: GPTConfig) -> ModelCounts:
+    """:meth:`GPT.counts` of a model of ``config``, built on the meta device (allocates nothing)."""
+    with torch.device("meta"):
+        return GPT(config).counts()
+
+
 def layer_windows(config: GPTConfig) -> list[int | None]:
     """Keys a query may see per layer (itself included): None = full causal ('L').
 
@@ -694,6 +715,20 @@ class GPT(nn.Module):
         # a window of w keys includes the query itself; nanochat counts the w - 1 before it
         attn = sum(12 * self.config.n_head * head_dim * (seq if w is None else min(w - 1, seq)) for w in self.windows)
         return 6 * matmul + attn
+
+    def counts(self) -> ModelCounts:
+        """The numbers planning reads of this model, in one record (:class:`ModelCounts`)."""
+        c = self.config
+        return ModelCounts(
+            num_params=self.num_params(),
+            embedding_params=self.num_embedding_params(),
+            scaling_params=self.scaling_params(),
+            flops_per_token=self.flops_per_token(),
+            n_layer=c.n_layer,
+            n_embd=c.n_embd,
+            padded_vocab_size=c.padded_vocab_size,
+            value_embeds=c.value_embeds,
+        )
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
         """Parameters by optimizer role: ``matrix`` (Muon: every block matrix, gates included);

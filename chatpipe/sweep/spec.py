@@ -174,19 +174,15 @@ def horizon_counts(point: Point) -> dict[str, float]:
 
     A budget too small for one optimizer step is an error naming the point: nanochat would silently train 0 steps.
     """
-    import torch
-
-    from chatpipe.model.gpt import GPT
     from chatpipe.settings import LaunchSettings, PretrainSettings
-    from chatpipe.train.pretrain_plan import horizon_for, model_config_for
+    from chatpipe.train.pretrain_plan import horizon_for, plan_counts
 
     cfg = check(PretrainSettings, point.params.get("pretrain") or {})
     launch = check(LaunchSettings, point.params.get("launch") or {})
     vocab = int((point.params.get("tokenizer") or {}).get("vocab_size", 1024))
-    with torch.device("meta"):
-        model = GPT(model_config_for(cfg, vocab))
     try:
-        horizon = horizon_for(cfg, model, launch.nnodes * launch.nproc_per_node)
+        counts = plan_counts(cfg, vocab)
+        horizon = horizon_for(cfg, counts, launch.nnodes * launch.nproc_per_node)
     except ValueError as e:
         raise ParamsError(f"point {point.name}: {e}") from None
     if horizon.num_iterations < 1:
@@ -198,7 +194,7 @@ def horizon_counts(point: Point) -> dict[str, float]:
     tokens = horizon.num_iterations * horizon.total_batch_size
     return {
         "scaling_params": horizon.scaling_params,
-        "total_params": model.num_params(),
+        "total_params": counts.run.num_params,
         "flops_per_token": horizon.flops_per_token,
         "steps": horizon.num_iterations,
         "total_batch_size": horizon.total_batch_size,

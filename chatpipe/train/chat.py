@@ -25,7 +25,7 @@ from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_metrics
+from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
 from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
@@ -83,8 +83,8 @@ def train_chat(
 
     def one_step(step: int) -> StepOut:
         kw = dict(grad_accum=grad_accum, rt=rt, grad_clip=cfg.grad_clip)
-        row = train_step_metrics(step_model, train_loader.next_batch, optimizers, **kw)
-        return StepOut({**row, "epoch": train_loader.epoch})
+        loss, grad_norm = train_step_stats(step_model, train_loader.next_batch, optimizers, **kw)
+        return StepOut(grad_norm, loss, {"epoch": train_loader.epoch})
 
     # --- loop
     params = run_params(stage, cfg, model, mixture, grad_accum, total_steps, rt)

@@ -62,7 +62,7 @@ def step_optimizers(
     return norm
 
 
-def train_step_metrics(
+def train_step_stats(
     model: torch.nn.Module,
     next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     optimizers: Iterable[torch.optim.Optimizer],
@@ -70,11 +70,11 @@ def train_step_metrics(
     grad_accum: int,
     rt: Runtime,
     grad_clip: float = 0.0,
-) -> dict[str, float]:
-    """Forward/backward ``grad_accum`` micro-batches, step every optimizer; returns the step's metrics:
-    the mean loss over ranks and the gradient norm (the same on every rank once DDP has averaged).
+) -> tuple[float, float]:
+    """Forward/backward ``grad_accum`` micro-batches, step every optimizer; returns (the mean loss over
+    ranks, the gradient norm before clipping: the same on every rank once DDP has averaged).
 
-    A per-step metric of the gradients or the loss goes here, once, for every stage that trains through it."""
+    The LM stages' step; the row they log is built from these by :func:`chatpipe.train.trainer.step_row`."""
     total = torch.zeros((), device=rt.device)
     for micro in range(grad_accum):
         x, y = next_batch()
@@ -88,12 +88,12 @@ def train_step_metrics(
     # one all-reduce and one device-to-host copy for both numbers
     sums = all_reduce_sum(torch.stack([total / grad_accum, norm.to(total.dtype)])) / rt.world_size
     loss_mean, grad_norm = sums.tolist()
-    return {"train/loss": loss_mean, "train/grad_norm": grad_norm}
+    return loss_mean, grad_norm
 
 
 def train_step(*args, **kwargs) -> float:
-    """The mean loss alone of :func:`train_step_metrics` (same arguments), for benchmarks timing the step."""
-    return train_step_metrics(*args, **kwargs)["train/loss"]
+    """The mean loss alone of :func:`train_step_stats` (same arguments), for benchmarks timing the step."""
+    return train_step_stats(*args, **kwargs)[0]
 
 
 def train_schedule(cfg, total_steps: int) -> Callable[[int], tuple[float, float]]:

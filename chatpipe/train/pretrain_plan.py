@@ -2,7 +2,8 @@
 profile's pretraining will cost, before spending it: ``chatpipe plan --profile speedrun``.
 
 The decisions (one copy, so the stage does what the plan prints): the model config a settings section
-asks for (:func:`model_config_for`), the training horizon (:func:`horizon_for`, :func:`apply_horizon`),
+asks for (:func:`model_config_for`), the training horizon (:func:`horizon_for`, :func:`apply_horizon`)
+derived from the model's numbers, asked of the model once (:func:`plan_counts`),
 whether ``torch.compile`` pays (:func:`compile_pays`), the Polar Express dtype
 (:func:`polar_express_dtype`) and whether the model fits the device (:func:`check_memory_fits`).
 
@@ -24,7 +25,7 @@ import torch
 
 from chatpipe.horizon import REFERENCE_DEPTH, Horizon, derive_horizon
 from chatpipe.io import env_set
-from chatpipe.model.gpt import GPT, MODEL_OPTIONS, GPTConfig, config_from_depth, quarter_window
+from chatpipe.model.gpt import MODEL_OPTIONS, GPTConfig, ModelCounts, config_from_depth, count_model, quarter_window
 from chatpipe.runtime import Runtime, cpu_multiplies_bf16
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
 from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
@@ -56,11 +57,11 @@ def model_config_for(cfg: PretrainSettings, vocab_size: int) -> GPTConfig:
     return config_from_depth(cfg.depth, vocab_size, cfg.sequence_len, **shape, **options)
 
 
-def legacy_ratio_params(model: GPT) -> int:
+def legacy_ratio_params(counts: ModelCounts) -> int:
     """Parameters the 2025 recipe's data:param ratio counts (d20 and the fixed-batch profiles keep it):
     all of them, minus the lookup tables when the model has value embeddings."""
-    n = model.num_params()
-    return n - model.num_embedding_params() if model.config.value_embeds else n
+    n = counts.num_params
+    return n - counts.embedding_params if counts.value_embeds else n
 
 
 def uses_nanochat_horizon(cfg: PretrainSettings) -> bool:
@@ -69,27 +70,45 @@ def uses_nanochat_horizon(cfg: PretrainSettings) -> bool:
     return cfg.total_batch_size == -1 or cfg.lr_scaling or cfg.wd_scaling or cfg.target_flops > 0
 
 
-def horizon_for(cfg: PretrainSettings, model: GPT, world_size: int) -> Horizon:
-    """The run's batch, steps, LR scale and weight decay (chatpipe.horizon), counted on ``model``.
+@dataclass(frozen=True)
+class PlanCounts:
+    """What the horizon and the plan derive everything from: the model's numbers, asked once."""
 
-    The d12 reference is the same recipe at depth 12, built on the meta device (allocates nothing).
-    """
+    run: ModelCounts  # the model the settings ask for
+    reference: ModelCounts | None  # the same recipe at depth 12; only nanochat's derivation reads it
+
+
+def plan_counts(cfg: PretrainSettings, vocab_size: int) -> PlanCounts:
+    """The one visit to the model: the counts of the model ``cfg`` asks for and, where nanochat's
+    derivation runs (:func:`uses_nanochat_horizon`), of its d12 reference; both built on the meta
+    device (allocates nothing)."""
+    run = count_model(model_config_for(cfg, vocab_size))
+    if not uses_nanochat_horizon(cfg):
+        return PlanCounts(run, None)
+    reference_cfg = cfg.model_copy(update={"depth": REFERENCE_DEPTH})
+    return PlanCounts(run, count_model(model_config_for(reference_cfg, vocab_size)))
+
+
+def horizon_for(cfg: PretrainSettings, counts: PlanCounts, world_size: int) -> Horizon:
+    """The run's batch, steps, LR scale and weight decay (chatpipe.horizon), from the model's
+    :func:`plan_counts` and the settings alone."""
+    run = counts.run
     # what both derivations take from the settings as they are
     given = {
-        "flops_per_token": model.flops_per_token(),
+        "flops_per_token": run.flops_per_token,
         "ratio": cfg.target_param_data_ratio,
         "total_batch_size": cfg.total_batch_size,
         "num_iterations": cfg.max_steps,
         "weight_decay": cfg.weight_decay,
     }
     if not uses_nanochat_horizon(cfg):  # fixed batch, ratio over the 2025 count, LRs and decay as given
-        n = legacy_ratio_params(model)
+        n = legacy_ratio_params(run)
         return derive_horizon(scaling_params=n, reference_params=n, lr_scaling=False, wd_scaling=False, **given)
-    with torch.device("meta"):
-        reference = GPT(model_config_for(cfg.model_copy(update={"depth": REFERENCE_DEPTH}), model.config.vocab_size))
+    if counts.reference is None:
+        raise ValueError("nanochat's horizon needs the d12 reference's counts; count with plan_counts(cfg, vocab_size)")
     horizon = derive_horizon(
-        scaling_params=model.scaling_params(),
-        reference_params=reference.scaling_params(),
+        scaling_params=run.scaling_params,
+        reference_params=counts.reference.scaling_params,
         target_flops=cfg.target_flops,
         lr_scaling=cfg.lr_scaling,
         wd_scaling=cfg.wd_scaling,
@@ -223,21 +242,21 @@ def estimate_memory_bytes(
 
 
 def model_memory_bytes(
-    model: GPT, device_batch_size: int, sequence_len: int, grad_accum: int = 1, compiled: bool = True
+    counts: ModelCounts, device_batch_size: int, sequence_len: int, grad_accum: int = 1, compiled: bool = True
 ) -> int:
-    """:func:`estimate_memory_bytes` of ``model`` (its padded vocabulary: what lm_head computes)."""
-    c = model.config
+    """:func:`estimate_memory_bytes` of a model of ``counts`` (:meth:`chatpipe.model.gpt.GPT.counts`;
+    its padded vocabulary: what lm_head computes)."""
     return estimate_memory_bytes(
-        model.num_params(),
-        model.num_embedding_params(),
-        c.n_layer,
-        c.n_embd,
-        c.padded_vocab_size,
+        counts.num_params,
+        counts.embedding_params,
+        counts.n_layer,
+        counts.n_embd,
+        counts.padded_vocab_size,
         device_batch_size,
         sequence_len,
         grad_accum,
         compiled=compiled,
-        value_embeds=c.value_embeds,
+        value_embeds=counts.value_embeds,
     )
 
 
@@ -278,11 +297,10 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per
         cfg = load_section(PretrainSettings)
         vocab = load_section(TokenizerSettings).vocab_size
         launch = load_section(LaunchSettings)
-    with torch.device("meta"):
-        model = GPT(model_config_for(cfg, vocab))
-    num_params, fpt = model.num_params(), model.flops_per_token()
+    counts = plan_counts(cfg, vocab)  # the model's numbers, once; everything below derives from them
+    num_params, fpt = counts.run.num_params, counts.run.flops_per_token
     world = launch.nnodes * launch.nproc_per_node
-    horizon = horizon_for(cfg, model, world)
+    horizon = horizon_for(cfg, counts, world)
     batch, steps = horizon.total_batch_size, horizon.num_iterations
     tokens = steps * batch
     accum = grad_accum_steps(batch, cfg.device_batch_size, cfg.sequence_len, world)
@@ -290,8 +308,8 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per
     gpus = max(1, launch.nnodes * launch.gpus_per_node)
     mfu, mfu_source = (mfu, "given") if mfu is not None else measured_mfu(gpu, cfg.fp8)
     hours = total_flops / (PEAK_FLOPS[gpu] * gpus * mfu) / 3600
-    memory = model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len, accum)
-    memory_eager = model_memory_bytes(model, cfg.device_batch_size, cfg.sequence_len, accum, compiled=False)
+    memory = model_memory_bytes(counts.run, cfg.device_batch_size, cfg.sequence_len, accum)
+    memory_eager = model_memory_bytes(counts.run, cfg.device_batch_size, cfg.sequence_len, accum, compiled=False)
     on = [k for k in ("value_embeds", "lambdas", "smear", "backout") if getattr(cfg, k)]
     recipe = f"{cfg.optimizer}; model options: {', '.join(on) or 'none'}; windows {cfg.window_pattern}"
     recipe += f" ({cfg.short_window})" + (", fp8" if cfg.fp8 else "")
@@ -299,8 +317,8 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per
         profile,
         recipe,
         cfg.depth,
-        model.config.n_embd,
-        model.config.n_layer,
+        counts.run.n_embd,
+        counts.run.n_layer,
         vocab,
         num_params,
         fpt,

@@ -16,8 +16,10 @@ samples (:class:`Every`), and its own resume state (a loader cursor)::
 The loop owns the rest, once for every stage: counting steps and stopping at the last, setting the
 schedule before each step, the hooks' cadence, the checkpoint cadence and what a checkpoint carries
 (:meth:`Loop.meta`, read back by :meth:`LoopState.resumed`), the running totals, the progress bar
-and the per-step metrics and log line. A per-step metric is one edit: add it to what the step
-function returns (the shared :func:`chatpipe.train.loop.train_step_metrics` for the LM stages).
+and the per-step metrics and log line. Every stage's step row is built by one function,
+:func:`step_row`, from what its step returns (:class:`StepOut`: loss, gradient norm, the stage's own
+metrics) and what the loop measured (LR multiplier, seconds): a per-step metric for every training
+stage is one edit there.
 """
 
 from __future__ import annotations
@@ -43,12 +45,19 @@ from chatpipe.train.loop import due, peak_flops
 from chatpipe.train.optim import apply_schedules
 from chatpipe.train.stage import Checkpointer
 
+# the keys :func:`step_row` owns: a step's own metrics may not set them (the row would then be the stage's)
+STEP_ROW_KEYS = ("train/loss", "train/grad_norm", "lr_mult", "tokens_per_s", "mfu")
+
 
 @dataclass
 class StepOut:
-    """What one training step hands back to the loop."""
+    """What one training step hands back to the loop; :func:`step_row` turns it into the logged row."""
 
-    metrics: dict[str, float]  # logged at the step: "train/loss", "train/grad_norm", "epoch", RL's reward ...
+    # total gradient norm before any clipping, the same on every rank (RL: the policy's); None when
+    # the step took no optimizer step (RL: a batch of solved groups and no replay)
+    grad_norm: float | None
+    loss: float | None = None  # the training loss, mean over ranks; None: RL, whose losses are its own metrics
+    metrics: dict[str, float] = field(default_factory=dict)  # the stage's own: "epoch", RL's reward, ...
     # added to the running totals a checkpoint carries: "tokens" (the loop then logs tokens_per_s and MFU),
     # RL's generated tokens and generation seconds; the loop itself adds the step's "train_seconds"
     totals: dict[str, float] = field(default_factory=dict)
@@ -196,11 +205,31 @@ def timed_step(loop: Loop, state: LoopState, peak: float) -> dict[str, float]:
     seconds = time.perf_counter() - t0
     state.step += 1
     state.add({"train_seconds": seconds, **out.totals})
-    row = {**out.metrics, "lr_mult": lr_mult}
+    return step_row(out, lr_mult=lr_mult, seconds=seconds, peak=peak, flops_per_token=loop.flops_per_token)
+
+
+def step_row(
+    out: StepOut, *, lr_mult: float, seconds: float, peak: float = 0.0, flops_per_token: float = 0.0
+) -> dict[str, float]:
+    """The metrics row of one step, for every training stage (pretrain, midtrain, SFT, the reward
+    model, RL): ``train/loss`` (where the stage has one), ``train/grad_norm`` (where it stepped),
+    the stage's own metrics, ``lr_mult``, and, where the step counts trained tokens, ``tokens_per_s``
+    and ``mfu`` (``peak``: the world's peak FLOP/s, 0 when unknown). A per-step metric every stage
+    logs goes here, once."""
+    owned = sorted(set(out.metrics) & set(STEP_ROW_KEYS))
+    if owned:
+        raise ValueError(f"a step's own metrics set {owned}; the loop's step_row builds those (StepOut fields)")
+    row: dict[str, float] = {}
+    if out.loss is not None:
+        row["train/loss"] = out.loss
+    if out.grad_norm is not None:
+        row["train/grad_norm"] = out.grad_norm
+    row.update(out.metrics)
+    row["lr_mult"] = lr_mult
     if "tokens" in out.totals:
         row["tokens_per_s"] = out.totals["tokens"] / seconds
-        if peak and loop.flops_per_token:
-            row["mfu"] = loop.flops_per_token * row["tokens_per_s"] / peak
+        if peak and flops_per_token:
+            row["mfu"] = flops_per_token * row["tokens_per_s"] / peak
     return row
 
 
