@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -112,23 +113,27 @@ def digests(directory: Path) -> dict[str, str]:
     }
 
 
+def cache_dir_of(workdir: Path, repo: str) -> Path:
+    """huggingface_hub's folder of a dataset repo in the workdir's hub cache."""
+    return workdir / "cache" / f"datasets--{repo.replace('/', '--')}"
+
+
 def assert_no_partial_files(workdir: Path) -> None:
-    """Nothing half-downloaded anywhere; every cached file is one the manifest vouches for."""
+    """Nothing half-downloaded anywhere; every file in the hub cache's snapshots is a blob whose content
+    has the hash the blob is named by (the hub's git blob sha1 or LFS sha256): nothing corrupt stayed."""
+    from huggingface_hub.utils.sha import git_hash
+
     leftovers = [p for p in workdir.rglob("*") if p.is_file() and (".incomplete" in p.name or ".tmp" in p.name)]
     assert not leftovers, leftovers
     cache = workdir / "cache"
-    manifest = json.loads((cache / "hub_manifest.json").read_text()) if (cache / "hub_manifest.json").exists() else {}
-    vouched = {(r["repo"].replace("/", "__"), r["file"]): r["sha256"] for r in manifest.get("files", {}).values()}
-    for p in cache.rglob("*") if cache.exists() else []:
-        rel = p.relative_to(cache)
-        if not p.is_file() or rel.parts[0] in (".hub.lock", "hub_manifest.json"):
+    for p in cache.glob("datasets--*/snapshots/**/*"):
+        if p.is_dir():
             continue
-        if rel.parts[0] == ".staging":
-            assert p.name in (".gitignore", "CACHEDIR.TAG"), f"left in staging: {rel}"  # the client's own markers
-            continue
-        key = (rel.parts[0], "/".join(rel.parts[1:]))
-        assert key in vouched, f"{rel} is in the cache but not in the manifest"
-        assert hashlib.sha256(p.read_bytes()).hexdigest() == vouched[key], f"{rel}: sha256 differs from the manifest"
+        assert p.exists(), f"{p.relative_to(cache)} points at no blob"
+        blob = p.resolve()
+        data = blob.read_bytes()
+        actual = hashlib.sha256(data).hexdigest() if len(blob.name) == 64 else git_hash(data)
+        assert actual == blob.name, f"{p.relative_to(cache)}: content does not match the hub's hash {blob.name}"
     out = workdir / "out"
     if out.exists():  # only complete artifacts: each written atomically
         assert not [p for p in out.iterdir() if p.name.startswith(".")], list(out.iterdir())
@@ -151,24 +156,40 @@ def clean_run(hub, tmp_path_factory) -> dict[str, str]:
     return digests(workdir / "out")
 
 
-def test_manifest_records_what_was_fetched(hub, clean_run, tmp_path):
+def test_data_manifest_records_what_was_fetched(hub, clean_run, tmp_path):
     proc = fetch_all(hub, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    manifest = json.loads((tmp_path / "cache" / "hub_manifest.json").read_text())
-    records = list(manifest["files"].values())
-    shards = sorted(r["file"] for r in records if r["repo"] == PRETRAIN_REPO)
-    assert shards == [f"shard_{i:05d}.parquet" for i in range(4)]
+    records = json.loads((tmp_path / "out" / "data" / "manifest.json").read_text())["hub_files"]
+    assert [r["file"] for r in records] == [f"shard_{i:05d}.parquet" for i in range(4)]
     for r in records:
+        assert set(r) == {"repo", "revision", "file", "size", "sha256"}
         assert r["revision"] == hub.commits[r["repo"]]  # the branch resolved to its commit
-        path = tmp_path / "cache" / r["repo"].replace("/", "__") / r["file"]
-        assert path.stat().st_size == r["size"]
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == r["sha256"]
         origin = hub.root / "datasets" / r["repo"] / r["file"]
+        assert origin.stat().st_size == r["size"]
         assert hashlib.sha256(origin.read_bytes()).hexdigest() == r["sha256"]  # the very bytes the mirror holds
-    data_manifest = json.loads((tmp_path / "out" / "data" / "manifest.json").read_text())
-    assert [h["file"] for h in data_manifest["hub_files"]] == shards
-    assert set(data_manifest["hub_files"][0]) == {"repo", "revision", "file", "size", "sha256"}
+        cached = cache_dir_of(tmp_path, r["repo"]) / "snapshots" / r["revision"] / r["file"]
+        assert hashlib.sha256(cached.read_bytes()).hexdigest() == r["sha256"]
+    assert (cache_dir_of(tmp_path, PRETRAIN_REPO) / "refs" / "main").read_text() == hub.commits[PRETRAIN_REPO]
     assert digests(tmp_path / "out") == clean_run
+
+
+def test_offline_reads_the_cache_and_an_empty_cache_names_the_file(hub, clean_run, tmp_path):
+    """``HF_HUB_OFFLINE=1`` with no hub to reach: every hf path is served from a filled cache; with an
+    empty one the run stops at once, naming repo, file and revision (offline is not retried)."""
+    proc = fetch_all(hub, tmp_path / "filled")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shutil.rmtree(tmp_path / "filled" / "out")
+    hub.proxy.clear()
+    offline = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    proc = fetch_all(hub, tmp_path / "filled", **offline)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert hub.proxy.log == [] and digests(tmp_path / "filled" / "out") == clean_run
+    t0 = time.monotonic()
+    proc = fetch_all(hub, tmp_path / "empty", **offline)
+    assert proc.returncode != 0
+    assert f"HubError: hub dataset '{PRETRAIN_REPO}', file 'shard_00000.parquet" in proc.stderr, proc.stderr[-3000:]
+    assert "revision 'main': OfflineModeIsEnabled" in proc.stderr and "gave up" not in proc.stderr
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "empty" / "out" / "data").exists()
 
 
 def test_missing_file_fails_at_once_naming_repo_file_revision(hub, tmp_path):
@@ -367,8 +388,7 @@ def _http_error(status: int, **headers: str):
 
 
 def test_transient_errors_are_told_from_permanent_ones():
-    import httpx
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
     from chatpipe.data import hub
 
@@ -376,8 +396,7 @@ def test_transient_errors_are_told_from_permanent_ones():
         assert hub.is_transient(_http_error(status))
     for status in (400, 401, 403, 404):
         assert not hub.is_transient(_http_error(status))
-    assert hub.is_transient(httpx.RemoteProtocolError("peer closed connection"))
-    import httpx2  # what huggingface_hub 2.4 actually raises with (not httpx)
+    import httpx2  # what huggingface_hub 2.4 raises with (not httpx)
 
     assert hub.is_transient(httpx2.RemoteProtocolError("peer closed connection"))
     assert hub.is_transient(httpx2.ReadError("connection reset"))
@@ -387,9 +406,31 @@ def test_transient_errors_are_told_from_permanent_ones():
     wrapped = LocalEntryNotFoundError("cannot find the requested files")  # how the client reports a failed HEAD
     wrapped.__cause__ = _http_error(503)
     assert hub.is_transient(wrapped)
-    assert hub._delay(_http_error(429, **{"Retry-After": "3"}), attempt=0, backoff=0.1) == 3
-    assert hub._delay(_http_error(500), attempt=3, backoff=1.0) == 8
-    assert hub._delay(_http_error(500), attempt=20, backoff=1.0) == hub.MAX_BACKOFF_S
+    offline = LocalEntryNotFoundError("outgoing traffic has been disabled")
+    offline.__cause__ = OfflineModeIsEnabled("HF_HUB_OFFLINE=1")  # a ConnectionError, yet permanent
+    assert not hub.is_transient(offline) and not hub.is_transient(OfflineModeIsEnabled("off"))
+
+
+def test_a_blob_that_fails_its_hash_is_removed_and_a_good_one_recorded(tmp_path):
+    """What a download is checked against: the hash its blob is named by (git blob sha1, or LFS sha256)."""
+    from huggingface_hub.utils.sha import git_hash
+
+    from chatpipe.data import hub
+
+    good, bad = b"the hub's bytes\n", b"the hub's bytez\n"
+    for name in (git_hash(good), hashlib.sha256(good).hexdigest()):
+        blobs, snapshot = tmp_path / name / "blobs", tmp_path / name / "snapshots" / ("c" * 40) / "data"
+        blobs.mkdir(parents=True)
+        snapshot.mkdir(parents=True)
+        (blobs / name).write_bytes(bad)
+        (snapshot / "a.txt").symlink_to(blobs / name)
+        with pytest.raises(hub.ChecksumMismatch, match=f"!= {name}"):
+            hub._hub_file("org/x", "data/a.txt", str(snapshot / "a.txt"), check=True)
+        assert not (blobs / name).exists() and not (snapshot / "a.txt").is_symlink()  # the retry downloads again
+        (blobs / name).write_bytes(good)
+        (snapshot / "a.txt").symlink_to(blobs / name)
+        got = hub._hub_file("org/x", "data/a.txt", str(snapshot / "a.txt"), check=True)
+        assert (got.revision, got.size, got.sha256) == ("c" * 40, len(good), hashlib.sha256(good).hexdigest())
 
 
 def test_retries_then_names_repo_file_revision(monkeypatch):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -117,23 +119,21 @@ def test_txt_without_blank_lines_is_cut_at_line_boundaries(tmp_path: Path) -> No
     assert "\n".join(train).split("\n") == lines[:300]
 
 
-def prefill_hub_cache(cache_dir: Path, repo: str, files: dict[str, Path]) -> None:
-    """Record files as chatpipe.data.hub's manifest does, as a finished earlier fetch leaves them."""
-    import hashlib
-
-    records = {}
-    for name, path in files.items():
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        records[f"dataset:{repo}@main:{name}"] = {
-            "repo": repo,
-            "revision": "0" * 40,
-            "file": name,
-            "size": path.stat().st_size,
-            "sha256": digest,
-            "requested_revision": "main",
-            "repo_type": "dataset",
-        }
-    (cache_dir / "hub_manifest.json").write_text(json.dumps({"files": records, "splits": {}}))
+def prefill_hub_cache(cache_dir: Path, repo: str, files: dict[str, Path]) -> Path:
+    """Lay ``files`` out as huggingface_hub's cache holds a finished earlier fetch at ``main``: blobs
+    named by their sha256 (as the hub's LFS files are), a snapshot of symlinks, ``refs/main``."""
+    commit = "0" * 40
+    storage = cache_dir / f"datasets--{repo.replace('/', '--')}"
+    snapshot = storage / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (storage / "blobs").mkdir()
+    for name, src in files.items():
+        blob = storage / "blobs" / hashlib.sha256(src.read_bytes()).hexdigest()
+        os.replace(src, blob)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(commit)
+    return snapshot
 
 
 def forbid_hub(monkeypatch) -> None:
@@ -143,33 +143,41 @@ def forbid_hub(monkeypatch) -> None:
         raise AssertionError("tried to reach the hub")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
+    monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", no_network)
     monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", no_network)
 
 
 # Downloads themselves (retries, checksums, faults) run against a real mirror in tests/test_hub.py.
-def test_hf_from_cache_recorded_in_the_hub_manifest(tmp_path: Path, paragraphs: list[str], monkeypatch) -> None:
+def test_hf_from_the_hub_cache_recorded_in_the_data_manifest(
+    tmp_path: Path, paragraphs: list[str], monkeypatch
+) -> None:
     forbid_hub(monkeypatch)
-    cache = tmp_path / "cache" / "karpathy__fineweb-edu-100b-shuffle"
-    cache.mkdir(parents=True)
-    write_parquet(cache / "shard_00000.parquet", paragraphs[:200])
-    write_parquet(cache / "shard_00001.parquet", paragraphs[200:300])
-    write_parquet(cache / "shard_00002.parquet", paragraphs[300:400])
-    prefill_hub_cache(tmp_path / "cache", "karpathy/fineweb-edu-100b-shuffle", {p.name: p for p in cache.iterdir()})
+    src = tmp_path / "src"
+    src.mkdir()
+    write_parquet(src / "shard_00000.parquet", paragraphs[:200])
+    write_parquet(src / "shard_00001.parquet", paragraphs[200:300])
+    write_parquet(src / "shard_00002.parquet", paragraphs[300:400])
+    sha = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()}
+    cache = prefill_hub_cache(
+        tmp_path / "cache", "karpathy/fineweb-edu-100b-shuffle", {p.name: p for p in src.iterdir()}
+    )
     manifest = prepare(tmp_path / "data", source="hf", hf_num_shards=3)
     assert manifest["shards"] == {"train": ["train_00000.parquet", "train_00001.parquet"], "val": ["val_00000.parquet"]}
     assert manifest["num_chars"]["val"] == sum(map(len, paragraphs[300:400]))
     assert [h["file"] for h in manifest["hub_files"]] == [f"shard_0000{i}.parquet" for i in range(3)]
+    assert [h["sha256"] for h in manifest["hub_files"]] == [sha[h["file"]] for h in manifest["hub_files"]]
+    assert {h["revision"] for h in manifest["hub_files"]} == {"0" * 40}  # the commit refs/main names
     assert list(iter_documents(tmp_path / "data", "train")) == paragraphs[:300]
     assert (cache / "shard_00000.parquet").is_file()  # the cache outlives the data dir
 
 
 def test_hf_text_column_is_renamed(tmp_path: Path, monkeypatch) -> None:
     forbid_hub(monkeypatch)
-    cache = tmp_path / "cache" / "me__corpus"
-    cache.mkdir(parents=True)
+    src = tmp_path / "src"
+    src.mkdir()
     for name in ("shard_00000.parquet", "shard_00001.parquet"):
-        write_parquet(cache / name, [f"{name} doc {i}" for i in range(5)], column="body", extra=True)
-    prefill_hub_cache(tmp_path / "cache", "me/corpus", {p.name: p for p in cache.iterdir()})
+        write_parquet(src / name, [f"{name} doc {i}" for i in range(5)], column="body", extra=True)
+    prefill_hub_cache(tmp_path / "cache", "me/corpus", {p.name: p for p in src.iterdir()})
     prepare(tmp_path / "data", source="hf", hf_repo="me/corpus", hf_text_column="body")
     assert pq.read_schema(tmp_path / "data" / "val_00000.parquet").names == ["text"]  # column renamed
     assert list(iter_documents(tmp_path / "data", "val"))[0] == "shard_00001.parquet doc 0"

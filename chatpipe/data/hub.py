@@ -1,58 +1,37 @@
-"""Files from a Hugging Face hub -- or a mirror at ``HF_ENDPOINT`` -- retried, verified, cached, recorded.
+"""Files from a Hugging Face hub -- or a mirror at ``HF_ENDPOINT`` -- in huggingface_hub's own cache.
 
     files = fetch_files("karpathy/fineweb-edu-100b-shuffle", ["shard_00000.parquet"], cache_dir=Path("data/cache"))
     files[0].path, files[0].sha256, files[0].revision
     paths = dataset_split_files("openai/gsm8k", "main", "train", cache_dir=Path("data/cache"))
 
-Downloads go through the unmodified ``huggingface_hub`` client; an air-gapped site points
-``HF_ENDPOINT`` at its mirror and nothing else changes. The client does the transfer: its own
-retries of dropped connections and 408/429, its Range resume of a broken body, and its checksum
-check (``HfApi.verify_repo_checksums``: the hub's sha256 for LFS files, the git blob sha1
-otherwise). The ``datasets`` library reads a dataset card's ``configs``. What this module adds:
-
-- exponential backoff (429 honours ``Retry-After``) around every call, for what the client does
-  not retry itself (5xx, metadata and listing requests, a file that fails its checksum); after
-  the last retry a :class:`HubError` names the repo, file and revision. Missing repos/files fail at once.
-- a file reaches ``cache_dir/<org>__<name>/<file>`` only once it verified: the client downloads
-  it into ``.staging/<org>__<name>`` (its ``local_dir``), and that whole directory, with the
-  client's partial files and metadata in it, is removed after each fetch. Nothing inside the
-  client's own layout is touched; a file that failed its checksum is downloaded again with
-  ``force_download``. No partial or corrupt file is ever in the cache.
-- ``cache_dir/hub_manifest.json`` records each file fetched: repo, requested and resolved
-  revision, file, size, sha256. A file in the manifest whose cached copy has the recorded size is
-  used without any request, so a second run transfers nothing. A branch name (``main``) is
-  resolved once; delete the cache (or pin a commit) to pick up newer commits.
-- byte progress of each batch through :mod:`chatpipe.progress` (a bar on a terminal, else a
-  throttled log line, so CI, torchx and Prefect logs show it too).
-
-Retry knobs (environment, read per call): ``CHATPIPE_HUB_RETRIES`` (default 5 retries after the
-first try) and ``CHATPIPE_HUB_BACKOFF_S`` (default 1.0: waits 1, 2, 4, ... s, at most 30).
+``cache_dir`` is a huggingface_hub cache (``datasets--<org>--<name>/``: blobs, snapshots, refs, per-file
+locks); the client resumes dropped bodies and retries 429 itself. Added here: a cache lookup first (a
+branch is resolved once), so a cached file costs no request, also with ``HF_HUB_OFFLINE=1``; backoff
+for the rest (5xx, short or corrupt bodies; ``CHATPIPE_HUB_RETRIES``, default 5, ``CHATPIPE_HUB_BACKOFF_S``,
+default 1 s, doubling up to 30), then a :class:`HubError` naming repo, file and revision (a missing repo
+or file fails at once); each download checked against the hash its blob is named by (LFS: sha256, else
+git blob sha1); byte progress through :mod:`chatpipe.progress`.
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import fnmatch
 import functools
-import json
 import logging
 import os
 import re
-import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from chatpipe.io import move_into_place, sha256_file, write_text_atomic
-from chatpipe.progress import Progress, progress
+from chatpipe.io import sha256_file
+from chatpipe.progress import progress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-MANIFEST = "hub_manifest.json"
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
 
@@ -66,37 +45,27 @@ class HubError(RuntimeError):
 
 
 class ChecksumMismatch(OSError):
-    """A downloaded file's size or checksum differs from what the hub lists for it (retried)."""
+    """A downloaded file's content differs from the hash the hub lists for it (retried)."""
 
 
 @dataclass
 class HubFile:
-    """One fetched file as recorded in the manifest; ``path`` is its place in the cache."""
+    """One cached file; ``path`` is its place in the cache's snapshot of ``revision``."""
 
     repo: str
     revision: str  # the commit the file was fetched at
     file: str
     size: int
     sha256: str
-    requested_revision: str = "main"
-    repo_type: str = "dataset"
     path: str = ""
 
     def record(self) -> dict[str, Any]:
-        """The manifest fields (no local path): identical on every machine that fetched the same file."""
-        return {
-            "repo": self.repo,
-            "revision": self.revision,
-            "file": self.file,
-            "size": self.size,
-            "sha256": self.sha256,
-        }
+        """Provenance fields (no local path): identical on every machine that fetched the same file."""
+        return {k: v for k, v in asdict(self).items() if k != "path"}
 
 
-# ---------------------------------------------------------------------- retries
-
-
-def _retry_knobs() -> tuple[int, float]:
+def retry_knobs() -> tuple[int, float]:
+    """(retries, first backoff in s) from ``CHATPIPE_HUB_RETRIES`` / ``CHATPIPE_HUB_BACKOFF_S``."""
     try:
         retries = int(os.environ.get("CHATPIPE_HUB_RETRIES", "5"))
         backoff = float(os.environ.get("CHATPIPE_HUB_BACKOFF_S", "1.0"))
@@ -107,41 +76,24 @@ def _retry_knobs() -> tuple[int, float]:
     return retries, backoff
 
 
-def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
+def is_transient(exc: BaseException | None) -> bool:
+    """Worth retrying: 408/429/5xx, connection errors, short or corrupt bodies. A missing repo,
+    revision or file, offline mode and other 4xx are permanent. The client reports a failed
+    metadata request as "not found locally" caused by the real error, so causes are followed."""
+    import httpx2
+    from huggingface_hub import errors
 
-
-def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: 408/429/5xx, connection and protocol errors, short or corrupt bodies.
-
-    A missing repo, revision or file (and any other 4xx) is permanent. huggingface_hub reports a
-    failed metadata request as "not found locally" with the real error as its cause, so causes
-    are followed.
-    """
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    seen = 0
-    while exc is not None and seen < 8:
-        seen += 1
-        if isinstance(exc, ChecksumMismatch):
-            return True
-        if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError)):
+    for _ in range(8):
+        if exc is None or isinstance(exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError)):
             return False
-        if isinstance(exc, HfHubHTTPError):
-            return _status(exc) in RETRYABLE_STATUS
-        if isinstance(exc, LocalEntryNotFoundError):
+        if isinstance(exc, errors.HfHubHTTPError):
+            return getattr(exc.response, "status_code", None) in RETRYABLE_STATUS
+        if isinstance(exc, errors.LocalEntryNotFoundError):
             exc = exc.__cause__ or exc.__context__
             continue
-        if isinstance(exc, EntryNotFoundError):
+        if isinstance(exc, (errors.EntryNotFoundError, errors.OfflineModeIsEnabled)):
             return False
-        if isinstance(exc, (*_transport_errors(), ConnectionError, TimeoutError)):
+        if isinstance(exc, (ChecksumMismatch, httpx2.TransportError, ConnectionError, TimeoutError)):
             return True
         if isinstance(exc, OSError) and "Consistency check failed" in str(exc):
             return True  # the body was shorter than the size the hub announced
@@ -149,268 +101,88 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Connection-level error bases of the HTTP clients in use: huggingface_hub 2.4 uses httpx2, older ones httpx."""
-    found = []
-    for name in ("httpx2", "httpx"):
-        try:
-            found.append(__import__(name).TransportError)
-        except ImportError:
-            pass
-    return tuple(found)
-
-
-def _delay(exc: BaseException, attempt: int, backoff: float) -> float:
-    wait = min(backoff * 2**attempt, MAX_BACKOFF_S)
-    cause: BaseException | None = exc
-    while cause is not None:
-        response = getattr(cause, "response", None)
-        retry_after = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
-        if retry_after:
-            try:
-                return min(max(float(retry_after), wait), MAX_BACKOFF_S)
-            except ValueError:
-                break  # an HTTP date: keep our own backoff
-        cause = cause.__cause__ or cause.__context__
-    return wait
-
-
 def with_retries(fn: Callable[[], T], *, repo: str, file: str, revision: str, repo_type: str = "dataset") -> T:
     """``fn()``, retried with backoff while it fails transiently; else a :class:`HubError` naming the file."""
-    retries, backoff = _retry_knobs()
+    retries, backoff = retry_knobs()
     for attempt in range(retries + 1):
         try:
             return fn()
         except HubError:
             raise  # from a nested call: already names its file
-        except Exception as e:  # classified below; anything permanent is re-raised as HubError at once
-            if not is_transient(e):
-                raise HubError(repo, file, revision, f"{type(e).__name__}: {e}", repo_type) from e
-            if attempt == retries:
-                raise HubError(
-                    repo,
-                    file,
-                    revision,
-                    f"gave up after {retries + 1} attempts; last error {type(e).__name__}: {e}",
-                    repo_type,
-                ) from e
-            wait = _delay(e, attempt, backoff)
+        except Exception as e:  # classified here; anything permanent is re-raised as HubError at once
+            error = f"{type(e).__name__}: {e}"
+            if not is_transient(e) or attempt == retries:
+                why = error if not is_transient(e) else f"gave up after {retries + 1} attempts; last error {error}"
+                raise HubError(repo, file, revision, why, repo_type) from e
+            wait = min(backoff * 2**attempt, MAX_BACKOFF_S)
             log.warning(
-                "hub %s %s@%s: %s: %s; retry %d/%d in %.1fs",
-                repo,
-                file,
-                revision,
-                type(e).__name__,
-                str(e).splitlines()[0][:200] if str(e) else "",
-                attempt + 1,
-                retries,
-                wait,
+                "hub %s %s@%s: %s; retry %d/%d in %.1fs", repo, file, revision, error[:200], attempt + 1, retries, wait
             )
             time.sleep(wait)
     raise AssertionError("unreachable")
 
 
-# ---------------------------------------------------------------------- cache + manifest
+def _hub_file(repo: str, file: str, pointer: str, check: bool = False) -> HubFile:
+    """A cached file's record: its snapshot folder is named by the commit, its blob by the hub's hash
+    (LFS: the sha256, else the git blob sha1). ``check``: hash the blob against that name first, and
+    remove it on a mismatch, so that the retry downloads it again."""
+    from huggingface_hub.utils.sha import git_hash
 
-
-def repo_dir(cache_dir: Path, repo: str) -> Path:
-    """Where ``repo``'s verified files live: ``cache_dir/<org>__<name>``."""
-    return Path(cache_dir) / repo.replace("/", "__")
-
-
-@contextmanager
-def _locked(cache_dir: Path) -> Iterator[None]:
-    """One fetch at a time per cache (ranks of one stage share it)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".hub.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def read_manifest(cache_dir: Path) -> dict[str, Any]:
-    """The cache's manifest: ``{"files": {key: record}, "splits": {key: [file, ...]}}``."""
-    path = Path(cache_dir) / MANIFEST
-    if not path.is_file():
-        return {"files": {}, "splits": {}}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); delete it to fetch again") from None
-    return {"files": data.get("files", {}), "splits": data.get("splits", {})}
-
-
-def _write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
-    path = Path(cache_dir) / MANIFEST
-    write_text_atomic(path, json.dumps(manifest, indent=1, sort_keys=True))
-
-
-def _key(repo_type: str, repo: str, revision: str, file: str) -> str:
-    return f"{repo_type}:{repo}@{revision}:{file}"
-
-
-def _cached(cache_dir: Path, manifest: dict, repo_type: str, repo: str, revision: str, file: str) -> HubFile | None:
-    rec = manifest["files"].get(_key(repo_type, repo, revision, file))
-    if rec is None:
-        return None
-    path = repo_dir(cache_dir, repo) / file
-    if not path.is_file() or path.stat().st_size != rec["size"]:
-        return None
-    return HubFile(**{**rec, "path": str(path)})
-
-
-# ---------------------------------------------------------------------- fetching
-
-
-def resolve_revision(repo: str, revision: str = "main", repo_type: str = "dataset") -> str:
-    """The commit sha that ``revision`` (a branch, tag or sha) points at on the hub.
-
-    The client's ``HfApi.resolve_revision`` (a sha is returned as is; it asks with the explicit
-    revision, which mirrors such as olah 0.5.4 need); a hub that answers 5xx surfaces as its
-    ``RevisionResolutionError`` caused by the 5xx, which is retried here.
-    """
-    from huggingface_hub import HfApi
-
-    resolved = with_retries(
-        lambda: HfApi().resolve_revision(repo, repo_type=repo_type, revision=revision),
-        repo=repo,
-        file="(repo info)",
-        revision=revision,
-        repo_type=repo_type,
-    )
-    return resolved.resolved
+    blob = Path(os.path.realpath(pointer))
+    lfs = re.fullmatch(r"[0-9a-f]{64}", blob.name)
+    sha256 = blob.name if lfs and not check else sha256_file(blob)
+    if check and re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", blob.name):  # else the etag is no hash: size only
+        actual = sha256 if lfs else git_hash(blob.read_bytes())  # a plain git file is small (the hub's LFS cut)
+        if actual != blob.name:
+            blob.unlink(missing_ok=True)
+            Path(pointer).unlink(missing_ok=True)
+            raise ChecksumMismatch(f"checksum mismatch: {actual} != {blob.name}, the hash the hub lists")
+    return HubFile(repo, Path(pointer).parents[file.count("/")].name, file, blob.stat().st_size, sha256, pointer)
 
 
 def fetch_files(
-    repo: str,
-    files: list[str],
-    *,
-    cache_dir: Path,
-    revision: str = "main",
-    repo_type: str = "dataset",
-    desc: str | None = None,
+    repo: str, files: list[str], *, cache_dir: Path, revision: str = "main", repo_type: str = "dataset", desc: str = ""
 ) -> list[HubFile]:
     """Fetch ``files`` of ``repo`` at ``revision`` into the cache (or find them there); in order of ``files``."""
-    cache_dir = Path(cache_dir)
-    with _locked(cache_dir):
-        manifest = read_manifest(cache_dir)
-        found = {f: _cached(cache_dir, manifest, repo_type, repo, revision, f) for f in files}
-        missing = [f for f in files if found[f] is None]
-        if missing:
-            found.update(_download(repo, missing, cache_dir, manifest, revision, repo_type, desc))
-    return [found[f] for f in files]
+    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.hf_api import RepoFile
 
+    where = {"revision": revision, "repo_type": repo_type}
+    found = {f: try_to_load_from_cache(repo, f, cache_dir, **where) for f in files}
+    missing = [f for f in files if not isinstance(found[f], str)]
 
-def _download(
-    repo: str, files: list[str], cache_dir: Path, manifest: dict, revision: str, repo_type: str, desc: str | None
-) -> dict[str, HubFile]:
-    from huggingface_hub import HfApi
+    def sizes() -> dict[str, int]:
+        return {i.path: i.size for i in HfApi().get_paths_info(repo, missing, **where) if isinstance(i, RepoFile)}
 
-    commit = resolve_revision(repo, revision, repo_type)
-    infos = with_retries(
-        lambda: HfApi().get_paths_info(repo, files, revision=commit, repo_type=repo_type),
-        repo=repo,
-        file=", ".join(files[:3]) + (" ..." if len(files) > 3 else ""),
-        revision=revision,
-        repo_type=repo_type,
-    )
-    by_path = {i.path: i for i in infos}
-    for f in files:
-        if f not in by_path or not hasattr(by_path[f], "size"):
-            raise HubError(repo, f, revision, f"no such file at commit {commit}", repo_type)
-    staging = cache_dir / ".staging" / repo.replace("/", "__")
-    out: dict[str, HubFile] = {}
-    try:
-        with progress(sum(by_path[f].size for f in files), desc or repo, unit="B") as bar:
-            for f in files:
-                out[f] = _download_one(repo, f, by_path[f], cache_dir, staging, (revision, commit), repo_type, bar)
-                manifest["files"][_key(repo_type, repo, revision, f)] = {
-                    k: v for k, v in asdict(out[f]).items() if k != "path"
-                }
-                _write_manifest(cache_dir, manifest)
-    finally:
-        # Our staging dir as a whole, the client's partial files and metadata with it: a failed
-        # fetch leaves nothing half-done, and a finished one nothing the client could trust later.
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    def bars(**_: Any) -> contextlib.nullcontext:
+        """Each bar the client opens is the batch's, in a no-op context: the batch closes it."""
+        return contextlib.nullcontext(bar)
 
+    def download(file: str) -> HubFile:
+        """One attempt: the client's download into its cache, then the checksum of what came."""
+        start = bar.n
+        try:
+            pointer = hf_hub_download(repo, file, cache_dir=cache_dir, tqdm_class=bars, **where)
+            return _hub_file(repo, file, pointer, check=bar.n > start)  # not when a concurrent rank just did
+        except BaseException:
+            bar.update(start - bar.n)  # counted again by the next attempt
+            raise
 
-class _Bytes:
-    """What huggingface_hub's download calls as its ``tqdm_class``: its byte counts (including
-    its own roll-back when a server ignores a Range request) go to the batch's one progress."""
-
-    def __init__(self, target: Progress, **_: Any) -> None:
-        self.target = target
-
-    def update(self, n: int = 1) -> None:
-        self.target.update(n)
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> _Bytes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def _download_one(
-    repo: str, file: str, info: Any, cache_dir: Path, staging: Path, revs: tuple[str, str], repo_type: str, bar
-) -> HubFile:
-    """Download ``file`` at the commit into ``staging``, verify it with the client, move it into the cache.
-
-    ``verify_repo_checksums`` lists the repo's tree at the commit (a few paged API requests even for
-    a repo of thousands of files) and hashes what is in ``staging``: only this file, since each
-    verified file leaves it at once.
-    """
-    from huggingface_hub import HfApi, hf_hub_download
-
-    revision, commit = revs
-    failed_check = False
-
-    def attempt() -> HubFile:
-        nonlocal failed_check
-        # local_dir keeps the client's own partial file across our retries, so it can resume; after
-        # a checksum failure force_download makes it fetch again instead of trusting its copy.
-        staged = hf_hub_download(
-            repo,
-            file,
-            repo_type=repo_type,
-            revision=commit,
-            local_dir=staging,
-            force_download=failed_check,
-            tqdm_class=functools.partial(_Bytes, bar),
-        )
-        check = HfApi().verify_repo_checksums(repo, repo_type=repo_type, revision=commit, local_dir=staging)
-        wrong = [m for m in check.mismatches if m["path"] == file]
-        if wrong or file in check.missing_paths:
-            failed_check = True
-            bar.update(-info.size)  # counted again by the next attempt
-            m = wrong[0] if wrong else {"algorithm": "file", "actual": "missing", "expected": "present"}
-            raise ChecksumMismatch(
-                f"checksum mismatch: {m['algorithm']} {m['actual']} != {m['expected']} listed by the hub"
-            )
-        final = repo_dir(cache_dir, repo) / file
-        move_into_place(staged, final)  # out of staging: the next file's check hashes only that one
-        # verified, so an LFS file's sha256 is the hub's; a plain git file was checked by blob sha1
-        sha256 = info.lfs.sha256 if getattr(info, "lfs", None) else sha256_file(final)
-        return HubFile(repo, commit, file, final.stat().st_size, sha256, revision, repo_type, str(final))
-
-    return with_retries(attempt, repo=repo, file=file, revision=revision, repo_type=repo_type)
-
-
-# ---------------------------------------------------------------------- dataset configs and splits
+    if missing:
+        listing = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+        size = with_retries(sizes, repo=repo, file=listing, **where)
+        for f in missing:
+            if f not in size:
+                raise HubError(repo, f, revision, "no such file in the repo at this revision", repo_type)
+        with progress(sum(size.values()), desc or repo, unit="B") as bar:
+            for f in missing:
+                found[f] = with_retries(functools.partial(download, f), repo=repo, file=f, **where)
+    return [found[f] if isinstance(found[f], HubFile) else _hub_file(repo, f, found[f]) for f in files]
 
 
 def _config_patterns(readme: str, config: str | None, split: str) -> list[str] | None:
-    """``data_files`` patterns of ``config``/``split`` from a dataset card (None: the card declares no such config).
-
-    Read the way ``datasets`` reads it (its ``MetadataConfigs`` and ``sanitize_patterns``: bare
-    patterns are one ``train`` split); ``config`` None takes the card's default or first config.
-    """
+    """``data_files`` patterns of ``config``/``split`` in a dataset card (None: no such config), read as
+    ``datasets`` reads them; ``config`` None takes the card's default or first config."""
     from datasets.data_files import sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
     from huggingface_hub import DatasetCard
@@ -423,48 +195,40 @@ def _config_patterns(readme: str, config: str | None, split: str) -> list[str] |
     return list(sanitize_patterns(data_files).get(split, [])) if data_files else []
 
 
+def _card_and_listing(repo: str, cache_dir: Path, revision: str) -> tuple[Path, list[str]]:
+    """The snapshot folder with the repo's README.md (if it has one) and the repo's file list: from
+    the cache when the client's tree listing of the ref's commit is there, else from the hub."""
+    from huggingface_hub import get_cached_repo_tree, snapshot_download
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError, LocalEntryNotFoundError
+
+    def snapshot(local_files_only: bool) -> tuple[Path, list[str]]:
+        at = {"repo_type": "dataset", "revision": revision, "cache_dir": cache_dir}
+        root = snapshot_download(repo, allow_patterns=["README.md"], local_files_only=local_files_only, **at)
+        if not local_files_only and (Path(root) / "README.md").is_file():  # checked as every download is
+            _hub_file(repo, "README.md", str(Path(root) / "README.md"), check=True)
+        return Path(root), sorted(f.path for f in get_cached_repo_tree(repo, **at))
+
+    try:
+        return snapshot(local_files_only=True)
+    except (LocalEntryNotFoundError, CachedRepoTreeNotFoundError):
+        return with_retries(lambda: snapshot(local_files_only=False), repo=repo, file="(file list)", revision=revision)
+
+
 def dataset_split_files(
     repo: str, config: str | None, split: str, *, cache_dir: Path, revision: str = "main"
 ) -> list[Path]:
-    """The cached data files of one split of a dataset config, fetched on first use.
-
-    Files are chosen as the hub's dataset viewer does: the ``configs`` section of the repo's
-    README.md (``data_files`` patterns per split), else the conventional ``<config>/<split>-*`` or
-    ``data/<config>/<split>-*`` names. The choice is remembered in the manifest, so a second call
-    makes no request.
-    """
-    cache_dir = Path(cache_dir)
-    key = _key("dataset", repo, revision, f"{config}/{split}")
-    names = read_manifest(cache_dir)["splits"].get(key)
-    if names is None:
-        from huggingface_hub import HfApi
-
-        listed = with_retries(
-            lambda: HfApi().list_repo_files(repo, revision=resolve_revision(repo, revision), repo_type="dataset"),
-            repo=repo,
-            file="(file list)",
-            revision=revision,
-        )
-        patterns = None
-        if "README.md" in listed:
-            (card,) = fetch_files(repo, ["README.md"], cache_dir=cache_dir, revision=revision)
-            patterns = _config_patterns(Path(card.path).read_text(encoding="utf-8"), config, split)
-        if patterns is None:
-            patterns = (
-                [f"{config}/{split}-*", f"data/{config}/{split}-*"] if config else [f"{split}-*", f"data/{split}-*"]
-            )
-        names = sorted(f for f in listed if any(fnmatch.fnmatch(f, p) for p in patterns))
-        if not names:
-            raise HubError(
-                repo,
-                f"{config}/{split}",
-                revision,
-                f"no data files for config {config!r}, split {split!r} (patterns {patterns}; files: {listed[:20]})",
-            )
-        with _locked(cache_dir):
-            manifest = read_manifest(cache_dir)
-            manifest["splits"][key] = names
-            _write_manifest(cache_dir, manifest)
+    """The cached data files of one split of a dataset config, fetched on first use: those the README's
+    ``configs`` name (as the hub's viewer reads them), else ``[data/]<config>/<split>-*``, matched
+    against the client's cached tree listing, so a second call makes no request."""
+    root, listed = _card_and_listing(repo, Path(cache_dir), revision)
+    card = root / "README.md"
+    patterns = _config_patterns(card.read_text(encoding="utf-8"), config, split) if card.is_file() else None
+    if patterns is None:
+        patterns = [f"{config}/{split}-*", f"data/{config}/{split}-*"] if config else [f"{split}-*", f"data/{split}-*"]
+    names = [f for f in listed if any(fnmatch.fnmatch(f, p) for p in patterns)]
+    if not names:
+        why = f"no data files for config {config!r}, split {split!r} (patterns {patterns}; files: {listed[:20]})"
+        raise HubError(repo, f"{config}/{split}", revision, why)
     fetched = fetch_files(repo, names, cache_dir=cache_dir, revision=revision, desc=f"{repo} {config}/{split}")
     return [Path(f.path) for f in fetched]
 

@@ -276,7 +276,7 @@ def _link_or_rewrite(src: Path, dst: Path, column: str) -> tuple[int, int]:
         raise ValueError(f"{src}: no column {column!r} (columns: {names}); set data.hf_text_column")
     if names == ["text"]:
         try:
-            os.link(src, dst)  # a hard link: no copy of a 250M-char shard
+            os.link(os.path.realpath(src), dst)  # a hard link (to the blob a hub cache links to): no copy
         except OSError:
             shutil.copy2(src, dst)
     else:

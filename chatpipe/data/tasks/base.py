@@ -121,7 +121,7 @@ def load_hf(repo: str, config: str | None, split: str) -> list[dict[str, Any]]:
     """Rows of one split of a Hugging Face dataset config (hub or ``HF_ENDPOINT`` mirror), as dicts.
 
     The parquet files are fetched once into the hub cache (``chatpipe.data.hub``: retried, checksum
-    verified, recorded in its manifest) and read with pyarrow; later calls make no request.
+    verified, huggingface_hub's own layout) and read with pyarrow; later calls make no request.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
