@@ -154,6 +154,9 @@ class StageSettings(BaseSettings, StrictScalars):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ):
+        # Env values stay text, read by StrictScalars as the command line's are: under strict mode
+        # pydantic-settings would first coerce them itself, laxly ("yes" to true, "8.0" to 8).
+        env_settings.config = {**env_settings.config, "strict": False}
         # CLI overrides arrive as init kwargs; they beat env, which beats the file.
         return init_settings, env_settings, _ParamsFileSource(settings_cls)
 
