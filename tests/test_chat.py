@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 
@@ -86,6 +87,28 @@ def test_one_shot_prompt(workdir):
         )
 
     r = run("--model", "sft", "-p", "hi", "-t", "0", "--max-tokens", "10")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == greedy_reply(workdir, [{"role": "user", "content": "hi"}], 10).strip()
+
+
+def test_a_copy_of_a_model_dir_chats_outside_any_project(workdir, tmp_path):
+    # before: `chatpipe chat --model DIR` on a copy of artifacts/rl failed: artifacts/tokenizer/tokenizer.json missing
+    from chatpipe.model.files import save_model_dir
+
+    loaded = load_chat_model("sft", artifacts=workdir / "artifacts", device="cpu")
+    meta = {k: v for k, v in loaded.meta.items() if k != "files"}
+    save_model_dir(tmp_path / "made" / "rl", loaded.model, meta, tokenizer_dir=workdir / "artifacts" / "tokenizer")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "made" / "rl", elsewhere / "rl")
+    r = subprocess.run(
+        [sys.executable, "-m", "chatpipe.serve.chat", "--model", str(elsewhere / "rl"), "-p", "hi", "-t", "0"]
+        + ["--max-tokens", "10"],
+        cwd=elsewhere,  # no artifacts/ here
+        env={**cli_env(), "PYTHONPATH": str(REPO)},  # this checkout's chatpipe, whatever the venv points at
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == greedy_reply(workdir, [{"role": "user", "content": "hi"}], 10).strip()
 

@@ -152,3 +152,94 @@ def test_an_edited_tokenizer_pattern_is_refused(artifacts, tmp_path):
     _edit_json(tmp_path / "tok" / "tokenizer.json", lambda c: c.update(pattern=c["pattern"].replace("{1,2}", "{1,3}")))
     with pytest.raises(ValueError, match=r"tok/tokenizer\.json: edited or corrupted since it was saved"):
         Tokenizer.load(tmp_path / "tok")
+
+
+# ---------------------------------------------------------------- a model dir carries its tokenizer
+
+
+def carrying_copy(artifacts, out):
+    """``artifacts/sft`` saved as the stages save a model: its tokenizer inside, the tokenizer's hash in
+    its meta inputs. Returns ``out``."""
+    from chatpipe.io import sha256_file
+    from chatpipe.model.files import save_model_dir
+
+    loaded = load_chat_model("sft", artifacts=artifacts, device="cpu")
+    meta = {k: v for k, v in loaded.meta.items() if k != "files"}
+    meta["inputs"] = {"tokenizer": sha256_file(artifacts / "tokenizer" / "tokenizer.json")}
+    save_model_dir(out, loaded.model, meta, tokenizer_dir=artifacts / "tokenizer")
+    return out
+
+
+def greedy(loaded, text: str = "hello there", max_tokens: int = 12) -> str:
+    from chatpipe.inference.engine import Engine
+
+    prompt = loaded.tokenizer.render_for_completion({"messages": [{"role": "user", "content": text}]})
+    pieces = Engine(loaded.model, loaded.tokenizer).stream(prompt, max_tokens=max_tokens, temperature=0.0)
+    return "".join(t for _, t in pieces)
+
+
+def test_a_copied_model_dir_loads_and_replies_outside_any_project(artifacts, tmp_path, monkeypatch):
+    # before: a copy of artifacts/rl elsewhere failed with "artifacts/tokenizer/tokenizer.json: tokenizer file missing"
+    import json
+
+    from chatpipe.io import sha256_file
+
+    made = carrying_copy(artifacts, tmp_path / "project" / "rl")
+    manifest = json.loads((made / "manifest.json").read_text())["sha256"]
+    assert manifest["tokenizer/tokenizer.json"] == sha256_file(artifacts / "tokenizer" / "tokenizer.json")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(made, elsewhere / "my-model")
+    monkeypatch.chdir(elsewhere)  # no artifacts/ here: the default artifacts dir does not exist
+    copied = load_chat_model(str(elsewhere / "my-model"), device="cpu")
+    reference = load_chat_model("sft", artifacts=artifacts, device="cpu")
+    assert copied.tokenizer.vocab_size == reference.tokenizer.vocab_size and same_weights(copied.model, reference.model)
+    reply = greedy(copied)
+    assert reply.strip() and reply == greedy(reference)
+
+
+def test_an_old_model_dir_without_a_tokenizer_loads_in_its_project_only(artifacts, tmp_path, monkeypatch):
+    assert not (artifacts / "sft" / "tokenizer").exists()  # written as models were before they carried one
+    loaded = load_chat_model("sft", artifacts=artifacts, device="cpu")  # falls back to artifacts/tokenizer
+    assert greedy(loaded).strip()
+    shutil.copytree(artifacts / "sft", tmp_path / "old")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"artifacts/tokenizer/tokenizer\.json: tokenizer file missing"):
+        load_chat_model(str(tmp_path / "old"), device="cpu")
+
+
+def test_a_tampered_or_missing_tokenizer_in_a_model_dir_is_refused_naming_the_file(artifacts, tmp_path):
+    made = carrying_copy(artifacts, tmp_path / "rl")
+    load_chat_model(str(made), artifacts=artifacts, device="cpu")  # intact: loads
+    ranks = made / "tokenizer" / "ranks.tiktoken"
+    ranks.write_bytes(ranks.read_bytes()[:-40])
+    with pytest.raises(ValueError, match=r"rl/tokenizer/ranks\.tiktoken: sha256 .* does not match .*rl/manifest\.json"):
+        load_chat_model(str(made), artifacts=artifacts, device="cpu")
+    # gone: refused, not silently replaced by the project's tokenizer
+    shutil.rmtree(made / "tokenizer")
+    with pytest.raises(ValueError, match=r"rl/tokenizer/[a-z_.]+: missing \(listed in .*manifest\.json\)"):
+        load_chat_model(str(made), artifacts=artifacts, device="cpu")
+
+
+def test_saving_refuses_a_tokenizer_other_than_the_one_meta_records(artifacts, tmp_path):
+    from chatpipe.model.files import save_model_dir
+
+    loaded = load_chat_model("sft", artifacts=artifacts, device="cpu")
+    meta = {"model_config": loaded.model.config.to_dict(), "inputs": {"tokenizer": "0" * 64}}
+    with pytest.raises(ValueError, match=r"tokenizer/tokenizer\.json: not the tokenizer the model was trained with"):
+        save_model_dir(tmp_path / "rl", loaded.model, meta, tokenizer_dir=artifacts / "tokenizer")
+    assert not (tmp_path / "rl").exists()  # all or nothing
+
+
+def test_the_pyfunc_package_keeps_the_model_dirs_own_tokenizer(artifacts, tmp_path):
+    # before: packaging a model dir that carries its tokenizer copied a second one over it (FileExistsError)
+    from chatpipe.data.synthetic import pretrain_documents
+    from chatpipe.serve.pyfunc import package_model_dir
+    from chatpipe.tokenizer import Tokenizer
+
+    made = carrying_copy(artifacts, tmp_path / "rl")
+    Tokenizer.train(pretrain_documents(7, 200), vocab_size=512).save(tmp_path / "other")
+    out = package_model_dir(made, tmp_path / "other", tmp_path / "package")
+    own = (made / "tokenizer" / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == own
+    loaded = load_chat_model(str(out), tokenizer_dir=out / "tokenizer", device="cpu")  # as ChatModel loads it
+    assert greedy(loaded) == greedy(load_chat_model(str(made), device="cpu"))

@@ -64,3 +64,15 @@ def test_docs_page_and_openapi_schema_answer(server):
     assert "/api/chat" in schema["paths"] and "/health" in schema["paths"]
     old = httpx.get(f"{server}/api/docs", follow_redirects=True)
     assert old.status_code == 200 and str(old.url).endswith("/docs")
+
+
+def test_unknown_fields_are_refused_by_name_on_both_apis(server):
+    # before: /api/chat ignored a field it did not know ("max_token": 2 answered with the default length)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": False, "max_token": 2}
+    r = httpx.post(f"{server}/api/chat", json=body, timeout=30)
+    assert r.status_code == 422 and "max_token" in r.json()["error"], r.text
+    nested = {"messages": [{"role": "user", "content": "hi", "x": 1}], "stream": False}
+    r = httpx.post(f"{server}/api/chat", json=nested, timeout=30)
+    assert r.status_code == 422 and "messages.0.x" in r.json()["error"], r.text
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "sft", **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_token", r.text

@@ -322,6 +322,18 @@ def test_booleans_are_strict_from_file_env_and_command_line(params_file, monkeyp
         load_section(PretrainSettings, ["--lambdas=false"])
 
 
+@pytest.mark.parametrize(("name", "text", "why"), [("LAMBDAS", "yes", "true or false"), ("DEPTH", "8.0", "an integer")])
+def test_environment_text_is_read_as_strictly_as_the_command_line(params_file, monkeypatch, name, text, why):
+    # before: under strict mode pydantic-settings coerced env text laxly itself ("yes" was true, "8.0" was 8)
+    monkeypatch.setenv(f"CHATPIPE_PRETRAIN__{name}", text)
+    with pytest.raises(ParamsError, match=rf"CHATPIPE_PRETRAIN__{name}\): expected {why}, got the text '{text}'"):
+        load_section(PretrainSettings)
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__DEPTH", " 7 ")
+    monkeypatch.setenv("CHATPIPE_PRETRAIN__LAMBDAS", "True")
+    cfg = load_section(PretrainSettings)
+    assert cfg.depth == 7 and cfg.lambdas is True
+
+
 @pytest.mark.parametrize("cls", [DataSettings, EvalSettings, PretrainSettings, RLSettings])
 def test_seeds_stay_within_a_signed_64_bit_integer(params_file, cls):
     assert load_section(cls, {"seed": 2**63 - 1}).seed == 2**63 - 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from chatpipe import tracking
+from chatpipe.io import sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.runtime import Runtime
 from chatpipe.stage_metrics import Curves
@@ -26,7 +28,17 @@ class Recorder:
         self.flushed += 1
 
 
-def _finish(tmp_path, rank: int):
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from chatpipe.data.synthetic import pretrain_documents
+    from chatpipe.tokenizer import Tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    Tokenizer.train(pretrain_documents(0, 50), vocab_size=300).save(out)
+    return out
+
+
+def _finish(tmp_path, rank: int, tokenizer_dir):
     from chatpipe.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=128))
@@ -44,28 +56,33 @@ def _finish(tmp_path, rank: int):
         run=tracking.StageRun(),
         metrics=metrics,
         rt=rt,
+        tokenizer_dir=tokenizer_dir,
         final={"final/val_bpb": 1.25, "val/bpb": 1.25},
     )
     return model, buffer
 
 
-def test_rank_0_saves_the_model_with_its_summary_and_writes_the_metrics_files(tmp_path, monkeypatch):
+def test_rank_0_saves_the_model_with_its_summary_and_writes_the_metrics_files(tmp_path, monkeypatch, tokenizer_dir):
     monkeypatch.chdir(tmp_path)
-    model, buffer = _finish(tmp_path, rank=0)
+    model, buffer = _finish(tmp_path, rank=0, tokenizer_dir=tokenizer_dir)
     assert buffer.logged == [(10, {"final/val_bpb": 1.25, "val/bpb": 1.25})] and buffer.flushed == 1
     loaded, meta = load_model(tmp_path / "artifacts" / "base")
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert meta["step"] == 10 and meta["source_stage"] == "pretrain" and meta["mlflow_run_id"] == "r2"
     assert meta["summary"] == {"val_bpb": 1.25, "tokens": 4096}
+    # the model dir carries the tokenizer it was trained with, listed in its manifest
+    manifest = json.loads((tmp_path / "artifacts" / "base" / "manifest.json").read_text())["sha256"]
+    assert manifest["tokenizer/tokenizer.json"] == sha256_file(tokenizer_dir / "tokenizer.json")
+    assert {"tokenizer/ranks.tiktoken", "tokenizer/token_bytes.pt"} <= set(manifest)
     assert json.loads((tmp_path / "metrics" / "pretrain.json").read_text()) == {
         "pretrain": {"val_bpb": 1.25, "tokens": 4096}
     }
     assert (tmp_path / "plots" / "pretrain" / "val_bpb.csv").read_text().splitlines() == ["step,val_bpb", "10,1.25"]
 
 
-def test_other_ranks_flush_and_write_nothing(tmp_path, monkeypatch):
+def test_other_ranks_flush_and_write_nothing(tmp_path, monkeypatch, tokenizer_dir):
     monkeypatch.chdir(tmp_path)
-    _, buffer = _finish(tmp_path, rank=1)
+    _, buffer = _finish(tmp_path, rank=1, tokenizer_dir=tokenizer_dir)
     assert buffer.flushed == 1
     assert list(tmp_path.iterdir()) == []
 

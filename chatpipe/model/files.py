@@ -2,10 +2,12 @@
 
 Layout: ``model.pt`` (the GPT's state dict), ``meta.json`` (``model_config``, ``stage``,
 ``step``, ``inputs`` (the hashes of what trained it, the tokenizer's ``tokenizer.json`` among them),
-... and ``files``, the sha256 of ``model.pt``) and ``manifest.json``: the sha256 of every file of
-the directory, ``meta.json`` and a ``tokenizer/`` beside the model included. Written all or nothing
-by :func:`save_model_dir`; :func:`load_model` refuses a directory whose files do not match the
-manifest, so a hand-edited ``meta.json`` (``rotary_base``, say) cannot silently change the model.
+... and ``files``, the sha256 of ``model.pt``), ``tokenizer/`` (the tokenizer it was trained with,
+so a copy of the directory loads anywhere) and ``manifest.json``: the sha256 of every file of the
+directory, ``meta.json`` and ``tokenizer/`` included. Written all or nothing by
+:func:`save_model_dir`; :func:`load_model` refuses a directory whose files do not match the
+manifest, so a hand-edited ``meta.json`` (``rotary_base``, say) or a swapped tokenizer cannot
+silently change the model. Directories written before models carried a tokenizer have none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from chatpipe.io import atomic_dir, save_torch, sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer"  # the model's own tokenizer, a folder beside its weights
 
 
 def _listed_files(model_dir: Path) -> list[Path]:
@@ -41,14 +44,45 @@ def write_manifest(model_dir: Path) -> Path:
     return model_dir / MANIFEST
 
 
-def save_model_dir(out_dir: Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
-    """Atomically write a stage's final model (``model.pt`` + ``meta.json`` + ``manifest.json``) to ``out_dir``."""
+def save_model_dir(
+    out_dir: Path, model: torch.nn.Module, meta: dict[str, Any], tokenizer_dir: Path | None = None
+) -> None:
+    """Atomically write a stage's final model (``model.pt`` + ``meta.json`` + ``manifest.json``) to ``out_dir``.
+
+    ``tokenizer_dir``: the tokenizer the model was trained with, copied in as ``tokenizer/`` and listed
+    in the manifest (None only for models made outside the pipeline: tests, benches).
+    """
     for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a killed save
         shutil.rmtree(stale, ignore_errors=True)
     with atomic_dir(out_dir) as tmp:
         save_torch(tmp / "model.pt", model.state_dict())
         write_json_atomic(tmp / "meta.json", {**meta, "files": {"model.pt": sha256_file(tmp / "model.pt")}})
+        if tokenizer_dir is not None:
+            copy_tokenizer(Path(tokenizer_dir), tmp / TOKENIZER, meta)
         write_manifest(tmp)
+
+
+def copy_tokenizer(src: Path, dst: Path, meta: dict[str, Any]) -> None:
+    """The files :meth:`chatpipe.tokenizer.Tokenizer.load` reads, from ``src`` into the new folder ``dst``.
+
+    It must be the tokenizer ``meta`` records in ``inputs.tokenizer`` (when it records one): a
+    tokenizer retrained while the stage ran would otherwise travel with weights it never trained.
+    """
+    from chatpipe.tokenizer import CONFIG_FILE, RANKS_FILE, TOKEN_BYTES_FILE
+
+    dst.mkdir()
+    for name in (CONFIG_FILE, RANKS_FILE, TOKEN_BYTES_FILE):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+        elif name != TOKEN_BYTES_FILE:  # bits-per-byte only: a tokenizer loads without it
+            raise FileNotFoundError(f"{src / name}: tokenizer file missing; run the `tokenizer` stage first")
+    inputs = meta.get("inputs")
+    recorded = inputs.get("tokenizer") if isinstance(inputs, dict) else None
+    if recorded is not None and sha256_file(dst / CONFIG_FILE) != recorded:
+        raise ValueError(
+            f"{src / CONFIG_FILE}: not the tokenizer the model was trained with (sha256 {str(recorded)[:12]}... "
+            "in its meta inputs): it changed while the stage ran; re-run the stage"
+        )
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

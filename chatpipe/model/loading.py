@@ -9,8 +9,9 @@ A name is one of:
   :func:`chatpipe.model.files.save_model_dir` under the artifact path ``model``;
 - a path to such a model directory.
 
-The tokenizer comes from ``artifacts/tokenizer/`` unless a ``tokenizer/`` folder sits beside the
-model files (a registered model may carry its own).
+The tokenizer is the model directory's own ``tokenizer/`` (every stage writes one, checked with the
+directory's manifest), so a copy of the directory loads anywhere; a directory written before models
+carried their tokenizer falls back to its project's ``artifacts/tokenizer/``.
 
     from chatpipe.model.loading import load_chat_model
     loaded = load_chat_model("sft")            # Loaded(model, tokenizer, name, stage, meta, device)
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from chatpipe.io import sha256_file
-from chatpipe.model.files import load_model
+from chatpipe.model.files import TOKENIZER, load_model
 from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import MODEL_STAGES
 from chatpipe.tokenizer import CONFIG_FILE, Tokenizer
@@ -178,11 +179,12 @@ def load_chat_model(
     # a registered model is downloaded for as long as it takes to read it into memory
     with tempfile.TemporaryDirectory(prefix="chatpipe-model-") as download:
         model_dir = resolve(name, Path(artifacts), tracking_uri, download_to=Path(download))
-        if tokenizer_dir is None:
-            beside = model_dir / "tokenizer"
-            tokenizer_dir = beside if beside.is_dir() else Path(artifacts) / "tokenizer"
-        tokenizer = Tokenizer.load(tokenizer_dir)
+        # first: the manifest vouches for the directory's own tokenizer before it is read
         model, meta = load_model(model_dir, device=dev)
+        if tokenizer_dir is None:
+            own = model_dir / TOKENIZER
+            tokenizer_dir = own if own.is_dir() else Path(artifacts) / "tokenizer"
+        tokenizer = Tokenizer.load(tokenizer_dir)
         check_tokenizer(meta, Path(tokenizer_dir), model_dir)
     vocab = model.config.vocab_size
     if tokenizer.vocab_size > vocab:

@@ -32,7 +32,6 @@ import argparse
 import json
 import logging
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -187,11 +186,9 @@ def import_nanochat(
         log.warning("no --tokenizer: wrote a byte fallback tokenizer; replies are bytes, not nanochat's tokens")
     elif tok.vocab_size > config.vocab_size:
         raise ValueError(f"{tokenizer}: {tok.vocab_size} ids but the model has only {config.vocab_size}")
-    save_model_dir(out, model, meta)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # saved apart, then copied in with the model, all or nothing
         tok.save(Path(tmp) / "tokenizer")
-        shutil.rmtree(out / "tokenizer", ignore_errors=True)
-        shutil.move(str(Path(tmp) / "tokenizer"), out / "tokenizer")
+        save_model_dir(out, model, meta, tokenizer_dir=Path(tmp) / "tokenizer")
     log.info("imported %s -> %s (%s)", weights, out, config)
     return out
 

@@ -54,7 +54,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatpipe.inference.engine import Engine
@@ -63,6 +63,7 @@ from chatpipe.serve.chat import ContextTooLong, append_part, context_limit, prom
 from chatpipe.serve.openai_api import (
     SSE_EVENT,
     OpenAIError,
+    StrictRequest,
     Text,
     openai_router,
     until_disconnected,
@@ -82,21 +83,17 @@ class ApiError(Exception):
         self.status, self.message = status, message
 
 
-class _Typed(BaseModel):
-    model_config = ConfigDict(strict=True)  # "max_tokens": "8" is refused, not coerced
-
-
-class Part(_Typed):
+class Part(StrictRequest):
     type: Literal["text", "python", "python_output"]
     text: Text
 
 
-class Message(_Typed):
+class Message(StrictRequest):
     role: Literal["system", "user", "assistant"]
     content: Text | list[Part]
 
 
-class ChatRequest(_Typed):
+class ChatRequest(StrictRequest):
     messages: list[Message] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=5)
     top_k: int | None = Field(None, ge=0)

@@ -80,27 +80,33 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class _Strict(BaseModel):
-    # strict: "max_tokens": "8" or "stream": "yes" is a 400, never silently coerced
+class StrictRequest(BaseModel):
+    """The base of every request body this server takes (``/v1`` here, ``/api/chat`` in app.py).
+
+    Strict: ``"max_tokens": "8"`` or ``"stream": "yes"`` is refused, never silently coerced. Unknown
+    fields are refused too (a misspelt ``max_token`` would otherwise be ignored without a word);
+    the fields OpenAI's clients send unasked (``user``, the penalties, ``logprobs``) are declared.
+    """
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictRequest):
     type: Literal["text", "python", "python_output"]
     text: Text
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[ContentPart]
     name: Text | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictRequest):
     model: str
     max_tokens: int | None = Field(None, ge=1, description="new tokens per choice, up to serve.max_tokens_limit")
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")

@@ -115,10 +115,12 @@ def checked_params(params: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def package_model_dir(model_dir: Path, tokenizer_dir: Path, dest: Path) -> Path:
-    """``dest/model``: the model files with ``tokenizer/`` beside them (what gets logged)."""
+    """``dest/model``: the model files with ``tokenizer/`` beside them (what gets logged). A model dir
+    carries its own tokenizer (checked by its manifest); ``tokenizer_dir`` is for older ones only."""
     out = dest / "model"
     shutil.copytree(model_dir, out)
-    shutil.copytree(tokenizer_dir, out / "tokenizer")
+    if not (out / "tokenizer").is_dir():
+        shutil.copytree(tokenizer_dir, out / "tokenizer")
     return out
 
 

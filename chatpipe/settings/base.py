@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 import types
+from contextlib import suppress
 from contextvars import ContextVar
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from chatpipe.settings.params import ParamsError, params_path, resolve_params
@@ -26,62 +28,31 @@ ModelStage = Literal[tuple(MODEL_STAGES)]
 MAX_SEED = 2**63 - 1
 
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_TYPE_ERRORS = {"int_type", "float_type", "bool_type"}  # pydantic's strict-mode refusals of a scalar
 
 
-def _scalar_kinds(annotation: Any) -> tuple[set[type], bool]:
-    """The plain scalar types (bool, int, float) a field's annotation admits, and whether it admits
-    anything else too (a Literal, a str, None, a list, a model)."""
-    origin = get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        kinds, other = set(), False
-        for arg in get_args(annotation):
-            k, o = _scalar_kinds(arg)
-            kinds |= k
-            other = other or o
-        return kinds, other
-    if annotation in (bool, int, float):
-        return {annotation}, False
-    return set(), True
+def _scalar_kinds(annotation: Any) -> set[type]:
+    """The plain scalar types (bool, int, float) a field's annotation admits, unions included."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return set().union(*(_scalar_kinds(arg) for arg in get_args(annotation)))
+    return {annotation} if annotation in (bool, int, float) else set()
 
 
-def _expected(kinds: set[type]) -> str:
-    return "true or false" if kinds == {bool} else "an integer" if float not in kinds else "a number"
+def _read_text(text: str, kinds: set[type]) -> Any:
+    """A command-line or environment value (always text) as the scalar it spells, else the text itself.
 
-
-def strict_scalar(annotation: Any, value: Any) -> Any:
-    """``value`` for a field typed ``annotation``, without pydantic's loose coercions of scalars.
-
-    Refused: a boolean for a number (YAML 1.1 reads ``no``/``off`` as false, which became 0), a
-    number for a boolean (1 became true), a float for an integer (``50.0``), text that is not a whole
-    number for an integer. Text from the command line or the environment is read here: ``true`` /
-    ``false`` for booleans, decimal digits for integers; floats are parsed by pydantic, finite only.
+    Hand-made because strict mode refuses ``"8"`` for an integer, and these sources have no other
+    way to say 8: ``true`` / ``false`` for booleans, decimal digits for integers, a float for floats.
     """
-    kinds, other = _scalar_kinds(annotation)
-    if not kinds:
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        if bool in kinds and text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        if int in kinds and _INT_TEXT.fullmatch(text):
-            return int(text)
-        if float in kinds or other:
-            return value
-        raise ValueError(f"expected {_expected(kinds)}, got the text {value!r}")
-    if isinstance(value, bool):
-        if bool not in kinds:
-            raise ValueError(
-                f"expected {_expected(kinds)}, got the boolean {str(value).lower()} "
-                "(YAML reads yes/no/on/off as booleans)"
-            )
-        return value
-    if isinstance(value, int | float) and bool in kinds and not kinds & {int, float}:
-        raise ValueError(f"expected true or false, got the number {value!r}")
-    if isinstance(value, float) and int in kinds and float not in kinds:
-        raise ValueError(f"expected an integer, got the float {value!r}")
-    if isinstance(value, int) and float in kinds and int not in kinds and abs(value) > 2**53 and not _exact(value):
-        raise ValueError(f"an integer of {len(str(abs(value)))} digits: a float would not hold it exactly")
-    return value
+    word = text.strip()
+    if bool in kinds and word.lower() in ("true", "false"):
+        return word.lower() == "true"
+    if int in kinds and _INT_TEXT.fullmatch(word):
+        return int(word)
+    if float in kinds:
+        with suppress(ValueError):
+            return float(word)
+    return text
 
 
 def _exact(value: int) -> bool:
@@ -91,19 +62,38 @@ def _exact(value: int) -> bool:
         return False
 
 
-class StrictScalars(BaseModel):
-    """Booleans, integers and floats taken only as what they say: see :func:`strict_scalar`.
+def _described(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()} (YAML reads yes/no/on/off as booleans)"
+    kind = "text" if isinstance(value, str) else "float" if isinstance(value, float) else "number"
+    return f"the {kind} {value!r}" if isinstance(value, str | int | float) else repr(value)
 
-    Floats must be finite (``allow_inf_nan``): a NaN learning rate passes every ``gt``/``le`` bound.
+
+class StrictScalars(BaseModel):
+    """Booleans, integers and floats taken only as what they say: pydantic's strict mode refuses a boolean
+    for a number (YAML 1.1 reads ``no``/``off`` as false, which lax mode made 0), a number for a boolean,
+    a float for an integer (``50.0``); an integer is a float only if the float holds it exactly. Text from
+    the command line or the environment is read first (:func:`_read_text`); a refusal says what was
+    expected and what came. Floats must be finite: a NaN learning rate passes every ``gt``/``le`` bound.
     """
 
-    model_config = {"allow_inf_nan": False}
+    model_config = {"strict": True, "allow_inf_nan": False}
 
-    @field_validator("*", mode="before")
+    @field_validator("*", mode="wrap")
     @classmethod
-    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+    def _strict_scalars(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        return value if field is None else strict_scalar(field.annotation, value)
+        kinds = _scalar_kinds(field.annotation) if field else set()
+        value = _read_text(value, kinds) if kinds and isinstance(value, str) else value
+        if type(value) is int and kinds == {float} and not _exact(value):
+            raise ValueError(f"an integer of {len(str(abs(value)))} digits: a float would not hold it exactly")
+        try:
+            return handler(value)
+        except ValidationError as e:
+            if not kinds or not any(err["type"] in _TYPE_ERRORS for err in e.errors()):
+                raise
+            want = "true or false" if kinds == {bool} else "an integer" if float not in kinds else "a number"
+            raise ValueError(f"expected {want}, got {_described(value)}") from None
 
 
 def snapshot(settings: BaseModel) -> dict[str, Any]:
@@ -157,14 +147,15 @@ class StageSettings(BaseSettings, StrictScalars):
     section: ClassVar[str] = ""
     # keys this section used to have -> what replaced them; a params file that still sets one fails with it
     removed: ClassVar[dict[str, str]] = {}
-    model_config = SettingsConfigDict(
-        extra="forbid", env_nested_delimiter="__", validate_default=True, allow_inf_nan=False
-    )
+    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", validate_default=True)
 
     @classmethod
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ):
+        # Env values stay text, read by StrictScalars as the command line's are: under strict mode
+        # pydantic-settings would first coerce them itself, laxly ("yes" to true, "8.0" to 8).
+        env_settings.config = {**env_settings.config, "strict": False}
         # CLI overrides arrive as init kwargs; they beat env, which beats the file.
         return init_settings, env_settings, _ParamsFileSource(settings_cls)
 

@@ -175,7 +175,7 @@ TaskName = Literal[
 class MixItem(StrictScalars):
     """One task of a chat-stage mixture: ``{task: gsm8k, limit: 8000, epochs: 2, source: local, path: ...}``."""
 
-    model_config = {"extra": "forbid", "allow_inf_nan": False}
+    model_config = {"extra": "forbid"}
     task: TaskName
     limit: int | None = Field(None, ge=0, description="examples taken from the task (None: all / its default)")
     epochs: int = Field(1, ge=1, description="times every example appears in one pass of the mixture")

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from chatpipe.io import fingerprint
 from chatpipe.model.files import save_model_dir
+from chatpipe.paths import ARTIFACTS
 from chatpipe.runtime import Runtime
 from chatpipe.settings import RunSettings, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
@@ -102,14 +103,16 @@ def finish_stage(
     run: StageRun,
     metrics: Curves,
     rt: Runtime,
+    tokenizer_dir: Path = ARTIFACTS / "tokenizer",
     final: dict[str, float] | None = None,
 ) -> None:
     """Log ``final`` at ``step``, flush the step metrics, then on rank 0 save and report the model.
 
     ``meta`` is the stage's checkpoint meta (``stage``, settings, inputs, loop state, and under
     ``carried`` the MLflow run ids that trained the model). Rank 0 writes ``out_dir`` (``model.pt`` +
-    ``meta.json``: ``meta`` plus the step, the summary, the stage and the newest of those run ids),
-    logs the summary as ``summary/<key>`` metrics of ``run`` and writes ``metrics/<stage>.json``.
+    ``meta.json``: ``meta`` plus the step, the summary, the stage and the newest of those run ids;
+    ``tokenizer/``: a copy of ``tokenizer_dir``, the pipeline's tokenizer that every training stage
+    trains with), logs the summary as ``summary/<key>`` metrics of ``run`` and writes ``metrics/<stage>.json``.
     Every rank calls it; only rank 0 writes (its buffers are the only ones that hold metrics).
     """
     stage, run_ids = meta["stage"], meta["carried"]["mlflow_run_ids"]
@@ -128,6 +131,7 @@ def finish_stage(
             "source_stage": stage,
             "mlflow_run_id": run_ids[-1] if run_ids else None,
         },
+        tokenizer_dir=tokenizer_dir,
     )
     run.log_metrics({f"summary/{k}": float(v) for k, v in summary.items()})
     write_metrics(stage, summary)
