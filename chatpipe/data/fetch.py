@@ -8,7 +8,6 @@ is read with fsspec, retried with backoff, and its zip CRCs checked before unpac
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 import zipfile
@@ -17,7 +16,7 @@ from pathlib import Path
 import fsspec
 
 from chatpipe.data import hub
-from chatpipe.io import atomic_dir
+from chatpipe.io import atomic_dir, move_into_place
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def _unpack(archive: Path, work: Path) -> None:
     root = entries[0] if len(entries) == 1 and entries[0].is_dir() else unpacked
     for entry in root.iterdir():
         if entry.name != "__MACOSX":
-            os.replace(entry, work / entry.name)
+            move_into_place(entry, work / entry.name)  # inside the atomic work dir
     shutil.rmtree(unpacked)
     if archive.parent == work:
         archive.unlink()  # our download; a hub archive stays in the hub cache
