@@ -447,9 +447,9 @@ class RewardModelSettings(RunSettings):
         description="tiny: train arithmetic problems, from the train split's `preferences` part that no other "
         "stage reads",
     )
-    tiny_samples: int = Field(4, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
+    tiny_samples: int = Field(8, ge=0, description="tiny: init-model samples per problem ranked by the verifier")
     tiny_sample_prompts: int = Field(
-        2048,
+        4096,
         ge=0,
         description="tiny: the init model is sampled on the first N train problems only (0: none); every "
         "problem gets contrasts",
