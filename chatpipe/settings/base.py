@@ -18,8 +18,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from chatpipe.settings.params import ParamsError, params_path, resolve_params
 
-# The pipeline's stages in run order (dvc.yaml lists the same, in the same order; a test checks it),
-# and the model each training stage hands on: artifacts/<model stage>/, made by its training stage.
+# The model each training stage hands on: artifacts/<model stage>/, made by its training stage.
+# (The stages themselves, in run order, are dvc.yaml's: chatpipe.settings.pipeline reads them.)
 MODEL_STAGES = {"base": "pretrain", "mid": "midtrain", "sft": "sft", "rl": "rl"}
 ModelStage = Literal[tuple(MODEL_STAGES)]
 
