@@ -36,6 +36,7 @@ from chatpipe import runtime
 from chatpipe.data import preferences as prefs
 from chatpipe.data.tasks import build_task
 from chatpipe.inference.engine import Engine
+from chatpipe.inference.scheduler import generate_continuous
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
@@ -247,9 +248,10 @@ def _tiny_split(
     engine = Engine(policy.eval(), tok)
     prompts = [tok.render_for_completion(c) for c in convs]
     with torch.no_grad():
-        generated = engine.generate_many(
+        generated = generate_continuous(  # finished rows leave, the next problems' samples join
+            engine,
             prompts,
-            num_samples=cfg.tiny_samples,
+            cfg.tiny_samples,
             max_tokens=cfg.tiny_max_new_tokens,
             temperature=cfg.tiny_temperature,
             top_k=50,

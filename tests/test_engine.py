@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from chatpipe.inference.engine import Engine, StopMatcher, sample_next
+from chatpipe.inference.engine import Engine, StopMatcher, sample_next, sampling_candidates, sampling_probs
 from chatpipe.model.gpt import GPT, GPTConfig
 from tests.chatmodel import ByteTokenizer
 
@@ -137,6 +137,20 @@ def test_top_k_limits_choices_and_temperature_zero_is_argmax():
     picks = set(sample_next(row.repeat(400, 1), rng, temperature=1.0, top_k=3).tolist())
     assert picks == {3, 17, 40}
     assert len(set(sample_next(row.repeat(400, 1), rng, temperature=1.0).tolist())) > 3
+
+
+def test_sampling_candidates_hold_the_distribution_of_sampling_probs():
+    """The batch's top-k draw looks at the k best tokens only: scattered back over the vocabulary,
+    its probabilities are :func:`sampling_probs`'s, with top-p too; without top-k it is that function."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 3.0
+    for top_k, top_p in ((5, None), (40, None), (40, 0.6), (None, 0.8), (300, None), (1, None)):
+        probs, ids = sampling_candidates(logits, 0.7, top_k, top_p)
+        if ids is None:
+            full = probs
+        else:
+            assert ids.shape == (6, top_k) and probs.shape == (6, top_k)
+            full = torch.zeros_like(logits).scatter(1, ids, probs)
+        assert torch.allclose(full, sampling_probs(logits, 0.7, top_k, top_p), atol=1e-6), (top_k, top_p)
 
 
 def test_top_k_sampling_draws_from_the_renormalised_top_k():

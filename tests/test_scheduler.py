@@ -105,6 +105,9 @@ def test_samples_of_one_prompt_share_its_prefill_and_draw_independently():
     model.forward = lambda idx, **kw: calls.append(tuple(idx.shape)) or forward(idx, **kw)
     sched = Scheduler(engine, rows=8, context=64)
     req = sched.submit(GenRequest([S["<|bos|>"], *TOK.encode("hello")], num_samples=4, max_tokens=10, seed=5))
+    sched.step()
+    cache = sched.cache  # the four rows read one copy of the prompt, in slot 0, and hold only their replies
+    assert cache.slot[:4] == [0] * 4 and cache.base[:4] == [6] * 4 and cache.prompt_lengths[0] == 6
     sched.run()
     assert calls[0] == (1, 6) and all(c[1] == 1 for c in calls[1:])  # one prefill, then one token per row
     assert len({tuple(s) for s in req.seqs}) > 1
@@ -121,7 +124,8 @@ def test_rows_and_memory_are_bounded_and_a_request_too_long_is_refused():
     while sched.busy():
         seen.append(sched.step())
     assert max(seen) == 4 and all(r.done for r in reqs)
-    assert sched.memory_bytes == 2 * 2 * 1 * 32 * 4 * 40 * 4  # k and v x layers x kv heads x head_dim x rows x context
+    # k and v x layers x kv heads x head_dim x (4 rows + 2 prompt slots) x context x float32
+    assert sched.memory_bytes == 2 * 2 * 1 * 32 * (4 + 2) * 40 * 4
     with pytest.raises(ValueError, match="over the 40 KV positions"):
         sched.submit(GenRequest([S["<|bos|>"]] * 30, max_tokens=11))
     with pytest.raises(ValueError, match="more rows than the batch's 4"):

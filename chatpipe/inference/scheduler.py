@@ -1,13 +1,15 @@
 """Continuous batching: one running batch that requests join and leave between decode steps.
 
 A :class:`Scheduler` owns a :class:`chatpipe.model.row_cache.RowKVCache` of ``rows`` x
-``context`` positions, allocated once: that is all the KV memory it ever uses. Each call of
+``context`` positions (and ``rows // 2`` prompt slots for requests of several samples), allocated
+once: that is all the KV memory it ever uses. Each call of
 :meth:`Scheduler.step`:
 
 1. **admits** waiting requests, oldest first, while the batch has a free row for every sample of
    the next one: the joining prompts are prefilled together, right-padded (a prompt never attends
-   to the padding after it, so each keeps its own positions), and each prompt's keys/values copied
-   into one row per sample (samples share their prompt's prefill);
+   to the padding after it, so each keeps its own positions). A prompt of one sample is copied
+   into its row; a prompt of several into a prompt slot that its samples' rows read (they share
+   its prefill and its keys/values, and hold only their replies);
 2. samples one token for every live row, each row with its own stop tokens, ``max_tokens`` and
    calculator state. Every request has its own ``torch.Generator`` seeded with its seed: its live
    samples draw from it together, in sample order, wherever their rows sit in the batch;
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from chatpipe.inference.engine import Engine, _Row, sampling_probs
+from chatpipe.inference.engine import Engine, _Row, sampling_candidates
 from chatpipe.model.gpt import KVCache
 from chatpipe.model.row_cache import RowKVCache
 
@@ -106,8 +108,9 @@ class Scheduler:
 
     @property
     def memory_bytes(self) -> int:
-        """The KV cache's size in float32: rows x context positions of every layer's keys and values."""
-        return RowKVCache.bytes_for(self.model.config, self.rows, self.context)
+        """The KV cache's bound in float32: rows, and rows // 2 prompt slots (allocated when a request
+        with several samples first shares one), of context positions of every layer's keys and values."""
+        return RowKVCache.bytes_for(self.model.config, self.rows + self.rows // 2, self.context)
 
     def fits(self, prompt_len: int, max_tokens: int, num_samples: int = 1) -> str | None:
         """Why a request this big can never run here (naming the limit), or None when it can."""
@@ -169,15 +172,20 @@ class Scheduler:
             stops = self.engine.stop_ids(req.stop_tokens)
             req.rng = torch.Generator(device=self.device)
             req.rng.manual_seed(req.seed)
+            slot = self.cache.add_prompt(prompt, source_row=i, length=lengths[i]) if req.num_samples > 1 else None
             for j in range(req.num_samples):
-                self.cache.load(len(self.live), prompt, source_row=i, length=lengths[i])
+                if slot is None:
+                    self.cache.load(len(self.live), prompt, source_row=i, length=lengths[i])
+                else:  # the samples read one copy of their prompt (RowKVCache's shared prompts)
+                    self.cache.join(len(self.live), slot, prompt, source_row=i)
                 self.live.append(_Live(req, j, stops))
                 self.cache.n = len(self.live)
         return last
 
     def _sample(self) -> list[int]:
         """One token per live row from its logits: argmax at temperature 0, else a draw from its request's
-        generator (its live samples in sample order, one call a step), wherever its rows sit in the batch."""
+        generator (its live samples in sample order, one call a step), wherever its rows sit in the batch.
+        With ``top_k`` the draw is over the k best tokens only (:func:`sampling_candidates`)."""
         tokens = [0] * len(self.live)
         by_request: dict[int, list[int]] = {}
         greedy = []
@@ -198,10 +206,13 @@ class Scheduler:
             settings.setdefault((r.temperature, r.top_k, r.top_p), []).append(idx)
         for (temperature, top_k, top_p), groups in settings.items():
             flat = [i for idx in groups for i in idx]
-            probs = sampling_probs(self.logits[flat], temperature, top_k, top_p)
+            probs, ids = sampling_candidates(self.logits[flat], temperature, top_k, top_p)
             start = 0
             for idx in groups:
-                drawn = torch.multinomial(probs[start : start + len(idx)], 1, generator=self.live[idx[0]].req.rng)
+                rows = slice(start, start + len(idx))
+                drawn = torch.multinomial(probs[rows], 1, generator=self.live[idx[0]].req.rng)
+                if ids is not None:  # a top-k candidate's index -> its token
+                    drawn = ids[rows].gather(1, drawn)
                 for i, t in zip(idx, drawn.squeeze(1).tolist()):
                     tokens[i] = t
                 start += len(idx)
@@ -314,12 +325,16 @@ def generate_continuous(
 
     Prompt ``i`` samples with seed ``seed + i``, so results depend only on the prompts and ``seed``.
     The batch holds ``max_rows`` rows (rounded down to whole prompts); when a row finishes, the
-    next prompt's samples take its place as soon as there are rows for all of them.
+    next prompt's samples take its place as soon as there are rows for all of them. The batch stays
+    on ``engine.batch`` for the next call of the same size (its KV memory is allocated once).
     """
     longest = max(len(p) for p in prompts) if prompts else 0
     rows = min(max(num_samples, (max_rows // num_samples) * num_samples), len(prompts) * num_samples)
-    context = context or longest + kw.get("max_tokens", 64)
-    sched = Scheduler(engine, rows=rows, context=context)
+    need = longest + kw.get("max_tokens", 64)
+    context = context or max(need, min(-(-need // 64) * 64, engine.model.config.sequence_len))  # reused more
+    sched = engine.batch
+    if not isinstance(sched, Scheduler) or sched.rows != rows or sched.context < context or sched.busy():
+        sched = engine.batch = Scheduler(engine, rows=rows, context=context)  # RL's next step reuses its memory
     reqs = [
         sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, **kw)) for i, p in enumerate(prompts)
     ]

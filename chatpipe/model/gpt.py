@@ -44,7 +44,7 @@ from chatpipe.model.attention import (
     sliding_window_block_mask,
 )
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
-from chatpipe.model.row_cache import RowKVCache
+from chatpipe.model.row_cache import RowKVCache, RowPlan
 
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
@@ -355,7 +355,7 @@ CPU_ATTENTION_BLOCK = 128  # query rows per call for windowed attention over a w
 # devices whose sliding-window layers go through FlexAttention (chatpipe.model.attention): CUDA only.
 # On CPU the compiled flex forward is no faster than the paths below (bench/README.md) and has no backward.
 FLEX_DEVICES = ("cuda",)
-AttentionPlan = list[AttentionSpan] | BlockwiseCausal | FlexWindow
+AttentionPlan = list[AttentionSpan] | BlockwiseCausal | FlexWindow | RowPlan
 
 
 def _attention_plan(
@@ -435,6 +435,9 @@ class CausalSelfAttention(nn.Module):
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
         if self.qk_scale != 1.0:
             q, k = q * self.qk_scale, k * self.qk_scale
+        if isinstance(plan, RowPlan):  # rows at their own positions: the row cache attends (shared prompts)
+            y = kv_cache.attend(self.layer_idx, q, k, v, plan)
+            return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
         if kv_cache is not None:
             k, v = kv_cache.insert(self.layer_idx, k, v)
         if isinstance(plan, BlockwiseCausal):
@@ -579,8 +582,7 @@ class GPT(nn.Module):
         if isinstance(kv_cache, RowKVCache):  # one token per row, each row at its own position
             positions = kv_cache.positions(idx.device)
             cos, sin = self.cos[0, 0, positions][:, None, None], self.sin[0, 0, positions][:, None, None]
-            masks = {w: kv_cache.attention_mask(w, positions) for w in set(self.windows)}
-            plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
+            plans = {w: kv_cache.plan(w, positions) for w in set(self.windows)}
         elif kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
             masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
             plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}

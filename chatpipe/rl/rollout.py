@@ -299,8 +299,8 @@ def evaluate_problems(
     """Per-problem lists of sample correctness (the task's verdict, :meth:`Problem.is_correct`), for pass@k."""
     out = []
     prompts = [engine.tokenizer.render_for_completion(problem.conversation) for problem in problems]
-    generated = engine.generate_many(
-        prompts, num_samples=num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    generated = generate_continuous(  # one continuous batch, as the rollouts
+        engine, prompts, num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
     )
     for problem, prompt, (seqs, _) in zip(problems, prompts, generated):
         texts = [engine.tokenizer.decode([t for t in s[len(prompt) :] if t != engine.assistant_end]) for s in seqs]
