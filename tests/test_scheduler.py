@@ -116,6 +116,30 @@ def test_samples_of_one_prompt_share_its_prefill_and_draw_independently():
     assert again.seqs == req.seqs
 
 
+def test_requests_of_several_samples_past_the_prompt_slots_run_as_whole_rows():
+    """Samples of one prompt end apart, so every prompt slot (rows // 2) can be held by a request with
+    one row left while rows are free: the next such request joins as whole rows, never fails, and
+    each request draws what it draws alone."""
+    engine = Engine(random_model(2), TOK)
+    work = [([S["<|bos|>"], *TOK.encode("ab" * (i % 5) + "q")], 100 + i) for i in range(12)]
+    kw = dict(num_samples=2, max_tokens=24, temperature=1.0, stop_tokens=TOK.encode("abcdefgh"))
+    alone = []
+    for prompt, seed in work:
+        sched = Scheduler(engine, rows=4, context=64)
+        alone.append(sched.submit(GenRequest(prompt, seed=seed, **kw)))
+        sched.run()
+    sched = Scheduler(engine, rows=4, context=64)
+    reqs = [sched.submit(GenRequest(prompt, seed=seed, **kw)) for prompt, seed in work]
+    whole_pairs = 0
+    while sched.busy():
+        sched.step()
+        rows = sched.live
+        whole_pairs += sum(1 for i, row in enumerate(rows) if row.sample == 1 and sched.cache.slot[i] < 0)
+    assert whole_pairs > 0  # the case happened
+    assert all(r.done for r in reqs) and [r.seqs for r in reqs] == [r.seqs for r in alone]
+    assert len({len(s) for r in reqs for s in r.seqs}) > 3  # samples ended apart
+
+
 def test_rows_and_memory_are_bounded_and_a_request_too_long_is_refused():
     engine = Engine(quiet_model(), TOK)
     sched = Scheduler(engine, rows=4, context=40)

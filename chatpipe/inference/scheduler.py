@@ -172,7 +172,8 @@ class Scheduler:
             stops = self.engine.stop_ids(req.stop_tokens)
             req.rng = torch.Generator(device=self.device)
             req.rng.manual_seed(req.seed)
-            slot = self.cache.add_prompt(prompt, source_row=i, length=lengths[i]) if req.num_samples > 1 else None
+            shared = req.num_samples > 1 and self.cache.free_slot() is not None  # else whole rows, as one sample
+            slot = self.cache.add_prompt(prompt, source_row=i, length=lengths[i]) if shared else None
             for j in range(req.num_samples):
                 if slot is None:
                     self.cache.load(len(self.live), prompt, source_row=i, length=lengths[i])

@@ -142,8 +142,7 @@ class RowKVCache:
         length = source.pos if length is None else length
         if length > self.context:
             raise ValueError(f"a prompt of {length} positions does not fit a row of {self.context}")
-        taken = {self.slot[r] for r in range(self.n)}
-        slot = next((s for s in range(len(self.prompt_lengths)) if s not in taken), None)
+        slot = self.free_slot()
         if slot is None:
             raise ValueError(f"all {len(self.prompt_lengths)} prompt slots are taken (rows // 2 of {self.rows} rows)")
         if source.k is not None:
@@ -154,6 +153,12 @@ class RowKVCache:
             self.pv[:, slot, :, :length] = source.v[:, source_row, :, :length]
         self.prompt_lengths[slot] = length
         return slot
+
+    def free_slot(self) -> int | None:
+        """The first prompt slot no live row reads, or None. Samples of one prompt can end apart, so
+        every slot may be held by a request with one row left while rows are free."""
+        taken = {self.slot[r] for r in range(self.n)}
+        return next((s for s in range(len(self.prompt_lengths)) if s not in taken), None)
 
     def join(self, row: int, slot: int, source: Any, source_row: int = 0) -> None:
         """``row`` continues the prompt in ``slot`` (``source``/``source_row``: where it was prefilled,
