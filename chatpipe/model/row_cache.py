@@ -124,9 +124,7 @@ class RowKVCache:
     def load(self, row: int, source: Any, source_row: int = 0, length: int | None = None) -> None:
         """Copy the first ``length`` positions (all by default) of row ``source_row`` of a prefilled
         :class:`chatpipe.model.gpt.KVCache` (no left padding) into ``row``: the row holds it whole."""
-        length = source.pos if length is None else length
-        if length > self.context:
-            raise ValueError(f"a prompt of {length} positions does not fit a row of {self.context}")
+        length = self._prompt_length(source, length)
         if source.key_mask is not None:
             raise ValueError("load a prompt prefilled alone: a left-padded row would shift its positions")
         if source.k is not None:
@@ -139,9 +137,7 @@ class RowKVCache:
     def add_prompt(self, source: Any, source_row: int = 0, length: int | None = None) -> int:
         """Copy a prefilled prompt (as :meth:`load`) into a free prompt slot; returns the slot, which
         stays taken while a live row :meth:`join` ed it."""
-        length = source.pos if length is None else length
-        if length > self.context:
-            raise ValueError(f"a prompt of {length} positions does not fit a row of {self.context}")
+        length = self._prompt_length(source, length)
         slot = self.free_slot()
         if slot is None:
             raise ValueError(f"all {len(self.prompt_lengths)} prompt slots are taken (rows // 2 of {self.rows} rows)")
@@ -168,6 +164,13 @@ class RowKVCache:
         self._copy_prev(row, source, source_row)
         length = self.prompt_lengths[slot]
         self.lengths[row], self.base[row], self.slot[row] = length, length, slot
+
+    def _prompt_length(self, source: Any, length: int | None) -> int:
+        """``length`` (all of ``source``'s positions when None), refused when it cannot fit a row."""
+        length = source.pos if length is None else length
+        if length > self.context:
+            raise ValueError(f"a prompt of {length} positions does not fit a row of {self.context}")
+        return length
 
     def _copy_prev(self, row: int, source: Any, source_row: int) -> None:
         if source.prev_embed is not None:
@@ -228,12 +231,12 @@ class RowKVCache:
         """Write one position per live row (k/v [n, H, 1, D]) after the keys it holds itself."""
         if k.size(2) != 1 or k.size(0) != self.n:
             raise ValueError(f"a row cache takes one token per live row ({self.n}), got {tuple(k.shape)}")
-        own = self._own()
-        if max(own, default=0) + 1 > self.context:
-            raise ValueError(f"KV cache full: a row holds {max(own)} positions of its {self.context}")
         self._allocate(k.dtype, k.device)
         heads, dim = k.size(1), k.size(3)
-        if self._index is None:  # where each (row, head)'s new position sits in a layer's flattened storage
+        if self._index is None:  # once a step: where each (row, head)'s new position sits in a layer's storage
+            own = self._own()
+            if max(own, default=0) + 1 > self.context:
+                raise ValueError(f"KV cache full: a row holds {max(own)} positions of its {self.context}")
             row_heads = torch.arange(self.n * heads, device=k.device).view(self.n, heads)
             self._index = (row_heads * self.context + torch.tensor(own, device=k.device)[:, None]).flatten()
         self.k[layer].view(-1, dim).index_copy_(0, self._index, k.reshape(-1, dim))
