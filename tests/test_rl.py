@@ -101,6 +101,59 @@ def test_policy_gradient_loss_normalised_by_valid_tokens():
     assert rl.policy_gradient_loss(logp, T([1.0, -2.0]), mask).item() == pytest.approx(2 / 3)
 
 
+def test_behaviour_weights_truncate_and_count():
+    prox, mask = T([[-1.0, -1.0, -1.0, -1.0]]), T([[1.0, 1.0, 1.0, 1.0]])
+    behav = prox - T([[2.0, 0.5, 1.0, 8.0]]).log()  # pi_prox / pi_behav = 2, 0.5, 1, 8
+    weights, stats = rl.behaviour_weights(prox, behav, mask, cap=4.0)
+    assert close(weights, [[2.0, 0.5, 1.0, 4.0]])
+    assert stats["stale/weight_mean"] == pytest.approx(11.5 / 4, abs=1e-5)
+    assert stats["stale/weight_max"] == pytest.approx(8.0, abs=1e-4)
+    assert stats["stale/clipped_frac"] == pytest.approx(0.25)
+    weights, _ = rl.behaviour_weights(prox, behav, T([[1.0, 1.0, 0.0, 0.0]]), cap=4.0)
+    assert close(weights, [[2.0, 0.5, 0.0, 0.0]])  # off the mask: 0
+
+
+def test_decoupled_ppo_loss_by_hand_with_stale_behaviour_logprobs():
+    # the clipped_surrogate_by_hand case, its tokens sampled by an older policy: weights 2, .5, 1, 8 -> 4
+    old = T([[-1.0, -1.0, -1.0, -1.0]])  # the proximal policy: the trainer's before the update
+    ratios = T([[1.5, 0.5, 1.0, 0.5]])
+    logp = (old + ratios.log()).requires_grad_()
+    adv, mask = T([[1.0, 1.0, -1.0, -1.0]]), torch.ones(1, 4)
+    behav = old - T([[2.0, 0.5, 1.0, 8.0]]).log()
+    weights, _ = rl.behaviour_weights(old, behav, mask, cap=4.0)
+    loss, stats = rl.clipped_surrogate(logp, old, adv, mask, clip_eps=0.2, weights=weights)
+    # per token -1.2, -0.5, 1.0, 0.8 (the clip is against the proximal policy), weighted 2, .5, 1, 4
+    assert loss.item() == pytest.approx((2 * -1.2 + 0.5 * -0.5 + 1.0 + 4 * 0.8) / 4, abs=1e-5)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    loss.backward()
+    assert logp.grad[0, 0] == 0  # clipped: no gradient, whatever its weight
+    assert logp.grad[0, 1] == pytest.approx(0.5 * -0.5 / 4, abs=1e-6)  # weight x d(-A r)/dlogp / tokens
+
+
+def test_decoupled_policy_gradient_loss_by_hand():
+    logp = T([[-1.0, -2.0], [-0.5, -3.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    weights = T([[2.0, 1.0], [0.5, 0.0]])
+    # -((2 * -1 + 1 * -2) * 1 + 0.5 * -0.5 * -2) / 3 = 3.5 / 3
+    assert rl.policy_gradient_loss(logp, T([1.0, -2.0]), mask, weights=weights).item() == pytest.approx(3.5 / 3)
+
+
+def test_decoupled_losses_without_staleness_are_todays_losses_exactly():
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g) * 3
+    logp = old + torch.randn(4, 6, generator=g) * 0.3
+    adv, mask = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
+    weights, stats = rl.behaviour_weights(old, old.clone(), mask, cap=5.0)  # behaviour = proximal
+    assert stats["stale/weight_max"] == 1.0 and stats["stale/clipped_frac"] == 0.0
+    today, _ = rl.clipped_surrogate(logp, old, adv, mask, clip_eps=0.2, num_tokens=20)
+    decoupled, _ = rl.clipped_surrogate(logp, old, adv, mask, clip_eps=0.2, num_tokens=20, weights=weights)
+    assert torch.equal(today, decoupled)
+    seq_adv = adv[:, 0]
+    assert torch.equal(
+        rl.policy_gradient_loss(logp, seq_adv, mask), rl.policy_gradient_loss(logp, seq_adv, mask, weights=weights)
+    )
+
+
 def test_adaptive_kl_controller():
     ctl = rl.KLController(0.1, adaptive=True, target=6.0, horizon=10000)
     assert ctl.update(9.0, 256) == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000))  # error clipped at +0.2

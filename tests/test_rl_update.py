@@ -8,6 +8,7 @@ and every gradient below is a few fractions; SGD with lr 1 turns it into the new
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -385,3 +386,51 @@ def test_grpo_kl_loss_pulls_every_row_towards_the_reference_by_hand():
     off = Unigram([0.0, 0.0])
     grpo_update(off, sgd(off), batch, batch.scores, group_size=2, ref=ref, kl_loss_coef=0.0)
     assert off.w.tolist() == [0.0, 0.0]  # no KL loss and no signal: no step
+
+
+# --------------------------------------------------------------------------- stale rollouts (decoupled loss)
+
+
+def stale(batch: Rollouts, behav_probs: list[list[float]]) -> Rollouts:
+    """``batch`` as sampled by an older policy that gave its targets ``behav_probs``."""
+    return dataclasses.replace(batch, behav_logp=torch.tensor(behav_probs).log())
+
+
+def test_grpo_on_stale_rollouts_weighs_each_token_by_proximal_over_behaviour():
+    # as test_grpo_step_by_hand, but an older policy sampled token 0 at p = 1/4 (weight 1/2 / 1/4 = 2)
+    # and token 1 at 1/2 (weight 1): grad = -(2 x 1/2 (e0 - p) - 1 x 1/2 (e1 - p)) / 2 = (-3/8, +3/8)
+    model = Unigram([0.0, 0.0])
+    batch = stale(two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0]), [[0.25], [0.5]])
+    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=1)
+    assert model.w.tolist() == pytest.approx([0.375, -0.375])
+    assert stats["stale/weight_mean"] == pytest.approx(1.5, abs=1e-6)
+    assert stats["stale/weight_max"] == pytest.approx(2.0, abs=1e-6)
+    assert stats["stale/clipped_frac"] == 0.0
+
+
+def test_ppo_on_stale_rollouts_truncates_the_weight_at_its_cap():
+    # one epoch, one minibatch: ratio 1 against the proximal policy, so the step is the policy gradient
+    # (-1/4, +1/4) of test_ppo_without_critic_first_step_equals_policy_gradient times the weight;
+    # pi_prox / pi_behav = 1/2 / (1/16) = 8 on both tokens, truncated at 5
+    model = Unigram([0.0, 0.0])
+    batch = stale(two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0]), [[1 / 16], [1 / 16]])
+    stats = ppo_update(model, Unigram([0.0, 0.0]), None, sgd(model), [], batch, batch.scores, KLController(0.1),
+                       ppo_cfg(), behav_weight_cap=5.0)  # fmt: skip
+    assert model.w.tolist() == pytest.approx([1.25, -1.25])
+    assert stats["stale/weight_max"] == pytest.approx(8.0, abs=1e-5)
+    assert stats["stale/clipped_frac"] == 1.0
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_rollouts_sampled_by_the_current_policy_update_exactly_as_today(algorithm):
+    batch = two_rows([[0, 1], [1, 1], [0, 0], [1, 0]], [[1, 1], [1, 0], [1, 1], [0, 1]], [1.0, 0.0, 1.0, 0.0])
+    w0 = [0.3, -0.1]
+    behav = torch.log_softmax(torch.tensor(w0), 0)[batch.targets]  # the policy that sampled is the trainer's
+    fresh, old = Unigram(w0), Unigram(w0)
+    for model, b in ((fresh, batch), (old, dataclasses.replace(batch, behav_logp=behav))):
+        if algorithm == "grpo":
+            grpo_update(model, sgd(model), b, b.scores, group_size=2, micro_batch=1)
+        else:
+            ppo_update(model, Unigram(w0), None, sgd(model), [], b, b.scores, KLController(0.1),
+                       ppo_cfg(epochs=2, num_minibatches=2, micro_batch=1))  # fmt: skip
+    assert torch.equal(fresh.w, old.w)

@@ -154,16 +154,47 @@ def kl_penalized_rewards(
 
 
 def policy_gradient_loss(
-    logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO-lite / REINFORCE: -sum(logp * adv) over action tokens / number of action tokens.
 
     ``advantages`` is [B] (one per sequence, broadcast to its tokens) or [B, T]. ``num_tokens``
     overrides the denominator (e.g. the action tokens of the whole step, not just this micro-batch).
+    ``weights`` [B, T] (:func:`behaviour_weights`, for stale rollouts) multiply each token's term.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]
-    return -token_mean(logp * advantages, mask, num_tokens)
+    per_token = logp * advantages if weights is None else weights * logp * advantages
+    return -token_mean(per_token, mask, num_tokens)
+
+
+def behaviour_weights(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights of stale rollouts for the decoupled objective (AReaL's decoupled PPO).
+
+    A rollout sampled by an older policy (the *behaviour* policy, its log-probs recorded at sampling)
+    is trained on by the current one. Its terms are reweighted by pi_prox / pi_behav, where the
+    *proximal* policy is the trainer's policy before this update (``prox_logp``, recomputed by the
+    trainer); PPO's clip is then taken against the proximal policy, not the behaviour one. The
+    weight is truncated at ``cap`` so one token sampled at a much lower probability cannot dominate
+    the step. Returns (weights [B, T], detached and 0 off the mask; stats ``stale/weight_mean``,
+    ``stale/weight_max`` (before truncation) and ``stale/clipped_frac``). With no staleness the
+    two policies are one and every weight is exactly 1, so the losses are today's.
+    """
+    with torch.no_grad():
+        raw = torch.exp(prox_logp.float() - behav_logp.float())
+        weights = raw.clamp(max=cap) * mask
+        stats = {
+            "stale/weight_mean": masked_mean(raw, mask).item(),
+            "stale/weight_max": (raw * mask).max().item() if mask.any() else 1.0,
+            "stale/clipped_frac": masked_mean((raw > cap).float(), mask).item(),
+        }
+    return weights, stats
 
 
 def token_mean(per_token: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
@@ -179,9 +210,12 @@ def clipped_surrogate(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     num_tokens: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """PPO policy loss: mean over action tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), r = exp(logp - old).
 
+    ``old_logp`` is the proximal policy's (the trainer's, before this update). ``weights`` [B, T]
+    (:func:`behaviour_weights`) multiply each token's term: the decoupled objective of stale rollouts.
     Returns (loss, stats) with stats clip_frac, approx_kl (mean 0.5 (logp-old)^2), ratio_max.
     """
     if advantages.dim() == 1:
@@ -189,7 +223,8 @@ def clipped_surrogate(
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    loss = token_mean(torch.maximum(unclipped, clipped), mask, num_tokens)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = token_mean(per_token if weights is None else weights * per_token, mask, num_tokens)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),

@@ -134,6 +134,9 @@ class Rollouts:
     groups: torch.Tensor  # [B] long, which prompt (within this batch) the row answers
     completions: list[str] = field(default_factory=list)
     correct: torch.Tensor | None = None  # [B] bool, the task's verdict (what pass@k and filter_solved count)
+    # [B, T] the sampling policy's log-probs of the targets, where an older policy than the trainer's
+    # sampled the batch (asynchronous RL): the updates then weigh each token (losses.behaviour_weights)
+    behav_logp: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +156,7 @@ class Rollouts:
             self.groups[rows],
             picked,
             None if self.correct is None else self.correct[rows],
+            None if self.behav_logp is None else self.behav_logp[rows],
         )
 
     def without_unfinished(self) -> Rollouts:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from chatpipe.settings import RLSettings
 
 Autocast = Callable[[], AbstractContextManager]
+# stale rollouts: pi_prox / pi_behav is truncated here (losses.behaviour_weights)
+BEHAV_WEIGHT_CAP = 5.0
 # model -> the (weighted) replay loss of one batch of chat-stage rows; see :func:`replay_backward`
 Replay = Callable[[torch.nn.Module], torch.Tensor]
 
@@ -88,6 +90,7 @@ def grpo_update(
     grad_clip: float = 0.0,
     ref: torch.nn.Module | None = None,
     kl_loss_coef: float = 0.0,
+    behav_weight_cap: float = BEHAV_WEIGHT_CAP,
 ) -> dict[str, float]:
     """One policy-gradient step: advantage = score - group mean, loss over the batch's informative tokens.
 
@@ -102,9 +105,12 @@ def grpo_update(
     ``temperature``; ``grad_clip`` > 0 clips the gradient norm before the step. With
     ``kl_loss_coef`` > 0 every row also carries ``kl_loss_coef`` x the k3 estimate of KL(policy ||
     ``ref``), a mean over all the batch's action tokens (verl's KL loss: it holds a policy trained on a
-    learned reward near the reference without touching the rewards). Returns ``loss/policy`` (the
-    summed loss), ``adv/abs_mean``, ``adv/informative_frac`` and, with replay, ``loss/replay``; with
-    the KL loss ``kl/loss_mean``.
+    learned reward near the reference without touching the rewards). A batch that carries its
+    sampling policy's log-probs (``batch.behav_logp``: stale rollouts) weighs each token by
+    pi_prox / pi_behav, truncated at ``behav_weight_cap``; the proximal policy is the policy before
+    this step. Returns ``loss/policy`` (the summed loss), ``adv/abs_mean``, ``adv/informative_frac``
+    and, with replay, ``loss/replay``; with the KL loss ``kl/loss_mean``; with stale rollouts the
+    ``stale/*`` weight stats of the rows trained on.
     """
     if len(scores) % group_size:
         raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
@@ -119,10 +125,17 @@ def grpo_update(
     chunks = [rows_used[s] for s in micro_batches(len(rows_used), micro_batch)]
     total, kl_total = 0.0, 0.0
     stats = {"adv/informative_frac": informative.float().mean().item()}
+    stale = []
     for i, rows in enumerate(chunks):
         with _no_sync(model, i == len(chunks) - 1 and replay is None), autocast():
             logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], temperature)
-            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens)
+            weights = None
+            if batch.behav_logp is not None:  # the policy before this step is the proximal one
+                weights, s = rl.behaviour_weights(
+                    logp.detach(), batch.behav_logp[rows], batch.mask[rows], behav_weight_cap
+                )
+                stale.append((s, batch.mask[rows].sum().item()))
+            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens, weights=weights)
             if kl_on:
                 kl = kl_loss_term(ref, logp, batch.select(rows), temperature, batch.mask.sum().item())
                 kl_total += kl.item()
@@ -131,11 +144,22 @@ def grpo_update(
         total += loss.item()
     if kl_on:
         stats["kl/loss_mean"] = kl_total
+    stats |= merge_stale_stats(stale)
     if replay is not None:
         stats["loss/replay"] = replay_backward(model, replay, autocast)
     if chunks or replay is not None:  # a batch of solved groups and no replay: nothing to step on
         stats["train/grad_norm"] = _step(model, optimizers, grad_clip)
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
+
+
+def merge_stale_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """The ``stale/*`` stats of micro-batches (each with its action tokens) as one batch's: means
+    weighted by tokens, the largest weight over all; none without stale rollouts."""
+    tokens = sum(n for _, n in parts)
+    if not parts or tokens <= 0:
+        return {}
+    out = {k: sum(s[k] * n for s, n in parts) / tokens for k in ("stale/weight_mean", "stale/clipped_frac")}
+    return out | {"stale/weight_max": max(s["stale/weight_max"] for s, _ in parts)}
 
 
 def kl_loss_term(
@@ -192,13 +216,19 @@ class PPOTargets:
     adv: torch.Tensor  # [B, T] advantages, zero off the action tokens
     returns: torch.Tensor | None  # [B, T] value targets (None without a critic)
     kl: torch.Tensor  # [B, T] per-token KL to the reference policy
+    weights: torch.Tensor | None = None  # [B, T] pi_prox / pi_behav of stale rollouts (None: fresh ones)
+    stale: dict[str, float] = field(default_factory=dict)  # their stats (losses.behaviour_weights)
 
 
 def ppo_targets(
     model, ref, critic, batch: Rollouts, scores: torch.Tensor, kl_ctl: rl.KLController, cfg: PPOConfig,
-    autocast: Autocast, value_norm: rl.ValueNorm | None = None,
+    autocast: Autocast, value_norm: rl.ValueNorm | None = None, behav_weight_cap: float = BEHAV_WEIGHT_CAP,
 ) -> PPOTargets:  # fmt: skip
     """KL-penalised token rewards turned into advantages: GAE with a critic, else group advantages.
+
+    The log-probs computed here before the epochs are the proximal policy's. A batch with
+    ``behav_logp`` (stale rollouts) also gets each token's weight pi_prox / pi_behav, truncated at
+    ``behav_weight_cap`` (:func:`chatpipe.rl.losses.behaviour_weights`).
 
     Log-probs are those of the sampling distribution (logits / ``cfg.temperature``). With
     ``value_norm`` the critic works in normalised units: its values are de-normalised for GAE, the
@@ -223,7 +253,11 @@ def ppo_targets(
         adv, returns = seq_adv[:, None] * batch.mask, None
     if cfg.whiten != "none":
         adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
-    return PPOTargets(old_logp, old_values, adv, returns, kl)
+    if batch.behav_logp is None:
+        return PPOTargets(old_logp, old_values, adv, returns, kl)
+    # stale rollouts: old_logp is the proximal policy's, the clip is taken against it (decoupled PPO)
+    weights, stale = rl.behaviour_weights(old_logp, batch.behav_logp, batch.mask, behav_weight_cap)
+    return PPOTargets(old_logp, old_values, adv, returns, kl, weights, stale)
 
 
 def critic_values(critic, batch: Rollouts, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -268,7 +302,10 @@ def ppo_minibatch_backward(
                 stack.enter_context(_no_sync(critic, last))
             stack.enter_context(autocast())
             logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], cfg.temperature)
-            loss, s = rl.clipped_surrogate(logp, t.old_logp[rows], t.adv[rows], mask, cfg.clip_eps, num_tokens)
+            weights = None if t.weights is None else t.weights[rows]
+            loss, s = rl.clipped_surrogate(
+                logp, t.old_logp[rows], t.adv[rows], mask, cfg.clip_eps, num_tokens, weights=weights
+            )
             stats["loss/policy"] += loss.item()
             if critic is not None:
                 values = critic(batch.inputs[rows])
@@ -319,6 +356,7 @@ def ppo_update(
     autocast: Autocast = contextlib.nullcontext,
     replay: Replay | None = None,
     value_norm: rl.ValueNorm | None = None,
+    behav_weight_cap: float = BEHAV_WEIGHT_CAP,
 ) -> dict[str, float]:
     """PPO: KL-penalised token rewards, GAE (or group advantages without a critic), clipped epochs x minibatches.
 
@@ -330,12 +368,14 @@ def ppo_update(
     exceeds ``cfg.max_token_ratio`` the update stops. The KL controller is moved by the batch's
     mean sequence KL. Returns mean losses, clip fraction, approximate KL and importance ratio per
     minibatch, the largest ratio, ``ppo/updates``, ``ppo/skipped``, ``ppo/early_stop`` and
-    ``kl_sum`` (summed sequence KL of this rank's rows).
+    ``kl_sum`` (summed sequence KL of this rank's rows). A batch with ``behav_logp`` (stale rollouts)
+    trains on AReaL's decoupled objective: each token's clipped term weighed by pi_prox / pi_behav,
+    truncated at ``behav_weight_cap``; its ``stale/*`` stats are returned too.
     """
     n = len(scores)
     if n % cfg.num_minibatches:
         raise ValueError(f"{n} rollout rows do not split into num_minibatches={cfg.num_minibatches}")
-    t = ppo_targets(model, ref, critic, batch, scores, kl_ctl, cfg, autocast, value_norm)
+    t = ppo_targets(model, ref, critic, batch, scores, kl_ctl, cfg, autocast, value_norm, behav_weight_cap)
     rows_per_mb = n // cfg.num_minibatches
     g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
     stats = dict.fromkeys(["loss/policy", "loss/value", "ppo/clip_frac", "ppo/approx_kl", "ppo/updates"], 0.0)
@@ -356,7 +396,7 @@ def ppo_update(
                 break
         if stopped:
             break
-    return ppo_summary(stats, stopped, t.kl, kl_ctl, n)
+    return ppo_summary(stats, stopped, t.kl, kl_ctl, n) | t.stale
 
 
 def ppo_minibatch_step(
