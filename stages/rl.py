@@ -41,7 +41,14 @@ from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.rl import losses
 from chatpipe.rl.guard import RewardGuard
-from chatpipe.rl.reward_model import RewardModel, is_reward_model_dir, load_reward_model, rollout_scores
+from chatpipe.rl.reward_model import (
+    RewardModel,
+    is_reward_model_dir,
+    load_reward_model,
+    refresh_loss,
+    rollout_rows,
+    rollout_scores,
+)
 from chatpipe.rl.rewards import combine_rewards
 from chatpipe.rl.rollout import (
     Problem,
@@ -60,6 +67,7 @@ from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
 from chatpipe.train.checkpoint import carried_over
+from chatpipe.train.loop import step_optimizers
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
 from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
@@ -74,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
 @dataclass
 class Models:
     """The policy RL trains, its frozen reference, PPO's critic (None otherwise), their optimizers and
-    the frozen reward model that scores responses under ``reward_source`` model|both (None otherwise)."""
+    the reward model that scores responses under ``reward_source`` model|both (None otherwise): frozen,
+    or with ``reward_model_lr_frac`` trained on as it goes (its optimizers then join the checkpoints)."""
 
     policy: GPT
     ref: GPT
@@ -84,10 +93,11 @@ class Models:
     policy_opts: list
     critic_opts: list
     reward_model: RewardModel | None = None
+    reward_model_opts: list = field(default_factory=list)  # reward_model_lr_frac > 0: iterated RLHF
 
     @property
     def optimizers(self) -> list:
-        return self.policy_opts + self.critic_opts
+        return self.policy_opts + self.critic_opts + self.reward_model_opts
 
 
 @dataclass
@@ -305,7 +315,21 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
         if critic
         else []
     )
-    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts, rm)
+    rm_opts = reward_model_optimizers(cfg, rm, init_lrs)
+    if rm_opts:  # the reward model changes as RL goes: checkpoints hold it
+        state["reward_model"] = rm
+    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts, rm, rm_opts)
+
+
+def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, init_lrs: dict[str, float]) -> list:
+    """Iterated RLHF (``reward_model_lr_frac`` > 0): the reward model's optimizers at that fraction of
+    the init model's LRs ``init_lrs``, decayed with the policy's by the loop; none when it stays frozen."""
+    if rm is None or cfg.reward_model_lr_frac <= 0:
+        return []
+    rm.requires_grad_(True)
+    rm.trunk.lm_head.requires_grad_(False)  # unused by a reward model
+    frac = cfg.reward_model_lr_frac
+    return build_optimizers(rm, **{k: v * frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay)
 
 
 def critic_source(cfg: RLSettings) -> str:
@@ -384,12 +408,31 @@ def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, f
     cfg, rm = parts.cfg, parts.models.reward_model
     if rm is None:
         return batch, {}
-    with parts.rt.autocast():
+    with parts.rt.autocast(), torch.no_grad():
         model = rollout_scores(rm, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size)
     if parts.guard is not None:
         parts.guard.add(model, batch.scores, batch.groups)
     stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": model.mean().item()}
+    if parts.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
+        stats |= refresh_reward_model(parts, batch)
     return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
+
+
+def refresh_reward_model(parts: Parts, batch: Rollouts) -> dict[str, float]:
+    """Iterated RLHF: one optimizer step of the reward model on this step's replies, paired by the
+    verifier's scores (a right and a wrong reply to one prompt), gradients averaged over ranks. The
+    policy never sees the verifier: it trains on the model's scores alone, and the model keeps up
+    with what the policy now writes instead of being exploited where it was never trained."""
+    rm, rt = parts.models.reward_model, parts.rt
+    ids, last = rollout_rows(batch.inputs, batch.targets, batch.mask)
+    with rt.autocast():  # batch.scores are still the verifier's here
+        loss, stats = refresh_loss(rm, ids, last, batch.scores, batch.groups)
+    loss.backward()
+    for p in rm.parameters():
+        if p.grad is not None and rt.world_size > 1:
+            runtime.all_reduce_sum(p.grad).div_(rt.world_size)
+    step_optimizers(rm, parts.models.reward_model_opts, parts.cfg.grad_clip)
+    return stats
 
 
 def load_rl_problems(cfg: RLSettings, rt: runtime.Runtime) -> tuple[list[Problem], list[Problem]]:

@@ -20,8 +20,10 @@ from chatpipe.rl.reward_model import (
     load_reward_model,
     pad_rows,
     pair_metrics,
+    refresh_loss,
     rollout_scores,
     unique_rows,
+    verifier_pairs,
 )
 from chatpipe.rl.rewards import combine_rewards
 from chatpipe.rl.value import ValueModel
@@ -53,6 +55,39 @@ def test_bradley_terry_loss_and_pair_metrics_by_hand():
     assert m["margin/mean"] == pytest.approx(0.25)
     assert m["margin/q50"] == pytest.approx(0.5)  # between the middle two margins, 0 and 1
     assert m["margin/q05"] == pytest.approx(-3 + 0.15 * 3)  # torch.quantile's linear interpolation
+
+
+def test_verifier_pairs_rank_replies_of_one_prompt_only():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.1, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    chosen, rejected = verifier_pairs(scores, groups)
+    # prompt 0: the right reply over each wrong one; prompt 1: 1.0 over partial credit; prompt 2 alone
+    assert sorted(zip(chosen.tolist(), rejected.tolist())) == [(0, 1), (0, 2), (3, 4)]
+
+
+def test_refresh_loss_counts_accuracy_before_the_step_and_still_has_gradients_without_pairs():
+    rm = trained_head(tiny_gpt())
+    ids, last = pad_rows([[1, 5, 6, 7], [1, 8, 9], [1, 5, 6, 9], [1, 8]], pad_id=0)
+    model = rm(ids, last).detach()
+    groups = torch.tensor([0, 0, 1, 1])
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])  # chosen 0 over 1, 3 over 2
+    loss, stats = refresh_loss(rm, ids, last, scores, groups)
+    want = bradley_terry_loss(model[[0, 3]], model[[1, 2]])
+    assert loss.item() == pytest.approx(want.item(), abs=1e-6)
+    right = float(model[0] > model[1]) + float(model[3] > model[2])
+    assert stats == {"reward_model/refresh_pairs": 2.0, "reward_model/refresh_accuracy": right / 2}
+    loss, stats = refresh_loss(rm, ids, last, torch.ones(4), groups)  # every reply right: nothing to rank
+    loss.backward()
+    assert loss.item() == 0.0 and stats == {"reward_model/refresh_pairs": 0.0}
+    assert rm.head.weight.grad is not None and not rm.head.weight.grad.any()
+
+
+def test_a_refreshed_reward_model_needs_reward_source_model():
+    from chatpipe.settings import ParamsError, RLSettings, load_section
+
+    with pytest.raises(ParamsError, match="reward_model_lr_frac trains the reward model, which only reward_source"):
+        load_section(RLSettings, ["--reward_model_lr_frac=0.2"])
+    assert load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.2"]).reward_model_lr_frac == 0.2
 
 
 def test_a_row_is_scored_at_its_last_token_whatever_the_padding():
@@ -517,3 +552,34 @@ def test_a_reward_model_preferring_shorter_answers_trips_the_guard_in_its_first_
     summary = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())["summary"]
     assert summary["guard_trips"] >= 1 and summary["guard_first_accuracy"] < 0.5 and summary["steps"] == 4
     assert "reward-hacking guard at step 2" in log and "rl.guard: warn, going on" in log
+
+
+@pytest.mark.slow
+def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project, monkeypatch):
+    """reward_model_lr_frac > 0: the reward model takes a step on each step's verifier-ranked replies;
+    the checkpoints hold it and its optimizer, so a run resumed from one ends with the same policy."""
+    from chatpipe.io import sha256_file
+    from chatpipe.rl import rewards
+    from stages import rl
+
+    train_reward_model(project)
+    before, _ = load_reward_model(project / "artifacts" / "reward_model")
+    # a verifier that passes about half of any model's replies, so every group has pairs to rank
+    monkeypatch.setitem(rewards.REWARDS, "even_length", lambda text, gold: float(len(text) % 2 == 0))
+    monkeypatch.setenv("CHATPIPE_RL__REPLAY", "[]")
+    args = ["--algorithm=ppo", "--reward_source=model", "--reward=even_length", "--reward_model_lr_frac=0.5"]
+    args += ["--max_steps=3", "--checkpoint_every=1", "--prompts_per_step=2", "--group_size=4", "--max_new_tokens=8"]
+    args += ["--eval_problems=2", "--eval_samples=1", "--num_train_problems=8", "--device_batch_size=8"]
+    args += ["--device=cpu", "--dtype=float32"]
+    rl.main(args)
+    out = project / "artifacts" / "rl"
+    want = sha256_file(out / "model.pt")
+    checkpoints = sorted((project / "checkpoints" / "rl").glob("step_*"))
+    state = torch.load(checkpoints[-1] / "model.pt", weights_only=True)
+    trained = {k.removeprefix("reward_model."): v for k, v in state.items() if k.startswith("reward_model.")}
+    assert trained and not torch.equal(trained["head.weight"], before.head.weight)  # it learned
+
+    shutil.rmtree(out)
+    shutil.rmtree(checkpoints[-1])  # resume from the step before the last
+    rl.main(args)
+    assert sha256_file(out / "model.pt") == want

@@ -95,6 +95,33 @@ class RewardModel(nn.Module):
         }
 
 
+def verifier_pairs(scores: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen rows, rejected rows) [P]: every pair of replies to one prompt (rows of one ``groups`` id)
+    that the verifier's ``scores`` [B] rank, the higher-scored chosen (with a 0/1 verifier: a right and
+    a wrong reply)."""
+    same = groups[:, None] == groups[None, :]
+    pairs = (same & (scores[:, None] > scores[None, :])).nonzero()
+    return pairs[:, 0], pairs[:, 1]
+
+
+def refresh_loss(
+    rm: RewardModel, ids: torch.Tensor, last: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
+    margin: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """Iterated RLHF: the Bradley-Terry loss of the policy's fresh replies, paired by the verifier's
+    ``scores`` (:func:`verifier_pairs`), on rows ``ids`` [B, T] scored at ``last`` [B]. Returns (loss, stats:
+    ``reward_model/refresh_pairs`` and ``reward_model/refresh_accuracy``, the share ranked right
+    *before* this step, which the model has not trained on yet). Without pairs the loss is 0 with
+    gradients still flowing (every rank of a run takes part in the gradient all-reduce)."""
+    chosen, rejected = verifier_pairs(scores, groups)
+    model = rm(ids, last)
+    if chosen.numel() == 0:
+        return model.sum() * 0.0, {"reward_model/refresh_pairs": 0.0}
+    loss = bradley_terry_loss(model[chosen], model[rejected], margin)
+    accuracy = (model[chosen] > model[rejected]).float().mean().item()
+    return loss, {"reward_model/refresh_pairs": float(chosen.numel()), "reward_model/refresh_accuracy": accuracy}
+
+
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
     """Mean of -log sigmoid(r_chosen - r_rejected - margin): the negative log-likelihood that chosen
     wins by at least ``margin`` (0: plain Bradley-Terry; > 0 keeps pushing pairs already ranked right
@@ -204,8 +231,13 @@ def rollout_scores(
 ) -> torch.Tensor:
     """Normalised reward-model scores [B] (:meth:`RewardModel.normalized`) of rollout rows (prompt +
     response), each row ending at its last sampled token and read as the model's ``pool`` says."""
-    ids = torch.cat([inputs[:, :1], targets], dim=1)
-    last = last_action_index(mask)
+    ids, last = rollout_rows(inputs, targets, mask)
     step = micro_batch if micro_batch > 0 else ids.size(0)
     out = [rm(ids[i : i + step], last[i : i + step]) for i in range(0, ids.size(0), step)]
     return rm.normalized(torch.cat(out).float())
+
+
+def rollout_rows(inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T + 1], last [B]): rollout rows as the reward model reads them, each ending at its last
+    sampled token."""
+    return torch.cat([inputs[:, :1], targets], dim=1), last_action_index(mask)

@@ -355,6 +355,14 @@ class RLSettings(RunSettings):
         description="also trip when the reward model ranks fewer than this share of a window's verifier-ranked "
         "pairs right (0: off)",
     )
+    reward_model_lr_frac: float = Field(
+        0.0,
+        ge=0,
+        description="iterated RLHF (reward_source model|both): after each step's scoring, one optimizer step of the "
+        "reward model's Bradley-Terry loss on the step's pairs the verifier ranks (a right and a wrong reply to one "
+        "prompt), at this fraction of the init model's LRs; the policy still trains on the model's scores alone. "
+        "0: the reward model stays frozen",
+    )
     # eval
     eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
     eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
@@ -405,6 +413,16 @@ class RLSettings(RunSettings):
         group = info.data.get("group_size")
         if v and group and v < group:
             raise ValueError(f"best-of-n keeps group_size = {group} of generation_size samples; set >= {group}, or 0")
+        return v
+
+    @field_validator("reward_model_lr_frac")
+    @classmethod
+    def _refresh_needs_the_reward_model(cls, v: float, info: ValidationInfo) -> float:
+        if v and info.data.get("reward_source") == "verifier":
+            raise ValueError(
+                "reward_model_lr_frac trains the reward model, which only reward_source: model|both reads; "
+                "set reward_source, or leave it at 0"
+            )
         return v
 
     @field_validator("value_norm", "bootstrap")
