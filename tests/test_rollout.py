@@ -269,3 +269,23 @@ def test_keep_best_keeps_each_groups_highest_scores_in_sampling_order():
     kept = keep_best(batch, 2)
     assert kept.inputs.flatten().tolist() == [1, 2, 3, 5]  # group 0: 0.9, 0.5; group 1: 2.0, 3.0
     assert kept.groups.tolist() == [0, 0, 1, 1]
+
+
+def test_behaviour_logprobs_are_what_the_trainer_recomputes_and_change_no_token():
+    """The sampler's log-prob of each sampled token, at the sampling temperature before top-k, is the
+    trainer's ``token_logprobs`` of the same rows (float rounding of another batch shape aside): fresh
+    rollouts get importance weights of 1. Recording them leaves the sampled tokens as they were."""
+    model = tiny_gpt().eval()
+    problems = [Problem(conv("q", "1"), lambda t: 0.0), Problem(conv("a longer one", "1"), lambda t: 0.0)]
+    kw = dict(group_size=3, max_new_tokens=10, temperature=0.8, top_k=20, seed=4)
+    plain = collect_rollouts(Engine(model, TOK), problems, **kw)
+    batch = collect_rollouts(Engine(model, TOK), problems, **kw, behaviour_logprobs=True)
+    assert plain.behav_logp is None and torch.equal(plain.targets, batch.targets)
+    assert batch.behav_logp.shape == batch.targets.shape
+    trainer = token_logprobs(model, batch.inputs, batch.targets, temperature=0.8)
+    on = batch.mask > 0
+    assert on.sum() > 10
+    assert torch.allclose(batch.behav_logp[on], trainer[on], atol=1e-4)
+    assert not batch.behav_logp[~on].any()  # prompt, forced tokens and padding: 0
+    with pytest.raises(ValueError, match="continuous"):
+        collect_rollouts(Engine(model, TOK), problems, **kw, behaviour_logprobs=True, continuous=False)

@@ -63,10 +63,12 @@ class GenRequest:
     top_p: float | None = None
     seed: int = 42
     stop_tokens: list[int] | None = None
+    logprobs: bool = False  # record each token's log-prob under the sampling temperature (``logps``)
     on_token: Callable[[int, int, int], None] | None = None
     on_done: Callable[[int, str], None] | None = None
     seqs: list[list[int]] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
+    logps: list[list[float]] = field(default_factory=list)  # with ``logprobs``: per token, 0.0 where forced
     reasons: list[str | None] = field(default_factory=list)
     cancelled: bool = False
     rng: torch.Generator | None = field(default=None, repr=False)  # seeded when the request joins
@@ -131,6 +133,7 @@ class Scheduler:
             raise ValueError(why)
         req.seqs = [[] for _ in range(req.num_samples)]
         req.masks = [[] for _ in range(req.num_samples)]
+        req.logps = [[] for _ in range(req.num_samples)] if req.logprobs else []
         req.reasons = [None] * req.num_samples
         self.waiting.append(req)
         return req
@@ -219,8 +222,26 @@ class Scheduler:
                 start += len(idx)
         return tokens
 
-    def _advance(self, row: _Live, sampled: int) -> None:
-        """Apply one sampled token to ``row``: forced tool output first, stop rules, the calculator."""
+    def _logprobs(self, tokens: list[int]) -> list[float]:
+        """Each live row's log-prob of ``tokens`` under its sampling distribution before top-k/top-p,
+        log softmax(logits / temperature) (1 for greedy rows): the behaviour policy's log-probs as a
+        trainer recomputes them. Only rows of requests that ask (``logprobs``); 0.0 for the others."""
+        asked = [i for i, row in enumerate(self.live) if row.req.logprobs]
+        out = [0.0] * len(self.live)
+        if not asked:
+            return out
+        tiny = torch.finfo(torch.float32).tiny  # below it a row is greedy (``_sample``)
+        temps = [t if (t := self.live[i].req.temperature) >= tiny else 1.0 for i in asked]
+        temps = torch.tensor(temps, device=self.logits.device)
+        chosen = torch.tensor([tokens[i] for i in asked], device=self.logits.device)
+        logp = torch.log_softmax(self.logits[asked].float() / temps[:, None], dim=-1)
+        for i, v in zip(asked, logp.gather(1, chosen[:, None]).squeeze(1).tolist()):
+            out[i] = v
+        return out
+
+    def _advance(self, row: _Live, sampled: int, logp: float = 0.0) -> None:
+        """Apply one sampled token (its log-prob ``logp``) to ``row``: forced tool output first, stop
+        rules, the calculator."""
         tool = row.tool
         forced = bool(tool.forced)
         tok = tool.forced.popleft() if forced else sampled
@@ -230,6 +251,8 @@ class Scheduler:
         req = row.req
         req.seqs[row.sample].append(tok)
         req.masks[row.sample].append(mask)
+        if req.logprobs:
+            req.logps[row.sample].append(0.0 if forced else logp)
         if req.on_token is not None:
             _call(req, req.on_token, row.sample, tok, mask)
         if forced and tool.cut and not tool.forced:
@@ -270,9 +293,10 @@ class Scheduler:
         if not self.live:
             self.logits = None
             return 0
-        for row, tok in zip(self.live, self._sample()):
+        tokens = self._sample()
+        for row, tok, logp in zip(self.live, tokens, self._logprobs(tokens)):
             if row.reason is None:
-                self._advance(row, tok)
+                self._advance(row, tok, logp)
         self._evict()
         self.steps += 1
         if not self.live:
@@ -320,9 +344,11 @@ def generate_continuous(
     seed: int = 0,
     max_rows: int = 128,
     context: int = 0,
+    logprobs: bool = False,
     **kw: Any,
-) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """:meth:`Engine.generate_many` on a continuous batch: (full sequences, masks) per prompt, in order.
+) -> list[tuple]:
+    """:meth:`Engine.generate_many` on a continuous batch: (full sequences, masks) per prompt, in order;
+    with ``logprobs`` (full sequences, masks, per-token log-probs, 0.0 on the prompt and forced tokens).
 
     Prompt ``i`` samples with seed ``seed + i``, so results depend only on the prompts and ``seed``.
     The batch holds ``max_rows`` rows (rounded down to whole prompts); when a row finishes, the
@@ -337,12 +363,13 @@ def generate_continuous(
     if not isinstance(sched, Scheduler) or sched.rows != rows or sched.context < context or sched.busy():
         sched = engine.batch = Scheduler(engine, rows=rows, context=context)  # RL's next step reuses its memory
     reqs = [
-        sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, **kw)) for i, p in enumerate(prompts)
+        sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, logprobs=logprobs, **kw))
+        for i, p in enumerate(prompts)
     ]
     sched.run()
     out = []
     for p, req in zip(prompts, reqs):
         seqs = [list(p) + s for s in req.seqs]
         masks = [[0] * len(p) + m for m in req.masks]
-        out.append((seqs, masks))
+        out.append((seqs, masks, [[0.0] * len(p) + lp for lp in req.logps]) if logprobs else (seqs, masks))
     return out

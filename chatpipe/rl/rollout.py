@@ -211,6 +211,7 @@ def collect_rollouts(
     generation_size: int = 0,
     continuous: bool = True,
     max_rows: int = 128,
+    behaviour_logprobs: bool = False,
 ) -> Rollouts:
     """Sample ``group_size`` responses per problem (tool use on) and score them with each problem's verifier.
 
@@ -219,22 +220,28 @@ def collect_rollouts(
     ``continuous`` (the default) samples on one continuous batch of ``max_rows`` rows
     (:func:`chatpipe.inference.scheduler.generate_continuous`: when a row finishes, the next
     prompt's samples take its place); ``continuous=False`` uses the static batches of
-    :meth:`Engine.generate_many` (a batch runs until its longest row ends).
+    :meth:`Engine.generate_many` (a batch runs until its longest row ends). ``behaviour_logprobs``
+    (continuous only) keeps the sampler's log-prob of every target in ``behav_logp``, for updates on
+    rollouts an older policy sampled.
     """
+    if behaviour_logprobs and not continuous:
+        raise ValueError("behaviour_logprobs needs the continuous batch (continuous=True)")
     tok = engine.tokenizer
     rows: dict[str, list] = {k: [] for k in ("seqs", "masks", "scores", "ended", "lengths", "groups", "texts", "ok")}
     prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
     sample = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, max_rows=max_rows)
     num_samples = max(generation_size, group_size)
     if continuous:
-        generated = generate_continuous(engine, prompts, num_samples, **sample)
+        generated = generate_continuous(engine, prompts, num_samples, logprobs=behaviour_logprobs, **sample)
     else:
         generated = engine.generate_many(prompts, num_samples=num_samples, **sample)
-    for j, (problem, prompt, (out, out_masks)) in enumerate(zip(problems, prompts, generated)):
+    logps = []
+    for j, (problem, prompt, (out, out_masks, *lps)) in enumerate(zip(problems, prompts, generated)):
         samples = [_read_sample(engine, problem, s, mk, len(prompt)) for s, mk in zip(out, out_masks)]
         for i in best_of_n([sample[2] for sample in samples], group_size):
             for key, value in zip(rows, (*samples[i][:5], j, *samples[i][5:])):  # the prompt's index after length
                 rows[key].append(value)
+            logps += [lps[0][i]] if lps else []
     inputs, targets, mask = pad_batch(rows["seqs"], rows["masks"], tok.bos_id)
     return Rollouts(
         inputs.to(device),
@@ -246,7 +253,16 @@ def collect_rollouts(
         torch.tensor(rows["groups"], dtype=torch.long, device=device),
         rows["texts"],
         torch.tensor(rows["ok"], dtype=torch.bool, device=device),
+        pad_logprobs(logps, targets.size(1)).to(device) if behaviour_logprobs else None,
     )
+
+
+def pad_logprobs(logps: list[list[float]], width: int) -> torch.Tensor:
+    """Per-token log-probs of full sequences, aligned with :func:`pad_batch`'s targets [B, width]."""
+    out = torch.zeros(len(logps), width + 1)
+    for i, lp in enumerate(logps):
+        out[i, : len(lp)] = torch.tensor(lp)
+    return out[:, 1:]
 
 
 def _read_sample(engine: Any, problem: Problem, seq: list[int], mask: list[int], prompt_len: int) -> tuple:
