@@ -5,6 +5,7 @@ Run after the tiny pipeline has made ``artifacts/sft`` and ``artifacts/reward_mo
 
     python bench/rl_controls.py --seeds 1 2 3                 # every arm, 3 seeds: about 15 RL runs
     python bench/rl_controls.py --seeds 1 --arms replay_only rm_ppo_no_replay --parallel 2
+    python bench/rl_controls.py --arms rm_ppo_no_replay --rm-steps 160   # the reward-model arms run longer
 
 The arms (each ``python -m stages.rl`` with RL's defaults and these flags, nothing else changed):
 
@@ -56,9 +57,12 @@ def project_dir(workdir: Path, name: str) -> Path:
     return project
 
 
-def run_arm(workdir: Path, arm: str, seed: int, threads: int, extra: list[str]) -> dict:
-    """One RL run; its log in the run's dir, its summary and guard windows read back."""
+def run_arm(workdir: Path, arm: str, seed: int, threads: int, extra: list[str], rm_steps: int = 0) -> dict:
+    """One RL run (a reward-model arm for ``rm_steps`` steps when > 0); its log in the run's dir, its
+    summary and guard windows read back."""
     name = f"{arm}_seed{seed}"
+    if rm_steps > 0 and arm.startswith("rm_"):
+        extra = [*extra, f"--max_steps={rm_steps}"]
     project = project_dir(workdir, name)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
     env |= {"CHATPIPE_TRACKING__ENABLED": "false", "OMP_NUM_THREADS": str(threads)}
@@ -122,6 +126,7 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     p.add_argument("--parallel", type=int, default=1, help="runs at once (threads each: 2 / parallel, at least 1)")
     p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_controls")
+    p.add_argument("--rm-steps", type=int, default=0, help="steps of the reward-model arms (0: RL's max_steps)")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every arm, e.g. --max_steps=40")
     args = p.parse_args()
     missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
@@ -130,7 +135,7 @@ def main() -> None:
     threads = max(1, (os.cpu_count() or 2) // args.parallel)
     jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda j: run_arm(args.workdir, *j, threads, args.rl_args), jobs))
+        results = list(pool.map(lambda j: run_arm(args.workdir, *j, threads, args.rl_args, args.rm_steps), jobs))
     control = {
         r["seed"]: r["summary"]["final_eval/pass_at_1"]
         for r in results
