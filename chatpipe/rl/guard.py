@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from chatpipe.rl.reward_model import verifier_pairs
+
 log = logging.getLogger("rl")
 
 
@@ -34,13 +36,9 @@ class RewardHacking(RuntimeError):
 def ranked_pair_accuracy(model: torch.Tensor, verifier: torch.Tensor, groups: torch.Tensor) -> tuple[float, int]:
     """(share ranked right, number of pairs) over every (better, worse) pair of responses to the same
     prompt by the verifier's score: right when the model scores the better one strictly higher."""
-    right, pairs = 0.0, 0
-    for g in groups.unique().tolist():
-        rows = groups == g
-        m, v = model[rows], verifier[rows]
-        better = v[:, None] > v[None, :]  # [i, j]: i beats j by the verifier
-        right += ((m[:, None] > m[None, :]) & better).sum().item()
-        pairs += int(better.sum())
+    better, worse = verifier_pairs(verifier, groups)
+    pairs = better.numel()
+    right = int((model[better] > model[worse]).sum()) if pairs else 0
     return (right / pairs if pairs else float("nan")), pairs
 
 
