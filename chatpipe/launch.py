@@ -16,20 +16,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
 from chatpipe.procs import die_with_parent, parent_gone, process_start
-from chatpipe.settings import LaunchSettings, ParamsError, load_section, pipeline_stages, validate_all
+from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, load_section, pipeline_stages, validate_all
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
 # what a stage reads and writes beside the code (relative to the repo): stage outputs, in-progress
 # checkpoints, the MLflow store. On Kubernetes they must outlive the pod, so each gets a volume.
 PERSISTENT_DIRS = ("artifacts", "checkpoints", "mlruns")
+# asynchronous RL's second role (rl.rollout_role): stages.rl reads which role it is, and both roles
+# the id of their shared dir, fresh per launch so no file of an earlier launch is ever read
+RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_EXCHANGE_ID"
+RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"  # the trainer's threads once the role is done
 
 
 def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -84,6 +90,11 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     # an explicit count for every worker: torch's default (every core) oversubscribes the node
     # as soon as two processes share it, and torchrun's own default for several workers is 1
     env = {**(env or {}), "OMP_NUM_THREADS": str(worker_threads(launch, nproc)[0])}
+    rollout = rollout_role_threads(stage, launch, stage_args, nnodes * nproc)
+    if rollout:
+        env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
+        if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
+            env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
     if nnodes * nproc == 1:
         app = python(
             *stage_args,
@@ -97,6 +108,8 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         app.roles[0].env.update(stage_env(launch.scheduler, env))
         app.roles[0].max_retries = launch.max_retries
         app.roles[0].mounts = volume_mounts(launch)
+        if rollout:
+            app.roles.append(rollout_role(app.roles[0], rollout[1]))
         return app
     app = ddp(
         *stage_args,
@@ -114,6 +127,41 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     )
     app.roles[0].mounts = volume_mounts(launch)
     return app
+
+
+def rollout_role_threads(
+    stage: str, launch: LaunchSettings, stage_args: list[str], workers: int
+) -> tuple[int, int] | None:
+    """(trainer threads, rollout-role threads) when the RL stage runs its rollout role (``rl.rollout_role``),
+    the node's cores split between them; None otherwise. Refused before any work when the role would
+    leave the trainer no core, or the trainer has more than one process."""
+    if stage != "rl":
+        return None
+    rl = load_section(RLSettings, stage_args)
+    if not rl.rollout_role:
+        return None
+    if workers > 1:
+        raise ParamsError(f"rl.rollout_role samples for one trainer process; launch asks for {workers}")
+    cores, why = worker_threads(launch, 1)
+    if why in ("OMP_NUM_THREADS", "launch.threads"):  # the user chose the trainer's count
+        return cores, rl.rollout_threads
+    if launch.nnodes == 1 and cores - rl.rollout_threads < 1:
+        raise ParamsError(
+            f"rl.rollout_threads = {rl.rollout_threads} leaves the trainer none of this node's {cores} cores; "
+            f"set it to at most {cores - 1}"
+        )
+    return max(1, cores - rl.rollout_threads), rl.rollout_threads
+
+
+def rollout_role(trainer, threads: int):
+    """The RL stage's second role: the trainer's command and mounts, one process, marked as the rollout
+    role, with ``threads`` intra-op threads; Slurm may place it on another node."""
+    role = copy.deepcopy(trainer)
+    role.name = f"{trainer.name}_rollout"
+    role.env |= {"OMP_NUM_THREADS": str(threads), RL_ROLE_ENV: "rollout"}
+    role.env.pop(RL_THREADS_AFTER_ENV, None)
+    role.num_replicas = 1
+    return role
 
 
 def threads_note(launch: LaunchSettings, stage: str) -> str:
@@ -277,6 +325,8 @@ def run_stage(
             print(f"[launch] log streaming unavailable: {e}", flush=True)
         status = runner.wait(handle, wait_interval=0.5)
         ok = status is not None and status.state == AppState.SUCCEEDED
+        if not ok:  # a role still running (the RL rollout role after its trainer failed) goes too
+            runner.cancel(handle)
         seconds = time.perf_counter() - started  # the app's own wall time, start to end, for overhead accounting
         print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'} ({seconds:.1f} s)", flush=True)
         return 0 if ok else 1

@@ -20,11 +20,16 @@ policy goes to ``artifacts/rl/``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import logging
+import os
+import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,10 +41,12 @@ from chatpipe.data.packing import ConversationLoader, pack
 from chatpipe.data.tasks import build_mixture
 from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
+from chatpipe.launch import RL_EXCHANGE_ENV, RL_ROLE_ENV, RL_THREADS_AFTER_ENV
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.rl import losses
+from chatpipe.rl.exchange import Exchange, run_rollout_role
 from chatpipe.rl.guard import RewardGuard
 from chatpipe.rl.reward_model import (
     RewardModel,
@@ -49,7 +56,7 @@ from chatpipe.rl.reward_model import (
     rollout_rows,
     rollout_scores,
 )
-from chatpipe.rl.rewards import combine_rewards
+from chatpipe.rl.rewards import combine_rewards, group_win_rates
 from chatpipe.rl.rollout import (
     Problem,
     Rollouts,
@@ -76,7 +83,10 @@ log = logging.getLogger("rl")
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.run_stage(RLSettings, train, argv, training=True)
+    if os.environ.get(RL_ROLE_ENV) == "rollout":  # the second torchx role of asynchronous RL (rl.rollout_role)
+        runtime.run_stage(RLSettings, rollout_role, argv)
+    else:
+        runtime.run_stage(RLSettings, train, argv, training=True)
 
 
 @dataclass
@@ -135,6 +145,7 @@ class Parts:
     value_norm: losses.ValueNorm | None = None  # PPO's running moments of the returns (rl.value_norm)
     prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
     guard: RewardGuard | None = None  # reward_source model|both: the reward-hacking guard
+    exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
 
 
 def rl_state(parts: Parts) -> dict:
@@ -173,7 +184,7 @@ def summary(state: LoopState, guard: RewardGuard | None = None) -> dict[str, flo
         "steps": state.step,
         "gen_seconds": gen_seconds,
         "train_seconds": state.total("train_seconds") - gen_seconds,
-        "rollout_tokens_per_s": state.total("gen_tokens") / max(gen_seconds, 1e-9),
+        "rollout_tokens_per_s": state.total("gen_tokens") / max(state.total("role_gen_seconds") or gen_seconds, 1e-9),
         **{f"first_{k}": v for k, v in state.first_evals.items()},
         **{f"final_{k}": v for k, v in state.evals.items()},
     }
@@ -242,7 +253,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         "world_size": rt.world_size,
         "init_lrs": models.init_lrs,
     }
-    with tracked_run("rl", params, rt) as run:
+    with tracked_run("rl", params, rt) as run, rollout_exchange(parts, state.step):
         metrics = Curves(run, "rl", ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"], enabled=rt.is_main)
         run_loop(loop, state, run, metrics)
         # --- save the final policy for eval and chat
@@ -258,6 +269,102 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             rt=rt,
         )
     runtime.barrier()
+
+
+# --------------------------------------------------------------------------- asynchronous RL's two roles
+
+
+def exchange_dir(cfg: RLSettings) -> Path:
+    """The roles' shared dir: ``exchange_dir``, else shared memory on this host; one dir per launch
+    (``CHATPIPE_RL_EXCHANGE_ID``, set by chatpipe.launch for both roles), under one per project."""
+    project = hashlib.sha256(str(Path.cwd().resolve()).encode()).hexdigest()[:12]
+    base = Path(cfg.exchange_dir) if cfg.exchange_dir else Path("/dev/shm") / f"chatpipe-rl-{project}"
+    return base / os.environ.get(RL_EXCHANGE_ENV, "default")
+
+
+@contextlib.contextmanager
+def rollout_exchange(parts: Parts, step: int) -> Iterator[None]:
+    """With ``rollout_role``: open the roles' shared dir for a run starting at ``step`` (the policy's
+    weights published as version ``step``) and tell the rollout role to stop when the run ends, however
+    it ends. The dirs of earlier launches in this project go: only one RL run uses a project's
+    checkpoints at a time."""
+    cfg, rt = parts.cfg, parts.rt
+    if not cfg.rollout_role:
+        yield
+        return
+    if rt.world_size > 1:
+        raise ValueError(f"rl.rollout_role samples for one trainer process; this run has {rt.world_size} ranks")
+    root = exchange_dir(cfg)
+    for old in root.parent.glob("*") if root.parent.is_dir() else []:
+        if old != root:
+            shutil.rmtree(old, ignore_errors=True)
+    parts.exchange = Exchange(root, cfg.heartbeat_timeout_s)
+    parts.exchange.start(step, parts.models.policy.state_dict())
+    log.info("rollout role: exchange %s, max_staleness %d", root, cfg.max_staleness)
+    try:
+        with parts.exchange.heartbeat("trainer"):
+            yield
+    finally:
+        parts.exchange.stop()
+
+
+def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
+    """The rollout role: the policy (its weights the trainer's newest the bound allows), the engine
+    and the train prompts, sampling each step's batch as the trainer would (:func:`sample_batch`)."""
+    tok = Tokenizer.load(ARTIFACTS / "tokenizer")
+    policy, _ = load_model(cfg.init_dir, rt.device)
+    policy.eval()
+    engine = Engine(policy, tok)
+    train_problems, _ = load_rl_problems(cfg, rt)
+
+    def sample_step(step: int) -> dict:
+        idx = step_indices(cfg, Prompts(), len(train_problems), step, rank=0, world_size=1)
+        batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, rank=0, world_size=1)
+        return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
+
+    ex = Exchange(exchange_dir(cfg), cfg.heartbeat_timeout_s)
+    log.info("rollout role: waiting for the trainer at %s", ex.root)
+    with ex.heartbeat("rollout"):
+        written = run_rollout_role(
+            ex,
+            policy,
+            sample_step,
+            max_steps=cfg.max_steps,
+            max_staleness=cfg.max_staleness,
+            timeout_s=cfg.rollout_timeout_s,
+        )
+    log.info("rollout role: done, %d batches", written)
+
+
+def take_rollouts(parts: Parts, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, float]]:
+    """Step ``step``'s batch from the rollout role, checked against the trainer's own prompt picks and
+    the staleness bound; its stats: staleness, the role's sampling and idle seconds, tokens/s."""
+    cfg = parts.cfg
+    t0 = time.perf_counter()
+    ex = parts.exchange
+    payload = ex.take_rollouts(step, cfg.rollout_timeout_s, alive=lambda: ex.check_alive("rollout") or True)
+    waited = time.perf_counter() - t0
+    staleness = step - int(payload["version"])
+    if payload["idx"] != idx or not 0 <= staleness <= cfg.max_staleness:
+        raise RuntimeError(
+            f"rollout role's batch for step {step} does not fit: prompts {payload['idx']} (want {idx}), "
+            f"sampled by version {payload['version']} (max_staleness {cfg.max_staleness})"
+        )
+    batch = Rollouts.from_dict(payload)
+    if step == cfg.max_steps - 1 and os.environ.get(RL_THREADS_AFTER_ENV):  # the role has no more to sample:
+        runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, after its last step")
+    if staleness == 0:  # sampled by the weights this step updates: the behaviour policy is the proximal one
+        batch = dataclasses.replace(batch, behav_logp=None)
+    parts.engine.tool_stats = dict(payload["tools"])  # the role's running totals
+    gen, idle = float(payload["gen_seconds"]), float(payload["idle_seconds"])
+    stats = {
+        "async/staleness": float(staleness),
+        "async/trainer_wait_seconds": waited,
+        "async/rollout_gen_seconds": gen,
+        "async/rollout_idle": idle / max(idle + gen, 1e-9),
+        "rollout/tokens_per_s": batch.num_tokens / max(gen, 1e-9),
+    }
+    return batch, stats
 
 
 def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
@@ -415,6 +522,8 @@ def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, f
     stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": model.mean().item()}
     if parts.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
         stats |= refresh_reward_model(parts, batch)
+    if cfg.reward_model_scores == "win_rate":  # the guard above still reads the normalised scores
+        model = group_win_rates(model, batch.groups, scale=rm.score_std)
     return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
 
 
@@ -470,6 +579,8 @@ def rl_step(parts: Parts, step: int) -> StepOut:
     t_gen = time.perf_counter() - t0
     t1 = time.perf_counter()
     stats = update(parts, batch, step)
+    if parts.exchange is not None:  # the rollout role may sample the next steps with these weights
+        parts.exchange.publish(step + 1, parts.models.policy.state_dict())
     t_train = time.perf_counter() - t1
     totals = RolloutTotals.of(batch, kl_sum=stats.pop("kl_sum", 0.0)).summed_over_ranks(parts.rt.device)
     grad_norm = stats.pop("train/grad_norm", None)  # the loop's step_row logs it; absent: no optimizer step
@@ -484,7 +595,10 @@ def rl_step(parts: Parts, step: int) -> StepOut:
         **(parts.guard.close_if_due(step + 1, functools.partial(sum_over_ranks, parts.rt)) if parts.guard else {}),
     }
     # "gen_tokens", not "tokens": the loop's tokens_per_s and MFU are for trained tokens
-    return StepOut(grad_norm, metrics=row, totals={"gen_seconds": t_gen, "gen_tokens": int(totals.tokens)})
+    if parts.exchange is not None:  # the trainer's gen time is its wait; the role's own time samples
+        row["async/trainer_idle"] = row["async/trainer_wait_seconds"] / (t_gen + t_train)
+    role_gen = {"role_gen_seconds": row["async/rollout_gen_seconds"]} if parts.exchange is not None else {}
+    return StepOut(grad_norm, metrics=row, totals={"gen_seconds": t_gen, "gen_tokens": int(totals.tokens), **role_gen})
 
 
 def check_minibatches(cfg: RLSettings, world_size: int) -> None:
@@ -498,44 +612,66 @@ def check_minibatches(cfg: RLSettings, world_size: int) -> None:
 
 
 def sample_rollouts(parts: Parts, step: int) -> tuple[Rollouts, dict[str, float]]:
-    """This rank's prompts x ``group_size`` responses for step ``step``, seeded by (seed, step,
-    rank), scored by :func:`score_rollouts`; every rank records who sampled what in
-    ``parts.prompts.log`` (tests check no overlap). With ``generation_size`` each prompt is sampled
-    that many times and the ``group_size`` best by the reward that trains are kept; filter_solved
-    counts a response solved by the verifier's verdict, or with ``reward_source: model`` by its
-    reward-model score reaching ``solved_score``."""
-    cfg, rt, policy = parts.cfg, parts.rt, parts.models.policy
-    per_rank = cfg.prompts_per_step // rt.world_size
-    prompts = parts.prompts
-    pool = prompt_pool(cfg, len(parts.train_problems), prompts, step)
-    seed = cfg.seed + prompts.pool_start  # pool_start is 0 unless filter_solved re-pooled
-    picks = rank_indices(len(pool), step - prompts.pool_start, per_rank, rt.rank, rt.world_size, seed)
-    idx = [pool[i] for i in picks]
+    """This rank's prompts x ``group_size`` responses for step ``step`` (:func:`sample_batch`, or with
+    ``rollout_role`` the role's batch: :func:`take_rollouts`), scored by :func:`score_rollouts`; every
+    rank records who sampled what in ``parts.prompts.log`` (tests check no overlap). With
+    ``generation_size`` and a learned reward, the ``group_size`` best by that reward are kept here;
+    filter_solved counts a response solved by the verifier's verdict, or with ``reward_source: model``
+    by its reward-model score reaching ``solved_score``."""
+    cfg, rt, prompts = parts.cfg, parts.rt, parts.prompts
+    idx = step_indices(cfg, prompts, len(parts.train_problems), step, rt.rank, rt.world_size)
     prompts.log.append(gather(idx, rt))
-    policy.eval()
-    # the verifier ranks best-of-n inside collect_rollouts; a learned reward ranks after scoring
-    model_ranked = cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier"
-    batch = collect_rollouts(
-        parts.engine,
-        [parts.train_problems[i] for i in idx],
-        group_size=cfg.generation_size if model_ranked else cfg.group_size,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k or None,
-        device=rt.device,
-        seed=((cfg.seed * 1_000_003 + step) * rt.world_size + rt.rank) * per_rank,
-        generation_size=0 if model_ranked else cfg.generation_size,
-    )
-    policy.train()
+    if parts.exchange is not None:
+        batch, async_stats = take_rollouts(parts, step, idx)
+    else:
+        parts.models.policy.eval()
+        batch = sample_batch(cfg, parts.engine, [parts.train_problems[i] for i in idx], step, rt.rank, rt.world_size)
+        parts.models.policy.train()
+        async_stats = {}
     batch, reward_stats = score_rollouts(parts, batch)
-    if model_ranked:
+    if cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier":
         batch = keep_best(batch, cfg.group_size)
     if cfg.filter_solved > 0:
         solved_rows = batch.scores >= cfg.solved_score if cfg.reward_source == "model" else batch.correct
         rates = losses.group_solve_rates(solved_rows, batch.groups)
         solved = [idx[g] for g, rate in rates.items() if rate >= cfg.filter_solved]
         prompts.solved = sorted(set(prompts.solved).union(*gather(solved, rt)))
-    return batch, reward_stats
+    return batch, reward_stats | async_stats
+
+
+def step_indices(
+    cfg: RLSettings, prompts: Prompts, num_problems: int, step: int, rank: int, world_size: int
+) -> list[int]:
+    """The train prompts rank ``rank`` samples at ``step``: a function of the settings, the step and
+    filter_solved's pool only, so the rollout role picks the same ones as the trainer."""
+    pool = prompt_pool(cfg, num_problems, prompts, step)
+    seed = cfg.seed + prompts.pool_start  # pool_start is 0 unless filter_solved re-pooled
+    picks = rank_indices(
+        len(pool), step - prompts.pool_start, cfg.prompts_per_step // world_size, rank, world_size, seed
+    )
+    return [pool[i] for i in picks]
+
+
+def sample_batch(
+    cfg: RLSettings, engine: Engine, problems: list[Problem], step: int, rank: int, world_size: int
+) -> Rollouts:
+    """``problems`` x ``group_size`` responses, seeded by (seed, step, rank). The verifier ranks
+    best-of-n inside collect_rollouts; a learned reward ranks after scoring (all ``generation_size``
+    samples come back). The rollout role keeps each token's sampling log-prob, for the decoupled loss."""
+    per_rank = cfg.prompts_per_step // world_size
+    model_ranked = cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier"
+    return collect_rollouts(
+        engine,
+        problems,
+        group_size=cfg.generation_size if model_ranked else cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k or None,
+        device=next(engine.model.parameters()).device,
+        seed=((cfg.seed * 1_000_003 + step) * world_size + rank) * per_rank,
+        generation_size=0 if model_ranked else cfg.generation_size,
+        behaviour_logprobs=cfg.rollout_role,
+    )
 
 
 def prompt_pool(cfg: RLSettings, num_problems: int, prompts: Prompts, step: int) -> list[int]:
@@ -579,6 +715,7 @@ def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
             grad_clip=cfg.grad_clip,
             ref=models.ref,
             kl_loss_coef=cfg.kl_loss_coef,
+            behav_weight_cap=cfg.behav_weight_cap,
         )
     stats = ppo_update(
         parts.train_policy,
@@ -594,6 +731,7 @@ def update(parts: Parts, batch: Rollouts, step: int) -> dict[str, float]:
         autocast=parts.rt.autocast,
         replay=replay,
         value_norm=parts.value_norm,
+        behav_weight_cap=cfg.behav_weight_cap,
     )
     losses.ema_update(models.ref, models.policy, cfg.ref_ema)
     return stats

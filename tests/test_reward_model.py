@@ -25,7 +25,7 @@ from chatpipe.rl.reward_model import (
     unique_rows,
     verifier_pairs,
 )
-from chatpipe.rl.rewards import combine_rewards
+from chatpipe.rl.rewards import combine_rewards, group_win_rates
 from chatpipe.rl.value import ValueModel
 from tests.chatmodel import make_artifacts
 
@@ -182,6 +182,17 @@ def test_combine_rewards():
     assert combine_rewards("both", v, m).tolist() == [1.5, -2.0]
     with pytest.raises(ValueError, match="allowed: verifier, model, both"):
         combine_rewards("rm", v, m)
+
+
+def test_group_win_rates_by_hand():
+    # group 0: scores 1, 0, 0.5 at scale 2 -> each row's mean sigmoid(2 (s_i - s_j)) over its two rivals
+    scores, groups = torch.tensor([1.0, 0.0, 0.5, 3.0, 3.0, 7.0]), torch.tensor([0, 0, 0, 1, 1, 2])
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = [(sig(2) + sig(1)) / 2, (sig(-2) + sig(-1)) / 2, (sig(-1) + sig(1)) / 2, 0.5, 0.5, 0.5]
+    got = group_win_rates(scores, groups, scale=2.0)
+    assert torch.allclose(got, torch.tensor(want), atol=1e-6)
+    # a prompt's offset is dropped: shifting one group's scores changes nothing
+    assert torch.equal(group_win_rates(scores + torch.tensor([5.0, 5, 5, 0, 0, 0]), groups, 2.0), got)
 
 
 # --------------------------------------------------------------------------- the stage, in this process

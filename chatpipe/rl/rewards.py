@@ -92,3 +92,23 @@ def combine_rewards(source: str, verifier: torch.Tensor, model: torch.Tensor | N
     if model is None:
         raise ValueError(f"reward_source {source!r} needs reward-model scores")
     return model if source == "model" else verifier + model
+
+
+REWARD_MODEL_SCORES = ("normalized", "win_rate")
+
+
+def group_win_rates(scores: torch.Tensor, groups: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Each row's mean win probability against the other rows of its group, under the
+    Bradley-Terry model a reward model is trained as: mean over j of sigmoid(scale * (s_i - s_j)).
+
+    ``scale`` turns ``scores`` back into the model's raw logits (its ``score_std`` for normalised
+    scores). The result lies in [0, 1] like a verifier's verdict; it keeps the model's ranking inside a
+    prompt's group and drops the offsets between prompts, which a reward model does not learn (its
+    pairs never compare two prompts). Replies the model cannot tell apart all get 0.5, so a group of
+    near-ties teaches nothing, where a std-normalised advantage would blow their noise up to +-1.
+    A row alone in its group gets 0.5."""
+    same = groups[:, None] == groups[None, :]
+    same.fill_diagonal_(False)
+    wins = torch.sigmoid(scale * (scores[:, None] - scores[None, :])).masked_fill(~same, 0.0)
+    rivals = same.sum(dim=1)
+    return torch.where(rivals > 0, wins.sum(dim=1) / rivals.clamp(min=1), torch.full_like(scores, 0.5))

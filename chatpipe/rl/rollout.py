@@ -13,7 +13,7 @@ prompt, on tool outputs the engine forced in, and on padding.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -142,6 +142,15 @@ class Rollouts:
     def num_tokens(self) -> int:
         """Generated tokens (sampled + forced) in the batch."""
         return int(self.lengths.sum())
+
+    def to_dict(self) -> dict:
+        """The batch as plain tensors, strings and lists (what ``torch.load(weights_only=True)`` reads back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Rollouts:
+        """The batch :meth:`to_dict` wrote (other keys beside it are left alone)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
     def select(self, rows: torch.Tensor) -> Rollouts:
         """The sub-batch of ``rows`` (for minibatches)."""

@@ -246,6 +246,11 @@ class RLSettings(RunSettings):
     reward_model_dir: str = Field(
         "artifacts/reward_model", description="reward model dir (reward_model stage) for reward_source model|both"
     )
+    reward_model_scores: Literal["normalized", "win_rate"] = Field(
+        "normalized",
+        description="how reward_source model|both reads the reward model: its normalised scores, or each "
+        "reply's Bradley-Terry win rate against the other replies of its group (in [0, 1], as the verifier)",
+    )
     ref_dir: str = Field("", description="frozen reference policy's model dir ('': a copy of init_dir)")
     critic_init_dir: str = Field(
         "",
@@ -363,6 +368,33 @@ class RLSettings(RunSettings):
         "prompt), at this fraction of the init model's LRs; the policy still trains on the model's scores alone. "
         "0: the reward model stays frozen",
     )
+    # asynchronous RL: the rollout role samples in its own process while the trainer updates
+    rollout_role: bool = Field(
+        False,
+        description="sample rollouts in a second torchx role (its own process and cores) that runs ahead of the "
+        "trainer by up to max_staleness weight versions; false: the trainer samples each step itself",
+    )
+    rollout_threads: int = Field(
+        1, ge=1, description="intra-op threads (cores) of the rollout role; the trainer gets the rest"
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="how many weight versions older than the step it trains a rollout may be (AReaL's "
+        "max_head_offpolicyness); 0: synchronous, each step's rollouts come from the weights it updates",
+    )
+    behav_weight_cap: float = Field(
+        5.0, gt=0, description="stale rollouts: truncate each token's pi_proximal / pi_behaviour weight here"
+    )
+    exchange_dir: str = Field(
+        "", description="the two roles' shared dir (weights, rollouts); '': shared memory on one host (/dev/shm)"
+    )
+    rollout_timeout_s: float = Field(600.0, gt=0, description="a role waiting this long for the other one fails")
+    heartbeat_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a role whose heartbeat (one a second) stops this long is taken for dead: the other fails",
+    )
     # eval
     eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
     eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
@@ -422,6 +454,26 @@ class RLSettings(RunSettings):
             raise ValueError(
                 "reward_model_lr_frac trains the reward model, which only reward_source: model|both reads; "
                 "set reward_source, or leave it at 0"
+            )
+        return v
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_needs_the_role(cls, v: int, info: ValidationInfo) -> int:
+        if v and not info.data.get("rollout_role"):
+            raise ValueError(
+                f"max_staleness = {v} needs rollout_role: true; without the role every step samples with its "
+                "own weights, so leave it at 0"
+            )
+        return v
+
+    @field_validator("rollout_role")
+    @classmethod
+    def _role_samples_fixed_prompts(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("filter_solved"):
+            raise ValueError(
+                "rollout_role samples each step's prompts ahead of the trainer, but filter_solved changes the pool "
+                "from the trainer's scores; set filter_solved: 0, or rollout_role: false"
             )
         return v
 

@@ -1,0 +1,115 @@
+"""Asynchronous RL against synchronous RL: the RL stage's wall time and held-out pass@1, side by side.
+
+Runs the RL stage through ``python -m chatpipe.launch rl`` (as DVC does) on the default pipeline's
+SFT model, once synchronously (one process, every core) and once per ``--staleness`` with the
+rollout role (``rl.rollout_role``: the role on ``rollout_threads`` cores, the trainer on the rest),
+each seed in turn, one run at a time. Prints one markdown row per run: the stage's wall time and its
+ratio to the synchronous run of the same seed, the first and final held-out pass@1, and where each
+role spent its time (the trainer's share waiting for rollouts, the role's share waiting for weights),
+then the mean ratio and pass@1 change per setting.
+
+    python bench/rl_async.py --seeds 1 2 3 --staleness 1 2
+    python bench/rl_async.py --seeds 1 --staleness 1 -- --max_steps=20     # extra stages.rl flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LINKED = ("tokenizer", "sft")
+
+
+def project_dir(workdir: Path, name: str) -> Path:
+    """A fresh project dir for one run: the repo's input artifacts linked in, nothing else."""
+    project = workdir / name
+    (project / "artifacts").mkdir(parents=True, exist_ok=True)
+    for art in LINKED:
+        link = project / "artifacts" / art
+        if not link.exists():
+            link.symlink_to(REPO / "artifacts" / art)
+    return project
+
+
+def run(workdir: Path, seed: int, staleness: int | None, extra: list[str]) -> dict:
+    """One RL stage run (``staleness`` None: synchronous); its wall time, summary and async means."""
+    name = f"seed{seed}_" + ("sync" if staleness is None else f"async{staleness}")
+    project = project_dir(workdir, name)
+    flags = [f"--seed={seed}", "--log_every=1", *extra]
+    if staleness is not None:
+        flags += ["--rollout_role=true", f"--max_staleness={staleness}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
+    env |= {"CHATPIPE_TRACKING__ENABLED": "false"}
+    t0 = time.perf_counter()
+    with (project / "rl.log").open("w") as log:
+        cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", *flags]
+        code = subprocess.run(cmd, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    text = (project / "rl.log").read_text()
+    if code:
+        return {"name": name, "seed": seed, "staleness": staleness, "error": text[-2000:]}
+    meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+    means = {k: mean_logged(text, k) for k in ("async/trainer_idle", "async/rollout_idle", "async/staleness")}
+    return {"name": name, "seed": seed, "staleness": staleness, "wall": wall, "summary": meta["summary"], **means}
+
+
+def mean_logged(log: str, key: str) -> float | None:
+    values = [float(v) for v in re.findall(rf"{re.escape(key)} ([-0-9.e]+)", log)]
+    return sum(values) / len(values) if values else None
+
+
+def row(r: dict, sync_wall: float | None) -> str:
+    if "error" in r:
+        return f"| {r['name']} | failed: {r['error'][-300:]!r} |"
+    s = r["summary"]
+    first, final = s["first_eval/pass_at_1"], s["final_eval/pass_at_1"]
+    ratio = f"{r['wall'] / sync_wall:.2f}" if sync_wall else "-"
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    cells = [r["name"], f"{r['wall']:.0f}", ratio, f"{first:.4f}", f"{final:.4f}", f"{final - first:+.4f}"]
+    cells += [fmt(r["async/staleness"]), fmt(r["async/trainer_idle"]), fmt(r["async/rollout_idle"])]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--staleness", type=int, nargs="+", default=[1], help="max_staleness of the async runs")
+    p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_async")
+    p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every run, e.g. --max_steps=40")
+    args = p.parse_args()
+    missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
+    if missing:
+        sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
+    print("| run | wall s | / sync | first pass@1 | final pass@1 | change | staleness | trainer waits | role waits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    results = []
+    for seed in args.seeds:
+        sync = run(args.workdir, seed, None, args.rl_args)
+        print(row(sync, None), flush=True)
+        results.append(sync)
+        for k in args.staleness:
+            results.append(run(args.workdir, seed, k, args.rl_args))
+            print(row(results[-1], sync.get("wall")), flush=True)
+    print()
+    for k in [None, *args.staleness]:
+        done = [r for r in results if r["staleness"] == k and "error" not in r]
+        syncs = {r["seed"]: r for r in results if r["staleness"] is None and "error" not in r}
+        ratios = [r["wall"] / syncs[r["seed"]]["wall"] for r in done if r["seed"] in syncs]
+        change = [r["summary"]["final_eval/pass_at_1"] - r["summary"]["first_eval/pass_at_1"] for r in done]
+        label = "synchronous" if k is None else f"max_staleness {k}"
+        if done:
+            print(
+                f"{label}: {len(done)} seeds, wall / sync {sum(ratios) / len(ratios):.2f}, "
+                f"mean pass@1 change {sum(change) / len(change):+.4f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

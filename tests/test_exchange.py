@@ -1,0 +1,98 @@
+"""The roles' shared dir of asynchronous RL (chatpipe/rl/exchange.py): whole files, versions, the
+staleness bound the rollout role keeps, and restarts. The rollout role runs in a thread here; the
+stage tests run it as its own torchx role."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from chatpipe.rl.exchange import Exchange, ExchangeTimeout, run_rollout_role
+
+
+def test_weights_and_rollouts_round_trip(tmp_path):
+    ex = Exchange(tmp_path / "x")
+    ex.start(3, {"w": torch.ones(2)})
+    assert ex.version() == 3 and ex.start_mark()["step"] == 3
+    ex.publish(4, {"w": torch.full((2,), 2.0)})
+    version, state = ex.weights()
+    assert version == 4 and state["w"].tolist() == [2.0, 2.0]
+    ex.put_rollouts(3, {"run": "stale", "version": 4, "texts": ["b"]})  # an earlier run's: skipped
+    ex.put_rollouts(3, {"run": ex.run_id, "version": 4, "texts": ["a"], "t": torch.arange(3)})
+    got = ex.take_rollouts(3, timeout_s=1)
+    assert got["texts"] == ["a"] and got["t"].tolist() == [0, 1, 2]
+    assert not list(ex.root.glob("rollouts-*")), "a taken batch is removed"
+
+
+def test_start_clears_an_earlier_run_and_names_a_new_one(tmp_path):
+    ex = Exchange(tmp_path / "x")
+    first = ex.start(0, {"w": torch.ones(1)})
+    ex.put_rollouts(0, {"version": 0})
+    ex.stop()
+    second = ex.start(5, {"w": torch.ones(1)})
+    assert second != first and not ex.stopped() and not list(ex.root.glob("rollouts-*"))
+    assert ex.start_mark() == {"step": 5, "id": second}
+
+
+def test_waiting_for_a_batch_that_never_comes_names_the_setting(tmp_path):
+    ex = Exchange(tmp_path / "x")
+    ex.start(0, {"w": torch.ones(1)})
+    with pytest.raises(ExchangeTimeout, match=r"no rollouts of step 0 .* after 0 s \(rl.rollout_timeout_s\)"):
+        ex.take_rollouts(0, timeout_s=0.05)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_the_rollout_role_keeps_the_staleness_bound(tmp_path, max_staleness):
+    """A trainer that takes step s's batch and then publishes version s + 1: every batch it gets was
+    sampled by weights at most ``max_staleness`` versions old, with the very weights of that version
+    loaded into the role's model, and the role runs ahead exactly as far as the bound allows."""
+    ex, model, steps = Exchange(tmp_path / "x"), torch.nn.Linear(1, 1, bias=False), 6
+    sampled_with = {}
+
+    def sample_step(step: int) -> dict:
+        sampled_with[step] = model.weight.item()  # the weights the role holds while it samples
+        return {"step": step}
+
+    ex.start(0, {"weight": torch.zeros(1, 1)})
+    role = threading.Thread(
+        target=run_rollout_role,
+        args=(ex, model, sample_step),
+        kwargs=dict(max_steps=steps, max_staleness=max_staleness, timeout_s=10),
+    )
+    role.start()
+    versions = []
+    for step in range(steps):
+        got = ex.take_rollouts(step, timeout_s=10)
+        versions.append(got["version"])
+        assert got["step"] == step and sampled_with[step] == got["version"]  # version v's weights are v
+        ex.publish(step + 1, {"weight": torch.full((1, 1), float(step + 1))})
+    ex.stop()
+    role.join(timeout=10)
+    assert not role.is_alive(), "the role ends when the trainer stops"
+    staleness = [step - v for step, v in enumerate(versions)]
+    assert max(staleness) <= max_staleness and min(staleness) >= 0
+    assert staleness[-1] == 0 or max_staleness > 0
+    if max_staleness == 0:
+        assert versions == list(range(steps))  # synchronous: each step sampled by the weights it updates
+
+
+def test_the_rollout_role_begins_again_when_the_trainer_restarts(tmp_path):
+    """A trainer that resumes from step 2 clears the dir: the role, waiting ahead, starts again from 2."""
+    ex, model = Exchange(tmp_path / "x"), torch.nn.Linear(1, 1, bias=False)
+    ex.start(0, {"weight": torch.zeros(1, 1)})
+    role = threading.Thread(
+        target=run_rollout_role,
+        args=(ex, model, lambda step: {"step": step}),
+        kwargs=dict(max_steps=4, max_staleness=0, timeout_s=10),
+    )
+    role.start()
+    assert ex.take_rollouts(0, timeout_s=10)["version"] == 0
+    ex.start(2, {"weight": torch.ones(1, 1)})  # "killed" after step 0; resumed from a checkpoint at step 2
+    got = [ex.take_rollouts(2, timeout_s=10)]
+    ex.publish(3, {"weight": torch.ones(1, 1)})
+    got.append(ex.take_rollouts(3, timeout_s=10))
+    ex.stop()
+    role.join(timeout=10)
+    assert [(g["step"], g["version"]) for g in got] == [(2, 2), (3, 3)] and not role.is_alive()

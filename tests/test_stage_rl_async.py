@@ -1,0 +1,131 @@
+"""Asynchronous RL end to end (rl.rollout_role): the rollout role as the RL stage's second torchx
+role, sampling ahead of the trainer by up to max_staleness weight versions, in a throwaway project
+with a tiny random init model (tests/test_stage_rl.py's), launched as DVC launches it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from chatpipe.launch import build_app
+from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, load_section
+from tests.project import processes_in, project_env, run
+from tests.test_stage_rl import setup_project
+
+ONE_THREAD = {"CHATPIPE_LAUNCH__THREADS": "1", "CHATPIPE_TRACKING__ENABLED": "false"}
+
+
+def launch_rl(project: Path, *stage_args: str) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """Run the RL stage through chatpipe.launch; its meta.json, final weights and log. The run's
+    outputs are moved aside, so the next run starts fresh."""
+    proc = run(project, sys.executable, "-m", "chatpipe.launch", "rl", "--", *stage_args, **ONE_THREAD)
+    out = project / "artifacts" / "rl"
+    meta = json.loads((out / "meta.json").read_text())
+    weights = torch.load(out / "model.pt", weights_only=True)
+    for d in (out, project / "checkpoints" / "rl"):
+        shutil.rmtree(d)
+    return meta, weights, proc.stdout + proc.stderr
+
+
+def logged(log: str, key: str) -> list[float]:
+    return [float(v) for v in re.findall(rf"{re.escape(key)} ([-0-9.e]+)", log)]
+
+
+@pytest.mark.slow
+def test_rollout_role_at_staleness_0_is_synchronous_rl_and_1_runs_ahead(tmp_path):
+    project = setup_project(tmp_path, max_steps=6, eval_every=0, checkpoint_every=3)
+    sync_meta, sync_w, _ = launch_rl(project)
+
+    # max_staleness 0: the role samples each step with the weights that step updates, so the batches,
+    # and so the updates, are the synchronous run's. Both processes compute with 1 thread, as the
+    # synchronous trainer did: the same kernels, so the weights agree to float32 rounding (1e-6).
+    meta, w, log = launch_rl(project, "--rollout_role=true")
+    assert meta["prompt_indices"] == sync_meta["prompt_indices"]
+    assert logged(log, "async/staleness") == [0.0] * 6
+    for name, want in sync_w.items():
+        torch.testing.assert_close(w[name], want, rtol=0, atol=1e-6, msg=f"{name} differs from synchronous RL")
+    assert meta["summary"]["steps"] == 6
+
+    # max_staleness 1: the role samples step s + 1 while the trainer updates step s; the same prompts
+    # are trained on, each once, and no batch is older than the bound. (PPO: its update weighs every
+    # row, where GRPO skips the groups that all scored 0, all of them with this random model.)
+    meta, _, log = launch_rl(project, "--rollout_role=true", "--max_staleness=1", "--algorithm=ppo")
+    assert meta["prompt_indices"] == sync_meta["prompt_indices"]
+    staleness = logged(log, "async/staleness")
+    assert len(staleness) == 6 and max(staleness) == 1.0 and min(staleness) >= 0.0
+    assert logged(log, "stale/weight_mean"), "stale batches train on the decoupled loss"
+    assert not processes_in(project), "both roles are gone"
+
+
+def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's count would win over the split
+    monkeypatch.setenv("CHATPIPE_CORES", "4")
+    app = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_threads=1"])
+    trainer, role = app.roles
+    assert trainer.env["OMP_NUM_THREADS"] == "3" and role.env["OMP_NUM_THREADS"] == "1"
+    assert role.env["CHATPIPE_RL_ROLE"] == "rollout" and "CHATPIPE_RL_ROLE" not in trainer.env
+    assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "4"  # the final eval gets the role's core back
+    assert trainer.env["CHATPIPE_RL_EXCHANGE_ID"] == role.env["CHATPIPE_RL_EXCHANGE_ID"]
+    assert role.args[-2:] == trainer.args[-2:]  # the same stage settings
+    assert len(build_app("rl", load_section(LaunchSettings), []).roles) == 1
+
+
+def test_bad_async_settings_fail_before_any_work_naming_the_setting(monkeypatch):
+    with pytest.raises(ParamsError, match=r"rl.max_staleness"):
+        load_section(RLSettings, {"rollout_role": True, "max_staleness": -1})
+    with pytest.raises(ParamsError, match=r"rl.rollout_threads"):
+        load_section(RLSettings, {"rollout_role": True, "rollout_threads": 0})
+    with pytest.raises(ParamsError, match=r"max_staleness = 2 needs rollout_role: true"):
+        load_section(RLSettings, {"max_staleness": 2})
+    with pytest.raises(ParamsError, match=r"filter_solved"):
+        load_section(RLSettings, {"filter_solved": 0.5, "rollout_role": True})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("CHATPIPE_CORES", "2")
+    with pytest.raises(ParamsError, match=r"rl.rollout_threads = 2 leaves the trainer none of this node's 2 cores"):
+        build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_threads=2"])
+
+
+def role_processes(project: Path) -> dict[str, psutil.Process]:
+    """The project's RL processes by role (the rollout role's environment says it is one)."""
+    found = {}
+    for proc, cmd in processes_in(project):
+        if "stages.rl" in cmd:
+            with contextlib.suppress(psutil.Error):
+                found["rollout" if proc.environ().get("CHATPIPE_RL_ROLE") == "rollout" else "trainer"] = proc
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["rollout", "trainer"])
+def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, victim):
+    project = setup_project(tmp_path, max_steps=24, eval_every=0, checkpoint_every=4)
+    args = ("--rollout_role=true", "--max_staleness=1", "--heartbeat_timeout_s=5")
+    want = launch_rl(project)[0]["prompt_indices"]  # an uninterrupted synchronous run's
+
+    cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", *args]
+    launch = subprocess.Popen(cmd, cwd=project, env=project_env(project, **ONE_THREAD), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not list((project / "checkpoints" / "rl").glob("step_*")):
+        assert launch.poll() is None and time.time() < deadline, "the stage ended before its first checkpoint"
+        time.sleep(0.02)
+    role_processes(project)[victim].kill()  # kill -9, mid-run
+    out, _ = launch.communicate(timeout=120)
+    assert launch.returncode != 0, out[-2000:]
+    assert not processes_in(project), "the other role was stopped with the launch"
+    assert not (project / "artifacts" / "rl").exists()
+
+    meta, _, log = launch_rl(project, *args)
+    assert "resuming from" in log
+    assert meta["step"] == 24 and meta["prompt_indices"] == want  # none trained twice, none skipped
+    assert not processes_in(project)
