@@ -30,7 +30,7 @@ def test_start_clears_an_earlier_run_and_names_a_new_one(tmp_path):
     ex = Exchange(tmp_path / "x")
     first = ex.start(0, {"w": torch.ones(1)})
     ex.put_rollouts(0, {"version": 0})
-    ex.stop()
+    ex.stop(grace_s=0)
     second = ex.start(5, {"w": torch.ones(1)})
     assert second != first and not ex.stopped() and not list(ex.root.glob("rollouts-*"))
     assert ex.start_mark() == {"step": 5, "id": second}

@@ -8,6 +8,7 @@ import contextlib
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,32 @@ def role_processes(project: Path) -> dict[str, psutil.Process]:
     return found
 
 
+def start_async_launch(project: Path, *args: str) -> subprocess.Popen:
+    """``python -m chatpipe.launch rl`` with the rollout role, returned once the first checkpoint exists."""
+    cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", "--rollout_role=true", *args]
+    launch = subprocess.Popen(cmd, cwd=project, env=project_env(project, **ONE_THREAD), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not list((project / "checkpoints" / "rl").glob("step_*")):
+        assert launch.poll() is None and time.time() < deadline, "the stage ended before its first checkpoint"
+        time.sleep(0.02)
+    return launch
+
+
+@pytest.mark.slow
+def test_sigterm_stops_both_roles(tmp_path):
+    project = setup_project(tmp_path, max_steps=200, eval_every=0, checkpoint_every=2)
+    launch = start_async_launch(project, "--max_staleness=1")
+    assert set(role_processes(project)) == {"trainer", "rollout"}
+    launch.send_signal(signal.SIGTERM)  # what DVC or Prefect cancellation sends
+    out, _ = launch.communicate(timeout=60)
+    assert launch.returncode == 130, out[-2000:]
+    deadline = time.time() + 30
+    while processes_in(project) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not processes_in(project), "a role survived the launcher's SIGTERM"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])
 def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, victim):
@@ -112,13 +139,7 @@ def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, v
     args = ("--rollout_role=true", "--max_staleness=1", "--heartbeat_timeout_s=5")
     want = launch_rl(project)[0]["prompt_indices"]  # an uninterrupted synchronous run's
 
-    cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", *args]
-    launch = subprocess.Popen(cmd, cwd=project, env=project_env(project, **ONE_THREAD), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    deadline = time.time() + 120
-    while not list((project / "checkpoints" / "rl").glob("step_*")):
-        assert launch.poll() is None and time.time() < deadline, "the stage ended before its first checkpoint"
-        time.sleep(0.02)
+    launch = start_async_launch(project, *args[1:])
     role_processes(project)[victim].kill()  # kill -9, mid-run
     out, _ = launch.communicate(timeout=120)
     assert launch.returncode != 0, out[-2000:]

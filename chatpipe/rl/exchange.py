@@ -130,9 +130,16 @@ class Exchange:
                 return payload
             # a batch the role finished for the run before this start (it checks, but may lose the race)
 
-    def stop(self) -> None:
-        """Tell the rollout role the run is over (it exits at its next look)."""
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Tell the rollout role the run is over; it removes the dir as it exits, or after ``grace_s``
+        (a role that is gone) the trainer does, so no weights stay behind in shared memory."""
         self._write_json("stop.json", {"stop": True})
+        deadline = time.monotonic() + grace_s
+        while self.root.exists() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the project's dir, once no launch has one in it
+            self.root.parent.rmdir()
 
     # ------------------------------------------------------------------ rollout-role side
 
