@@ -95,6 +95,10 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
         if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
             env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
+        if launch.scheduler != "local_cwd" and not load_section(RLSettings, stage_args).exchange_dir:
+            # the roles may land on two nodes, whose shared memory is not shared: the project's
+            # checkpoints dir is, as resuming needs it to be
+            env["CHATPIPE_RL__EXCHANGE_DIR"] = "checkpoints/rl/exchange"
     if nnodes * nproc == 1:
         app = python(
             *stage_args,
@@ -157,7 +161,7 @@ def rollout_role(trainer, threads: int):
     """The RL stage's second role: the trainer's command and mounts, one process, marked as the rollout
     role, with ``threads`` intra-op threads; Slurm may place it on another node."""
     role = copy.deepcopy(trainer)
-    role.name = f"{trainer.name}_rollout"
+    role.name = "rl_rollout"
     role.env |= {"OMP_NUM_THREADS": str(threads), RL_ROLE_ENV: "rollout"}
     role.env.pop(RL_THREADS_AFTER_ENV, None)
     role.num_replicas = 1

@@ -475,3 +475,25 @@ def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, prefec
     assert overlaps, spans  # two points trained at the same time
     for start, _ in spans:  # and never three
         assert sum(s <= start < e for s, e in spans) <= 2
+
+
+# --------------------------------------------------------------------------- asynchronous RL's two roles
+
+
+@pytest.mark.slow
+def test_async_rl_puts_the_trainer_and_the_rollout_role_on_two_nodes(slurm_cluster, tmp_path):
+    """rl.rollout_role as a Slurm heterogeneous job: one component a node, meeting in the project's
+    checkpoints dir (the launcher's choice off local_cwd); the stage finishes and trains every step."""
+    from tests.test_stage_rl import setup_project
+
+    project = setup_project(tmp_path, max_steps=4, eval_every=0, checkpoint_every=2)
+    stage = ["--", "--rollout_role=true", "--max_staleness=1", "--log_every=1"]
+    launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]
+    env = slurm_env(project, CHATPIPE_TRACKING__ENABLED="false")
+    out = run(project, "python", "-m", "chatpipe.launch", "rl", *launch, *stage, **env)
+    assert "SUCCEEDED" in out.stdout, out.stdout[-3000:]
+    meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+    assert meta["step"] == 4 and len(meta["prompt_indices"]) == 4
+    nodes = {job["name"]: job["nodes"] for job in project_jobs(project)}
+    assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes  # trainer and role, a node each
+    assert not (project / "checkpoints" / "rl" / "exchange" / "weights.pt").exists()
