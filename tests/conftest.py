@@ -97,6 +97,7 @@ HEAVIEST_FIRST = (
     "test_prefect_schedule.py",
     "test_midtrain_sft.py",
     "test_chaos.py",
+    "test_stage_rl_async.py",
     "test_fp8.py",
 )
 

@@ -195,6 +195,36 @@ def test_group_win_rates_by_hand():
     assert torch.equal(group_win_rates(scores + torch.tensor([5.0, 5, 5, 0, 0, 0]), groups, 2.0), got)
 
 
+def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group():
+    """score_rollouts with ``reward_model_scores: win_rate``: the scores that train are the Bradley-Terry
+    win rates of the model's raw scores within each group (its normalised scores times score_std); the
+    verifier's mean and the model's normalised mean are still what the step logs."""
+    from types import SimpleNamespace
+
+    from chatpipe import runtime
+    from chatpipe.rl.rollout import Rollouts
+    from chatpipe.settings import RLSettings, load_section
+    from stages import rl
+
+    rm = trained_head(tiny_gpt())
+    rm.score_mean, rm.score_std = 0.3, 2.5
+    torch.manual_seed(1)
+    ids = torch.randint(1, 64, (4, 7))
+    mask = torch.tensor([[0.0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    verifier = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    batch = Rollouts(ids[:, :-1], ids[:, 1:], mask, verifier, torch.ones(4, dtype=torch.bool), mask.sum(1).long(), groups)
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    cfg = load_section(RLSettings, ["--reward_source=model", "--reward_model_scores=win_rate", "--device_batch_size=4"])
+    parts = SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=SimpleNamespace(reward_model=rm, reward_model_opts=[]))
+    scored, stats = rl.score_rollouts(parts, batch)
+    with torch.no_grad():
+        normalised = rollout_scores(rm, batch.inputs, batch.targets, batch.mask)
+    assert torch.allclose(scored.scores, group_win_rates(normalised, groups, scale=2.5))
+    assert torch.allclose(scored.scores[:2].sum(), torch.tensor(1.0)) and not torch.equal(scored.scores, normalised)
+    assert stats["reward/verifier_mean"] == 0.5 and stats["reward/model_mean"] == pytest.approx(normalised.mean().item())
+
+
 # --------------------------------------------------------------------------- the stage, in this process
 
 

@@ -247,7 +247,7 @@ class RLSettings(RunSettings):
         "artifacts/reward_model", description="reward model dir (reward_model stage) for reward_source model|both"
     )
     reward_model_scores: Literal["normalized", "win_rate"] = Field(
-        "normalized",
+        "win_rate",
         description="how reward_source model|both reads the reward model: its normalised scores, or each "
         "reply's Bradley-Terry win rate against the other replies of its group (in [0, 1], as the verifier)",
     )
