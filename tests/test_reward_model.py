@@ -213,7 +213,9 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
     mask = torch.tensor([[0.0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
     verifier = torch.tensor([1.0, 0.0, 0.0, 1.0])
     groups = torch.tensor([0, 0, 1, 1])
-    batch = Rollouts(ids[:, :-1], ids[:, 1:], mask, verifier, torch.ones(4, dtype=torch.bool), mask.sum(1).long(), groups)
+    batch = Rollouts(
+        ids[:, :-1], ids[:, 1:], mask, verifier, torch.ones(4, dtype=torch.bool), mask.sum(1).long(), groups
+    )
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     cfg = load_section(RLSettings, ["--reward_source=model", "--reward_model_scores=win_rate", "--device_batch_size=4"])
     parts = SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=SimpleNamespace(reward_model=rm, reward_model_opts=[]))
@@ -222,7 +224,9 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
         normalised = rollout_scores(rm, batch.inputs, batch.targets, batch.mask)
     assert torch.allclose(scored.scores, group_win_rates(normalised, groups, scale=2.5))
     assert torch.allclose(scored.scores[:2].sum(), torch.tensor(1.0)) and not torch.equal(scored.scores, normalised)
-    assert stats["reward/verifier_mean"] == 0.5 and stats["reward/model_mean"] == pytest.approx(normalised.mean().item())
+    assert stats["reward/verifier_mean"] == 0.5 and stats["reward/model_mean"] == pytest.approx(
+        normalised.mean().item()
+    )
 
 
 # --------------------------------------------------------------------------- the stage, in this process
