@@ -23,19 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from rl_controls import project_dir  # the same fresh project dir a run, the repo's artifacts linked in
+
 REPO = Path(__file__).resolve().parents[1]
-LINKED = ("tokenizer", "sft")
-
-
-def project_dir(workdir: Path, name: str) -> Path:
-    """A fresh project dir for one run: the repo's input artifacts linked in, nothing else."""
-    project = workdir / name
-    (project / "artifacts").mkdir(parents=True, exist_ok=True)
-    for art in LINKED:
-        link = project / "artifacts" / art
-        if not link.exists():
-            link.symlink_to(REPO / "artifacts" / art)
-    return project
+LINKED = ("tokenizer", "sft")  # what these runs read (the reward model's link is left dangling if absent)
 
 
 def run(workdir: Path, seed: int, staleness: int | None, extra: list[str]) -> dict:
