@@ -27,6 +27,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -274,11 +275,20 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 # --------------------------------------------------------------------------- asynchronous RL's two roles
 
 
+LAUNCH_DIR = re.compile(r"[0-9a-f]{12}|default")  # the names exchange_dir gives a launch's dir
+
+
 def exchange_dir(cfg: RLSettings) -> Path:
     """The roles' shared dir: ``exchange_dir``, else shared memory on this host; one dir per launch
     (``CHATPIPE_RL_EXCHANGE_ID``, set by chatpipe.launch for both roles), under one per project."""
     project = hashlib.sha256(str(Path.cwd().resolve()).encode()).hexdigest()[:12]
-    base = Path(cfg.exchange_dir) if cfg.exchange_dir else Path("/dev/shm") / f"chatpipe-rl-{project}"
+    shm = Path("/dev/shm")
+    if cfg.exchange_dir:
+        base = Path(cfg.exchange_dir)
+    elif shm.is_dir():
+        base = shm / f"chatpipe-rl-{project}"
+    else:  # no shared memory (macOS): the run's checkpoints dir
+        base = WORK / "rl" / "exchange"
     return base / os.environ.get(RL_EXCHANGE_ENV, "default")
 
 
@@ -295,9 +305,7 @@ def rollout_exchange(parts: Parts, step: int) -> Iterator[None]:
     if rt.world_size > 1:
         raise ValueError(f"rl.rollout_role samples for one trainer process; this run has {rt.world_size} ranks")
     root = exchange_dir(cfg)
-    for old in root.parent.glob("*") if root.parent.is_dir() else []:
-        if old != root:
-            shutil.rmtree(old, ignore_errors=True)
+    clear_earlier_launches(root)
     parts.exchange = Exchange(root, cfg.heartbeat_timeout_s)
     parts.exchange.start(step, parts.models.policy.state_dict())
     log.info("rollout role: exchange %s, max_staleness %d", root, cfg.max_staleness)
@@ -306,6 +314,14 @@ def rollout_exchange(parts: Parts, step: int) -> Iterator[None]:
             yield
     finally:
         parts.exchange.stop()
+
+
+def clear_earlier_launches(root: Path) -> None:
+    """Remove the dirs earlier launches left beside ``root`` (a killed trainer cannot): only names
+    :func:`exchange_dir` gives, so nothing else in a user's ``exchange_dir`` is touched."""
+    for old in root.parent.glob("*") if root.parent.is_dir() else []:
+        if old != root and old.is_dir() and LAUNCH_DIR.fullmatch(old.name):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:

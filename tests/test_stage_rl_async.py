@@ -81,6 +81,17 @@ def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
     assert len(build_app("rl", load_section(LaunchSettings), []).roles) == 1
 
 
+def test_a_launch_clears_only_the_dirs_earlier_launches_left(tmp_path):
+    from stages.rl import clear_earlier_launches
+
+    base = tmp_path / "shared"
+    for d in ("0123456789ab", "default", "notes", "aaaaaaaaaaaa"):
+        (base / d).mkdir(parents=True)
+    (base / "mine.txt").write_text("a user's file")
+    clear_earlier_launches(base / "aaaaaaaaaaaa")
+    assert sorted(p.name for p in base.iterdir()) == ["aaaaaaaaaaaa", "mine.txt", "notes"]
+
+
 def test_bad_async_settings_fail_before_any_work_naming_the_setting(monkeypatch):
     with pytest.raises(ParamsError, match=r"rl.max_staleness"):
         load_section(RLSettings, {"rollout_role": True, "max_staleness": -1})
