@@ -25,17 +25,23 @@ import time
 from pathlib import Path
 
 from chatpipe.procs import die_with_parent, parent_gone, process_start
-from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, load_section, pipeline_stages, validate_all
+from chatpipe.settings import (
+    RL_EXCHANGE_ENV,
+    RL_ROLE_ENV,
+    RL_THREADS_AFTER_ENV,
+    LaunchSettings,
+    ParamsError,
+    RLSettings,
+    load_section,
+    pipeline_stages,
+    validate_all,
+)
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
 # what a stage reads and writes beside the code (relative to the repo): stage outputs, in-progress
 # checkpoints, the MLflow store. On Kubernetes they must outlive the pod, so each gets a volume.
 PERSISTENT_DIRS = ("artifacts", "checkpoints", "mlruns")
-# asynchronous RL's second role (rl.rollout_role): stages.rl reads which role it is, and both roles
-# the id of their shared dir, fresh per launch so no file of an earlier launch is ever read
-RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_EXCHANGE_ID"
-RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"  # the trainer's threads once the role is done
 
 
 def stage_env(scheduler: str, extra: dict[str, str] | None = None) -> dict[str, str]:

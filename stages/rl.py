@@ -42,7 +42,6 @@ from chatpipe.data.packing import ConversationLoader, pack
 from chatpipe.data.tasks import build_mixture
 from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
-from chatpipe.launch import RL_EXCHANGE_ENV, RL_ROLE_ENV, RL_THREADS_AFTER_ENV
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
@@ -70,7 +69,7 @@ from chatpipe.rl.rollout import (
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
-from chatpipe.settings import RLSettings, TrainSettings, snapshot
+from chatpipe.settings import RL_EXCHANGE_ENV, RL_ROLE_ENV, RL_THREADS_AFTER_ENV, RLSettings, TrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run

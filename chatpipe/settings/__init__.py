@@ -68,6 +68,9 @@ from chatpipe.settings.sections import (
     TrackingSettings,
 )
 from chatpipe.settings.training import (
+    RL_EXCHANGE_ENV,
+    RL_ROLE_ENV,
+    RL_THREADS_AFTER_ENV,
     ChatTrainSettings,
     MidtrainSettings,
     MixItem,
@@ -102,6 +105,9 @@ __all__ = [
     "ParamsError",
     "PretrainSettings",
     "RLSettings",
+    "RL_EXCHANGE_ENV",
+    "RL_ROLE_ENV",
+    "RL_THREADS_AFTER_ENV",
     "RewardModelSettings",
     "ReportSettings",
     "RunSettings",
