@@ -337,6 +337,7 @@ def run_stage(
         ok = status is not None and status.state == AppState.SUCCEEDED
         if not ok:  # a role still running (the RL rollout role after its trainer failed) goes too
             runner.cancel(handle)
+            print_other_roles_tail(runner, handle, app)
         seconds = time.perf_counter() - started  # the app's own wall time, start to end, for overhead accounting
         print(f"[launch] {stage}: {status.state if status else 'UNKNOWN'} ({seconds:.1f} s)", flush=True)
         return 0 if ok else 1
@@ -348,6 +349,18 @@ def run_stage(
         return 130  # the conventional exit status of an interrupted command
     finally:
         runner.close()
+
+
+def print_other_roles_tail(runner, handle, app, lines: int = 15) -> None:
+    """The last ``lines`` of every role but the first (whose log was streamed), after a failure: the
+    RL rollout role's own reason, without opening torchx's log dir."""
+    for role in app.roles[1:]:
+        try:
+            tail = list(runner.log_lines(handle, role.name, k=0))[-lines:]
+        except Exception as e:  # a scheduler that serves no logs
+            tail = [f"(its log is not available here: {e})"]
+        for line in tail:
+            print(f"[{role.name}] {line.rstrip()}", flush=True)
 
 
 def run_slurm_stage(runner, app, cfg: dict[str, object], stage: str, launch: LaunchSettings, dryrun: bool) -> int:

@@ -154,6 +154,8 @@ def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, v
     role_processes(project)[victim].kill()  # kill -9, mid-run
     out, _ = launch.communicate(timeout=120)
     assert launch.returncode != 0, out[-2000:]
+    if victim == "trainer":  # the role's own reason reaches the launch's output
+        assert "[rl_rollout]" in out and "the trainer role has given no sign of life" in out, out[-3000:]
     assert not processes_in(project), "the other role was stopped with the launch"
     assert not (project / "artifacts" / "rl").exists()
 
