@@ -96,12 +96,13 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     # an explicit count for every worker: torch's default (every core) oversubscribes the node
     # as soon as two processes share it, and torchrun's own default for several workers is 1
     env = {**(env or {}), "OMP_NUM_THREADS": str(worker_threads(launch, nproc)[0])}
-    rollout = rollout_role_threads(stage, launch, stage_args, nnodes * nproc)
+    rl = load_section(RLSettings, stage_args) if stage == "rl" else None
+    rollout = rollout_role_threads(rl, launch, nnodes * nproc) if rl is not None else None
     if rollout:
         env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
         if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
             env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
-        if launch.scheduler != "local_cwd" and not load_section(RLSettings, stage_args).exchange_dir:
+        if launch.scheduler != "local_cwd" and not rl.exchange_dir:
             # the roles may land on two nodes, whose shared memory is not shared: the project's
             # checkpoints dir is, as resuming needs it to be
             env["CHATPIPE_RL__EXCHANGE_DIR"] = "checkpoints/rl/exchange"
@@ -139,15 +140,10 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     return app
 
 
-def rollout_role_threads(
-    stage: str, launch: LaunchSettings, stage_args: list[str], workers: int
-) -> tuple[int, int] | None:
+def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -> tuple[int, int] | None:
     """(trainer threads, rollout-role threads) when the RL stage runs its rollout role (``rl.rollout_role``),
     the node's cores split between them; None otherwise. Refused before any work when the role would
     leave the trainer no core, or the trainer has more than one process."""
-    if stage != "rl":
-        return None
-    rl = load_section(RLSettings, stage_args)
     if not rl.rollout_role:
         return None
     if workers > 1:

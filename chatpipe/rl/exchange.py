@@ -137,8 +137,13 @@ class Exchange:
         deadline = time.monotonic() + grace_s
         while self.root.exists() and time.monotonic() < deadline:
             time.sleep(POLL_S)
+        self.remove()
+
+    def remove(self) -> None:
+        """Delete the dir (the newest weights, in shared memory), and the project's dir above it once
+        no launch has one in it."""
         shutil.rmtree(self.root, ignore_errors=True)
-        with contextlib.suppress(OSError):  # the project's dir, once no launch has one in it
+        with contextlib.suppress(OSError):
             self.root.parent.rmdir()
 
     # ------------------------------------------------------------------ rollout-role side
@@ -214,10 +219,8 @@ def run_rollout_role(
     written = 0
     while True:
         ex.wait_for(lambda: ex.start_mark() is not None or ex.stopped(), timeout_s, lambda: True, "the trainer's start")
-        if ex.stopped():  # the run is over: the dir (the newest weights, in shared memory) goes
-            shutil.rmtree(ex.root, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the project's dir, once no launch has one in it
-                ex.root.parent.rmdir()
+        if ex.stopped():  # the run is over
+            ex.remove()
             return written
         mark = ex.start_mark()
         try:
