@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, _terminate_children)  # unwinds: DVC stopped, parent run KILLED, server stopped
-    server = None if prefect_api.configured() else prefect_api.TemporaryServer()
+    server = None if prefect_api.configured() else prefect_api.TemporaryServer(prefect_api.SERVER_LOG)
     try:
         track = load_section(TrackingSettings)
         if track.enabled:

@@ -16,9 +16,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 from prefect.settings import PREFECT_API_URL, temporary_settings
+
+# where a flow's temporary server writes (relative to the project, beside logs/torchx)
+SERVER_LOG = Path("logs") / "prefect-server.log"
 
 
 def _die_with_parent() -> None:
@@ -37,15 +41,26 @@ def _free_port() -> int:
 
 
 class TemporaryServer:
-    """A Prefect API server in a child process for the length of one pipeline run (no UI, no scheduler)."""
+    """A Prefect API server in a child process for the length of one pipeline run (no UI, no scheduler).
 
-    def __init__(self) -> None:
+    ``log``: the file its output is appended to (the flows use ``logs/prefect-server.log``); None
+    leaves it on this process's console. The server's own errors are its business: a request the
+    flow cancels can make its database pool log a 20-line traceback that is no failure of the run,
+    and a real failure reaches the flow as a failed API call anyway.
+    """
+
+    def __init__(self, log: Path | None = None) -> None:
         self.port = _free_port()
+        self.log = log
         # The same app and flags Prefect's own temporary server uses: API only, ephemeral services.
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         # No telemetry heartbeat: it cannot reach the internet from an offline run, and its write to
         # the sqlite store while the flow writes printed a 60-line "database is locked" traceback.
         env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+        out = None
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = log.open("ab")
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [
                 sys.executable,
@@ -64,11 +79,15 @@ class TemporaryServer:
             ],
             env=env,
             stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
             # its own session: a Ctrl-C or SIGTERM to the terminal's process group reaches the flow
             # but not the server, so the flow can still report the crash before stopping it
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
+        if out is not None:
+            out.close()  # the child holds its own copy
 
     @property
     def api_url(self) -> str:
@@ -135,6 +154,10 @@ def pointed_at(server: TemporaryServer | None) -> Iterator[None]:
             finally:
                 _drain()
     else:
-        print("warning: the temporary Prefect server did not start; letting Prefect start its own", file=sys.stderr)
+        where = f" (its output: {server.log})" if server.log is not None else ""
+        print(
+            f"warning: the temporary Prefect server did not start{where}; letting Prefect start its own",
+            file=sys.stderr,
+        )
         server.stop()
         yield

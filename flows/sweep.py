@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         print(format_plan(sweep, points, args.gpu, args.mfu))
         return
     signal.signal(signal.SIGTERM, _terminate_children)
-    server = None if prefect_api.configured() else prefect_api.TemporaryServer()
+    server = None if prefect_api.configured() else prefect_api.TemporaryServer(prefect_api.SERVER_LOG)
     try:
         track = load_section(TrackingSettings)
         if track.enabled:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,6 +60,24 @@ def test_server_that_did_not_come_up_leaves_prefect_settings_alone(capsys):
     with prefect_api.pointed_at(server):
         assert PREFECT_API_URL.value() == before
     assert "did not start" in capsys.readouterr().err
+
+
+def test_the_servers_own_errors_go_to_its_log_not_the_console(tmp_path, monkeypatch, capfd):
+    """What the server prints (here uvicorn failing to bind a taken port) lands in its log file; the
+    console only gets the warning, which names that file."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(prefect_api, "_free_port", lambda: taken.getsockname()[1])
+        log = tmp_path / "logs" / "prefect-server.log"
+        server = prefect_api.TemporaryServer(log)
+        with prefect_api.pointed_at(server):
+            pass
+    console = capfd.readouterr()
+    assert "did not start" in console.err and str(log) in console.err
+    assert "address already in use" in log.read_text().lower()
+    assert "address already in use" not in (console.out + console.err).lower()
+    assert server.proc is None
 
 
 def test_no_server_changes_nothing():
