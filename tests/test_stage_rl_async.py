@@ -5,12 +5,14 @@ with a tiny random init model (tests/test_stage_rl.py's), launched as DVC launch
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -20,10 +22,12 @@ import torch
 
 from chatpipe.launch import build_app
 from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, load_section
-from tests.project import processes_in, project_env, run
-from tests.test_stage_rl import setup_project
+from tests.conftest import REPO
+from tests.project import SMALL_PARAMS, _merge, processes_in, project_env, run, set_params
+from tests.test_stage_rl import RL_PARAMS, setup_project
 
 ONE_THREAD = {"CHATPIPE_LAUNCH__THREADS": "1", "CHATPIPE_TRACKING__ENABLED": "false"}
+BEFORE_THE_ROLE = "81073b0"  # main just before the rollout role and max_staleness were added
 
 
 def launch_rl(project: Path, *stage_args: str) -> tuple[dict, dict[str, torch.Tensor], str]:
@@ -66,6 +70,61 @@ def test_rollout_role_at_staleness_0_is_synchronous_rl_and_1_runs_ahead(tmp_path
     assert len(staleness) == 6 and max(staleness) == 1.0 and min(staleness) >= 0.0
     assert logged(log, "stale/weight_mean"), "stale batches train on the decoupled loss"
     assert not processes_in(project), "both roles are gone"
+
+
+def code_at(commit: str, dest: Path) -> Path:
+    """The repo's files at ``commit``, unpacked into ``dest`` (skips in a clone without that history)."""
+    if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO, capture_output=True).returncode:
+        pytest.skip(f"commit {commit} is not in this clone (a shallow clone?): nothing to compare with")
+    archive = subprocess.run(["git", "archive", commit], cwd=REPO, capture_output=True, check=True).stdout
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+TIMING = ("seconds", "per_s", "time/")  # wall-clock figures, which differ from run to run
+
+
+def step_rows(log: str) -> list[dict[str, str]]:
+    """The stage's logged step lines (``rl: step 3/3 | key value | ...``), timing figures left out."""
+    rows = []
+    for fields in re.findall(r"rl: step \d+/\d+ \| (.*)", log):
+        pairs = (part.strip().split(" ", 1) for part in fields.split("|"))
+        rows.append({k: v for k, v in pairs if not any(t in k for t in TIMING)})
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_without_the_role_rl_is_bitwise_the_code_before_it(tmp_path, algorithm):
+    """max_staleness 0 without a rollout role is the RL stage as it was before either existed: on this
+    machine, at one thread, the same step metrics and the same final weights, bit for bit. (The random
+    model never scores, so GRPO's weights move by the replay alone; PPO's move with every sampled token:
+    a changed top_k fails this test.)"""
+    rl = {"max_steps": 3, "eval_every": 0, "algorithm": algorithm}
+    now = setup_project(tmp_path / "now", **rl)
+    before = code_at(BEFORE_THE_ROLE, tmp_path / "before")
+    set_params(before, _merge(SMALL_PARAMS, {"rl": {**RL_PARAMS, **rl}}))  # its own params.yaml, the same overrides
+    for inputs in ("artifacts", "init_model"):  # the same tokenizer and init model
+        shutil.copytree(now / inputs, before / inputs)
+    out = {}
+    for name, project in (("before", before), ("now", now)):
+        proc = run(project, sys.executable, "-m", "stages.rl", CHATPIPE_TRACKING__ENABLED="false")
+        meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+        weights = torch.load(project / "artifacts" / "rl" / "model.pt", weights_only=True)
+        out[name] = meta, weights, step_rows(proc.stdout + proc.stderr)
+    (meta_before, w_before, rows_before), (meta_now, w_now, rows_now) = out["before"], out["now"]
+    # every step's metrics (the rollouts' lengths, rewards and tool calls; the update's losses), as logged
+    assert (
+        len(rows_before) == 3 and [{k: row[k] for k in want} for row, want in zip(rows_now, rows_before)] == rows_before
+    )
+    summary = {k: v for k, v in meta_before["summary"].items() if not any(t in k for t in TIMING)}
+    assert summary and {k: meta_now["summary"][k] for k in summary} == summary
+    assert meta_now["prompt_indices"] == meta_before["prompt_indices"]
+    assert w_now.keys() == w_before.keys()
+    for name, want in w_before.items():
+        assert torch.equal(w_now[name], want), f"{name} differs from the code before the rollout role"
 
 
 def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
