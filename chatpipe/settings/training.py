@@ -547,7 +547,7 @@ class RewardModelSettings(RunSettings):
     )
     tiny_max_new_tokens: int = Field(48, ge=1)
     tiny_temperature: float = Field(1.0, gt=0)
-    max_steps: int = Field(1000, ge=1, description="optimizer steps of device_batch_size pairs (x world size)")
+    max_steps: int = Field(1400, ge=1, description="optimizer steps of device_batch_size pairs (x world size)")
     device_batch_size: int = Field(24, ge=1, description="pairs per rank per step")
     lr_frac: float = Field(0.2, gt=0, description="LRs = lr_frac x the init model's LRs, linear decay to 0")
     head_lr: float = Field(0.01, gt=0, description="AdamW LR of the scalar head (starts at zero)")
