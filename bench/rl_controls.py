@@ -127,6 +127,10 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=1, help="runs at once (threads each: 2 / parallel, at least 1)")
     p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_controls")
     p.add_argument("--rm-steps", type=int, default=0, help="steps of the reward-model arms (0: RL's max_steps)")
+    # RL's own eval (256 problems x 2 samples) is about +-0.05 at 95% for one run: too coarse to tell
+    # arms +0.03 apart. 1024 x 4 (about +-0.02) costs each run about a minute more.
+    p.add_argument("--eval-problems", type=int, default=1024, help="held-out problems of each run's pass@1")
+    p.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every arm, e.g. --max_steps=40")
     args = p.parse_args()
     missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
@@ -134,8 +138,9 @@ def main() -> None:
         sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
     threads = max(1, (os.cpu_count() or 2) // args.parallel)
     jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    rl_args = [f"--eval_problems={args.eval_problems}", f"--eval_samples={args.eval_samples}", *args.rl_args]
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda j: run_arm(args.workdir, *j, threads, args.rl_args, args.rm_steps), jobs))
+        results = list(pool.map(lambda j: run_arm(args.workdir, *j, threads, rl_args, args.rm_steps), jobs))
     control = {
         r["seed"]: r["summary"]["final_eval/pass_at_1"]
         for r in results
