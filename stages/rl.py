@@ -56,7 +56,7 @@ from chatpipe.rl.reward_model import (
     rollout_rows,
     rollout_scores,
 )
-from chatpipe.rl.rewards import combine_rewards, group_win_rates
+from chatpipe.rl.rewards import combine_rewards, ensemble_rewards
 from chatpipe.rl.rollout import (
     Problem,
     Rollouts,
@@ -104,6 +104,7 @@ class Models:
     critic_opts: list
     reward_model: RewardModel | None = None
     reward_model_opts: list = field(default_factory=list)  # reward_model_lr_frac > 0: iterated RLHF
+    ensemble: list[RewardModel] = field(default_factory=list)  # reward_model_ensemble: frozen, scored beside it
 
     @property
     def optimizers(self) -> list:
@@ -416,10 +417,10 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
     ref.requires_grad_(False).eval()
     rm = None
     if cfg.reward_source != "verifier":
-        rm, rm_meta = load_reward_model(Path(cfg.reward_model_dir), rt.device)
-        check_reward_model(cfg, rm_meta, policy)
-        check_same_shape(rm.trunk, policy, f"rl.reward_model_dir = {cfg.reward_model_dir}")
-        rm.requires_grad_(False)
+        rm = load_scorer(cfg, "reward_model_dir", cfg.reward_model_dir, policy, rt)
+    ensemble = [
+        load_scorer(cfg, f"reward_model_ensemble[{i}]", d, policy, rt) for i, d in enumerate(cfg.reward_model_ensemble)
+    ]
     critic = load_critic(cfg, policy, rm, rt) if cfg.algorithm == "ppo" and not cfg.disable_value else None
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
     init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
@@ -440,7 +441,16 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
     rm_opts = reward_model_optimizers(cfg, rm, init_lrs)
     if rm_opts:  # the reward model changes as RL goes: checkpoints hold it
         state["reward_model"] = rm
-    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts, rm, rm_opts)
+    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts, rm, rm_opts, ensemble)
+
+
+def load_scorer(cfg: RLSettings, key: str, model_dir: str, policy: GPT, rt: runtime.Runtime) -> RewardModel:
+    """A frozen reward model from ``model_dir`` (setting ``rl.<key>``), refused unless it reads what the
+    policy writes (:func:`check_reward_model`, :func:`check_same_shape`)."""
+    rm, rm_meta = load_reward_model(Path(model_dir), rt.device)
+    check_reward_model(cfg, rm_meta, policy, f"rl.{key} = {model_dir}")
+    check_same_shape(rm.trunk, policy, f"rl.{key} = {model_dir}")
+    return rm.requires_grad_(False)
 
 
 def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, init_lrs: dict[str, float]) -> list:
@@ -484,10 +494,11 @@ def load_role(model_dir: str, key: str, policy: GPT, rt: runtime.Runtime) -> GPT
     return model
 
 
-def check_reward_model(cfg: RLSettings, rm_meta: dict, policy: GPT) -> None:
+def check_reward_model(cfg: RLSettings, rm_meta: dict, policy: GPT, where: str = "") -> None:
     """A reward model must read what the policy writes: the tokenizer it was trained with is the
-    policy's (by hash), and the conversations it was trained on were as long as the policy's context."""
-    where = f"rl.reward_model_dir = {cfg.reward_model_dir}"
+    policy's (by hash), and the conversations it was trained on were as long as the policy's context.
+    ``where`` names the setting in errors (default: ``rl.reward_model_dir``)."""
+    where = where or f"rl.reward_model_dir = {cfg.reward_model_dir}"
     tok_file = ARTIFACTS / "tokenizer" / "tokenizer.json"
     ours, theirs = sha256_file(tok_file), rm_meta.get("inputs", {}).get("tokenizer")
     if theirs is not None and theirs != ours:
@@ -521,6 +532,7 @@ def role_inputs(cfg: RLSettings) -> dict[str, str]:
     dirs = {"ref": cfg.ref_dir, "critic_init": cfg.critic_init_dir if cfg.algorithm == "ppo" else ""}
     if cfg.reward_source != "verifier":
         dirs["reward_model"] = cfg.reward_model_dir
+        dirs |= {f"reward_model_ensemble_{i}": d for i, d in enumerate(cfg.reward_model_ensemble)}
     return {k: sha256_file(Path(d) / "model.pt") for k, d in dirs.items() if d}
 
 
@@ -530,15 +542,17 @@ def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, f
     cfg, rm = parts.cfg, parts.models.reward_model
     if rm is None:
         return batch, {}
+    scorers = [rm, *parts.models.ensemble]
     with parts.rt.autocast(), torch.no_grad():
-        model = rollout_scores(rm, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size)
+        each = [rollout_scores(m, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size) for m in scorers]
+    normalized = torch.stack(each).mean(0)
     if parts.guard is not None:
-        parts.guard.add(model, batch.scores, batch.groups)
-    stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": model.mean().item()}
+        parts.guard.add(normalized, batch.scores, batch.groups)
+    stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": normalized.mean().item()}
     if parts.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
         stats |= refresh_reward_model(parts, batch)
-    if cfg.reward_model_scores == "win_rate":  # the guard above still reads the normalised scores
-        model = group_win_rates(model, batch.groups, scale=rm.score_std)
+    win_rate = cfg.reward_model_scores == "win_rate"  # the guard above still reads the normalised scores
+    model = ensemble_rewards(each, [m.score_std for m in scorers], batch.groups, win_rate)
     return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
 
 

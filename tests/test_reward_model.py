@@ -218,7 +218,8 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
     )
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     cfg = load_section(RLSettings, ["--reward_source=model", "--reward_model_scores=win_rate", "--device_batch_size=4"])
-    parts = SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=SimpleNamespace(reward_model=rm, reward_model_opts=[]))
+    models = SimpleNamespace(reward_model=rm, reward_model_opts=[], ensemble=[])
+    parts = SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=models)
     scored, stats = rl.score_rollouts(parts, batch)
     with torch.no_grad():
         normalised = rollout_scores(rm, batch.inputs, batch.targets, batch.mask)
@@ -227,6 +228,62 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
     assert stats["reward/verifier_mean"] == 0.5 and stats["reward/model_mean"] == pytest.approx(
         normalised.mean().item()
     )
+
+
+def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
+    """score_rollouts with ``reward_model_ensemble``: each row's reward is the mean over the models of
+    its win rate in its group (each at its own score_std); the step logs the mean normalised score.
+    A model beside a copy of itself gives the model's own rewards, bit for bit."""
+    import copy
+    from types import SimpleNamespace
+
+    from chatpipe import runtime
+    from chatpipe.rl.rewards import ensemble_rewards
+    from chatpipe.rl.rollout import Rollouts
+    from chatpipe.settings import RLSettings, load_section
+    from stages import rl
+
+    first, second = trained_head(tiny_gpt()), trained_head(tiny_gpt(seed=3))
+    first.score_std, second.score_std = 2.5, 0.5
+    torch.manual_seed(1)
+    ids = torch.randint(1, 64, (4, 7))
+    mask = torch.tensor([[0.0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    groups = torch.tensor([0, 0, 1, 1])
+    batch = Rollouts(
+        ids[:, :-1],
+        ids[:, 1:],
+        mask,
+        torch.tensor([1.0, 0, 0, 1]),
+        torch.ones(4, dtype=torch.bool),
+        mask.sum(1).long(),
+        groups,
+    )
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    cfg = load_section(RLSettings, ["--reward_source=model", "--device_batch_size=4"])
+
+    def score(*models):
+        spec = SimpleNamespace(reward_model=models[0], reward_model_opts=[], ensemble=list(models[1:]))
+        return rl.score_rollouts(SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=spec), batch)
+
+    with torch.no_grad():
+        a, b = (rollout_scores(m, batch.inputs, batch.targets, batch.mask) for m in (first, second))
+    scored, stats = score(first, second)
+    want = (group_win_rates(a, groups, scale=2.5) + group_win_rates(b, groups, scale=0.5)) / 2
+    assert torch.allclose(scored.scores, want) and not torch.allclose(scored.scores, group_win_rates(a, groups, 2.5))
+    assert stats["reward/model_mean"] == pytest.approx(((a + b) / 2).mean().item())
+    assert torch.equal(score(first, copy.deepcopy(first))[0].scores, score(first)[0].scores)
+    assert torch.equal(ensemble_rewards([a, b], [1.0, 1.0], groups, win_rate=False), torch.stack([a, b]).mean(0))
+
+
+def test_an_ensemble_needs_reward_source_model_and_no_refresh(monkeypatch):
+    from chatpipe.settings import ParamsError, RLSettings, load_section
+
+    monkeypatch.setenv("CHATPIPE_RL__REWARD_MODEL_ENSEMBLE", '["x"]')  # a list setting comes from the environment
+    with pytest.raises(ParamsError, match=r"reward_model_ensemble = \['x'\] is read only with reward_source: model"):
+        load_section(RLSettings, [])
+    with pytest.raises(ParamsError, match="reward_model_lr_frac refreshes one reward model, not an ensemble"):
+        load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.1"])
+    assert load_section(RLSettings, ["--reward_source=both"]).reward_model_ensemble == ["x"]
 
 
 # --------------------------------------------------------------------------- the stage, in this process
@@ -486,6 +543,17 @@ def test_a_reward_model_of_another_tokenizer_or_a_shorter_context_is_refused_bef
         rl.load_models(load_section(RLSettings, [*args, "--reward_model_dir=other/artifacts/reward_model"]), rt)
     models = rl.load_models(load_section(RLSettings, args[:1]), rt)  # verifier runs read no reward model
     assert models.reward_model is None
+    # every model of an ensemble is checked the same way, and the error names its place in the list
+    good = train_reward_model(project)
+    monkeypatch.setenv("CHATPIPE_RL__REWARD_MODEL_ENSEMBLE", '["other/artifacts/reward_model"]')
+    with pytest.raises(ValueError, match=r"rl.reward_model_ensemble\[0\] = other/artifacts/reward_model: .* another "):
+        rl.load_models(load_section(RLSettings, args), rt)
+    shutil.copytree(good, project / "second")
+    monkeypatch.setenv("CHATPIPE_RL__REWARD_MODEL_ENSEMBLE", '["second"]')
+    cfg = load_section(RLSettings, args)
+    models = rl.load_models(cfg, rt)
+    assert len(models.ensemble) == 1 and not any(p.requires_grad for p in models.ensemble[0].parameters())
+    assert rl.role_inputs(cfg)["reward_model_ensemble_0"] == rl.role_inputs(cfg)["reward_model"]  # a resume checks it
 
 
 def test_scores_are_normalised_by_the_stages_score_norm(project):

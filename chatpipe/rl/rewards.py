@@ -112,3 +112,14 @@ def group_win_rates(scores: torch.Tensor, groups: torch.Tensor, scale: float = 1
     wins = torch.sigmoid(scale * (scores[:, None] - scores[None, :])).masked_fill(~same, 0.0)
     rivals = same.sum(dim=1)
     return torch.where(rivals > 0, wins.sum(dim=1) / rivals.clamp(min=1), torch.full_like(scores, 0.5))
+
+
+def ensemble_rewards(
+    scores: list[torch.Tensor], stds: list[float], groups: torch.Tensor, win_rate: bool = True
+) -> torch.Tensor:
+    """Rewards [B] from several reward models' normalised scores of the same rows: the mean of their
+    :func:`group_win_rates` (each at its own model's ``score_std``), or with ``win_rate`` False the mean
+    of the scores. One model is returned as it would be alone, bit for bit."""
+    if win_rate:
+        scores = [group_win_rates(s, groups, scale=std) for s, std in zip(scores, stds)]
+    return torch.stack(scores).mean(0)

@@ -258,6 +258,12 @@ class RLSettings(RunSettings):
         description="how reward_source model|both reads the reward model: its normalised scores, or each "
         "reply's Bradley-Terry win rate against the other replies of its group (in [0, 1], as the verifier)",
     )
+    reward_model_ensemble: list[str] = Field(
+        default_factory=list,
+        description="more reward model dirs beside reward_model_dir (reward_source model|both): each reply's reward "
+        "is the mean over the models of their normalised scores or win rates, so one model's misrankings count "
+        "for less",
+    )
     ref_dir: str = Field("", description="frozen reference policy's model dir ('': a copy of init_dir)")
     critic_init_dir: str = Field(
         "",
@@ -461,6 +467,21 @@ class RLSettings(RunSettings):
             raise ValueError(
                 "reward_model_lr_frac trains the reward model, which only reward_source: model|both reads; "
                 "set reward_source, or leave it at 0"
+            )
+        if v and info.data.get("reward_model_ensemble"):
+            raise ValueError(
+                "reward_model_lr_frac refreshes one reward model, not an ensemble: leave reward_model_ensemble "
+                "empty, or reward_model_lr_frac at 0"
+            )
+        return v
+
+    @field_validator("reward_model_ensemble")
+    @classmethod
+    def _ensemble_needs_the_reward_model(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if v and info.data.get("reward_source") == "verifier":
+            raise ValueError(
+                f"reward_model_ensemble = {v} is read only with reward_source: model|both; set reward_source, "
+                "or leave it empty"
             )
         return v
 
