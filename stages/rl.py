@@ -494,11 +494,10 @@ def load_role(model_dir: str, key: str, policy: GPT, rt: runtime.Runtime) -> GPT
     return model
 
 
-def check_reward_model(cfg: RLSettings, rm_meta: dict, policy: GPT, where: str = "") -> None:
+def check_reward_model(cfg: RLSettings, rm_meta: dict, policy: GPT, where: str) -> None:
     """A reward model must read what the policy writes: the tokenizer it was trained with is the
     policy's (by hash), and the conversations it was trained on were as long as the policy's context.
-    ``where`` names the setting in errors (default: ``rl.reward_model_dir``)."""
-    where = where or f"rl.reward_model_dir = {cfg.reward_model_dir}"
+    ``where`` names the setting in errors (``rl.reward_model_dir = ...``)."""
     tok_file = ARTIFACTS / "tokenizer" / "tokenizer.json"
     ours, theirs = sha256_file(tok_file), rm_meta.get("inputs", {}).get("tokenizer")
     if theirs is not None and theirs != ours:
@@ -545,14 +544,15 @@ def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, f
     scorers = [rm, *parts.models.ensemble]
     with parts.rt.autocast(), torch.no_grad():
         each = [rollout_scores(m, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size) for m in scorers]
-    normalized = torch.stack(each).mean(0)
+    stds = [m.score_std for m in scorers]
+    normalized = ensemble_rewards(each, stds, batch.groups, win_rate=False)
     if parts.guard is not None:
         parts.guard.add(normalized, batch.scores, batch.groups)
     stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": normalized.mean().item()}
     if parts.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
         stats |= refresh_reward_model(parts, batch)
     win_rate = cfg.reward_model_scores == "win_rate"  # the guard above still reads the normalised scores
-    model = ensemble_rewards(each, [m.score_std for m in scorers], batch.groups, win_rate)
+    model = ensemble_rewards(each, stds, batch.groups, win_rate)
     return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
 
 
