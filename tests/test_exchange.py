@@ -5,6 +5,7 @@ stage tests run it as its own torchx role."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +35,26 @@ def test_start_clears_an_earlier_run_and_names_a_new_one(tmp_path):
     second = ex.start(5, {"w": torch.ones(1)})
     assert second != first and not ex.stopped() and not list(ex.root.glob("rollouts-*"))
     assert ex.start_mark() == {"step": 5, "id": second}
+
+
+def test_start_survives_the_role_writing_its_heartbeat_right_after_the_clear(tmp_path, monkeypatch):
+    """The role (another process, maybe another node) beats into the directory once a second; a beat
+    that lands between start's clear and its own mkdir recreates the directory. Start must go on."""
+    import chatpipe.rl.exchange as exchange
+
+    ex = Exchange(tmp_path / "x")
+    ex.start(0, {"w": torch.zeros(1)})
+    clear = exchange.shutil.rmtree
+
+    def clear_then_the_role_beats(path, *args, **kwargs):
+        clear(path, *args, **kwargs)
+        (Path(path) / "rollout.beat").parent.mkdir(parents=True)
+        (Path(path) / "rollout.beat").write_text("1")
+
+    monkeypatch.setattr(exchange.shutil, "rmtree", clear_then_the_role_beats)
+    run_id = ex.start(3, {"w": torch.ones(1)})
+    assert ex.start_mark() == {"step": 3, "id": run_id}
+    assert ex.version() == 3 and torch.equal(ex.weights()[1]["w"], torch.ones(1))
 
 
 def test_waiting_for_a_batch_that_never_comes_names_the_setting(tmp_path):

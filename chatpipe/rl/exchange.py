@@ -105,7 +105,9 @@ class Exchange:
         write a fresh start mark (a new id), which tells a running rollout role to begin again."""
         if self.root.exists():
             shutil.rmtree(self.root)
-        self.root.mkdir(parents=True)
+        # the role beats into the directory once a second, from another process or node, so it may
+        # already be back; a stale file of the role's is harmless: batches carry the new start's id
+        self.root.mkdir(parents=True, exist_ok=True)
         self.publish(step, weights)
         self.run_id = secrets.token_hex(8)
         self._write_json("start.json", {"step": step, "id": self.run_id})
