@@ -5,7 +5,6 @@ stage tests run it as its own torchx role."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,24 +36,31 @@ def test_start_clears_an_earlier_run_and_names_a_new_one(tmp_path):
     assert ex.start_mark() == {"step": 5, "id": second}
 
 
-def test_start_survives_the_role_writing_its_heartbeat_right_after_the_clear(tmp_path, monkeypatch):
-    """The role (another process, maybe another node) beats into the directory once a second; a beat
-    that lands between start's clear and its own mkdir recreates the directory. Start must go on."""
-    import chatpipe.rl.exchange as exchange
+def test_start_survives_the_role_beating_into_the_directory_while_it_clears_it(tmp_path):
+    """The role (another process, maybe another node) beats into the directory once a second. A beat
+    that lands while start clears the directory used to fail the start ("exists" between removing and
+    making it, "not empty" during the removal); here a role beats without pause through many starts."""
+    root, done = tmp_path / "x", threading.Event()
 
-    ex = Exchange(tmp_path / "x")
-    ex.start(0, {"w": torch.zeros(1)})
-    clear = exchange.shutil.rmtree
+    def beat_without_pause():
+        while not done.is_set():
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                (root / "rollout.beat").write_text("1")
+            except (FileNotFoundError, FileExistsError):
+                pass  # the directory went away under this beat; the next one comes soon
 
-    def clear_then_the_role_beats(path, *args, **kwargs):
-        clear(path, *args, **kwargs)
-        (Path(path) / "rollout.beat").parent.mkdir(parents=True)
-        (Path(path) / "rollout.beat").write_text("1")
-
-    monkeypatch.setattr(exchange.shutil, "rmtree", clear_then_the_role_beats)
-    run_id = ex.start(3, {"w": torch.ones(1)})
-    assert ex.start_mark() == {"step": 3, "id": run_id}
-    assert ex.version() == 3 and torch.equal(ex.weights()[1]["w"], torch.ones(1))
+    ex = Exchange(root)
+    role = threading.Thread(target=beat_without_pause)
+    role.start()
+    try:
+        for step in range(100):
+            run_id = ex.start(step, {"w": torch.full((1,), float(step))})
+    finally:
+        done.set()
+        role.join()
+    assert ex.start_mark() == {"step": 99, "id": run_id}
+    assert ex.version() == 99 and torch.equal(ex.weights()[1]["w"], torch.full((1,), 99.0))
 
 
 def test_waiting_for_a_batch_that_never_comes_names_the_setting(tmp_path):

@@ -260,13 +260,10 @@ def test_running_points_get_distinct_rendezvous_ports_that_skip_ports_already_bo
 
     from flows.sweep import RdzvPorts
 
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        base = probe.getsockname()[1]
     ports, held = RdzvPorts(), []
-    with socket.socket() as other, contextlib.ExitStack() as running:
-        other.bind(("", base + 1))  # someone else's server
-        other.listen()
+    with contextlib.ExitStack() as running:
+        base, other = _free_port_with_the_next_one_bound()  # ``other`` is someone else's server on base + 1
+        running.callback(other.close)
         for _ in range(3):
             held.append(running.enter_context(ports.take(base)))
         assert len(set(held)) == 3 and base + 1 not in held
@@ -275,3 +272,23 @@ def test_running_points_get_distinct_rendezvous_ports_that_skip_ports_already_bo
                 s.bind(("", port))
     with ports.take(base) as again:  # released ports are handed out again
         assert again == base
+
+
+def _free_port_with_the_next_one_bound():
+    """A free port ``base`` and a listening socket on ``base + 1``. Tests running in parallel take
+    ports too, so a pair is retried until both halves are ours (a CI run once found base + 1 taken)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            base = probe.getsockname()[1]
+        other = socket.socket()
+        try:
+            other.bind(("", base + 1))
+        except OSError:
+            other.close()
+            continue
+        other.listen()
+        return base, other
+    raise RuntimeError("no free pair of neighbouring ports in 100 tries")

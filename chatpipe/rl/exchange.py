@@ -103,11 +103,15 @@ class Exchange:
     def start(self, step: int, weights: dict[str, torch.Tensor]) -> str:
         """Begin a run at ``step``: clear the directory, publish ``weights`` as version ``step`` and
         write a fresh start mark (a new id), which tells a running rollout role to begin again."""
-        if self.root.exists():
-            shutil.rmtree(self.root)
-        # the role beats into the directory once a second, from another process or node, so it may
-        # already be back; a stale file of the role's is harmless: batches carry the new start's id
+        # the role beats into the directory once a second, from another process or node, so the
+        # directory is emptied file by file rather than removed (removing it races the beat: "exists"
+        # or "not empty"); a file the role writes meanwhile is harmless: batches carry the start's id
         self.root.mkdir(parents=True, exist_ok=True)
+        for entry in self.root.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
         self.publish(step, weights)
         self.run_id = secrets.token_hex(8)
         self._write_json("start.json", {"step": step, "id": self.run_id})
