@@ -551,8 +551,8 @@ def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, f
     stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": normalized.mean().item()}
     if parts.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
         stats |= refresh_reward_model(parts, batch)
-    win_rate = cfg.reward_model_scores == "win_rate"  # the guard above still reads the normalised scores
-    model = ensemble_rewards(each, stds, batch.groups, win_rate)
+    # win rates from the scores read above; the guard above still reads the normalised scores
+    model = ensemble_rewards(each, stds, batch.groups) if cfg.reward_model_scores == "win_rate" else normalized
     return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
 
 

@@ -273,6 +273,10 @@ def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
     assert stats["reward/model_mean"] == pytest.approx(((a + b) / 2).mean().item())
     assert torch.equal(score(first, copy.deepcopy(first))[0].scores, score(first)[0].scores)
     assert torch.equal(ensemble_rewards([a, b], [1.0, 1.0], groups, win_rate=False), torch.stack([a, b]).mean(0))
+    cfg = load_section(
+        RLSettings, ["--reward_source=model", "--reward_model_scores=normalized", "--device_batch_size=4"]
+    )
+    assert torch.allclose(score(first, second)[0].scores, (a + b) / 2)  # the mean normalised score trains
 
 
 def test_an_ensemble_needs_reward_source_model_and_no_refresh(monkeypatch):
