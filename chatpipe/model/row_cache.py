@@ -41,22 +41,24 @@ import torch.nn.functional as F
 class RowPlan:
     """What every layer of one decode step needs to attend (built once per step and window).
 
-    ``own_mask`` [n, 1, 1, own_end]: a row's own keys it may attend. With shared prompts,
-    ``prompt_mask`` [n, 1, 1, prompt_end] the keys of its slot's prompt, and the rows that share
-    (``shared`` [m]) sit in a grid of ``slots`` x ``width`` (``slot_of``, ``rank_of`` [m]: their
-    slot and their place among its rows) so each prompt is read once for all its rows.
+    ``own_mask`` [n, 1, 1, own_end]: a row's own keys it may attend. With shared prompts the rows
+    sit in a grid of ``slots`` x ``width`` cells, a slot's rows side by side, so each prompt is
+    read once for all its rows: ``grid_rows`` [slots * width] is the row in each cell (a cell no row
+    holds repeats row 0; what it computes is never read back) and ``grid_cell`` [n] each row's cell.
+    ``masked_out`` [n, 1, 1, prompt_end + own_end]: the keys, its slot's prompt's then its own, that a
+    row may not attend (a row holding its sequence whole attends no prompt key), and ``whole_rows``
+    [1, n, 1, 1] True for those rows (None when every row shares a prompt).
     """
 
     own_end: int
     own_mask: torch.Tensor
     prompt_end: int = 0
-    prompt_mask: torch.Tensor | None = None
-    shared: torch.Tensor | None = None
-    slot_of: torch.Tensor | None = None
-    rank_of: torch.Tensor | None = None
     slots: int = 0
     width: int = 0
-    all_shared: bool = False
+    grid_rows: torch.Tensor | None = None
+    grid_cell: torch.Tensor | None = None
+    masked_out: torch.Tensor | None = None
+    whole_rows: torch.Tensor | None = None
 
 
 class RowKVCache:
@@ -206,26 +208,29 @@ class RowKVCache:
         return plan
 
     def _plan_prompts(self, plan: RowPlan, shared: list[int], window: int | None, positions: torch.Tensor) -> None:
-        """Fill ``plan``'s prompt part: each shared row's place in the slot grid and its prompt mask."""
+        """Fill ``plan``'s prompt part: the slot grid's cells and rows, and the step's key mask."""
         device = positions.device
         rank, counts = [], {}
         for r in shared:
             s = self.slot[r]
             rank.append(counts.get(s, 0))
             counts[s] = rank[-1] + 1
-        slots = [self.slot[r] for r in shared]
+        plan.slots, plan.width = max(self.slot[r] for r in shared) + 1, max(counts.values())
+        cells = [self.slot[r] * plan.width + k for r, k in zip(shared, rank)]
+        grid_rows, grid_cell = [0] * (plan.slots * plan.width), [0] * self.n
+        for r, cell in zip(shared, cells):
+            grid_rows[cell], grid_cell[r] = r, cell
+        plan.grid_rows = torch.tensor(grid_rows, device=device)
+        plan.grid_cell = torch.tensor(grid_cell, device=device)
         lengths = torch.tensor([self.prompt_lengths[s] if s >= 0 else 0 for s in self.slot[: self.n]], device=device)
         plan.prompt_end = int(lengths.max())
         keys = torch.arange(plan.prompt_end, device=device)[None]
         mask = keys < lengths[:, None]
         if window is not None:
             mask = mask & (positions[:, None] - keys < window)
-        plan.prompt_mask = mask[:, None, None, :]
-        plan.shared = torch.tensor(shared, device=device)
-        plan.slot_of = torch.tensor(slots, device=device)
-        plan.rank_of = torch.tensor(rank, device=device)
-        plan.slots, plan.width = max(slots) + 1, max(counts.values())
-        plan.all_shared = len(shared) == self.n
+        plan.masked_out = ~torch.cat([mask[:, None, None, :], plan.own_mask], dim=-1)
+        if len(shared) < self.n:
+            plan.whole_rows = (lengths == 0)[None, :, None, None]
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one position per live row (k/v [n, H, 1, D]) after the keys it holds itself."""
@@ -247,7 +252,7 @@ class RowKVCache:
         output [n, H, 1, D] for queries ``q`` [n, H, 1, D] over its prompt and its own keys."""
         self._write(layer, k, v)
         own_k, own_v = self.k[layer, : self.n, :, : plan.own_end], self.v[layer, : self.n, :, : plan.own_end]
-        if plan.shared is None:  # every row holds its whole sequence: one fused attention call
+        if plan.grid_rows is None:  # every row holds its whole sequence: one fused attention call
             gqa = q.size(1) != k.size(1)
             return F.scaled_dot_product_attention(q, own_k, own_v, attn_mask=plan.own_mask, enable_gqa=gqa)
         return self._attend_shared(layer, q, own_k, own_v, plan)
@@ -255,32 +260,29 @@ class RowKVCache:
     def _attend_shared(
         self, layer: int, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, plan: RowPlan
     ) -> torch.Tensor:
-        """One softmax over [prompt keys | own keys] per row; a slot's prompt is read once for its rows."""
+        """One softmax over [prompt keys | own keys] per row; a slot's prompt is read once for its rows.
+
+        Heads lead in the grid's layout ([Hkv, slots, width * g, ...]), so one ``index_select`` of
+        the rows builds it and one reads each row's cell back, with no copies between."""
         n, heads, _, dim = q.shape
-        kv_heads = own_k.size(1)
-        qg = q.view(n, kv_heads, heads // kv_heads, dim) * dim**-0.5  # query heads grouped by their kv head
+        kv_heads, prompt_end, slots, width = own_k.size(1), plan.prompt_end, plan.slots, plan.width
+        group = heads // kv_heads
+        qg = q.view(n, kv_heads, group, dim) * dim**-0.5  # query heads grouped by their kv head
         own_scores = qg @ own_k.transpose(-1, -2)  # [n, Hkv, g, own_end]
-        rows = plan.shared if not plan.all_shared else slice(None)
-        grid = qg.new_zeros(plan.slots, plan.width, *qg.shape[1:])  # [slots, width, Hkv, g, D]
-        grid[plan.slot_of, plan.rank_of] = qg[rows]
-        pk = self.pk[layer, : plan.slots, :, : plan.prompt_end]  # [slots, Hkv, P, D]
-        flat = grid.transpose(1, 2).reshape(plan.slots, kv_heads, -1, dim)  # [slots, Hkv, width * g, D]
-        scores = (flat @ pk.transpose(-1, -2)).view(plan.slots, kv_heads, plan.width, -1, plan.prompt_end)
-        prompt_scores = scores.transpose(1, 2)[plan.slot_of, plan.rank_of]  # [m, Hkv, g, P]
-        if not plan.all_shared:
-            full = own_scores.new_zeros(n, *prompt_scores.shape[1:])
-            full[plan.shared] = prompt_scores
-            prompt_scores = full
-        both = torch.cat([prompt_scores, own_scores], dim=-1)
-        mask = torch.cat([plan.prompt_mask, plan.own_mask], dim=-1)
-        probs = torch.softmax(both.masked_fill(~mask, float("-inf")), dim=-1)
-        out = probs[..., plan.prompt_end :] @ own_v  # [n, Hkv, g, D]
-        grid_p = probs.new_zeros(plan.slots, plan.width, *probs.shape[1:-1], plan.prompt_end)
-        grid_p[plan.slot_of, plan.rank_of] = probs[rows, ..., : plan.prompt_end]
-        pv = self.pv[layer, : plan.slots, :, : plan.prompt_end]
-        from_prompt = grid_p.transpose(1, 2).reshape(plan.slots, kv_heads, -1, plan.prompt_end) @ pv
-        from_prompt = from_prompt.view(plan.slots, kv_heads, plan.width, -1, dim).transpose(1, 2)
-        out[rows] += from_prompt[plan.slot_of, plan.rank_of]
+        grid = qg.transpose(0, 1).index_select(1, plan.grid_rows).view(kv_heads, slots, width * group, dim)
+        pk = self.pk[layer, :slots, :, :prompt_end].transpose(0, 1)  # [Hkv, slots, P, D]
+        scores = (grid @ pk.transpose(-1, -2)).view(kv_heads, slots * width, group, prompt_end)
+        prompt_scores = scores.index_select(1, plan.grid_cell).transpose(0, 1)  # [n, Hkv, g, P]
+        both = torch.cat([prompt_scores, own_scores], dim=-1).masked_fill_(plan.masked_out, float("-inf"))
+        probs = torch.softmax(both, dim=-1)
+        out = probs[..., prompt_end:] @ own_v  # [n, Hkv, g, D]
+        grid_p = probs[..., :prompt_end].transpose(0, 1).index_select(1, plan.grid_rows)
+        pv = self.pv[layer, :slots, :, :prompt_end].transpose(0, 1)
+        from_prompt = grid_p.view(kv_heads, slots, width * group, prompt_end) @ pv
+        from_prompt = from_prompt.view(kv_heads, slots * width, group, dim).index_select(1, plan.grid_cell)
+        if plan.whole_rows is not None:  # a whole row's cell is another row's: it adds nothing from it
+            from_prompt = from_prompt.masked_fill(plan.whole_rows, 0.0)
+        out += from_prompt.transpose(0, 1)
         return out.reshape(n, heads, 1, dim)
 
     def advance(self, t: int) -> None:
