@@ -263,7 +263,7 @@ class RowKVCache:
         """One softmax over [prompt keys | own keys] per row; a slot's prompt is read once for its rows.
 
         Heads lead in the grid's layout ([Hkv, slots, width * g, ...]), so one ``index_select`` of
-        the rows builds it and one reads each row's cell back, with no copies between."""
+        the rows builds it and one reads each row's cell back: no zeroed grid to scatter into."""
         n, heads, _, dim = q.shape
         kv_heads, prompt_end, slots, width = own_k.size(1), plan.prompt_end, plan.slots, plan.width
         group = heads // kv_heads
