@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from chatpipe.inference.engine import Engine, StopMatcher, sample_next, sampling_candidates, sampling_probs
+from chatpipe.inference.engine import Engine, StopMatcher, draw, sample_next, sampling_candidates, sampling_probs
 from chatpipe.model.gpt import GPT, GPTConfig
 from tests.chatmodel import ByteTokenizer
 
@@ -294,6 +294,33 @@ def test_temperature_and_top_p_that_underflow_sample_without_nan():
     for top_p in (1e-50, 1e-320):
         assert sample_next(logits, rng, 1.0, top_p=top_p).tolist() == [1, 0]  # the nucleus keeps its first token
     assert sample_next(logits, rng, 1e-30, top_k=2, top_p=1e-45).tolist() == [1, 0]
+
+
+def test_one_draw_over_every_request_gives_multinomials_numbers_run_by_run():
+    """The continuous batch draws all its requests' tokens in one division and argmax, each request's
+    noise from its own generator: the tokens are those of one ``torch.multinomial`` per request."""
+    for vocab, counts in ((1024, [1] * 16), (50, [8] * 8), (7, [3, 1, 5, 2])):
+        probs = torch.softmax(torch.randn(sum(counts), vocab, generator=torch.Generator().manual_seed(vocab)) * 3, -1)
+        probs[0, : vocab // 2] = 0.0  # tokens top-k / top-p removed
+        seeds = range(100, 100 + len(counts))
+        mine = [torch.Generator().manual_seed(s) for s in seeds]
+        theirs = [torch.Generator().manual_seed(s) for s in seeds]
+        for _ in range(10):  # the generators advance alike, step after step
+            expected, start = [], 0
+            for n, g in zip(counts, theirs):
+                expected += torch.multinomial(probs[start : start + n], 1, generator=g).squeeze(1).tolist()
+                start += n
+            assert draw(probs, list(zip(counts, mine))).tolist() == expected
+
+
+def test_a_draw_refuses_probabilities_that_are_not_finite_and_groups_that_miss_rows():
+    probs = torch.full((2, 4), 0.25)
+    rng = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="cover 1 rows of 2"):
+        draw(probs, [(1, rng)])
+    probs[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        draw(probs, [(2, rng)])
 
 
 def test_stop_matcher_cuts_at_the_first_stop_string_to_end_in_linear_time():

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from chatpipe.inference.engine import Engine, _Row, sampling_candidates
+from chatpipe.inference.engine import Engine, _Row, draw, sampling_candidates
 from chatpipe.model.gpt import KVCache
 from chatpipe.model.row_cache import RowKVCache
 
@@ -211,15 +211,11 @@ class Scheduler:
         for (temperature, top_k, top_p), groups in settings.items():
             flat = [i for idx in groups for i in idx]
             probs, ids = sampling_candidates(self.logits[flat], temperature, top_k, top_p)
-            start = 0
-            for idx in groups:
-                rows = slice(start, start + len(idx))
-                drawn = torch.multinomial(probs[rows], 1, generator=self.live[idx[0]].req.rng)
-                if ids is not None:  # a top-k candidate's index -> its token
-                    drawn = ids[rows].gather(1, drawn)
-                for i, t in zip(idx, drawn.squeeze(1).tolist()):
-                    tokens[i] = t
-                start += len(idx)
+            drawn = draw(probs, [(len(idx), self.live[idx[0]].req.rng) for idx in groups])
+            if ids is not None:  # a top-k candidate's index -> its token
+                drawn = ids.gather(1, drawn[:, None]).squeeze(1)
+            for i, t in zip(flat, drawn.tolist()):
+                tokens[i] = t
         return tokens
 
     def _logprobs(self, tokens: list[int]) -> list[float]:
