@@ -73,7 +73,8 @@ def draw(probs: torch.Tensor, groups: list[tuple[int, torch.Generator]]) -> torc
     The same numbers as ``torch.multinomial(probs[run], 1, generator=g)`` run by run, which draws
     as ``argmax(probs / q)`` with ``q`` exponential noise from ``g``. Here each run's noise still
     comes from its own generator, but the division and the argmax run once over every row: a batch
-    of 16 requests makes one kernel of each instead of 16 multinomial calls (1.7x faster at 16 rows).
+    of 16 requests makes one kernel of each instead of 16 multinomial calls (the draw 1.7x faster at
+    16 rows, 3x at 8 groups of 8: bench/README.md, rollouts round seven).
     """
     if not bool(torch.isfinite(probs).all()):  # multinomial refuses these; an argmax would not
         raise ValueError("the sampling probabilities hold inf or NaN: the model's logits are not finite")
