@@ -273,14 +273,19 @@ def test_two_slurm_nodes_match_one_local_process_with_grad_accum(slurm_pipeline,
 # --------------------------------------------------------------------------- faults, from the Prefect flow
 
 
+def newest_checkpoint(project: Path, stage: str = "pretrain") -> int | None:
+    """The step of the stage's newest complete checkpoint, or None."""
+    ckpt = project / "checkpoints" / stage
+    steps = [p for p in sorted(ckpt.glob("step_*")) if (p / "meta.json").exists()] if ckpt.exists() else []
+    return int(steps[-1].name.split("_")[1]) if steps else None
+
+
 def wait_for_checkpoint(project: Path, stage: str = "pretrain", timeout_s: float = 600) -> int:
     """Block until the stage's first complete checkpoint exists; its step."""
     deadline = time.monotonic() + timeout_s
-    ckpt = project / "checkpoints" / stage
     while time.monotonic() < deadline:
-        steps = [p for p in sorted(ckpt.glob("step_*")) if (p / "meta.json").exists()] if ckpt.exists() else []
-        if steps:
-            return int(steps[-1].name.split("_")[1])
+        if (step := newest_checkpoint(project, stage)) is not None:
+            return step
         time.sleep(0.05)
     raise AssertionError(f"no {stage} checkpoint within {timeout_s}s")
 
@@ -303,17 +308,30 @@ def scancel_job(project: Path) -> str:
     return f"scancel {job}"
 
 
-def kill_node2_worker(project: Path) -> str:
-    wait_for_checkpoint(project)
+def node2_worker(project: Path) -> psutil.Process | None:
+    """The pretrain worker that Slurm started on node n2, if one runs now."""
     for p in workers(project):
         try:
             node = dict(kv.split("=", 1) for kv in open(f"/proc/{p.pid}/environ").read().split("\0") if "=" in kv)
         except OSError:
             continue
         if node.get("SLURMD_NODENAME") == "n2":
-            p.send_signal(signal.SIGKILL)
-            return f"kill -9 {p.pid} on n2"
-    raise AssertionError("no pretrain worker on n2 found")
+            return p
+    return None
+
+
+def kill_node2_worker(project: Path, timeout_s: float = 600) -> str:
+    """kill -9 the n2 worker as soon as the first checkpoint is complete. The worker is found while the
+    run heads for that checkpoint: a scan of the processes after it, on a loaded machine, once came too
+    late (the tiny pretrain's last 16 steps had already ended)."""
+    deadline, worker = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        worker = worker or node2_worker(project)
+        if worker is not None and newest_checkpoint(project) is not None:
+            worker.send_signal(signal.SIGKILL)
+            return f"kill -9 {worker.pid} on n2"
+        time.sleep(0.01 if worker else 0.05)
+    raise AssertionError(f"no pretrain worker on n2 reached a checkpoint within {timeout_s}s")
 
 
 @pytest.mark.slow
