@@ -76,6 +76,9 @@ def draw(probs: torch.Tensor, groups: list[tuple[int, torch.Generator]]) -> torc
     of 16 requests makes one kernel of each instead of 16 multinomial calls (the draw 1.7x faster at
     16 rows, 3x at 8 groups of 8: bench/README.md, rollouts round seven).
     """
+    covered = sum(count for count, _ in groups)
+    if covered != probs.size(0):  # refused before any generator moves
+        raise ValueError(f"the draw's groups cover {covered} rows of {probs.size(0)}")
     if not bool(torch.isfinite(probs).all()):  # multinomial refuses these; an argmax would not
         raise ValueError("the sampling probabilities hold inf or NaN: the model's logits are not finite")
     noise = torch.empty_like(probs)
@@ -83,8 +86,6 @@ def draw(probs: torch.Tensor, groups: list[tuple[int, torch.Generator]]) -> torc
     for count, rng in groups:
         noise[start : start + count].exponential_(generator=rng)
         start += count
-    if start != probs.size(0):
-        raise ValueError(f"the draw's groups cover {start} rows of {probs.size(0)}")
     return probs.div(noise).argmax(dim=-1)
 
 
