@@ -700,3 +700,40 @@ def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project,
     shutil.rmtree(checkpoints[-1])  # resume from the step before the last
     rl.main(args)
     assert sha256_file(out / "model.pt") == want
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expect"),
+    [
+        # the float32 SFT model of a 2-core Intel kind made 627 sampled pairs on 600 held-out problems,
+        # more than val_pairs, so no contrast joined: the one kind PPO needs ranked must still be reported
+        (["sampled"] * 4, {"pair_accuracy_sampled": 0.75, "pairs_sampled": 4}),
+        (
+            ["sampled", "sampled", "contrast_miscopied", "contrast_miscopied"],
+            {
+                "pair_accuracy_sampled": 1.0,
+                "pairs_sampled": 2,
+                "pair_accuracy_contrast_miscopied": 0.5,
+                "pairs_contrast_miscopied": 2,
+            },
+        ),
+        (["file"] * 4, {}),  # a user's file names no kinds: the overall accuracy says it all
+    ],
+)
+def test_held_out_reports_the_accuracy_of_every_named_kind_of_pair(kinds, expect, monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    from chatpipe.data.preferences import Pair
+    from stages import reward_model as stage
+
+    val = [Pair([1, 2, 10 + i], [1, 2, 20 + i], f"pair {i}") for i in range(4)]
+    scores = {10: 1.0, 20: 0.0, 11: 1.0, 21: 0.0, 12: 1.0, 22: 0.0, 13: 0.0, 23: 1.0}  # the last pair misranked
+    monkeypatch.setattr(stage, "score_rows", lambda rm, rows, pad: torch.tensor([scores[r[-1]] for r in rows]))
+    rm = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    rt = SimpleNamespace(autocast=contextlib.nullcontext)
+    parts = SimpleNamespace(rm=rm, rt=rt, pad_id=0, pairs=stage.Pairs([], val, kinds))
+    got = stage.held_out(parts)
+    assert got["val/pair_accuracy"] == 0.75
+    by_kind = {k.removeprefix("val/"): v for k, v in got.items() if k.startswith(("val/pair_accuracy_", "val/pairs_"))}
+    assert by_kind == expect
