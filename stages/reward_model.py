@@ -63,6 +63,7 @@ from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
 from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
 
 log = logging.getLogger("reward_model")
+FILE_KIND = "file"  # the kind of every pair read from a user's file or the hub: it names no mistake
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,7 +211,7 @@ def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> Pairs:
         )
     if held is None:
         pairs, held = prefs.split_pairs(pairs, cfg.val_pairs, cfg.seed)
-    return Pairs(pairs, held, ["file"] * len(held), ["file"] * len(pairs))
+    return Pairs(pairs, held, [FILE_KIND] * len(held), [FILE_KIND] * len(pairs))
 
 
 def tiny_pairs(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> Pairs:
@@ -354,7 +355,7 @@ def held_out(parts: Parts) -> dict[str, float]:
     chosen, rejected = scores[: len(pairs.val)], scores[len(pairs.val) :]
     out = pair_metrics(chosen, rejected)
     # every kind the source names, even one alone (tiny's held-out pairs can all be sampled ones)
-    kinds = sorted(set(pairs.val_kinds) - {"file"})
+    kinds = sorted(set(pairs.val_kinds) - {FILE_KIND})
     for kind in kinds:
         of_kind = torch.tensor([k == kind for k in pairs.val_kinds])
         out[f"pair_accuracy_{kind}"] = (chosen[of_kind] > rejected[of_kind]).double().mean().item()
