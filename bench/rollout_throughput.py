@@ -5,11 +5,15 @@ the RL stage's defaults (8 prompts x 8 samples, 48 new tokens, temperature 1, to
 step twice on the same model: with the static batches of ``Engine.generate_many`` (a batch runs
 until its longest row ends) and with the continuous batch (``continuous=True``: finished rows
 leave, waiting prompts join). The two alternate step by step, so load on a shared machine falls
-on both alike. Prints per engine the generated tokens (sampled + forced), seconds, tokens/s, the
-decode rows computed per generated token (1.0 = no padding) and the mean score; the last line is
-``rollout tokens/s, continuous / static: x<ratio>``.
+on both alike. A third arm samples on the continuous batch with the linear layers in the RL stage's
+``rl.rollout_dtype`` (``--rollout-dtype``, default ``auto``: bf16 where the CPU multiplies bf16
+natively, the stage's rollouts since issue 54's round eight); it runs only where that is not float32.
+Prints per arm the generated tokens (sampled + forced), seconds, tokens/s, the decode rows computed
+per generated token (1.0 = no padding) and the mean score; then ``rollout tokens/s, continuous /
+static: x<ratio>`` and, with the third arm, ``rollout tokens/s, continuous in <dtype> / static: x<ratio>``
+(static float32 batches are the RL stage's rollouts before issue 54).
 
-    python bench/rollout_throughput.py --model artifacts/sft --tokenizer artifacts/tokenizer [--steps 6]
+    python bench/rollout_throughput.py --model artifacts/sft --tokenizer artifacts/tokenizer [--steps 6] [--rollout-dtype auto]
     python bench/rollout_throughput.py             # a random d4 GPT, bytes tokenizer: runs anywhere
 """
 
@@ -20,6 +24,7 @@ import time
 
 import torch
 
+from chatpipe import runtime
 from chatpipe.inference.engine import Engine
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT, config_from_depth
@@ -51,6 +56,7 @@ def main() -> None:
     p.add_argument("--max-rows", type=int, default=128, help="rows of a batch, both engines")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--rollout-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rl.rollout_dtype")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,16 +73,20 @@ def main() -> None:
     rows = count_rows(model)
     engine = Engine(model, tok)
     problems = load_problems("tinyworld_arith", "train", args.prompts * (args.steps + 1), seed=0)
-    totals = {name: {"tokens": 0, "seconds": 0.0, "rows": 0, "score": 0.0} for name in ("static", "continuous")}
+    lowp = runtime.compute_dtype(args.rollout_dtype, torch.cuda.is_available(), training=True)
+    arms = {"static": (False, None), "continuous": (True, None)}
+    arms |= {f"continuous in {str(lowp).split('.')[-1]}": (True, lowp)} if lowp != torch.float32 else {}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "rows": 0, "score": 0.0} for name in arms}
     kw = dict(
         group_size=args.group, max_new_tokens=args.max_new_tokens, temperature=1.0, top_k=50, max_rows=args.max_rows
     )
     for step in range(args.steps + 1):  # step 0 warms up
         batch_problems = problems[step * args.prompts : (step + 1) * args.prompts]
-        for name in ("static", "continuous") if step % 2 else ("continuous", "static"):
+        for name in list(arms) if step % 2 else list(arms)[::-1]:
             rows[0] = 0
+            continuous, dtype = arms[name]
             t0 = time.perf_counter()
-            batch = collect_rollouts(engine, batch_problems, seed=step, continuous=name == "continuous", **kw)
+            batch = collect_rollouts(engine, batch_problems, seed=step, continuous=continuous, matmul_dtype=dtype, **kw)
             seconds = time.perf_counter() - t0
             if step:
                 t = totals[name]
@@ -93,9 +103,9 @@ def main() -> None:
             f"{name}: {t['tokens']} tokens in {t['seconds']:.2f} s = {t['tokens'] / t['seconds']:.0f} tokens/s; "
             f"{t['rows'] / t['tokens']:.2f} decode rows per token; mean score {t['score']:.3f}"
         )
-    s, c = totals["static"], totals["continuous"]
-    ratio = (c["tokens"] / c["seconds"]) / (s["tokens"] / s["seconds"])
-    print(f"rollout tokens/s, continuous / static: x{ratio:.2f}")
+    static = totals["static"]["tokens"] / totals["static"]["seconds"]
+    for name in list(arms)[1:]:
+        print(f"rollout tokens/s, {name} / static: x{totals[name]['tokens'] / totals[name]['seconds'] / static:.2f}")
 
 
 if __name__ == "__main__":

@@ -237,11 +237,18 @@ def init(device: str = "auto", dtype: str = "auto", *, training: bool = False) -
         keep_freed_memory_in_heap()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
-    chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if chosen is None:
-        chosen = torch.bfloat16 if use_cuda or (training and cpu_multiplies_bf16()) else torch.float32
     setup_logging(rank)
-    return Runtime(rank, local_rank, world_size, dev, chosen)
+    return Runtime(rank, local_rank, world_size, dev, compute_dtype(dtype, use_cuda, training=training))
+
+
+def compute_dtype(dtype: str, use_cuda: bool, *, training: bool) -> torch.dtype:
+    """The dtype a stage computes in: ``dtype`` itself, or for ``auto`` the rule of :func:`init`."""
+    import torch
+
+    chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if chosen is not None:
+        return chosen
+    return torch.bfloat16 if use_cuda or (training and cpu_multiplies_bf16()) else torch.float32
 
 
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")

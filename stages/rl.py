@@ -230,6 +230,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     train_critic = distributed(models.critic, rt) if models.critic else None
     problems = (train_problems, eval_problems)
     engine = Engine(models.policy, tok)
+    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", rollout_dtype(cfg, rt), cfg.rollout_dtype)
     parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
     parts.value_norm, parts.prompts, parts.guard = value_norm, Prompts.resumed(meta), reward_guard(cfg, meta)
     loop = Loop(
@@ -335,7 +336,7 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     def sample_step(step: int) -> dict:
         idx = step_indices(cfg, Prompts(), len(train_problems), step, rank=0, world_size=1)
-        batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, rank=0, world_size=1)
+        batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, 0, 1, rollout_dtype(cfg, rt))
         return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
 
     ex = Exchange(exchange_dir(cfg), cfg.heartbeat_timeout_s)
@@ -654,7 +655,8 @@ def sample_rollouts(parts: Parts, step: int) -> tuple[Rollouts, dict[str, float]
         batch, async_stats = take_rollouts(parts, step, idx)
     else:
         parts.models.policy.eval()
-        batch = sample_batch(cfg, parts.engine, [parts.train_problems[i] for i in idx], step, rt.rank, rt.world_size)
+        problems = [parts.train_problems[i] for i in idx]
+        batch = sample_batch(cfg, parts.engine, problems, step, rt.rank, rt.world_size, rollout_dtype(cfg, rt))
         parts.models.policy.train()
         async_stats = {}
     batch, reward_stats = score_rollouts(parts, batch)
@@ -681,12 +683,27 @@ def step_indices(
     return [pool[i] for i in picks]
 
 
+def rollout_dtype(cfg: RLSettings, rt: runtime.Runtime) -> torch.dtype:
+    """``rl.rollout_dtype``; ``auto`` is the dtype the trainer trains in, in the rollout role too
+    (whose own runtime, not a training one, computes in float32 on CPU)."""
+    if cfg.rollout_dtype != "auto":
+        return getattr(torch, cfg.rollout_dtype)
+    return runtime.compute_dtype(cfg.dtype, rt.device.type == "cuda", training=True)
+
+
 def sample_batch(
-    cfg: RLSettings, engine: Engine, problems: list[Problem], step: int, rank: int, world_size: int
+    cfg: RLSettings,
+    engine: Engine,
+    problems: list[Problem],
+    step: int,
+    rank: int,
+    world_size: int,
+    matmul_dtype: torch.dtype | None = None,
 ) -> Rollouts:
-    """``problems`` x ``group_size`` responses, seeded by (seed, step, rank). The verifier ranks
-    best-of-n inside collect_rollouts; a learned reward ranks after scoring (all ``generation_size``
-    samples come back). The rollout role keeps each token's sampling log-prob, for the decoupled loss."""
+    """``problems`` x ``group_size`` responses, seeded by (seed, step, rank), the linear layers in
+    ``matmul_dtype`` (:func:`rollout_dtype`). The verifier ranks best-of-n inside collect_rollouts; a
+    learned reward ranks after scoring (all ``generation_size`` samples come back). The rollout role
+    keeps each token's sampling log-prob, for the decoupled loss."""
     per_rank = cfg.prompts_per_step // world_size
     model_ranked = cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier"
     return collect_rollouts(
@@ -700,6 +717,7 @@ def sample_batch(
         seed=((cfg.seed * 1_000_003 + step) * world_size + rank) * per_rank,
         generation_size=0 if model_ranked else cfg.generation_size,
         behaviour_logprobs=cfg.rollout_role,
+        matmul_dtype=matmul_dtype,
     )
 
 

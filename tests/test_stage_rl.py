@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from chatpipe import runtime
 from chatpipe.io import sha256_file
 from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.settings import ParamsError, RLSettings, load_section
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.trainer import LoopState
-from stages.rl import Prompts, check_minibatches, loop_meta, prompt_pool
+from stages.rl import Prompts, check_minibatches, loop_meta, prompt_pool, rollout_dtype
 from tests.project import SMALL_RL, dvc, make_project, project_env, run
 
 # replay on: its loader's cursor is part of what a resume must restore, and its loss the last backward DDP syncs
@@ -163,6 +164,20 @@ def test_indivisible_minibatches_stop_the_stage_before_any_rollout(tmp_path):
     assert proc.returncode != 0
     assert "2 x 4 = 8 rows per step do not split into 3 minibatches" in out, out[-2000:]
     assert not (project / "checkpoints" / "rl").exists() and not (project / "artifacts" / "rl").exists()
+
+
+def test_rollout_dtype_auto_is_the_dtype_the_trainer_trains_in(monkeypatch):
+    """auto samples in bf16 exactly where the trainer trains in bf16 (and in the rollout role too,
+    whose own runtime computes in float32); a set value wins; anything else is refused by name."""
+    role_rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    for native_bf16, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(runtime, "cpu_multiplies_bf16", lambda native=native_bf16: native)
+        assert rollout_dtype(load_section(RLSettings, {}), role_rt) == want
+        assert rollout_dtype(load_section(RLSettings, {"dtype": "float32"}), role_rt) == torch.float32
+        assert rollout_dtype(load_section(RLSettings, {"rollout_dtype": "float32"}), role_rt) == torch.float32
+        assert rollout_dtype(load_section(RLSettings, {"rollout_dtype": "bfloat16"}), role_rt) == torch.bfloat16
+    with pytest.raises(ParamsError, match="rollout_dtype"):
+        load_section(RLSettings, {"rollout_dtype": "float16"})
 
 
 def test_filter_solved_drops_solved_prompts_at_the_end_of_the_pools_epoch():

@@ -103,7 +103,8 @@ def test_without_the_role_rl_is_bitwise_the_code_before_it(tmp_path, algorithm):
     model never scores, so GRPO's weights move by the replay alone; PPO's move with every sampled token:
     a changed top_k fails this test.)"""
     rl = {"max_steps": 3, "eval_every": 0, "algorithm": algorithm}
-    now = setup_project(tmp_path / "now", **rl)
+    # float32 rollouts, as then (rl.rollout_dtype came later; auto is bf16 where the CPU multiplies it)
+    now = setup_project(tmp_path / "now", **rl, rollout_dtype="float32")
     before = code_at(BEFORE_THE_ROLE, tmp_path / "before")
     set_params(before, _merge(SMALL_PARAMS, {"rl": {**RL_PARAMS, **rl}}))  # its own params.yaml, the same overrides
     for inputs in ("artifacts", "init_model"):  # the same tokenizer and init model

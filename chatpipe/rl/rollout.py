@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chatpipe.inference.precision import linears_in
 from chatpipe.inference.scheduler import generate_continuous
 from chatpipe.rl.rewards import RewardFn, exact_answer, get_reward
 
@@ -221,6 +222,7 @@ def collect_rollouts(
     continuous: bool = True,
     max_rows: int = 128,
     behaviour_logprobs: bool = False,
+    matmul_dtype: torch.dtype | None = None,
 ) -> Rollouts:
     """Sample ``group_size`` responses per problem (tool use on) and score them with each problem's verifier.
 
@@ -231,7 +233,8 @@ def collect_rollouts(
     prompt's samples take its place); ``continuous=False`` uses the static batches of
     :meth:`Engine.generate_many` (a batch runs until its longest row ends). ``behaviour_logprobs``
     (continuous only) keeps the sampler's log-prob of every target in ``behav_logp``, for updates on
-    rollouts an older policy sampled.
+    rollouts an older policy sampled. ``matmul_dtype`` (e.g. bf16) samples with the linear layers in
+    that precision (:func:`chatpipe.inference.precision.linears_in`); None: the weights' own.
     """
     if behaviour_logprobs and not continuous:
         raise ValueError("behaviour_logprobs needs the continuous batch (continuous=True)")
@@ -240,10 +243,11 @@ def collect_rollouts(
     prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
     sample = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, max_rows=max_rows)
     num_samples = max(generation_size, group_size)
-    if continuous:
-        generated = generate_continuous(engine, prompts, num_samples, logprobs=behaviour_logprobs, **sample)
-    else:
-        generated = engine.generate_many(prompts, num_samples=num_samples, **sample)
+    with linears_in(engine.model, matmul_dtype):
+        if continuous:
+            generated = generate_continuous(engine, prompts, num_samples, logprobs=behaviour_logprobs, **sample)
+        else:
+            generated = engine.generate_many(prompts, num_samples=num_samples, **sample)
     logps = []
     for j, (problem, prompt, (out, out_masks, *lps)) in enumerate(zip(problems, prompts, generated)):
         samples = [_read_sample(engine, problem, s, mk, len(prompt)) for s, mk in zip(out, out_masks)]

@@ -381,6 +381,12 @@ class RLSettings(RunSettings):
         "prompt), at this fraction of the init model's LRs; the policy still trains on the model's scores alone. "
         "0: the reward model stays frozen",
     )
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="precision of the rollouts' linear layers (the attention, norms and held-out pass@k stay float32): "
+        "auto is the dtype the stage trains in, bfloat16 where the CPU multiplies bf16 natively and on GPU, else "
+        "float32",
+    )
     # asynchronous RL: the rollout role samples in its own process while the trainer updates
     rollout_role: bool = Field(
         False,
