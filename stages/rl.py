@@ -147,6 +147,7 @@ class Parts:
     prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
     guard: RewardGuard | None = None  # reward_source model|both: the reward-hacking guard
     exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
+    rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout_dtype, resolved once)
 
 
 def rl_state(parts: Parts) -> dict:
@@ -230,8 +231,9 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     train_critic = distributed(models.critic, rt) if models.critic else None
     problems = (train_problems, eval_problems)
     engine = Engine(models.policy, tok)
-    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", rollout_dtype(cfg, rt), cfg.rollout_dtype)
     parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
+    parts.rollout_dtype = rollout_dtype(cfg, rt)
+    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", parts.rollout_dtype, cfg.rollout_dtype)
     parts.value_norm, parts.prompts, parts.guard = value_norm, Prompts.resumed(meta), reward_guard(cfg, meta)
     loop = Loop(
         "rl",
@@ -334,9 +336,11 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
     engine = Engine(policy, tok)
     train_problems, _ = load_rl_problems(cfg, rt)
 
+    matmul_dtype = rollout_dtype(cfg, rt)
+
     def sample_step(step: int) -> dict:
         idx = step_indices(cfg, Prompts(), len(train_problems), step, rank=0, world_size=1)
-        batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, 0, 1, rollout_dtype(cfg, rt))
+        batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, 0, 1, matmul_dtype)
         return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
 
     ex = Exchange(exchange_dir(cfg), cfg.heartbeat_timeout_s)
@@ -656,7 +660,7 @@ def sample_rollouts(parts: Parts, step: int) -> tuple[Rollouts, dict[str, float]
     else:
         parts.models.policy.eval()
         problems = [parts.train_problems[i] for i in idx]
-        batch = sample_batch(cfg, parts.engine, problems, step, rt.rank, rt.world_size, rollout_dtype(cfg, rt))
+        batch = sample_batch(cfg, parts.engine, problems, step, rt.rank, rt.world_size, parts.rollout_dtype)
         parts.models.policy.train()
         async_stats = {}
     batch, reward_stats = score_rollouts(parts, batch)
@@ -686,9 +690,8 @@ def step_indices(
 def rollout_dtype(cfg: RLSettings, rt: runtime.Runtime) -> torch.dtype:
     """``rl.rollout_dtype``; ``auto`` is the dtype the trainer trains in, in the rollout role too
     (whose own runtime, not a training one, computes in float32 on CPU)."""
-    if cfg.rollout_dtype != "auto":
-        return getattr(torch, cfg.rollout_dtype)
-    return runtime.compute_dtype(cfg.dtype, rt.device.type == "cuda", training=True)
+    dtype = cfg.dtype if cfg.rollout_dtype == "auto" else cfg.rollout_dtype
+    return runtime.compute_dtype(dtype, rt.device.type == "cuda", training=True)
 
 
 def sample_batch(
