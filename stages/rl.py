@@ -233,7 +233,6 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     engine = Engine(models.policy, tok)
     parts = Parts(cfg, rt, models, engine, *problems, kl_ctl, ppo_config, replay_loader, train_policy, train_critic)
     parts.rollout_dtype = rollout_dtype(cfg, rt)
-    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", parts.rollout_dtype, cfg.rollout_dtype)
     parts.value_norm, parts.prompts, parts.guard = value_norm, Prompts.resumed(meta), reward_guard(cfg, meta)
     loop = Loop(
         "rl",
@@ -688,10 +687,13 @@ def step_indices(
 
 
 def rollout_dtype(cfg: RLSettings, rt: runtime.Runtime) -> torch.dtype:
-    """``rl.rollout_dtype``; ``auto`` is the dtype the trainer trains in, in the rollout role too
-    (whose own runtime, not a training one, computes in float32 on CPU)."""
-    dtype = cfg.dtype if cfg.rollout_dtype == "auto" else cfg.rollout_dtype
-    return runtime.compute_dtype(dtype, rt.device.type == "cuda", training=True)
+    """``rl.rollout_dtype``, logged; ``auto`` is the dtype the trainer trains in, in the rollout role too
+    (whose own runtime, not a training one, computes in float32 on CPU). Each role resolves it once."""
+    dtype = runtime.compute_dtype(
+        cfg.dtype if cfg.rollout_dtype == "auto" else cfg.rollout_dtype, rt.device.type == "cuda", training=True
+    )
+    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", dtype, cfg.rollout_dtype)
+    return dtype
 
 
 def sample_batch(
