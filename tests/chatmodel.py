@@ -89,18 +89,24 @@ def serve_settings(**kw) -> ServeSettings:
     return ServeSettings.model_construct(**kw)
 
 
+class Paced:
+    """A model's forward that takes at least ``seconds`` (a module-level class, so the server's batch
+    process, which gets the model pickled, runs it paced too)."""
+
+    def __init__(self, forward, seconds: float) -> None:
+        self.forward, self.seconds = forward, seconds
+
+    def __call__(self, *args, **kw):
+        time.sleep(self.seconds)
+        return self.forward(*args, **kw)
+
+
 def serve_paced(loaded, cfg: ServeSettings, seconds_per_token: float = 0.005):
     """``create_app`` over ``loaded`` whose forward takes >= ``seconds_per_token``, like a real model (replies
     overlap in time), served in a thread: yields (app, url), stops the server after."""
     from chatpipe.serve.app import create_app
 
-    forward = loaded.model.forward
-
-    def paced_forward(*args, **kw):
-        time.sleep(seconds_per_token)
-        return forward(*args, **kw)
-
-    loaded.model.forward = paced_forward
+    loaded.model.forward = Paced(loaded.model.forward, seconds_per_token)
     app = create_app(loaded, cfg)
     srv, url = run_in_thread(app)
     yield app, url

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import pytest
 
 from chatpipe.model.loading import load_chat_model
 from chatpipe.serve.app import create_app
-from tests.chatmodel import make_artifacts, run_in_thread, serve_settings
+from tests.chatmodel import Paced, make_artifacts, run_in_thread, serve_settings
 from tests.conftest import REPO
 
 # as root, with no network: no sandbox, and none of the background calls home that would fail
@@ -43,13 +42,7 @@ def chromium_path() -> str:
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
-    forward = loaded.model.forward
-
-    def slow_forward(*args, **kw):  # a real model's pace: tokens arrive over ~1 s, not in one network read
-        time.sleep(0.02)
-        return forward(*args, **kw)
-
-    loaded.model.forward = slow_forward
+    loaded.model.forward = Paced(loaded.model.forward, 0.02)  # a real model's pace: tokens arrive over ~1 s
     cfg = serve_settings(num_engines=2, max_tokens=48, temperature=0.8, top_k=20)
     server, base = run_in_thread(create_app(loaded, cfg))
     yield base

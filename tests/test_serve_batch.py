@@ -1,19 +1,26 @@
 """issue 54: the server on one continuous batch, against a real uvicorn server (tiny random model, paced).
 
 40 requests at once get 200s and 503s in OpenAI's error shape; a reply that cannot fit a batch
-row is a 413 naming serve.batch_context; a client that leaves frees its row within a decode step.
+row is a 413 naming serve.batch_context; a client that leaves frees its row within a decode step;
+the batch decodes in a process of its own, which stops with the server, and whose death the
+server reports.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from chatpipe.model.loading import load_chat_model
-from tests.chatmodel import make_artifacts, serve_paced, serve_settings
+from chatpipe.serve.app import create_app
+from tests.chatmodel import make_artifacts, run_in_thread, serve_paced, serve_settings
 from tests.project import wait_until
 
 CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
@@ -77,9 +84,42 @@ def test_a_client_leaving_mid_stream_frees_its_row_within_one_decode_step(server
         [next(lines) for _ in range(6)]  # 3 events, then hang up
         assert pool.live_rows == 1
     assert wait_until(lambda: pool.cancelled > before, 5.0, poll=0.0005)
-    at_cancel = pool.scheduler.steps
+    at_cancel = pool.steps
     t0 = time.monotonic()
     assert wait_until(lambda: pool.live_rows == 0, 5.0, poll=0.0005)
     # the step under way when the request was cancelled ends, and the next one evicts the row first
-    assert pool.scheduler.steps - at_cancel <= 2 and time.monotonic() - t0 < 1.0
+    assert pool.steps - at_cancel <= 2 and time.monotonic() - t0 < 1.0
     assert pool.served + pool.cancelled > 0 and pool.active == 0
+
+
+def test_the_batch_decodes_in_its_own_process_that_stops_with_the_server(tmp_path):
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    app = create_app(loaded, serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=8))
+    pool = app.state.pool
+    srv, url = run_in_thread(app)
+    try:
+        worker = psutil.Process(pool.worker.pid)
+        assert worker.pid != os.getpid() and worker.ppid() == os.getpid()
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 8}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert pool.steps >= 8  # the batch process stepped, and told the server
+    finally:
+        srv.should_exit = True
+    assert wait_until(lambda: not pool.worker.is_alive(), 20.0), "the batch process outlived the server"
+    assert pool.worker.exitcode == 0  # it was told to stop, not killed
+
+
+def test_a_batch_process_that_dies_fails_its_replies_and_the_server_says_so(tmp_path):
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000)
+    for app, url in serve_paced(loaded, cfg, seconds_per_token=0.02):
+        pool = app.state.pool
+        body = {"messages": CHAT["messages"], "max_tokens": 150}
+        with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)  # generating
+            os.kill(pool.worker.pid, signal.SIGKILL)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert "batch process exited" in events[-1]["error"], events[-1]
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 503 and "batch process exited" in r.json()["error"]["message"], r.text

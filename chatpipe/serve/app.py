@@ -48,6 +48,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -414,9 +415,16 @@ def make_pool(engine: Engine, cfg: ServeSettings) -> BatchPool | EnginePool:
 
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
-    app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None)
     engine = Engine(loaded.model, loaded.tokenizer)
     pool = make_pool(engine, cfg)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if isinstance(pool, BatchPool):  # its batch process stops with the server
+            pool.close()
+
+    app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.pool = pool
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_exception_handler(ApiError, api_error)
@@ -476,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = parse_args(argv)
-        # computing threads x intra-op threads <= cores: the batch's thread shares with the event loop
+        # computing threads x intra-op threads <= cores: the batch's process shares with the event loop
         share_cores(2 if cfg.batch_rows > 0 else cfg.num_engines)
         loaded = load_chat_model(cfg.model, device=cfg.device)
     except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
