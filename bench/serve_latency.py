@@ -1,13 +1,15 @@
 """Benchmark: chat server latency and throughput, the continuous batch beside the thread pool.
 
-Starts ``python -m chatpipe.serve.app`` on a free 127.0.0.1 port in a subprocess (so the clients do
-not share its interpreter) twice, one after the other on the same model: first the older pool
-(``--batch-rows 0``: ``--num-engines`` threads, one reply each), then the continuous batch
-(``--batch-rows``). Each server gets one warm-up request, then for each concurrency level
-(``--clients``, default 1 and 8) every client streams ``--rounds`` replies of ``--max-tokens``
-tokens (different prompts and seeds). Prints per server and level the time to first token (p50,
-p99 and worst over every reply of the level), tokens/s summed over clients and failed replies; then
-per level the ratios batch / pool (tokens/s; first-token p50 and p99, lower is better).
+Starts ``python -m chatpipe.serve.app`` on free 127.0.0.1 ports in subprocesses (so the clients do
+not share its interpreter), twice on the same model: the older pool (``--batch-rows 0``:
+``--num-engines`` threads, one reply each) and the continuous batch (``--batch-rows``). Each server
+gets one warm-up request, then for each concurrency level (``--clients``, default 1 and 8) every
+client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and seeds), on
+the pool and then on the batch, ``--repeats`` times in turn (these VMs change speed from one minute
+to the next). Prints per server and level the time to first token (p50, p99 and worst over every
+reply of the level), tokens/s summed over clients and failed replies; then per level and turn the
+ratios batch / pool (tokens/s; first-token p50 and p99, lower is better), and over several turns
+the median and lowest tokens/s ratio.
 
 With more clients than engines most replies wait in the pool's queue, so the time to first
 token there is mostly queueing: how fast the engines finish the replies ahead.
@@ -15,7 +17,7 @@ token there is mostly queueing: how fast the engines finish the replies ahead.
 Run::
 
     python bench/serve_latency.py [--model latest] [--num-engines 2] [--batch-rows 16] [--clients 1 8] [--max-tokens 128] [--rounds 2]
-    python bench/serve_latency.py --model rl --num-engines 2 --clients 16 --max-tokens 48 --rounds 4   # issue 54's level
+    python bench/serve_latency.py --model base --num-engines 2 --clients 16 --rounds 4 --repeats 3   # issue 54's level
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -147,28 +150,41 @@ def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[lis
     return ttfts, total[0] / (time.perf_counter() - t0), failed[0]
 
 
-def measure(args: argparse.Namespace, batch_rows: int) -> dict[int, tuple[float, float, float]]:
-    """Serve with ``batch_rows`` (0: the thread pool) and run every level: {clients: (tokens/s, p50, p99)}."""
-    proc, url = start_server(args, batch_rows)
-    name = f"batch of {batch_rows} rows" if batch_rows else f"pool of {args.num_engines} engine threads"
-    results = {}
+def run_and_print(name: str, url: str, clients: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """One level against one server, printed: (tokens/s, first-token p50, p99 in ms)."""
+    ttfts, tps, failed = run_level(url, clients, args.rounds, args.max_tokens)
+    p50, p99 = (percentile(ttfts, q) * 1000 if ttfts else float("nan") for q in (50, 99))
+    worst = max(ttfts, default=float("nan")) * 1000
+    print(
+        f"  {name}, {clients} client(s), {len(ttfts)} replies, {failed} failed: time to first token p50 {p50:.0f} ms, "
+        f"p99 {p99:.0f} ms, worst {worst:.0f} ms; {tps:.1f} tokens/s in total",
+        flush=True,
+    )
+    return tps, p50, p99
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[int, list[tuple[float, float, float]]]]:
+    """Start both servers, then run every level on each in turn, ``--repeats`` times:
+    {server: {clients: [(tokens/s, p50, p99) per repeat]}}. Taking turns level by level keeps a
+    machine whose speed drifts from favouring one side."""
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        info = httpx.get(f"{url}/health").json()
-        print(f"{name}: model {info['description']}, {args.max_tokens} tokens per reply", flush=True)
-        one_reply(url, "warm up", 0, 8)
-        for clients in args.clients:
-            ttfts, tps, failed = run_level(url, clients, args.rounds, args.max_tokens)
-            p50, p99 = (percentile(ttfts, q) * 1000 if ttfts else float("nan") for q in (50, 99))
-            worst = max(ttfts, default=float("nan")) * 1000
-            results[clients] = (tps, p50, p99)
-            print(
-                f"  {clients} client(s), {len(ttfts)} replies, {failed} failed: time to first token p50 {p50:.0f} ms, "
-                f"p99 {p99:.0f} ms, worst {worst:.0f} ms; {tps:.1f} tokens/s in total",
-                flush=True,
-            )
+        for name, rows in (("pool", 0), ("batch", args.batch_rows)):
+            proc, url = start_server(args, rows)
+            servers[name] = (proc, url)
+            info = httpx.get(f"{url}/health").json()
+            shape = f"a batch of {rows} rows" if rows else f"a pool of {args.num_engines} engine threads"
+            print(f"{name}: {shape}; model {info['description']}, {args.max_tokens} tokens per reply", flush=True)
+            one_reply(url, "warm up", 0, 8)
+        results: dict[str, dict[int, list]] = {name: {c: [] for c in args.clients} for name in servers}
+        for _ in range(args.repeats):
+            for clients in args.clients:
+                for name, (_, url) in servers.items():
+                    results[name][clients].append(run_and_print(name, url, clients, args))
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(10)
     return results
 
 
@@ -181,18 +197,26 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
+    p.add_argument("--repeats", type=int, default=1, help="times each server runs each level, taking turns")
     args = p.parse_args()
-    if any(c < 1 for c in args.clients) or args.batch_rows < 1:
-        p.error(f"--clients {args.clients}, --batch-rows {args.batch_rows}: each must be at least 1")
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    pool = measure(args, 0)
-    batch = measure(args, args.batch_rows)
-    for clients in args.clients:
-        (t0, a50, a99), (t1, b50, b99) = pool[clients], batch[clients]
-        print(
-            f"{clients} client(s), batch / pool: tokens/s x{t1 / t0:.2f}, "
-            f"first-token p50 x{b50 / a50:.2f}, p99 x{b99 / a99:.2f}"
+    if any(c < 1 for c in args.clients) or args.batch_rows < 1 or args.repeats < 1:
+        p.error(
+            f"--clients {args.clients}, --batch-rows {args.batch_rows}, --repeats {args.repeats}: each must be >= 1"
         )
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    results = measure(args)
+    for clients in args.clients:
+        ratios = []
+        for (t0, a50, a99), (t1, b50, b99) in zip(results["pool"][clients], results["batch"][clients]):
+            ratios.append(t1 / t0)
+            print(
+                f"{clients} client(s), batch / pool: tokens/s x{t1 / t0:.2f}, "
+                f"first-token p50 x{b50 / a50:.2f}, p99 x{b99 / a99:.2f}"
+            )
+        if len(ratios) > 1:
+            print(
+                f"{clients} client(s), tokens/s batch / pool over {len(ratios)} turns: median x{statistics.median(ratios):.2f}, lowest x{min(ratios):.2f}"
+            )
 
 
 if __name__ == "__main__":
