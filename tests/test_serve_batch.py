@@ -8,6 +8,7 @@ server reports.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -123,3 +124,13 @@ def test_a_batch_process_that_dies_fails_its_replies_and_the_server_says_so(tmp_
         assert "batch process exited" in events[-1]["error"], events[-1]
         r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
         assert r.status_code == 503 and "batch process exited" in r.json()["error"]["message"], r.text
+        # a reply that got past the check as the process died ends with the error too, never hangs
+        pool.reader.join(10)
+        assert not pool.reader.is_alive()
+        with pytest.raises(RuntimeError, match="batch process exited"):
+            asyncio.run(asyncio.wait_for(drain(pool.stream([1, 2, 3], {}, max_tokens=4)), 10))
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass

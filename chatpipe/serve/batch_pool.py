@@ -160,6 +160,7 @@ class BatchPool:
         self.kv_bytes = RowKVCache.bytes_for(engine.model.config, rows + rows // 2, self.context)
         self.inflight = self.served = self.cancelled = 0
         self.live_rows = self.active = self.batch_waiting = self.steps = 0  # as the batch last reported
+        self.gone: str | None = None  # why the batch process is gone, once it is
         self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
         self.replies: dict[int, _Reply] = {}
         self.ids = itertools.count()
@@ -227,8 +228,9 @@ class BatchPool:
                     self._token(rid, reply, tok, mask_or_reason)
             self._hand_over()
         self.live_rows = self.active = 0
+        self.gone = f"error: the batch process exited (code {self.worker.exitcode})"  # set before the last look
         for rid, reply in list(self.replies.items()):
-            self._done(rid, reply, f"error: the batch process exited (code {self.worker.exitcode})")
+            self._done(rid, reply, self.gone)
         self._hand_over()
 
     def _token(self, rid: int, reply: _Reply, tok: int, mask: int) -> None:
@@ -281,6 +283,9 @@ class BatchPool:
         self.replies[rid] = reply
         self.inflight += 1
         self._send("submit", rid, list(prompt), kw)
+        if self.gone:  # the reader had already failed the replies in flight: fail this one too
+            self._done(rid, reply, self.gone)
+            self._hand_over()
         finished = False
         try:
             while (item := await reply.queue.get()) is not None:
