@@ -134,3 +134,31 @@ def test_a_batch_process_that_dies_fails_its_replies_and_the_server_says_so(tmp_
 async def drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_path):
+    """run_batch's protocol, in a thread here: a request the scheduler cannot take gets an error
+    event naming why, the next one its tokens, and "stop" ends the loop."""
+    import multiprocessing
+
+    from chatpipe.inference.engine import Engine
+    from chatpipe.serve.batch_pool import run_batch
+
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    conn, child = multiprocessing.Pipe()
+    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), 2, 64, 1, child))
+    loop.start()
+    assert conn.recv() == "ready"
+    conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 4, "bogus": 1}))
+    conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 100}))  # 3 + 100 positions > the row's 64
+    conn.send(("submit", 3, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}))
+    events = []
+    while not any(e[0] == 3 and e[2] is None for e in events):
+        assert conn.poll(10), f"the batch loop stopped answering (alive: {loop.is_alive()}); events so far {events}"
+        events += conn.recv()[0]
+    errors = {rid: reason for rid, _, tok, reason in events if tok is None and rid in (1, 2)}
+    assert "bogus" in errors[1] and "64 KV positions" in errors[2], errors
+    assert len([tok for rid, _, tok, _ in events if rid == 3 and tok is not None]) == 4
+    conn.send(("stop",))
+    loop.join(10)
+    assert not loop.is_alive()

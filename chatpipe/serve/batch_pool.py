@@ -114,12 +114,13 @@ def take_messages(conn: Any, sched: Scheduler, reqs: dict[int, GenRequest], even
                 req.cancelled = True
             continue
         rid, prompt, settings = args
-        req = GenRequest(prompt, on_token=_on_token(rid, events), on_done=_on_done(rid, events, reqs), **settings)
-        reqs[rid] = req
         try:
+            req = GenRequest(prompt, on_token=_on_token(rid, events), on_done=_on_done(rid, events, reqs), **settings)
+            reqs[rid] = req
             sched.submit(req)
-        except ValueError as e:  # the server checks the limits first: this is a last guard
-            req.on_done(0, f"error: {e}")
+        except (TypeError, ValueError) as e:  # the server checks requests first: a last guard
+            reqs.pop(rid, None)
+            events.append((rid, 0, None, f"error: {e}"))
     return True
 
 
