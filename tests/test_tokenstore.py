@@ -296,3 +296,19 @@ def test_a_corrupt_store_manifest_is_named(small_store):
     (root / "tokens" / "manifest.json").write_text('{"fingerprint": ')
     with pytest.raises(ValueError, match=r"manifest\.json: corrupt token store manifest"):
         TokenDocs(root / "tokens", "train")
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_id", None), ("docs", "12"), ("tokens_crc32", True), ("vocab", 3.5)])
+def test_a_manifest_field_of_the_wrong_type_is_named(small_store, field, value):
+    """A well-formed manifest with a null or a string where a number was (found by tests/test_fuzz_files.py:
+    max_id null was a TypeError from int())."""
+    root, _ = small_store
+    path = root / "tokens" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if field == "vocab":
+        manifest["vocab_size"], field = value, "vocab_size"
+    else:
+        manifest["checks"]["train_00001"][field] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"manifest\.json: corrupt token store manifest \(.*" + field):
+        TokenDocs(root / "tokens", "train")

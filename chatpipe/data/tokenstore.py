@@ -76,7 +76,33 @@ def read_manifest(manifest_path: Path) -> dict:
         ) from None
     if not isinstance(manifest, dict):
         raise ValueError(f"{manifest_path}: corrupt token store manifest (not a JSON object)")
+    _check_types(manifest_path, manifest)
     return manifest
+
+
+CHECK_TYPES = {"docs": int, "dtype": str, "max_id": int, "offsets_sha256": str, "tokens_crc32": int}
+
+
+def _check_types(manifest_path: Path, manifest: dict) -> None:
+    """The fields readers compare with are of the type written (a JSON edit can leave a null or a
+    string where a count was): else ValueError naming the file and the field."""
+
+    def wrong(value: object, kind: type) -> bool:
+        return not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+
+    bad = []
+    if manifest.get("vocab_size") is not None and wrong(manifest["vocab_size"], int):
+        bad.append("vocab_size")
+    checks = manifest.get("checks")
+    if isinstance(checks, dict):
+        for stem, check in checks.items():
+            if isinstance(check, dict):
+                bad += [f"checks.{stem}.{k}" for k, kind in CHECK_TYPES.items() if k in check and wrong(check[k], kind)]
+    if bad:
+        raise ValueError(
+            f"{manifest_path}: corrupt token store manifest ({', '.join(bad)} not of the type written); "
+            "delete the store and re-run the stage"
+        )
 
 
 def _is_current(manifest_path: Path, fingerprint: str) -> dict | None:
