@@ -11,6 +11,11 @@ reply of the level), tokens/s summed over clients and failed replies; then per l
 ratios batch / pool (tokens/s; first-token p50 and p99, lower is better), and over several turns
 the median and lowest tokens/s ratio.
 
+The clients are asyncio tasks of one thread sharing a connection pool: on a 2-core machine the
+server shares the cores with them. ``--threaded-clients`` runs the older clients, a thread and a new
+connection per reply; 16 of them woke at every decode step and used about half a core, and kept
+the batch's process from its own core a fifth of the time (bench/README.md, serving round nine).
+
 With more clients than engines most replies wait in the pool's queue, so the time to first
 token there is mostly queueing: how fast the engines finish the replies ahead.
 
@@ -23,6 +28,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -112,6 +118,54 @@ def one_reply(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float,
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens
 
 
+async def one_reply_async(
+    client: httpx.AsyncClient, url: str, prompt: str, seed: int, max_tokens: int
+) -> tuple[float, int]:
+    """:func:`one_reply` as an asyncio task, over ``client``'s connection pool."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "seed": seed}
+    body |= {"temperature": 0.8, "top_k": 50}
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", f"{url}/api/chat", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and "kind" in event:
+                ttft = time.perf_counter() - t0
+            if event.get("done"):
+                tokens = event["tokens"]
+            if "error" in event:
+                raise RuntimeError(event["error"])
+    return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+
+
+async def run_level_async(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float, int]:
+    """:func:`run_level` with the clients as asyncio tasks of one thread (one connection pool)."""
+    ttfts: list[float] = []
+    total = failed = 0
+
+    async def client(c: int, pool: httpx.AsyncClient) -> None:
+        nonlocal total, failed
+        for r in range(rounds):
+            try:
+                ttft, tokens = await one_reply_async(
+                    pool, url, PROMPTS[(c + r) % len(PROMPTS)], c * 100 + r, max_tokens
+                )
+            except (httpx.HTTPError, RuntimeError):
+                failed += 1
+                continue
+            ttfts.append(ttft)
+            total += tokens
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as pool:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c, pool) for c in range(clients)))
+        return ttfts, total / (time.perf_counter() - t0), failed
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, linear between the closest ranks."""
     ordered = sorted(values)
@@ -152,7 +206,10 @@ def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[lis
 
 def run_and_print(name: str, url: str, clients: int, args: argparse.Namespace) -> tuple[float, float, float]:
     """One level against one server, printed: (tokens/s, first-token p50, p99 in ms)."""
-    ttfts, tps, failed = run_level(url, clients, args.rounds, args.max_tokens)
+    if args.threaded_clients:
+        ttfts, tps, failed = run_level(url, clients, args.rounds, args.max_tokens)
+    else:
+        ttfts, tps, failed = asyncio.run(run_level_async(url, clients, args.rounds, args.max_tokens))
     p50, p99 = (percentile(ttfts, q) * 1000 if ttfts else float("nan") for q in (50, 99))
     worst = max(ttfts, default=float("nan")) * 1000
     print(
@@ -198,6 +255,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
     p.add_argument("--repeats", type=int, default=1, help="times each server runs each level, taking turns")
+    p.add_argument(
+        "--threaded-clients", action="store_true", help="one thread and one connection per reply (the older clients)"
+    )
     args = p.parse_args()
     if any(c < 1 for c in args.clients) or args.batch_rows < 1 or args.repeats < 1:
         p.error(
