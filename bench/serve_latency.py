@@ -92,53 +92,54 @@ def start_server(args: argparse.Namespace, batch_rows: int) -> tuple[subprocess.
     sys.exit("server did not come up in 180 s")
 
 
+def request_body(prompt: str, seed: int, max_tokens: int) -> dict:
+    """The streamed chat request every client sends."""
+    messages = [{"role": "user", "content": prompt}]
+    return {"messages": messages, "max_tokens": max_tokens, "seed": seed, "temperature": 0.8, "top_k": 50}
+
+
+class ReplyTimer:
+    """Reads one streamed reply's event lines: the time to its first delta and its token count."""
+
+    def __init__(self) -> None:
+        self.t0, self.ttft, self.tokens = time.perf_counter(), None, 0
+
+    def take(self, line: str) -> None:
+        if not line.startswith("data: "):
+            return
+        event = json.loads(line[6:])
+        if self.ttft is None and "kind" in event:
+            self.ttft = time.perf_counter() - self.t0
+        if event.get("done"):
+            self.tokens = event["tokens"]
+        if "error" in event:
+            raise RuntimeError(event["error"])
+
+    def result(self) -> tuple[float, int]:
+        """(seconds to the first streamed delta, tokens generated)."""
+        return (self.ttft if self.ttft is not None else time.perf_counter() - self.t0), self.tokens
+
+
 def one_reply(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int]:
     """(seconds to the first streamed delta, tokens generated) for one streamed reply."""
-    body = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "temperature": 0.8,
-        "top_k": 50,
-    }
-    t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=600) as r:
+    timer = ReplyTimer()
+    with httpx.stream("POST", f"{url}/api/chat", json=request_body(prompt, seed, max_tokens), timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and "kind" in event:
-                ttft = time.perf_counter() - t0
-            if event.get("done"):
-                tokens = event["tokens"]
-            if "error" in event:
-                raise RuntimeError(event["error"])
-    return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+            timer.take(line)
+    return timer.result()
 
 
 async def one_reply_async(
     client: httpx.AsyncClient, url: str, prompt: str, seed: int, max_tokens: int
 ) -> tuple[float, int]:
     """:func:`one_reply` as an asyncio task, over ``client``'s connection pool."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "seed": seed}
-    body |= {"temperature": 0.8, "top_k": 50}
-    t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    async with client.stream("POST", f"{url}/api/chat", json=body) as r:
+    timer = ReplyTimer()
+    async with client.stream("POST", f"{url}/api/chat", json=request_body(prompt, seed, max_tokens)) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if ttft is None and "kind" in event:
-                ttft = time.perf_counter() - t0
-            if event.get("done"):
-                tokens = event["tokens"]
-            if "error" in event:
-                raise RuntimeError(event["error"])
-    return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+            timer.take(line)
+    return timer.result()
 
 
 async def run_level_async(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float, int]:
