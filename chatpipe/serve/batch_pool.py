@@ -76,7 +76,7 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any) 
     """The batch process: step a :class:`Scheduler` over the requests ``conn`` brings.
 
     In: ``("submit", id, prompt, settings)``, ``("cancel", id)``, ``("stop",)``. Out, after every
-    step: ``(events, (live rows, replies in the batch, replies waiting, steps))``; an event is
+    step: ``(events, (live rows, replies in the batch, steps))``; an event is
     ``(id, sample, token, mask)``, or ``(id, sample, None, reason)`` when a sample ends. Returns
     when told to stop or when the server's end of the pipe closes (the server exited).
     """
@@ -96,7 +96,7 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any) 
                         for j in range(req.num_samples):
                             req.on_done(j, f"error: {e}")
             active = len({id(row.req) for row in sched.live})
-            conn.send((events, (len(sched.live), active, len(sched.waiting), sched.steps)))
+            conn.send((events, (len(sched.live), active, sched.steps)))
             events.clear()
     except (EOFError, OSError, KeyboardInterrupt):  # the server is gone
         pass
@@ -160,7 +160,7 @@ class BatchPool:
         # the keys and values of every row and of the rows // 2 prompt slots (the scheduler's bound)
         self.kv_bytes = RowKVCache.bytes_for(engine.model.config, rows + rows // 2, self.context)
         self.inflight = self.served = self.cancelled = 0
-        self.live_rows = self.active = self.batch_waiting = self.steps = 0  # as the batch last reported
+        self.live_rows = self.active = self.steps = 0  # as the batch last reported
         self.gone: str | None = None  # why the batch process is gone, once it is
         self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
         self.replies: dict[int, _Reply] = {}
@@ -217,7 +217,7 @@ class BatchPool:
         """The reader thread: each step's tokens to their replies' text, then to their event loops."""
         while True:
             try:
-                events, (self.live_rows, self.active, self.batch_waiting, self.steps) = self.conn.recv()
+                events, (self.live_rows, self.active, self.steps) = self.conn.recv()
             except (EOFError, OSError):
                 break
             for rid, _sample, tok, mask_or_reason in events:  # a server's reply is one sample
