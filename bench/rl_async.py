@@ -10,6 +10,13 @@ then the mean ratio and pass@1 change per setting.
 
     python bench/rl_async.py --seeds 1 2 3 --staleness 1 2
     python bench/rl_async.py --seeds 1 --staleness 1 -- --max_steps=20     # extra stages.rl flags
+    python bench/rl_async.py --seeds 1 --staleness 1 --bound               # and the best two roles could do
+
+With ``--bound`` each seed also runs synchronously on one thread, and the bench prints what no split
+of this run over two one-core roles can beat: the synchronous run's time outside its steps (startup,
+the evaluations, the save) plus the one-thread sampling and update seconds, either as this split
+runs them (sampling on one core, the update on the other: their maximum) or as evenly as any split
+could (their mean).
 """
 
 from __future__ import annotations
@@ -29,15 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 LINKED = ("tokenizer", "sft")  # what these runs read (the reward model's link is left dangling if absent)
 
 
-def run(workdir: Path, seed: int, staleness: int | None, extra: list[str]) -> dict:
-    """One RL stage run (``staleness`` None: synchronous); its wall time, summary and async means."""
-    name = f"seed{seed}_" + ("sync" if staleness is None else f"async{staleness}")
+def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threads: int = 0) -> dict:
+    """One RL stage run (``staleness`` None: synchronous; ``threads`` > 0: that many intra-op threads,
+    else the launcher's split of the cores); its wall time, summary and async means."""
+    name = f"seed{seed}_" + ("sync" if staleness is None else f"async{staleness}") + (f"_{threads}t" if threads else "")
     project = project_dir(workdir, name)
     flags = [f"--seed={seed}", "--log_every=1", *extra]
     if staleness is not None:
         flags += ["--rollout_role=true", f"--max_staleness={staleness}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
-    env |= {"CHATPIPE_TRACKING__ENABLED": "false"}
+    env |= {"CHATPIPE_TRACKING__ENABLED": "false"} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     t0 = time.perf_counter()
     with (project / "rl.log").open("w") as log:
         cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", *flags]
@@ -68,11 +76,29 @@ def row(r: dict, sync_wall: float | None) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def bound_line(sync: dict, one_thread: dict) -> str:
+    """The walls no two-role split can beat (``--bound``), from a synchronous run on every core and one
+    on a single thread, each as a share of the synchronous wall."""
+    if "error" in sync or "error" in one_thread:
+        return f"seed {sync['seed']}: no bound (a run failed)"
+    s, s1 = sync["summary"], one_thread["summary"]
+    outside = sync["wall"] - s["gen_seconds"] - s["train_seconds"]  # startup, evaluations, save
+    gen1, upd1 = s1["gen_seconds"], s1["train_seconds"]
+    this_split, even_split = outside + max(gen1, upd1), outside + (gen1 + upd1) / 2
+    return (
+        f"seed {sync['seed']}: sync {sync['wall']:.0f} s = outside the steps {outside:.1f} + sampling "
+        f"{s['gen_seconds']:.1f} + update {s['train_seconds']:.1f}; one thread: sampling {gen1:.1f}, update "
+        f"{upd1:.1f}; best with this split {this_split:.1f} s ({this_split / sync['wall']:.2f}), "
+        f"with an even split {even_split:.1f} s ({even_split / sync['wall']:.2f})"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--staleness", type=int, nargs="+", default=[1], help="max_staleness of the async runs")
     p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_async")
+    p.add_argument("--bound", action="store_true", help="also a one-thread synchronous run per seed, and the bound")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every run, e.g. --max_steps=40")
     args = p.parse_args()
     missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
@@ -80,7 +106,7 @@ def main() -> None:
         sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
     print("| run | wall s | / sync | first pass@1 | final pass@1 | change | staleness | trainer waits | role waits |")
     print("|---|---|---|---|---|---|---|---|---|")
-    results = []
+    results, bounds = [], []
     for seed in args.seeds:
         sync = run(args.workdir, seed, None, args.rl_args)
         print(row(sync, None), flush=True)
@@ -88,7 +114,11 @@ def main() -> None:
         for k in args.staleness:
             results.append(run(args.workdir, seed, k, args.rl_args))
             print(row(results[-1], sync.get("wall")), flush=True)
+        if args.bound:
+            bounds.append(bound_line(sync, run(args.workdir, seed, None, args.rl_args, threads=1)))
     print()
+    for line in bounds:
+        print(line)
     for k in [None, *args.staleness]:
         done = [r for r in results if r["staleness"] == k and "error" not in r]
         syncs = {r["seed"]: r for r in results if r["staleness"] is None and "error" not in r}
