@@ -60,8 +60,8 @@ def test_forty_requests_at_once_get_200s_and_503s_then_the_server_answers(server
     assert wait_until(lambda: app.state.pool.live_rows == 0)
     health = httpx.get(f"{url}/health").json()
     assert health["active"] == 0 and health["waiting"] == 0 and health["batch"]["rows"] == 4
-    # k, v x layers x kv width x (4 rows + 2 prompt slots) x positions x float32
-    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * (4 + 2) * 200 * 4
+    # k, v x layers x kv width x (4 rows x 13 blocks of 16 positions: 200 each) x float32
+    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * (4 * 13 * 16) * 4
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
 

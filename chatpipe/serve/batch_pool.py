@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from chatpipe.inference.engine import Engine, TextStream
 from chatpipe.inference.scheduler import GenRequest, Scheduler
-from chatpipe.model.row_cache import RowKVCache
+from chatpipe.model.paged_cache import BlockPool
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ class BatchPool:
         self.engine, self.max_queue, self.error = engine, max_queue, error
         self.size = self.rows = rows
         self.context = context or engine.model.config.sequence_len
-        # the keys and values of every row and of the rows // 2 prompt slots (the scheduler's bound)
-        self.kv_bytes = RowKVCache.bytes_for(engine.model.config, rows + rows // 2, self.context)
+        # the KV pool's blocks: rows sequences of context positions (the scheduler's default, its bound)
+        self.kv_bytes = BlockPool.bytes_for(engine.model.config, rows * -(-self.context // 16), 16)
         self.inflight = self.served = self.cancelled = 0
         self.live_rows = self.active = self.steps = 0  # as the batch last reported
         self.gone: str | None = None  # why the batch process is gone, once it is
