@@ -13,7 +13,7 @@ import torch
 
 from chatpipe.inference.engine import Engine
 from chatpipe.inference.scheduler import GenRequest, Scheduler, generate_continuous
-from tests.test_engine import CALL_2_PLUS_3, TOK, S, ScriptedGPT, random_model
+from tests.test_engine import CALL_2_PLUS_3, TOK, S, ScriptedGPT, greedy_recompute, random_model
 
 TIE = 1e-4  # |top1 - top2| of the reference's logits under which a differing greedy token is a rounding tie
 MAX_TIES = 1  # of 16 requests, at most this many may end in such a tie
@@ -116,6 +116,32 @@ def test_samples_of_one_prompt_share_its_prefill_and_draw_independently():
     again = sched.submit(GenRequest(prompt, num_samples=4, max_tokens=10, seed=5))
     sched.run()
     assert again.seqs == req.seqs
+
+
+@pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
+def test_rows_reading_a_shared_prefix_once_attend_as_rows_holding_it_whole(options):
+    """Rows that share full prefix blocks (the samples of one prompt) read them once, on a grid beside
+    rows that share nothing; each still gives the tokens of a full recompute with no cache."""
+    model = quiet_model(**options)
+    engine = Engine(model, TOK)
+    prompt = [S["<|bos|>"], *TOK.encode("shared prompt of three blocks")]  # 30 tokens: 3 full blocks of 8
+    other = [S["<|bos|>"], *TOK.encode("alone")]
+    sched = Scheduler(engine, rows=8, context=96, block_size=8)
+    shared = sched.submit(GenRequest(prompt, num_samples=3, max_tokens=20, temperature=0.0))
+    single = sched.submit(GenRequest(other, max_tokens=20, temperature=0.0))
+    sched.step()
+    sched.step()
+    batch = sched.model.forward  # the next decode forward groups the three samples
+    seen = []
+    sched.model.forward = lambda idx, kv_cache=None, **kw: (
+        seen.append(kv_cache.shared) or batch(idx, kv_cache=kv_cache, **kw)
+    )
+    sched.run()
+    sched.model.forward = batch
+    assert seen[0] is not None and seen[0].groups == 1 and seen[0].width == 3 and seen[0].blocks == 3
+    ref = greedy_recompute(model, prompt, 20)
+    assert shared.seqs == [shared.seqs[0]] * 3
+    assert count_ties(model, [shared, single], [prompt, other], [ref, greedy_recompute(model, other, 20)]) <= MAX_TIES
 
 
 def test_a_prompt_that_starts_like_an_earlier_one_computes_only_the_rest():

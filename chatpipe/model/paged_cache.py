@@ -201,41 +201,100 @@ class BlockPool:
 
 @dataclass
 class PagedPlan:
-    """One layer window's attention for a :class:`PagedBatch`: the blocks each row's keys are gathered
-    from (``tables`` [rows * blocks], padded with the scratch block), and which of those keys each
-    query may attend (``mask`` [rows, 1, T, blocks * block_size])."""
+    """One layer window's attention for a :class:`PagedBatch`: which keys each query may attend
+    (``mask`` [rows, 1, T, keys], keys laid out as the batch's shared prefix blocks, then own blocks)."""
 
-    tables: torch.Tensor
-    keys: int
     mask: torch.Tensor
+
+
+@dataclass
+class SharedPrefixes:
+    """Rows of one forward that start with the same full blocks (the samples of one prompt, or prompts
+    found in the prefix cache): each such prefix is read once for all its rows, as a grid of
+    ``groups`` x ``width`` cells. ``tables`` [groups * blocks]: each prefix's blocks (padded with the
+    scratch block); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
+    whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1, 1]:
+    1.0 for rows in a group, 0.0 for the others."""
+
+    groups: int
+    width: int
+    blocks: int
+    tables: torch.Tensor
+    cell_rows: torch.Tensor
+    row_cell: torch.Tensor
+    grouped: torch.Tensor
 
 
 class PagedBatch:
     """The ``kv_cache`` of one forward: row ``i`` of the input continues ``seqs[i]`` with ``chunks[i]``
     tokens (the rest of the row is padding). The model calls :meth:`plan` once per window,
-    :meth:`attend` in every layer and :meth:`advance` at the end, which commits the positions."""
+    :meth:`attend` in every layer and :meth:`advance` at the end, which commits the positions.
+
+    Each layer attends block by block on the blocks as they lie ([rows, blocks, H_kv, block_size, D]),
+    with no copy into one [rows, H_kv, keys, D] tensor; a prefix several rows share is read once
+    for all of them (:class:`SharedPrefixes`)."""
 
     key_mask = None
 
     def __init__(self, pool: BlockPool, seqs: list[Sequence], chunks: list[int], device: torch.device) -> None:
-        self.pool, self.seqs, self.chunks = pool, seqs, chunks
-        self.width = max(chunks)
+        self.pool, self.seqs, self.chunks, self.device = pool, seqs, chunks, device
+        size = pool.block_size
         self.starts = torch.tensor([s.length for s in seqs], device=device)
-        steps = torch.arange(self.width, device=device)
+        steps = torch.arange(max(chunks), device=device)
         counts = torch.tensor(chunks, device=device)
         real = steps[None] < counts[:, None]
         # [rows, T]; a row's padding repeats its last position (never past the rotary table)
         self._positions = self.starts[:, None] + torch.minimum(steps[None], counts[:, None] - 1)
-        # gathered a block at a time: whole blocks are one contiguous copy each, not one per position
         blocks = max(len(s.blocks) for s in seqs)
-        table = [s.blocks + [pool.num_blocks] * (blocks - len(s.blocks)) for s in seqs]
-        tables = torch.tensor(table, dtype=torch.long, device=device)
-        index = (self._positions // pool.block_size).clamp(max=blocks - 1)
+        tables = torch.tensor(_padded([s.blocks for s in seqs], blocks, pool.num_blocks), device=device)
+        index = (self._positions // size).clamp(max=blocks - 1)
         write_block = torch.where(real, tables.gather(1, index), pool.num_blocks)  # padding: the scratch block
-        self.write = (write_block.flatten(), (self._positions % pool.block_size).flatten())
-        self.tables = tables.flatten()
-        self.key_count = blocks * pool.block_size
+        self.write = (write_block.flatten(), (self._positions % size).flatten())
+        self.shared, prefix = self._share_prefixes()
+        own = [s.blocks[n:] for s, n in zip(seqs, prefix)]
+        self.own_blocks = max(len(o) for o in own)
+        self.own_tables = torch.tensor(_padded(own, self.own_blocks, pool.num_blocks), device=device).flatten()
+        self._key_layout(prefix, [len(o) for o in own])
+        self._buffers: dict[int, torch.Tensor] = {}
         self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
+
+    def _share_prefixes(self) -> tuple[SharedPrefixes | None, list[int]]:
+        """Group rows by the full, shared blocks they start with; returns the groups (None when no two
+        rows share a prefix) and the prefix blocks each row reads from its group (0 if none)."""
+        size, refs = self.pool.block_size, self.pool.refs
+        found: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(self.seqs):
+            n = 0
+            while n < len(s.blocks) and (n + 1) * size <= s.length and refs[s.blocks[n]] > 1:
+                n += 1
+            if n:
+                found.setdefault(tuple(s.blocks[:n]), []).append(i)
+        groups = [(key, rows) for key, rows in found.items() if len(rows) > 1]
+        prefix = [0] * len(self.seqs)
+        if not groups:
+            return None, prefix
+        width, blocks = max(len(r) for _, r in groups), max(len(k) for k, _ in groups)
+        cell_rows, row_cell = [0] * (len(groups) * width), [0] * len(self.seqs)
+        for g, (key, rows) in enumerate(groups):
+            for w, r in enumerate(rows):
+                cell_rows[g * width + w], row_cell[r], prefix[r] = r, g * width + w, len(key)
+        tensor = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
+        tables = _padded([list(k) for k, _ in groups], blocks, self.pool.num_blocks)
+        grouped = tensor([float(n > 0) for n in prefix])[:, None, None, None]
+        shared = SharedPrefixes(
+            len(groups), width, blocks, tensor(tables).flatten(), tensor(cell_rows), tensor(row_cell), grouped
+        )
+        return shared, prefix
+
+    def _key_layout(self, prefix: list[int], own: list[int]) -> None:
+        """Each row's key positions, its group's prefix blocks first, then its own, and which are real."""
+        size, device = self.pool.block_size, self.device
+        prefix_blocks = self.shared.blocks if self.shared else 0
+        n_prefix, n_own = torch.tensor(prefix, device=device)[:, None], torch.tensor(own, device=device)[:, None]
+        pre = torch.arange(prefix_blocks * size, device=device)[None].expand(len(prefix), -1)
+        ahead = torch.arange(self.own_blocks * size, device=device)[None]
+        self.key_pos = torch.cat([pre, n_prefix * size + ahead], dim=1)
+        self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own * size], dim=1)
 
     @property
     def pos(self) -> int:
@@ -251,38 +310,72 @@ class PagedBatch:
         return [s.tokens[s.length - 1] if s.length else None for s in self.seqs]
 
     def plan(self, window: int | None) -> PagedPlan:
-        key_pos = torch.arange(self.key_count, device=self.starts.device)[None, None]
-        query = self._positions[:, :, None]  # [rows, T, 1]
-        mask = key_pos <= query  # causal: past a row's keys only its padding queries look, at the scratch block
+        query, keys = self._positions[:, :, None], self.key_pos[:, None, :]  # [rows, T, 1], [rows, 1, K]
+        mask = self.key_real[:, None, :] & (keys <= query)
         if window is not None:
-            mask = mask & (query - key_pos < window)
-        return PagedPlan(self.tables, self.key_count, mask[:, None])
+            mask = mask & (query - keys < window)
+        return PagedPlan(mask[:, None])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
-        """Store the new keys/values (k/v [rows, H_kv, T, D]) and attend each query over its row's keys.
-
-        The attention runs block by block on the gathered blocks as they lie ([rows, blocks, H_kv,
-        block_size, D]): no copy into one [rows, H_kv, keys, D] tensor. On CPU this was 2.7x faster
-        than the fused kernel on that copy (bench/README.md, engine round one)."""
+        """Store the new keys/values (k/v [rows, H_kv, T, D]) and attend each query over its row's keys:
+        one softmax over [shared prefix keys | own keys]."""
         rows, kv_heads, width, dim = k.shape
-        heads = q.size(1)
-        group, blocks, size = heads // kv_heads, plan.keys // self.pool.block_size, self.pool.block_size
+        group, size, own = q.size(1) // kv_heads, self.pool.block_size, self.own_blocks
         self.pool.storage(k.dtype, k.device)
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         block, offset = self.write
         pk[block, :, offset] = k.transpose(1, 2).reshape(rows * width, kv_heads, dim)
         pv[block, :, offset] = v.transpose(1, 2).reshape(rows * width, kv_heads, dim)
-        keys = pk.index_select(0, plan.tables).view(rows, blocks, kv_heads, size, dim)
-        values = pv.index_select(0, plan.tables).view(rows, blocks, kv_heads, size, dim)
         qg = q.reshape(rows, kv_heads, group * width, dim) * dim**-0.5  # query heads grouped by their kv head
-        scores = (qg[:, None] @ keys.transpose(-1, -2)).permute(0, 2, 3, 1, 4)  # [rows, H_kv, g*T, blocks, size]
-        scores = scores.reshape(rows, kv_heads, group, width, plan.keys).masked_fill(
-            ~plan.mask[:, :, None], float("-inf")
-        )
+        own_k = self._gather(0, pk, self.own_tables).view(rows, own, kv_heads, size, dim)
+        own_v = self._gather(1, pv, self.own_tables).view(rows, own, kv_heads, size, dim)
+        parts = [qg[:, None] @ own_k.transpose(-1, -2)]  # [rows, own blocks, H_kv, g*T, size]
+        if self.shared:
+            parts.insert(0, self._prefix_scores(qg, pk))
+        scores = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        blocks = scores.size(1)
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width, blocks * size)
+        scores = scores.masked_fill(~plan.mask[:, :, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * width, blocks, size).permute(0, 3, 1, 2, 4)
-        out = (probs @ values).sum(dim=1)  # [rows, H_kv, g*T, D]
-        return out.view(rows, heads, width, dim)
+        out = (probs[:, blocks - own :] @ own_v).sum(dim=1)  # [rows, H_kv, g*T, D]
+        if self.shared:
+            out = out + self._prefix_values(probs[:, : blocks - own], pv) * self.shared.grouped
+        return out.reshape(rows, q.size(1), width, dim)
+
+    def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+        """[rows, prefix blocks, H_kv, g*T, size]: each row's scores on its group's prefix, computed
+        on the grid (a group's queries side by side against its prefix, read once)."""
+        sh, (rows, kv_heads, gt, dim) = self.shared, qg.shape
+        keys = self._gather(2, pk, sh.tables).view(sh.groups, sh.blocks, kv_heads, -1, dim)
+        grid = qg.index_select(0, sh.cell_rows).view(sh.groups, sh.width, kv_heads, gt, dim)
+        grid = grid.transpose(1, 2).reshape(sh.groups, 1, kv_heads, sh.width * gt, dim)
+        scores = grid @ keys.transpose(-1, -2)  # [groups, blocks, H_kv, width * g*T, size]
+        scores = scores.view(sh.groups, sh.blocks, kv_heads, sh.width, gt, -1).permute(0, 3, 1, 2, 4, 5)
+        return scores.reshape(sh.groups * sh.width, sh.blocks, kv_heads, gt, -1).index_select(0, sh.row_cell)
+
+    def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+        """[rows, H_kv, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
+        sh, (rows, blocks, kv_heads, gt, size) = self.shared, probs.shape
+        values = self._gather(3, pv, sh.tables).view(sh.groups, blocks, kv_heads, size, -1)
+        grid = probs.index_select(0, sh.cell_rows).view(sh.groups, sh.width, blocks, kv_heads, gt, size)
+        grid = grid.permute(0, 2, 3, 1, 4, 5).reshape(sh.groups, blocks, kv_heads, sh.width * gt, size)
+        out = (grid @ values).sum(dim=1)  # [groups, H_kv, width * g*T, D]
+        out = out.view(sh.groups, kv_heads, sh.width, gt, -1).transpose(1, 2)
+        return out.reshape(sh.groups * sh.width, kv_heads, gt, -1).index_select(0, sh.row_cell)
+
+    def _gather(self, which: int, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """``pool``'s blocks ``tables``, into a buffer that every layer of this forward reuses: a fresh
+        tensor of megabytes per layer cost page faults that took longer than the copy itself."""
+        shape = (len(tables), *pool.shape[1:])
+        buf = self._buffers.get(which)
+        if buf is None or buf.shape != shape or buf.dtype != pool.dtype:
+            buf = self._buffers[which] = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        return torch.index_select(pool, 0, tables, out=buf)
 
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
             self.pool.commit(seq, count)
+
+
+def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:
+    return [t + [pad] * (width - len(t)) for t in tables]
