@@ -20,23 +20,10 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def unpack(revision: str) -> Path:
-    """``revision``'s tree in a temporary directory (its chatpipe imports before this checkout's)."""
-    out = Path(tempfile.mkdtemp(prefix="chatpipe-baseline-"))
-    archive = subprocess.run(["git", "archive", revision], cwd=REPO, check=True, capture_output=True).stdout
-    tar = out / "tree.tar"
-    tar.write_bytes(archive)
-    with tarfile.open(tar) as t:
-        t.extractall(out, filter="data")
-    return out
+from revision import REPO, unpack
 
 
 def worker(args: argparse.Namespace) -> None:

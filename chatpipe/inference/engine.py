@@ -109,11 +109,13 @@ class Engine:
         """Tokens that end a sample: ``<|assistant_end|>``, ``<|bos|>`` and any extra ``stop_tokens``."""
         return self.rules.stop_ids(stop_tokens)
 
-    def scheduler(self, rows: int, context: int) -> Scheduler:
-        """The engine's scheduler, made anew only when it is busy or another size is asked for."""
+    def scheduler(self, rows: int, context: int, max_batch_tokens: int = 512) -> Scheduler:
+        """The engine's scheduler (its KV pool and prefix cache kept between calls), made anew only
+        when it is busy or another shape is asked for."""
         sched = self._scheduler
-        if sched is None or sched.rows != rows or sched.context < context or sched.busy():
-            sched = self._scheduler = Scheduler(self, rows=rows, context=context)
+        same = sched is not None and (sched.rows, sched.max_batch_tokens) == (rows, max_batch_tokens)
+        if not same or sched.context < context or sched.busy():
+            sched = self._scheduler = Scheduler(self, rows=rows, context=context, max_batch_tokens=max_batch_tokens)
         return sched
 
     def generate_batch(

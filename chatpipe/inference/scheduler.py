@@ -475,7 +475,7 @@ def generate_continuous(
     rows = min(max(num_samples, (max_rows // num_samples) * num_samples), len(prompts) * num_samples)
     need = longest + kw.get("max_tokens", 64)
     context = context or max(need, min(-(-need // 64) * 64, engine.model.config.sequence_len))  # reused more
-    sched = engine.scheduler(rows, context)
+    sched = engine.scheduler(rows, context, max_batch_tokens=rows * context + 1)  # every joining prompt at once
     reqs = [
         sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, logprobs=logprobs, **kw))
         for i, p in enumerate(prompts)
