@@ -62,7 +62,9 @@ def start_server(args: argparse.Namespace, tree: Path | None) -> tuple[subproces
     cmd = [sys.executable, "-m", "chatpipe.serve.app", "--model", args.model, "--port", str(port)]
     cmd += ["--batch-rows", str(args.batch_rows), "--max-queue", "64", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(tree or REPO)}
-    proc = subprocess.Popen(cmd, cwd=tree or REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tree or REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -191,7 +193,9 @@ def measure(args: argparse.Namespace) -> dict:
     try:
         for name, where in ((f"baseline {args.baseline}", tree), ("this checkout", None)):
             servers[name] = start_server(args, where)
-            asyncio.run(stream_reply(httpx.AsyncClient(timeout=60), servers[name][1], [{"role": "user", "content": "hi"}], 0, 8))
+            asyncio.run(
+                stream_reply(httpx.AsyncClient(timeout=60), servers[name][1], [{"role": "user", "content": "hi"}], 0, 8)
+            )
         for _ in range(args.repeats):
             for load, turns in (("single turn", 1), ("multi-turn", args.turns)):
                 for name, (_, url) in servers.items():

@@ -95,28 +95,6 @@ def test_generate_many_batches_any_lengths_and_matches_one_prompt_at_a_time(opti
     assert split == batched  # max_rows=2: one prompt at a time
 
 
-@torch.no_grad()
-def test_left_padded_rows_compute_the_logits_of_the_unpadded_prompt():
-    """Padding changes no real position's logits beyond float rounding, sliding window included
-    (prompts longer than the 32-token window of layer S)."""
-    from chatpipe.model.gpt import KVCache
-
-    model = random_model(3, smear=True, value_embeds=True)
-    prompts = [[S["<|bos|>"], *TOK.encode("x" * n)] for n in (40, 5, 23)]
-    length = max(map(len, prompts))
-    cache = KVCache.from_config(model.config, batch_size=3, max_len=length + 1)
-    cache.key_mask = torch.tensor([[False] * (length - len(p)) + [True] * len(p) for p in prompts])
-    ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts])
-    padded = model(ids, kv_cache=cache)
-    nxt = torch.tensor([[7], [8], [9]])
-    cache.key_mask = torch.cat([cache.key_mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
-    step = model(nxt, kv_cache=cache)
-    for i, p in enumerate(prompts):
-        alone = model(torch.tensor([p + [7 + i]]))
-        torch.testing.assert_close(padded[i, length - len(p) :], alone[0, :-1], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(step[i, 0], alone[0, -1], rtol=1e-4, atol=1e-4)
-
-
 def test_prompt_errors_name_the_problem():
     engine = Engine(random_model(), TOK)
     with pytest.raises(ValueError, match="at least one token"):

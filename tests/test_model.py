@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatpipe.model.gpt import GPT, GPTConfig, KVCache, config_from_depth, layer_windows
+from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, layer_windows
+from chatpipe.model.paged_cache import BlockPool, PagedBatch, Sequence
 from chatpipe.train.optim import build_optimizers
 
 
@@ -134,35 +135,46 @@ def test_sliding_window_differs_from_full():
     assert short.flops_per_token() < full.flops_per_token()
 
 
+def paged(model, pool, seqs, ids, chunks):
+    """One forward of ``ids`` [rows, T] continuing ``seqs`` in ``pool`` (each row its first ``chunks[i]`` tokens)."""
+    for seq, chunk in zip(seqs, chunks):
+        assert pool.reserve(seq, seq.length + chunk)
+    return model(ids, kv_cache=PagedBatch(pool, seqs, chunks, torch.device("cpu")))
+
+
 @pytest.mark.parametrize("pattern,kv", [("L", 4), ("SL", 2)])
-def test_kv_cache_matches_full_forward(pattern, kv):
+def test_paged_kv_forward_in_chunks_matches_full_forward(pattern, kv):
     model = tiny(window_pattern=pattern, n_kv_head=kv, sequence_len=8)
     x = torch.randint(0, 97, (2, 14))  # past the window (4) and past sequence_len
     full = model(x)
-    cache = KVCache.from_config(model.config, batch_size=2, max_len=14)
-    chunks = [model(x[:, :5], kv_cache=cache)]  # prefill a chunk, then one token at a time
+    pool = BlockPool(model.config, num_blocks=8, block_size=4)
+    seqs = [Sequence(row.tolist()) for row in x]
+    chunks = [paged(model, pool, seqs, x[:, :5], [5, 5])]  # prefill a chunk, then one token at a time
     for t in range(5, 14):
-        chunks.append(model(x[:, t : t + 1], kv_cache=cache))
-    assert cache.pos == 14
+        chunks.append(paged(model, pool, seqs, x[:, t : t + 1], [1, 1]))
+    assert [s.length for s in seqs] == [14, 14] and pool.used == 8
     assert torch.allclose(torch.cat(chunks, dim=1), full, atol=1e-4)
-    with pytest.raises(ValueError, match="full"):
-        model(x[:, :1], kv_cache=cache)
+    assert not pool.reserve(Sequence([1]), 1)  # every block is taken: no more room, nothing taken
 
 
-def test_kv_cache_prefill_expands_batch():
-    model = tiny()
-    prompt = torch.randint(0, 97, (1, 6))
-    one = KVCache.from_config(model.config, batch_size=1, max_len=6)
-    model(prompt, kv_cache=one)
-    many = KVCache.from_config(model.config, batch_size=3, max_len=10)
-    many.prefill(one)
-    assert many.pos == 6 and many.k.shape == (2, 3, 4, 10, 16)
-    nxt = torch.randint(0, 97, (3, 1))
-    out = model(nxt, kv_cache=many)
-    ref = model(torch.cat([prompt.expand(3, -1), nxt], dim=1))[:, -1:]
-    assert torch.allclose(out, ref, atol=1e-4)
-    many.reset()
-    assert many.pos == 0
+def test_paged_rows_of_other_lengths_in_one_forward_and_a_forked_sequence():
+    """Rows at different positions with chunks of different lengths (right-padded) compute the logits
+    of their sequences alone; a fork shares the full blocks and continues as the whole sequence does."""
+    model = tiny(smear=True, value_embeds=True)
+    x = torch.randint(0, 97, (2, 11))
+    pool = BlockPool(model.config, num_blocks=12, block_size=4)
+    a, b = Sequence(x[0].tolist()), Sequence(x[1].tolist())
+    paged(model, pool, [a], x[:1, :6], [6])
+    ids = torch.stack([x[0, 6:9], torch.cat([x[1, :2], x.new_zeros(1)])])
+    out = paged(model, pool, [a, b], ids, [3, 2])  # a: positions 6..8; b: 0..1 and a padding token
+    assert torch.allclose(out[0], model(x[:1, :9])[0, 6:9], atol=1e-4)
+    assert torch.allclose(out[1, :2], model(x[1:2, :2])[0], atol=1e-4)
+    child = pool.fork(a)  # 9 positions: two full blocks shared, the third copied
+    assert child.blocks[:2] == a.blocks[:2] and child.blocks[2] != a.blocks[2] and pool.refs[a.blocks[0]] == 2
+    nxt = torch.randint(0, 97, (1, 1))
+    child.tokens.append(int(nxt))
+    step = paged(model, pool, [child], nxt, [1])
+    assert torch.allclose(step[0, 0], model(torch.cat([x[:1, :9], nxt], dim=1))[0, -1], atol=1e-4)
 
 
 def test_overfit_one_batch():

@@ -234,87 +234,6 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x)
 
 
-class KVCache:
-    """Preallocated keys/values for every layer: ``k``/``v`` are [n_layer, batch, n_kv_head, max_len, head_dim].
-
-    Storage is allocated on the first write (or :meth:`prefill`) with the dtype and device of the
-    incoming keys, so the same cache works under fp32 and bf16 autocast. ``pos`` is the number of
-    positions already filled; the model advances it after each forward. ``prev_embed`` [batch, 1,
-    n_embd] is the last filled position's normed token embedding (used by the smear option).
-
-    ``key_mask`` [batch, max_len] (bool, True = a real token) lets rows hold prompts of different
-    lengths, left-padded to one: no query attends to a padding position (except a padding query to
-    itself, so its softmax stays finite). Rotary scores depend only on the distance between two
-    positions, so a row shifted right by its padding attends as it would unpadded. None: every
-    position is real.
-    """
-
-    def __init__(self, batch_size: int, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int) -> None:
-        self.shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.batch_size, self.max_len = batch_size, max_len
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.prev_embed: torch.Tensor | None = None
-        self.key_mask: torch.Tensor | None = None
-        self.pos = 0
-
-    @classmethod
-    def from_config(cls, config: GPTConfig, batch_size: int, max_len: int) -> KVCache:
-        """A cache shaped for a model with ``config``."""
-        head_dim = config.n_embd // config.n_head
-        return cls(batch_size, config.n_layer, config.n_kv_head, head_dim, max_len)
-
-    def reset(self) -> None:
-        """Forget all positions (storage is kept for reuse)."""
-        self.pos = 0
-        self.prev_embed = None
-        self.key_mask = None
-
-    def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
-        if self.k is None or self.k.dtype != dtype or self.k.device != device:
-            self.k = torch.zeros(self.shape, dtype=dtype, device=device)
-            self.v = torch.zeros(self.shape, dtype=dtype, device=device)
-
-    def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [B, H, T, D] at positions pos..pos+T of ``layer``; return all keys/values so far."""
-        t = k.size(2)
-        if self.pos + t > self.max_len:
-            raise ValueError(f"KV cache full: {self.pos} + {t} positions > max_len {self.max_len}")
-        self._allocate(k.dtype, k.device)
-        self.k[layer, :, :, self.pos : self.pos + t] = k
-        self.v[layer, :, :, self.pos : self.pos + t] = v
-        return self.k[layer, :, :, : self.pos + t], self.v[layer, :, :, : self.pos + t]
-
-    def advance(self, t: int) -> None:
-        """Mark t more positions as filled (called once per forward, after the last layer)."""
-        self.pos += t
-
-    def prefill(self, other: KVCache) -> None:
-        """Copy ``other``'s filled positions into this cache, each of its rows repeated over a block of rows.
-
-        The engine prefills P prompts once (batch P), then expands them to P x num_samples rows:
-        source row i fills rows ``i * num_samples .. (i + 1) * num_samples - 1``.
-        """
-        same = (0, 2, 4)  # layers, kv heads, head_dim must match; batch and max_len may differ
-        if any(other.shape[i] != self.shape[i] for i in same):
-            raise ValueError(f"cache shapes differ: {other.shape} vs {self.shape}")
-        if self.batch_size % other.batch_size:
-            raise ValueError(f"cannot expand batch {other.batch_size} to {self.batch_size}")
-        if other.pos > self.max_len:
-            raise ValueError(f"source has {other.pos} positions, more than max_len {self.max_len}")
-        repeats = self.batch_size // other.batch_size
-        if other.k is not None:
-            self._allocate(other.k.dtype, other.k.device)
-            self.k[:, :, :, : other.pos] = other.k[:, :, :, : other.pos].repeat_interleave(repeats, dim=1)
-            self.v[:, :, :, : other.pos] = other.v[:, :, :, : other.pos].repeat_interleave(repeats, dim=1)
-        if other.prev_embed is not None:
-            self.prev_embed = other.prev_embed.repeat_interleave(repeats, dim=0)
-        if other.key_mask is not None:  # the prompt's padding, then real positions for what follows
-            self.key_mask = torch.ones(self.batch_size, self.max_len, dtype=torch.bool, device=other.key_mask.device)
-            self.key_mask[:, : other.pos] = other.key_mask[:, : other.pos].repeat_interleave(repeats, dim=0)
-        self.pos = other.pos
-
-
 def _attention_mask(t0: int, t: int, window: int | None, device: torch.device) -> tuple[torch.Tensor | None, bool]:
     """(attn_mask, is_causal) for queries at t0..t0+t over keys 0..t0+t with an optional window.
 
@@ -337,15 +256,6 @@ def _causal_mask(t0: int, t: int, window: int | None, device: torch.device) -> t
     if window is not None:
         mask = mask & (q_pos - k_pos < window)
     return mask
-
-
-def _padded_attention_mask(t0: int, t: int, window: int | None, key_mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, t, t0 + t] mask for queries t0..t0+t of rows whose padding ``key_mask`` marks False:
-    causal (and windowed) over real keys only; a padding query sees itself alone."""
-    device = key_mask.device
-    mask = _causal_mask(t0, t, window, device) & key_mask[:, None, : t0 + t]
-    itself = _causal_mask(t0, t, 1, device)  # a window of one key: each query's own position
-    return (mask | itself).unsqueeze(1)
 
 
 # One attention call: queries [q0, q1) against keys [k0, k1) with (attn_mask, is_causal); positions
@@ -421,7 +331,7 @@ class CausalSelfAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: AttentionPlan,
-        kv_cache: KVCache | None,
+        kv_cache: PagedBatch | None,
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -438,8 +348,6 @@ class CausalSelfAttention(nn.Module):
         if isinstance(plan, PagedPlan):  # rows of the KV pool, each at its own positions: the pool attends
             y = kv_cache.attend(self.layer_idx, q, k, v, plan)
             return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
-        if kv_cache is not None:
-            k, v = kv_cache.insert(self.layer_idx, k, v)
         if isinstance(plan, BlockwiseCausal):
             y = blockwise_causal_attention(q, k, v, plan.window)
         elif isinstance(plan, FlexWindow):
@@ -571,28 +479,12 @@ class GPT(nn.Module):
         self.cos, self.sin = cos, sin
         self._build_block_masks()
 
-    def hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too)."""
-        t = idx.size(1)
-        t0 = kv_cache.pos if kv_cache is not None and not isinstance(kv_cache, PagedBatch) else 0
-        if t0 + t > self.cos.size(2):
-            raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
-        cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
-        training = kv_cache is None and torch.is_grad_enabled()
-        if isinstance(kv_cache, PagedBatch):  # rows of sequences in KV blocks, each at its own positions
-            positions = kv_cache.positions()
-            if int(positions.max()) >= self.cos.size(2):
-                raise ValueError(f"position {int(positions.max())} exceeds the rotary table length {self.cos.size(2)}")
-            cos, sin = self.cos[0, 0, positions][:, None], self.sin[0, 0, positions][:, None]
-            plans = {w: kv_cache.plan(w) for w in set(self.windows)}
-            if self.config.smear:
-                kv_cache.prev_embed = self._previous_embeds(kv_cache.previous_tokens(), idx.device)
-        elif kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
-            masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
-            plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
-        else:
-            flex = kv_cache is None  # fixed-length batches (training, evaluation), not prompts of any length
-            plans = {w: _attention_plan(t0, t, w, idx.device, training, flex) for w in set(self.windows)}
+    def hidden(self, idx: torch.Tensor, kv_cache: PagedBatch | None = None) -> torch.Tensor:
+        """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too).
+
+        With ``kv_cache`` (a :class:`chatpipe.model.paged_cache.PagedBatch`, the engine's), row ``i``
+        continues its sequence in the KV pool; without, each row is a whole sequence from position 0."""
+        cos, sin, plans = self._attention_inputs(idx, kv_cache)
         config = self.config
         x = norm(self.wte(idx))
         if config.smear:
@@ -610,8 +502,25 @@ class GPT(nn.Module):
         if x_mid is not None:
             x = x - self.backout_lambda * x_mid
         if kv_cache is not None:
-            kv_cache.advance(t)
+            kv_cache.advance(idx.size(1))
         return norm(x)
+
+    def _attention_inputs(self, idx: torch.Tensor, kv_cache: PagedBatch | None) -> tuple[Any, Any, dict]:
+        """The rotary tables of the input's positions and each window's attention plan."""
+        t = idx.size(1)
+        if kv_cache is None:  # whole sequences: training, evaluation, a forward with no cache
+            if t > self.cos.size(2):
+                raise ValueError(f"positions 0..{t} exceed the rotary table length {self.cos.size(2)}")
+            training = torch.is_grad_enabled()
+            plans = {w: _attention_plan(0, t, w, idx.device, training) for w in set(self.windows)}
+            return self.cos[:, :, :t], self.sin[:, :, :t], plans
+        positions = kv_cache.positions()  # rows of sequences in KV blocks, each at its own positions
+        if int(positions.max()) >= self.cos.size(2):
+            raise ValueError(f"position {int(positions.max())} exceeds the rotary table length {self.cos.size(2)}")
+        if self.config.smear:
+            kv_cache.prev_embed = self._previous_embeds(kv_cache.previous_tokens(), idx.device)
+        plans = {w: kv_cache.plan(w) for w in set(self.windows)}
+        return self.cos[0, 0, positions][:, None], self.sin[0, 0, positions][:, None], plans
 
     def _previous_embeds(self, tokens: list[int | None], device: torch.device) -> torch.Tensor:
         """[rows, 1, n_embd]: the smear's previous embedding of each row, zeros where a row starts its
@@ -625,7 +534,7 @@ class GPT(nn.Module):
         """[B, 1, n_embd]: what a KV cache keeps as ``prev_embed`` after tokens ``ids`` [B] (their normed embedding)."""
         return norm(self.wte(ids[:, None]))
 
-    def _smear(self, x: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor:
+    def _smear(self, x: torch.Tensor, kv_cache: PagedBatch | None) -> torch.Tensor:
         """Mix each position's embedding with the previous one's, gated by its first channels."""
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
         prev = x[:, :-1]
@@ -635,24 +544,21 @@ class GPT(nn.Module):
             prev = torch.cat([kv_cache.prev_embed.to(x.dtype), prev], dim=1)
             smeared = x + gate * prev
         else:  # the first position has no predecessor
-            if kv_cache is not None and kv_cache.key_mask is not None:  # nor has a row's first real token
-                prev = prev * kv_cache.key_mask[:, : x.size(1) - 1, None].to(x.dtype)
             smeared = torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
-        if kv_cache is not None:
-            kv_cache.prev_embed = x[:, -1:].detach()
         return smeared
 
     def forward(
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        kv_cache: KVCache | PagedBatch | None = None,
+        kv_cache: PagedBatch | None = None,
         loss_reduction: str = "mean",
     ) -> torch.Tensor:
         """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).
 
         ``loss_reduction="none"`` returns per-token losses [B, T] (0.0 where ignored). With a
-        ``kv_cache``, positions continue from ``kv_cache.pos`` and the new keys/values are appended.
+        ``kv_cache`` (the engine's :class:`chatpipe.model.paged_cache.PagedBatch`), each row continues its
+        sequence in the KV pool and its new keys/values are stored there.
         """
         b, t = idx.shape
         logits = self.lm_head(self.hidden(idx, kv_cache))
@@ -668,42 +574,6 @@ class GPT(nn.Module):
             logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction
         )
         return loss if loss_reduction == "mean" else loss.view(b, t)
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        tokens: list[int],
-        max_tokens: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int = 42,
-        use_cache: bool = True,
-    ):
-        """Yield ``max_tokens`` next ids after ``tokens`` (batch 1; argmax at temperature 0).
-
-        ``use_cache=False`` re-runs the whole sequence every step (nanochat's ``GPT.generate``);
-        with the cache each step feeds one token. Both must give the same ids.
-        """
-        device = self.wte.weight.device
-        rng = torch.Generator(device=device)
-        rng.manual_seed(seed)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        cache = KVCache.from_config(self.config, 1, len(tokens) + max_tokens) if use_cache else None
-        feed = ids
-        for _ in range(max_tokens):
-            logits = self(feed, kv_cache=cache)[:, -1, :]
-            if temperature == 0.0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=rng)
-            ids = torch.cat([ids, nxt], dim=1)
-            feed = nxt if use_cache else ids
-            yield int(nxt.item())
 
     def num_params(self) -> int:
         """All parameters."""

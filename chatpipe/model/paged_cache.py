@@ -367,6 +367,8 @@ class PagedBatch:
         """``pool``'s blocks ``tables``, into a buffer that every layer of this forward reuses: a fresh
         tensor of megabytes per layer cost page faults that took longer than the copy itself."""
         shape = (len(tables), *pool.shape[1:])
+        if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
+            return pool.index_select(0, tables)
         buf = self._buffers.get(which)
         if buf is None or buf.shape != shape or buf.dtype != pool.dtype:
             buf = self._buffers[which] = torch.empty(shape, dtype=pool.dtype, device=pool.device)
