@@ -118,7 +118,8 @@ async def run_load(url: str, args: argparse.Namespace, turns: int) -> dict:
                     break
                 messages.append({"role": "assistant", "content": text})
                 ttfts.append(ttft)
-                last += [ttft] if t == turns - 1 else []
+                if t == turns - 1:
+                    last.append(ttft)
                 total += tokens
 
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)

@@ -345,7 +345,7 @@ class PagedBatch:
     def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """[rows, prefix blocks, H_kv, g*T, size]: each row's scores on its group's prefix, computed
         on the grid (a group's queries side by side against its prefix, read once)."""
-        sh, (rows, kv_heads, gt, dim) = self.shared, qg.shape
+        sh, (_, kv_heads, gt, dim) = self.shared, qg.shape
         keys = self._gather(2, pk, sh.tables).view(sh.groups, sh.blocks, kv_heads, -1, dim)
         grid = qg.index_select(0, sh.cell_rows).view(sh.groups, sh.width, kv_heads, gt, dim)
         grid = grid.transpose(1, 2).reshape(sh.groups, 1, kv_heads, sh.width * gt, dim)
@@ -355,7 +355,7 @@ class PagedBatch:
 
     def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
         """[rows, H_kv, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
-        sh, (rows, blocks, kv_heads, gt, size) = self.shared, probs.shape
+        sh, (_, blocks, kv_heads, gt, size) = self.shared, probs.shape
         values = self._gather(3, pv, sh.tables).view(sh.groups, blocks, kv_heads, size, -1)
         grid = probs.index_select(0, sh.cell_rows).view(sh.groups, sh.width, blocks, kv_heads, gt, size)
         grid = grid.permute(0, 2, 3, 1, 4, 5).reshape(sh.groups, blocks, kv_heads, sh.width * gt, size)
