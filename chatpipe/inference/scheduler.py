@@ -64,11 +64,15 @@ class GenRequest:
     seed: int = 42
     stop_tokens: list[int] | None = None
     logprobs: bool = False  # record each token's log-prob under the sampling temperature (``logps``)
+    top_logprobs: int | None = None  # record the raw distribution's log-probs (``tops``): None = off, k = top k
     on_token: Callable[[int, int, int], None] | None = None
     on_done: Callable[[int, str], None] | None = None
     seqs: list[list[int]] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
     logps: list[list[float]] = field(default_factory=list)  # with ``logprobs``: per token, 0.0 where forced
+    # with ``top_logprobs``: per sample, per token (log-prob of the token, [(token, log-prob)] of the k
+    # likeliest), at temperature 1 (the model's own distribution); (0.0, []) where forced
+    tops: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
     reasons: list[str | None] = field(default_factory=list)
     cancelled: bool = False
     rng: torch.Generator | None = field(default=None, repr=False)  # seeded when the request joins
@@ -134,6 +138,7 @@ class Scheduler:
         req.seqs = [[] for _ in range(req.num_samples)]
         req.masks = [[] for _ in range(req.num_samples)]
         req.logps = [[] for _ in range(req.num_samples)] if req.logprobs else []
+        req.tops = [[] for _ in range(req.num_samples)] if req.top_logprobs is not None else []
         req.reasons = [None] * req.num_samples
         self.waiting.append(req)
         return req
@@ -155,7 +160,14 @@ class Scheduler:
             free -= req.num_samples
         if not joining:
             return
-        logits = self._prefill(joining)
+        live = len(self.live)
+        try:
+            logits = self._prefill(joining)
+        except Exception:  # back in the queue, so fail_all() reports them with the batch
+            del self.live[live:]
+            self.cache.n = live
+            self.waiting.extendleft(reversed(joining))
+            raise
         parts = [] if self.logits is None else [self.logits]
         repeats = torch.tensor([r.num_samples for r in joining], device=logits.device)
         self.logits = torch.cat([*parts, logits.repeat_interleave(repeats, 0)])
@@ -235,9 +247,28 @@ class Scheduler:
             out[i] = v
         return out
 
-    def _advance(self, row: _Live, sampled: int, logp: float = 0.0) -> None:
-        """Apply one sampled token (its log-prob ``logp``) to ``row``: forced tool output first, stop
-        rules, the calculator."""
+    def _top_logprobs(self, tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """For the rows of requests that ask (``top_logprobs`` not None): the log-prob of ``tokens`` and the
+        ``top_logprobs`` likeliest tokens with theirs, under the raw distribution log softmax(logits), not
+        the sampling temperature (what OpenAI's API reports); None for the other rows."""
+        asked = [i for i, row in enumerate(self.live) if row.req.top_logprobs is not None]
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(self.live)
+        if not asked:
+            return out
+        logp = torch.log_softmax(self.logits[asked].float(), dim=-1)
+        chosen = torch.tensor([tokens[i] for i in asked], device=logp.device)
+        chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+        k = max(self.live[i].req.top_logprobs for i in asked)
+        values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        values, ids = values.tolist(), ids.tolist()
+        for n, i in enumerate(asked):
+            top = self.live[i].req.top_logprobs
+            out[i] = (chosen_lp[n], list(zip(ids[n][:top], values[n][:top])))
+        return out
+
+    def _advance(self, row: _Live, sampled: int, logp: float = 0.0, top: tuple | None = None) -> None:
+        """Apply one sampled token (its log-prob ``logp``, its raw ``top`` log-probs) to ``row``: forced
+        tool output first, stop rules, the calculator."""
         tool = row.tool
         forced = bool(tool.forced)
         tok = tool.forced.popleft() if forced else sampled
@@ -249,6 +280,8 @@ class Scheduler:
         req.masks[row.sample].append(mask)
         if req.logprobs:
             req.logps[row.sample].append(0.0 if forced else logp)
+        if req.top_logprobs is not None:
+            req.tops[row.sample].append((0.0, []) if forced or top is None else top)
         if req.on_token is not None:
             _call(req, req.on_token, row.sample, tok, mask)
         if forced and tool.cut and not tool.forced:
@@ -290,9 +323,9 @@ class Scheduler:
             self.logits = None
             return 0
         tokens = self._sample()
-        for row, tok, logp in zip(self.live, tokens, self._logprobs(tokens)):
+        for row, tok, logp, top in zip(self.live, tokens, self._logprobs(tokens), self._top_logprobs(tokens)):
             if row.reason is None:
-                self._advance(row, tok, logp)
+                self._advance(row, tok, logp, top)
         self._evict()
         self.steps += 1
         if not self.live:
@@ -306,6 +339,18 @@ class Scheduler:
         """Step until every submitted request has finished."""
         while self.busy():
             self.step()
+
+    def stats(self) -> dict[str, int]:
+        """The batch's load: rows decoding and samples waiting for a row, KV blocks in use and in all,
+        and the prompt tokens looked up in a prefix cache and found there (0 while there is none)."""
+        return {
+            "running": len(self.live),
+            "waiting": sum(r.num_samples for r in self.waiting),
+            "kv_blocks_used": 0,
+            "kv_blocks_total": 0,
+            "prefix_hit_tokens": 0,
+            "prefix_query_tokens": 0,
+        }
 
     def fail_all(self) -> list[GenRequest]:
         """Forget every live and waiting request (after an error in a step); returns them."""
