@@ -39,7 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ("tried", "clean", "5xx", "bad shape", "silently wrong")
-LIMITS = dict(num_engines=2, max_queue=8, max_message_chars=200, max_turns=5, max_tokens=8, max_tokens_limit=16)
+LIMITS = dict(batch_rows=2, max_queue=8, max_message_chars=200, max_turns=5, max_tokens=8, max_tokens_limit=16)
 
 
 # --------------------------------------------------------------------------- the server
