@@ -1,28 +1,27 @@
-"""Benchmark: chat server latency and throughput, the continuous batch beside the thread pool.
+"""Benchmark: chat server latency and throughput, this tree's server beside another tree's.
 
 Starts ``python -m chatpipe.serve.app`` on free 127.0.0.1 ports in subprocesses (so the clients do
-not share its interpreter), twice on the same model: the older pool (``--batch-rows 0``:
-``--num-engines`` threads, one reply each) and the continuous batch (``--batch-rows``). Each server
-gets one warm-up request, then for each concurrency level (``--clients``, default 1 and 8) every
-client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and seeds), on
-the pool and then on the batch, ``--repeats`` times in turn (these VMs change speed from one minute
-to the next). Prints per server and level the time to first token (p50, p99 and worst over every
-reply of the level), tokens/s summed over clients and failed replies; then per level and turn the
-ratios batch / pool (tokens/s; first-token p50 and p99, lower is better), and over several turns
-the median and lowest tokens/s ratio.
+not share its interpreter), twice on the same model and ``--batch-rows``: the baseline, the
+``chatpipe`` package of ``--baseline DIR`` (a checkout of another commit, e.g. ``git worktree add
+/tmp/f18dbe9 f18dbe9``; imported through ``PYTHONPATH``, with this venv's packages), and this tree's.
+Each server gets one warm-up request, then for each concurrency level (``--clients``, default 1 and
+8) every client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and
+seeds), on the baseline and then on this tree, ``--repeats`` times in turn (these VMs change speed
+from one minute to the next). Prints per server and level the time to first token (p50, p99 and
+worst over every reply of the level), tokens/s summed over clients and failed replies; then per
+level and turn the ratios this / baseline (tokens/s; first-token p50 and p99, lower is better), and
+over several turns the median and lowest tokens/s ratio. (Before issue 71 the baseline was the
+thread pool, ``--batch-rows 0``, which is gone.)
 
 The clients are asyncio tasks of one thread sharing a connection pool: on a 2-core machine the
 server shares the cores with them. ``--threaded-clients`` runs the older clients, a thread and a new
 connection per reply; 16 of them woke at every decode step and used about half a core, and kept
 the batch's process from its own core a fifth of the time (bench/README.md, serving round nine).
 
-With more clients than engines most replies wait in the pool's queue, so the time to first
-token there is mostly queueing: how fast the engines finish the replies ahead.
-
 Run::
 
-    python bench/serve_latency.py [--model latest] [--num-engines 2] [--batch-rows 16] [--clients 1 8] [--max-tokens 128] [--rounds 2]
-    python bench/serve_latency.py --model base --num-engines 2 --clients 16 --rounds 4 --repeats 3   # issue 54's level
+    python bench/serve_latency.py --baseline DIR [--model latest] [--batch-rows 16] [--clients 1 8] [--max-tokens 128] [--rounds 2]
+    python bench/serve_latency.py --baseline /tmp/f18dbe9 --model base --clients 16 --rounds 4 --repeats 3
 """
 
 from __future__ import annotations
@@ -58,7 +57,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, batch_rows: int) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, code: str) -> tuple[subprocess.Popen, str]:
+    """A server of the ``chatpipe`` package under ``code`` (a tree's root) on a free port."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -68,16 +68,15 @@ def start_server(args: argparse.Namespace, batch_rows: int) -> tuple[subprocess.
         args.model,
         "--port",
         str(port),
-        "--num-engines",
-        str(args.num_engines),
         "--batch-rows",
-        str(batch_rows),
+        str(args.batch_rows),
         "--max-queue",
         "64",
         "--device",
         args.device,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": code}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -227,12 +226,13 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, list[tuple[float, f
     machine whose speed drifts from favouring one side."""
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        for name, rows in (("pool", 0), ("batch", args.batch_rows)):
-            proc, url = start_server(args, rows)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for name, code in (("baseline", os.path.abspath(args.baseline)), ("this", here)):
+            proc, url = start_server(args, code)
             servers[name] = (proc, url)
             info = httpx.get(f"{url}/health").json()
-            shape = f"a batch of {rows} rows" if rows else f"a pool of {args.num_engines} engine threads"
-            print(f"{name}: {shape}; model {info['description']}, {args.max_tokens} tokens per reply", flush=True)
+            print(f"{name} ({code}): a batch of {args.batch_rows} rows; model {info['description']}, "
+                  f"{args.max_tokens} tokens per reply", flush=True)  # fmt: skip
             one_reply(url, "warm up", 0, 8)
         results: dict[str, dict[int, list]] = {name: {c: [] for c in args.clients} for name in servers}
         for _ in range(args.repeats):
@@ -250,8 +250,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="latest", help="as for `chatpipe serve --model`")
     p.add_argument("--device", default="auto")
-    p.add_argument("--num-engines", type=int, default=2, help="threads of the older pool")
-    p.add_argument("--batch-rows", type=int, default=16, help="rows of the continuous batch")
+    p.add_argument("--baseline", required=True, help="root of another tree (a checkout of the commit to compare)")
+    p.add_argument("--batch-rows", type=int, default=16, help="rows of the continuous batch, on both servers")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
@@ -268,15 +268,15 @@ def main() -> None:
     results = measure(args)
     for clients in args.clients:
         ratios = []
-        for (t0, a50, a99), (t1, b50, b99) in zip(results["pool"][clients], results["batch"][clients]):
+        for (t0, a50, a99), (t1, b50, b99) in zip(results["baseline"][clients], results["this"][clients]):
             ratios.append(t1 / t0)
             print(
-                f"{clients} client(s), batch / pool: tokens/s x{t1 / t0:.2f}, "
+                f"{clients} client(s), this / baseline: tokens/s x{t1 / t0:.2f}, "
                 f"first-token p50 x{b50 / a50:.2f}, p99 x{b99 / a99:.2f}"
             )
         if len(ratios) > 1:
             print(
-                f"{clients} client(s), tokens/s batch / pool over {len(ratios)} turns: median x{statistics.median(ratios):.2f}, lowest x{min(ratios):.2f}"
+                f"{clients} client(s), tokens/s this / baseline over {len(ratios)} turns: median x{statistics.median(ratios):.2f}, lowest x{min(ratios):.2f}"
             )
 
 
