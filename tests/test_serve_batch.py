@@ -25,8 +25,6 @@ from chatpipe.serve.app import create_app
 from tests.chatmodel import make_artifacts, run_in_thread, serve_paced, serve_settings
 from tests.project import wait_until
 
-serving = contextlib.contextmanager(serve_paced)  # with serving(loaded, cfg) as (app, url): ...
-
 CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
 
 
@@ -113,6 +111,34 @@ def test_the_batch_decodes_in_its_own_process_that_stops_with_the_server(tmp_pat
     assert pool.worker.exitcode == 0  # it was told to stop, not killed
 
 
+@contextlib.contextmanager
+def small_server(tmp_path, **settings):
+    """A server of 2 batch rows, 20 ms a token, in a thread: yields (app, url)."""
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000, **settings)
+    yield from serve_paced(loaded, cfg, seconds_per_token=0.02)
+
+
+@contextlib.contextmanager
+def batch_loop(tmp_path, rows: int):
+    """:func:`run_batch` in a thread (so a test can patch what it calls): yields the server's end of its
+    pipe; "stop" ends the loop after."""
+    import multiprocessing
+
+    from chatpipe.inference.engine import Engine
+    from chatpipe.serve.batch_pool import run_batch
+
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    conn, child = multiprocessing.Pipe()
+    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), rows, 64, 1, child))
+    loop.start()
+    assert conn.recv() == "ready"
+    yield conn
+    conn.send(("stop",))
+    loop.join(10)
+    assert not loop.is_alive()
+
+
 def read_events(lines) -> list[dict]:
     """The JSON events of server-sent event ``lines`` (a response's, or what is left of them)."""
     lines = lines.iter_lines() if isinstance(lines, httpx.Response) else lines
@@ -122,9 +148,7 @@ def read_events(lines) -> list[dict]:
 def test_a_killed_batch_process_ends_its_streams_health_is_503_until_it_is_back(tmp_path, monkeypatch):
     """issue 71: after kill -9 of the batch process /health stayed 200 and nothing restarted it."""
     monkeypatch.setattr(batch_pool, "BACKOFF_START", 2.0)  # a down window long enough to look at
-    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
-    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000)
-    with serving(loaded, cfg, seconds_per_token=0.02) as (app, url):
+    with small_server(tmp_path) as (app, url):
         pool = app.state.pool
         first = pool.worker.pid
         v1: list[dict] = []
@@ -160,10 +184,7 @@ def test_a_killed_batch_process_ends_its_streams_health_is_503_until_it_is_back(
 
 def test_a_reader_that_raises_fails_the_replies_in_flight_and_restarts_the_batch(tmp_path):
     """issue 71: the reader thread caught only EOF and OSError; anything else left every reply waiting."""
-    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
-    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000,
-                         request_timeout_s=30.0)  # fmt: skip
-    with serving(loaded, cfg, seconds_per_token=0.02) as (app, url):
+    with small_server(tmp_path, request_timeout_s=30.0) as (app, url):
         pool = app.state.pool
         first = pool.worker
         on_step, calls = pool._on_step, []
@@ -187,10 +208,7 @@ def test_a_reader_that_raises_fails_the_replies_in_flight_and_restarts_the_batch
 
 
 def test_a_request_past_serve_request_timeout_s_is_cancelled_and_its_row_freed(tmp_path):
-    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
-    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000,
-                         request_timeout_s=1.0)  # fmt: skip
-    with serving(loaded, cfg, seconds_per_token=0.02) as (app, url):
+    with small_server(tmp_path, request_timeout_s=1.0) as (app, url):
         pool = app.state.pool
         t0 = time.monotonic()
         r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 150}, timeout=30)
@@ -206,11 +224,7 @@ def test_a_request_past_serve_request_timeout_s_is_cancelled_and_its_row_freed(t
 
 def test_a_prefill_that_raises_fails_its_requests_and_frees_their_rows(tmp_path, monkeypatch):
     """issue 71: requests moved into the joining list never got on_done when their prefill raised."""
-    import multiprocessing
-
-    from chatpipe.inference.engine import Engine
     from chatpipe.inference.scheduler import Scheduler
-    from chatpipe.serve.batch_pool import run_batch
 
     prefill = Scheduler._prefill
 
@@ -220,57 +234,38 @@ def test_a_prefill_that_raises_fails_its_requests_and_frees_their_rows(tmp_path,
         return prefill(self, joining)
 
     monkeypatch.setattr(Scheduler, "_prefill", broken)
-    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
-    conn, child = multiprocessing.Pipe()
-    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), 4, 64, 1, child))
-    loop.start()
-    assert conn.recv() == "ready"
-    conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 30, "temperature": 0.0}))
-    conn.recv()
-    conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 4, "num_samples": 2}))
-    conn.send(("submit", 3, [1, 2, 4], {"max_tokens": 4}))
-    ended: dict[tuple[int, int], str] = {}
-    deadline = time.monotonic() + 10
-    while len(ended) < 4:
-        assert conn.poll(max(0.0, deadline - time.monotonic())), f"replies left waiting: only {ended} ended"
-        events, load, stats = conn.recv()
-        ended.update({(rid, j): reason for rid, j, tok, reason, *_ in events if tok is None})
-    assert all("prefill broke" in reason for reason in ended.values()), ended
-    assert set(ended) == {(1, 0), (2, 0), (2, 1), (3, 0)} and load[0] == 0 and stats["waiting"] == 0
-    conn.send(("submit", 4, [1, 2, 3], {"max_tokens": 4, "num_samples": 4}))  # every row is free again
-    got: list[tuple] = []
-    while sum(e[0] == 4 and e[2] is None for e in got) < 4:
-        assert conn.poll(10), f"request 4 did not finish: {got}"
-        got += conn.recv()[0]
-    assert len([e for e in got if e[0] == 4 and e[2] is not None]) == 16
-    conn.send(("stop",))
-    loop.join(10)
-    assert not loop.is_alive()
+    with batch_loop(tmp_path, rows=4) as conn:
+        conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 30, "temperature": 0.0}))
+        conn.recv()
+        conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 4, "num_samples": 2}))
+        conn.send(("submit", 3, [1, 2, 4], {"max_tokens": 4}))
+        ended: dict[tuple[int, int], str] = {}
+        deadline = time.monotonic() + 10
+        while len(ended) < 4:
+            assert conn.poll(max(0.0, deadline - time.monotonic())), f"replies left waiting: only {ended} ended"
+            events, load, stats = conn.recv()
+            ended.update({(rid, j): reason for rid, j, tok, reason, *_ in events if tok is None})
+        assert all("prefill broke" in reason for reason in ended.values()), ended
+        assert set(ended) == {(1, 0), (2, 0), (2, 1), (3, 0)} and load[0] == 0 and stats["waiting"] == 0
+        conn.send(("submit", 4, [1, 2, 3], {"max_tokens": 4, "num_samples": 4}))  # every row is free again
+        got: list[tuple] = []
+        while sum(e[0] == 4 and e[2] is None for e in got) < 4:
+            assert conn.poll(10), f"request 4 did not finish: {got}"
+            got += conn.recv()[0]
+        assert len([e for e in got if e[0] == 4 and e[2] is not None]) == 16
 
 
 def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_path):
     """run_batch's protocol, in a thread here: a request the scheduler cannot take gets an error
     event naming why, the next one its tokens, and "stop" ends the loop."""
-    import multiprocessing
-
-    from chatpipe.inference.engine import Engine
-    from chatpipe.serve.batch_pool import run_batch
-
-    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
-    conn, child = multiprocessing.Pipe()
-    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), 2, 64, 1, child))
-    loop.start()
-    assert conn.recv() == "ready"
-    conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 4, "bogus": 1}))
-    conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 100}))  # 3 + 100 positions > the row's 64
-    conn.send(("submit", 3, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}))
-    events = []
-    while not any(e[0] == 3 and e[2] is None for e in events):
-        assert conn.poll(10), f"the batch loop stopped answering (alive: {loop.is_alive()}); events so far {events}"
-        events += conn.recv()[0]
-    errors = {rid: reason for rid, _, tok, reason in events if tok is None and rid in (1, 2)}
-    assert "bogus" in errors[1] and "64 KV positions" in errors[2], errors
-    assert len([tok for rid, _, tok, _ in events if rid == 3 and tok is not None]) == 4
-    conn.send(("stop",))
-    loop.join(10)
-    assert not loop.is_alive()
+    with batch_loop(tmp_path, rows=2) as conn:
+        conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 4, "bogus": 1}))
+        conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 100}))  # 3 + 100 positions > the row's 64
+        conn.send(("submit", 3, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}))
+        events = []
+        while not any(e[0] == 3 and e[2] is None for e in events):
+            assert conn.poll(10), f"the batch loop stopped answering; events so far {events}"
+            events += conn.recv()[0]
+        errors = {rid: reason for rid, _, tok, reason in events if tok is None and rid in (1, 2)}
+        assert "bogus" in errors[1] and "64 KV positions" in errors[2], errors
+        assert len([tok for rid, _, tok, _ in events if rid == 3 and tok is not None]) == 4

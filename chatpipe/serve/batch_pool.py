@@ -302,9 +302,8 @@ class BatchPool:
             self.metrics.restarts.inc()
             self.metrics.up.set(1)
             log.warning("the batch process is back (pid %s, restart %d)", worker.pid, self.restarts)
-            if self.closing.is_set():  # stopped while it started: stop it too
-                self.close()
-                return
+            if self.closing.is_set():  # the server stopped while it started: stop it too (read to its EOF)
+                self._send("stop")
 
     def _read(self) -> str:
         """Each step's tokens to their replies, until the process goes or reading fails (anything at
@@ -408,14 +407,15 @@ class BatchPool:
                 pass
 
     def close(self) -> None:
-        """Stop the batch process (when the server stops)."""
+        """Stop the batch process (when the server stops). The reader, the pipe's one owner, closes
+        the pipe when the process has gone."""
         self.closing.set()
         self._send("stop")
         self.worker.join(10)
         if self.worker.is_alive():
             self.worker.terminate()
             self.worker.join(5)
-        self.conn.close()
+        self.reader.join(10)
 
     # ------------------------------------------------------------------ a request's deltas
 
