@@ -347,6 +347,8 @@ class BatchPool:
     # ------------------------------------------------------------------ tokens to deltas
 
     def _token(self, rid: int, reply: _Reply, sample: int, tok: int, mask: int, top: Any, now: float) -> None:
+        if reply.ended[sample]:  # past its stop string: the row leaves once every sample has ended
+            return
         if not reply.first:
             reply.first = now
             self.metrics.ttft.observe(now - reply.t0)
@@ -354,8 +356,6 @@ class BatchPool:
             self.metrics.itl.observe(now - reply.last[sample])
         reply.last[sample] = now
         text = reply.texts[sample]
-        if reply.ended[sample]:
-            return
         if top is not None and mask == 1 and tok not in text.stops:  # the reply's own tokens
             reply.lps[sample].append((tok, *top))
         for kind, piece in text.push(tok, mask):
