@@ -10,7 +10,8 @@ seeds), on the baseline and then on this tree, ``--repeats`` times in turn (thes
 from one minute to the next). Prints per server and level the time to first token (p50, p99 and
 worst over every reply of the level), tokens/s summed over clients and failed replies; then per
 level and turn the ratios this / baseline (tokens/s; first-token p50 and p99, lower is better), and
-over several turns the median and lowest tokens/s ratio. (Before issue 71 the baseline was the
+over several turns the median and lowest tokens/s ratio; last, per server, the time of one request
+of ``--n-choices`` choices (default 4) over one of a single choice. (Before issue 71 the baseline was the
 thread pool, ``--batch-rows 0``, which is gone.)
 
 The clients are asyncio tasks of one thread sharing a connection pool: on a 2-core machine the
@@ -75,7 +76,7 @@ def start_server(args: argparse.Namespace, code: str) -> tuple[subprocess.Popen,
         "--device",
         args.device,
     ]
-    env = {**os.environ, "PYTHONPATH": code}
+    env = {**os.environ, "PYTHONPATH": code, "CHATPIPE_PARAMS": os.path.join(code, "params.yaml")}  # its own settings
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -220,6 +221,19 @@ def run_and_print(name: str, url: str, clients: int, args: argparse.Namespace) -
     return tps, p50, p99
 
 
+def choices_seconds(url: str, n: int, max_tokens: int, times: int = 5) -> float:
+    """The median seconds of a whole (not streamed) /v1 chat answer of ``n`` choices, one client."""
+    model = httpx.get(f"{url}/health").json()["model"]
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": max_tokens,
+            "temperature": 0.8, "n": n, "seed": 1}  # fmt: skip
+    seconds = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
+
+
 def measure(args: argparse.Namespace) -> dict[str, dict[int, list[tuple[float, float, float]]]]:
     """Start both servers, then run every level on each in turn, ``--repeats`` times:
     {server: {clients: [(tokens/s, p50, p99) per repeat]}}. Taking turns level by level keeps a
@@ -239,6 +253,11 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, list[tuple[float, f
             for clients in args.clients:
                 for name, (_, url) in servers.items():
                     results[name][clients].append(run_and_print(name, url, clients, args))
+        if args.n_choices > 1:
+            for name, (_, url) in servers.items():
+                one, n = (choices_seconds(url, k, args.max_tokens) for k in (1, args.n_choices))
+                print(f"{name}: one request of n={args.n_choices} choices takes x{n / one:.2f} the time of n=1 "
+                      f"({n:.3f} s vs {one:.3f} s, medians of 5)", flush=True)  # fmt: skip
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -256,6 +275,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
     p.add_argument("--repeats", type=int, default=1, help="times each server runs each level, taking turns")
+    p.add_argument("--n-choices", type=int, default=4, help="then time one request of this n against n=1 (0: skip)")
     p.add_argument(
         "--threaded-clients", action="store_true", help="one thread and one connection per reply (the older clients)"
     )

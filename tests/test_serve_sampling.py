@@ -85,7 +85,7 @@ def test_n_choices_decode_together_in_one_request(server):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        chunks = sse(url, "/v1/chat/completions", {**CHAT, "n": 3, "max_tokens": 40, "temperature": 1.0})
+        chunks = sse(url, "/v1/chat/completions", {**CHAT, "n": 3, "max_tokens": 40, "temperature": 1.0, "seed": 3})
     finally:
         done.set()
         watcher.join()
@@ -94,7 +94,7 @@ def test_n_choices_decode_together_in_one_request(server):
     assert set(indices) == {0, 1, 2}
     assert indices != sorted(indices)  # interleaved as they decode, not one choice after another
     finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks}
-    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert set(finishes) == {0, 1, 2} and set(finishes.values()) <= {"length", "stop"}, finishes  # one finish each
     texts = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i)
              for i in range(3)]  # fmt: skip
     assert len(set(texts)) == 3

@@ -444,9 +444,12 @@ class BatchPool:
         if gone and self.replies.pop(rid, None) is not None:  # down: the reader has failed those in flight
             reply.queue.put_nowait(RuntimeError(gone.removeprefix("error: ")))
         status = "cancelled"  # unless it ends otherwise: the client left (the iterator was closed)
-        deadline = loop.time() + self.timeout_s
+        timeout = self.error(
+            504, f"the request took longer than {self.timeout_s:g} s (serve.request_timeout_s): cancelled"
+        )
+        timer = loop.call_later(self.timeout_s, reply.queue.put_nowait, timeout)  # one timer, not one per delta
         try:
-            while (item := await self._next(reply, deadline)) is not None:
+            while (item := await reply.queue.get()) is not None:
                 if isinstance(item, Exception):
                     status = "timeout" if isinstance(item, self.error) else "error"
                     raise item
@@ -455,6 +458,7 @@ class BatchPool:
                 yield item
             status = "ok"
         finally:
+            timer.cancel()
             if status != "ok" and self.replies.pop(rid, None) is not None:
                 self._send("cancel", rid)  # its rows leave the batch at the next step
             self.inflight -= 1
@@ -463,15 +467,6 @@ class BatchPool:
             self.metrics.count(status)
             if status == "ok":
                 self.metrics.e2e.observe(time.monotonic() - reply.t0)
-
-    async def _next(self, reply: _Reply, deadline: float) -> Any:
-        """The reply's next item; a 504 (as an item) once ``serve.request_timeout_s`` has passed."""
-        try:
-            return await asyncio.wait_for(reply.queue.get(), max(0.0, deadline - reply.loop.time()))
-        except TimeoutError:
-            return self.error(
-                504, f"the request took longer than {self.timeout_s:g} s (serve.request_timeout_s): cancelled"
-            )
 
 
 def start_batch(engine: Engine, rows: int, context: int) -> tuple[Any, Any]:
