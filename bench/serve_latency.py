@@ -1,28 +1,24 @@
-"""Benchmark: chat server latency and throughput, this tree's server beside another tree's.
+"""Benchmark: the chat server against a git revision's server, on the same model, in one run.
 
-Starts ``python -m chatpipe.serve.app`` on free 127.0.0.1 ports in subprocesses (so the clients do
-not share its interpreter), twice on the same model and ``--batch-rows``: the baseline, the
-``chatpipe`` package of ``--baseline DIR`` (a checkout of another commit, e.g. ``git worktree add
-/tmp/f18dbe9 f18dbe9``; imported through ``PYTHONPATH``, with this venv's packages), and this tree's.
-Each server gets one warm-up request, then for each concurrency level (``--clients``, default 1 and
-8) every client streams ``--rounds`` replies of ``--max-tokens`` tokens (different prompts and
-seeds), on the baseline and then on this tree, ``--repeats`` times in turn (these VMs change speed
-from one minute to the next). Prints per server and level the time to first token (p50, p99 and
-worst over every reply of the level), tokens/s summed over clients and failed replies; then per
-level and turn the ratios this / baseline (tokens/s; first-token p50 and p99, lower is better), and
-over several turns the median and lowest tokens/s ratio; last, per server, the time of one request
-of ``--n-choices`` choices (default 4) over one of a single choice. (Before issue 71 the baseline was the
-thread pool, ``--batch-rows 0``, which is gone.)
+Starts ``python -m chatpipe.serve.app`` twice on free 127.0.0.1 ports, in processes of their own:
+this checkout's server and ``--baseline``'s (its tree unpacked with ``git archive``), both with a
+batch of ``--batch-rows`` rows. Each gets one warm-up request; then the two take turns, load by
+load, ``--repeats`` times (these VMs change speed from one minute to the next):
 
-The clients are asyncio tasks of one thread sharing a connection pool: on a 2-core machine the
-server shares the cores with them. ``--threaded-clients`` runs the older clients, a thread and a new
-connection per reply; 16 of them woke at every decode step and used about half a core, and kept
-the batch's process from its own core a fifth of the time (bench/README.md, serving round nine).
+- **single turn**: every client streams ``--rounds`` replies of ``--max-tokens`` tokens to one-message
+  chats (different prompts and seeds): the time to first token (p50, p99) and tokens/s summed over clients;
+- **multi-turn**: every client holds a ``--turns``-turn chat whose prompt is its whole history (its
+  earlier messages and the server's replies); the last turn's first-token p50 and p99, and tokens/s.
+
+Then, against this checkout's server only: ``n: 4`` against ``n: 1`` (``/v1/chat/completions``, the
+same requests, median seconds of ``--repeats`` x 4 each), and the served tokens/s of the single-turn
+load against the engine's own offline decode of the same rows and lengths in this process.
+
+The clients are asyncio tasks of one thread sharing a connection pool.
 
 Run::
 
-    python bench/serve_latency.py --baseline DIR [--model latest] [--batch-rows 16] [--clients 1 8] [--max-tokens 128] [--rounds 2]
-    python bench/serve_latency.py --baseline /tmp/f18dbe9 --model base --clients 16 --rounds 4 --repeats 3
+    python bench/serve_latency.py --baseline f18dbe9 --model artifacts/rl [--clients 16] [--turns 10] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -35,10 +31,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import httpx
+from revision import REPO, unpack
 
 PROMPTS = [
     "Who lives in Stonebridge?",
@@ -50,6 +47,7 @@ PROMPTS = [
     "Spell the word honey.",
     "Who is Pip?",
 ]
+FOLLOW_UPS = ["And then?", "Why?", "Tell me more.", "What next?", "Who else?"]
 
 
 def free_port() -> int:
@@ -58,26 +56,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, code: str) -> tuple[subprocess.Popen, str]:
-    """A server of the ``chatpipe`` package under ``code`` (a tree's root) on a free port."""
+def start_server(args: argparse.Namespace, tree: Path | None) -> tuple[subprocess.Popen, str]:
+    """A server of this checkout (``tree`` None) or of the unpacked revision ``tree``, once it answers."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "chatpipe.serve.app",
-        "--model",
-        args.model,
-        "--port",
-        str(port),
-        "--batch-rows",
-        str(args.batch_rows),
-        "--max-queue",
-        "64",
-        "--device",
-        args.device,
-    ]
-    env = {**os.environ, "PYTHONPATH": code, "CHATPIPE_PARAMS": os.path.join(code, "params.yaml")}  # its own settings
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    cmd = [sys.executable, "-m", "chatpipe.serve.app", "--model", args.model, "--port", str(port)]
+    cmd += ["--batch-rows", str(args.batch_rows), "--max-queue", "64", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(tree or REPO)}
+    proc = subprocess.Popen(cmd, cwd=tree or REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -92,212 +77,164 @@ def start_server(args: argparse.Namespace, code: str) -> tuple[subprocess.Popen,
     sys.exit("server did not come up in 180 s")
 
 
-def request_body(prompt: str, seed: int, max_tokens: int) -> dict:
-    """The streamed chat request every client sends."""
-    messages = [{"role": "user", "content": prompt}]
-    return {"messages": messages, "max_tokens": max_tokens, "seed": seed, "temperature": 0.8, "top_k": 50}
-
-
-class ReplyTimer:
-    """Reads one streamed reply's event lines: the time to its first delta and its token count."""
-
-    def __init__(self) -> None:
-        self.t0, self.ttft, self.tokens = time.perf_counter(), None, 0
-
-    def take(self, line: str) -> None:
-        if not line.startswith("data: "):
-            return
-        event = json.loads(line[6:])
-        if self.ttft is None and "kind" in event:
-            self.ttft = time.perf_counter() - self.t0
-        if event.get("done"):
-            self.tokens = event["tokens"]
-        if "error" in event:
-            raise RuntimeError(event["error"])
-
-    def result(self) -> tuple[float, int]:
-        """(seconds to the first streamed delta, tokens generated)."""
-        return (self.ttft if self.ttft is not None else time.perf_counter() - self.t0), self.tokens
-
-
-def one_reply(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int]:
-    """(seconds to the first streamed delta, tokens generated) for one streamed reply."""
-    timer = ReplyTimer()
-    with httpx.stream("POST", f"{url}/api/chat", json=request_body(prompt, seed, max_tokens), timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            timer.take(line)
-    return timer.result()
-
-
-async def one_reply_async(
-    client: httpx.AsyncClient, url: str, prompt: str, seed: int, max_tokens: int
-) -> tuple[float, int]:
-    """:func:`one_reply` as an asyncio task, over ``client``'s connection pool."""
-    timer = ReplyTimer()
-    async with client.stream("POST", f"{url}/api/chat", json=request_body(prompt, seed, max_tokens)) as r:
+async def stream_reply(client: httpx.AsyncClient, url: str, messages: list[dict], seed: int, max_tokens: int):
+    """(seconds to the first streamed delta, tokens generated, the reply's text) of one ``/api/chat`` reply."""
+    body = {"messages": messages, "max_tokens": max_tokens, "seed": seed, "temperature": 0.8, "top_k": 50}
+    t0, ttft, tokens, text = time.perf_counter(), None, 0, []
+    async with client.stream("POST", f"{url}/api/chat", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            timer.take(line)
-    return timer.result()
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if "kind" in event:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text.append(event.get("text", "") if event["kind"] == "text" else "")
+            if event.get("done"):
+                tokens = event["tokens"]
+    return (ttft if ttft is not None else time.perf_counter() - t0), tokens, "".join(text)
 
 
-async def run_level_async(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float, int]:
-    """:func:`run_level` with the clients as asyncio tasks of one thread (one connection pool)."""
-    ttfts: list[float] = []
-    total = failed = 0
+async def run_load(url: str, args: argparse.Namespace, turns: int) -> dict:
+    """Every client runs ``turns``-turn chats (``--rounds`` of them when ``turns`` is 1); returns
+    the first-token times of every reply and of the last turns, tokens/s in total and failures."""
+    ttfts, last, total, failed = [], [], 0, 0
 
     async def client(c: int, pool: httpx.AsyncClient) -> None:
         nonlocal total, failed
-        for r in range(rounds):
-            try:
-                ttft, tokens = await one_reply_async(
-                    pool, url, PROMPTS[(c + r) % len(PROMPTS)], c * 100 + r, max_tokens
-                )
-            except (httpx.HTTPError, RuntimeError):
-                failed += 1
-                continue
-            ttfts.append(ttft)
-            total += tokens
+        for r in range(args.rounds if turns == 1 else 1):
+            messages: list[dict] = []
+            for t in range(turns):
+                question = PROMPTS[(c + r) % len(PROMPTS)] if t == 0 else FOLLOW_UPS[(c + t) % len(FOLLOW_UPS)]
+                messages.append({"role": "user", "content": question})
+                try:
+                    ttft, tokens, text = await stream_reply(pool, url, messages, c * 100 + r * 10 + t, args.max_tokens)
+                except (httpx.HTTPError, RuntimeError):
+                    failed += 1
+                    break
+                messages.append({"role": "assistant", "content": text})
+                ttfts.append(ttft)
+                last += [ttft] if t == turns - 1 else []
+                total += tokens
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     async with httpx.AsyncClient(timeout=600, limits=limits) as pool:
         t0 = time.perf_counter()
-        await asyncio.gather(*(client(c, pool) for c in range(clients)))
-        return ttfts, total / (time.perf_counter() - t0), failed
+        await asyncio.gather(*(client(c, pool) for c in range(args.clients)))
+        seconds = time.perf_counter() - t0
+    return {"ttfts": ttfts, "last": last, "tps": total / seconds, "failed": failed}
 
 
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, linear between the closest ranks."""
     ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
+    if not ordered:
+        return float("nan")
     pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def run_level(url: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[float], float, int]:
-    """Every client streams ``rounds`` replies back to back; returns (TTFTs, summed tokens/s, failed replies)."""
-    ttfts: list[float] = []
-    total, failed = [0], [0]
-    lock = threading.Lock()
-
-    def client(c: int) -> None:
-        for r in range(rounds):
-            try:
-                ttft, tokens = one_reply(url, PROMPTS[(c + r) % len(PROMPTS)], c * 100 + r, max_tokens)
-            except (httpx.HTTPError, RuntimeError):
-                with lock:
-                    failed[0] += 1
-                continue
-            with lock:
-                ttfts.append(ttft)
-                total[0] += tokens
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return ttfts, total[0] / (time.perf_counter() - t0), failed[0]
-
-
-def run_and_print(name: str, url: str, clients: int, args: argparse.Namespace) -> tuple[float, float, float]:
-    """One level against one server, printed: (tokens/s, first-token p50, p99 in ms)."""
-    if args.threaded_clients:
-        ttfts, tps, failed = run_level(url, clients, args.rounds, args.max_tokens)
-    else:
-        ttfts, tps, failed = asyncio.run(run_level_async(url, clients, args.rounds, args.max_tokens))
-    p50, p99 = (percentile(ttfts, q) * 1000 if ttfts else float("nan") for q in (50, 99))
-    worst = max(ttfts, default=float("nan")) * 1000
+def report(name: str, load: str, r: dict) -> None:
+    times = r["last"] if load == "multi-turn" else r["ttfts"]
+    p50, p99 = (percentile(times, q) * 1000 for q in (50, 99))
+    what = "last turn's first token" if load == "multi-turn" else "first token"
     print(
-        f"  {name}, {clients} client(s), {len(ttfts)} replies, {failed} failed: time to first token p50 {p50:.0f} ms, "
-        f"p99 {p99:.0f} ms, worst {worst:.0f} ms; {tps:.1f} tokens/s in total",
+        f"  {name}, {load}: {len(r['ttfts'])} replies, {r['failed']} failed; {what} p50 {p50:.0f} ms, "
+        f"p99 {p99:.0f} ms; {r['tps']:.1f} tokens/s in total",
         flush=True,
     )
-    return tps, p50, p99
 
 
-def choices_seconds(url: str, n: int, max_tokens: int, times: int = 5) -> float:
-    """The median seconds of a whole (not streamed) /v1 chat answer of ``n`` choices, one client."""
-    model = httpx.get(f"{url}/health").json()["model"]
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": max_tokens,
-            "temperature": 0.8, "n": n, "seed": 1}  # fmt: skip
-    seconds = []
-    for _ in range(times):
+async def n_choices(url: str, n: int, max_tokens: int, seed: int) -> float:
+    """Seconds of one ``/v1/chat/completions`` request for ``n`` choices."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}], "n": n}
+    body |= {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
+    async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
-        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status()
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
+        r = await client.post(f"{url}/v1/chat/completions", json=body)
+        r.raise_for_status()
+        return time.perf_counter() - t0
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[int, list[tuple[float, float, float]]]]:
-    """Start both servers, then run every level on each in turn, ``--repeats`` times:
-    {server: {clients: [(tokens/s, p50, p99) per repeat]}}. Taking turns level by level keeps a
-    machine whose speed drifts from favouring one side."""
+def offline_tps(args: argparse.Namespace) -> float:
+    """Tokens/s of the engine's own decode, in this process: ``--clients`` rows, the single-turn prompts."""
+    import torch
+
+    from chatpipe.inference.engine import Engine
+    from chatpipe.inference.scheduler import GenRequest
+    from chatpipe.model.files import load_model
+    from chatpipe.tokenizer import Tokenizer
+
+    model, _ = load_model(args.model, torch.device("cpu"))
+    tok = Tokenizer.load(str(Path(args.model).parent / "tokenizer"))
+    engine = Engine(model.eval(), tok)
+    prompts = [tok.render_for_completion({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]})
+               for p in PROMPTS]  # fmt: skip
+    sched = engine.scheduler(args.batch_rows, model.config.sequence_len)
+    total, t0 = 0, time.perf_counter()
+    for r in range(args.rounds):
+        reqs = [sched.submit(GenRequest(prompts[(c + r) % len(prompts)], max_tokens=args.max_tokens, temperature=0.8,
+                                        top_k=50, seed=c * 100 + r)) for c in range(args.clients)]  # fmt: skip
+        sched.run()
+        total += sum(len(q.seqs[0]) for q in reqs)
+    return total / (time.perf_counter() - t0)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Both servers, the loads in turns; then ``n`` and the offline decode against this checkout's."""
+    tree = unpack(args.baseline)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    results: dict = {}
     try:
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        for name, code in (("baseline", os.path.abspath(args.baseline)), ("this", here)):
-            proc, url = start_server(args, code)
-            servers[name] = (proc, url)
-            info = httpx.get(f"{url}/health").json()
-            print(f"{name} ({code}): a batch of {args.batch_rows} rows; model {info['description']}, "
-                  f"{args.max_tokens} tokens per reply", flush=True)  # fmt: skip
-            one_reply(url, "warm up", 0, 8)
-        results: dict[str, dict[int, list]] = {name: {c: [] for c in args.clients} for name in servers}
+        for name, where in ((f"baseline {args.baseline}", tree), ("this checkout", None)):
+            servers[name] = start_server(args, where)
+            asyncio.run(stream_reply(httpx.AsyncClient(timeout=60), servers[name][1], [{"role": "user", "content": "hi"}], 0, 8))
         for _ in range(args.repeats):
-            for clients in args.clients:
+            for load, turns in (("single turn", 1), ("multi-turn", args.turns)):
                 for name, (_, url) in servers.items():
-                    results[name][clients].append(run_and_print(name, url, clients, args))
-        if args.n_choices > 1:
-            for name, (_, url) in servers.items():
-                one, n = (choices_seconds(url, k, args.max_tokens) for k in (1, args.n_choices))
-                print(f"{name}: one request of n={args.n_choices} choices takes x{n / one:.2f} the time of n=1 "
-                      f"({n:.3f} s vs {one:.3f} s, medians of 5)", flush=True)  # fmt: skip
+                    r = asyncio.run(run_load(url, args, turns))
+                    report(name, load, r)
+                    results.setdefault((name, load), []).append(r)
+        url = servers["this checkout"][1]
+        for n in (1, 4):
+            times = [asyncio.run(n_choices(url, n, args.max_tokens, s)) for s in range(4 * args.repeats)]
+            results[("n", n)] = statistics.median(times)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(10)
+    results["offline"] = offline_tps(args)
     return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="latest", help="as for `chatpipe serve --model`")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--baseline", required=True, help="root of another tree (a checkout of the commit to compare)")
-    p.add_argument("--batch-rows", type=int, default=16, help="rows of the continuous batch, on both servers")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2, help="replies per client at each level")
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrency levels, in order (default: 1 8)")
-    p.add_argument("--repeats", type=int, default=1, help="times each server runs each level, taking turns")
-    p.add_argument("--n-choices", type=int, default=4, help="then time one request of this n against n=1 (0: skip)")
-    p.add_argument(
-        "--threaded-clients", action="store_true", help="one thread and one connection per reply (the older clients)"
-    )
+    p.add_argument("--baseline", required=True, help="git revision whose server to compare with (e.g. f18dbe9)")
+    p.add_argument("--model", default="artifacts/rl", help="a model directory (its tokenizer beside it)")
+    p.add_argument("--batch-rows", type=int, default=16, help="rows of the continuous batch, both servers")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply")
+    p.add_argument("--rounds", type=int, default=2, help="single turn: replies per client")
+    p.add_argument("--turns", type=int, default=10, help="multi-turn: turns of each client's chat")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1, help="times each server runs each load, taking turns")
     args = p.parse_args()
-    if any(c < 1 for c in args.clients) or args.batch_rows < 1 or args.repeats < 1:
-        p.error(
-            f"--clients {args.clients}, --batch-rows {args.batch_rows}, --repeats {args.repeats}: each must be >= 1"
-        )
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    if min(args.clients, args.batch_rows, args.repeats, args.turns, args.rounds) < 1:
+        p.error("--clients, --batch-rows, --repeats, --turns and --rounds must each be >= 1")
+    args.model = str(Path(args.model).resolve())
+    print(f"model {args.model}, {args.clients} clients, {args.max_tokens} tokens per reply, {args.turns} turns")
     results = measure(args)
-    for clients in args.clients:
-        ratios = []
-        for (t0, a50, a99), (t1, b50, b99) in zip(results["baseline"][clients], results["this"][clients]):
-            ratios.append(t1 / t0)
-            print(
-                f"{clients} client(s), this / baseline: tokens/s x{t1 / t0:.2f}, "
-                f"first-token p50 x{b50 / a50:.2f}, p99 x{b99 / a99:.2f}"
-            )
-        if len(ratios) > 1:
-            print(
-                f"{clients} client(s), tokens/s this / baseline over {len(ratios)} turns: median x{statistics.median(ratios):.2f}, lowest x{min(ratios):.2f}"
-            )
+    base, this = f"baseline {args.baseline}", "this checkout"
+    for load in ("single turn", "multi-turn"):
+        for a, b in zip(results[(base, load)], results[(this, load)]):
+            key = "last" if load == "multi-turn" else "ttfts"
+            p99 = percentile(b[key], 99) / percentile(a[key], 99)
+            print(f"{load}, this / baseline: tokens/s x{b['tps'] / a['tps']:.2f}, first-token p99 x{p99:.2f}")
+    print(f"n: 4 / n: 1, median seconds: x{results[('n', 4)] / results[('n', 1)]:.2f}")
+    served = statistics.median(r["tps"] for r in results[(this, "single turn")])
+    print(f"served / offline decode tokens/s ({args.clients} rows): x{served / results['offline']:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from chatpipe.inference.engine import Engine, StopMatcher, draw, sample_next, sampling_candidates, sampling_probs
+from chatpipe.inference.engine import Engine, StopMatcher
+from chatpipe.inference.sampler import draw, sample_next, sampling_candidates, sampling_probs
 from chatpipe.model.gpt import GPT, GPTConfig
 from tests.chatmodel import ByteTokenizer
 
@@ -60,8 +61,9 @@ def test_kv_cache_greedy_equals_recompute():
     prompt = [S["<|bos|>"], *TOK.encode("hello there, general")]  # 21 tokens; sliding window is 32
     n = 60  # runs well past the sliding window and past sequence_len (64)
     ref = greedy_recompute(model, prompt, n)
-    got = [col[0] for col, _ in Engine(model, TOK).generate(prompt, max_tokens=n, temperature=0.0)]
-    assert len(got) == n and got == ref
+    seqs, masks = Engine(model, TOK).generate_batch(prompt, max_tokens=n, temperature=0.0)
+    got = seqs[0][len(prompt) :]
+    assert len(got) == n and got == ref and masks[0] == [0] * len(prompt) + [1] * n
     assert len(set(ref)) > 5  # not a degenerate constant stream
 
 
@@ -84,17 +86,13 @@ def test_generate_many_batches_any_lengths_and_matches_one_prompt_at_a_time(opti
     model = random_model(2, **options)
     engine = Engine(model, TOK)
     prompts = [[S["<|bos|>"], *TOK.encode(t)] for t in ("ab", "cd", "hello", "xy", "world")]  # lengths 3,3,6,3,6
-    calls = []
-    real = engine.generate_batch
-    engine.generate_batch = lambda p, **kw: calls.append(len(p)) or real(p, **kw)
     batched = engine.generate_many(prompts, num_samples=2, max_tokens=10, temperature=0.0)
-    assert calls == [5]  # one call for all five, the short prompts left-padded
     for prompt, (seqs, masks) in zip(prompts, batched):
-        alone = real(prompt, num_samples=2, max_tokens=10, temperature=0.0)
+        alone = engine.generate_batch(prompt, num_samples=2, max_tokens=10, temperature=0.0)
         assert (seqs, masks) == alone  # greedy: same tokens whether batched (and padded) or not
         assert all(s[: len(prompt)] == prompt for s in seqs)
     split = engine.generate_many(prompts, num_samples=2, max_tokens=10, temperature=0.0, max_rows=2)
-    assert split == batched and calls[1:] == [1] * 5  # max_rows=2 leaves one prompt per call
+    assert split == batched  # max_rows=2: one prompt at a time
 
 
 @torch.no_grad()
@@ -217,17 +215,17 @@ def rejected_call_engine() -> Engine:
 
 def test_rejected_tool_call_forces_nothing_and_padding_after_stop():
     engine = rejected_call_engine()
-    cols = list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
-    tokens = [c[0][0] for c in cols]
+    seqs, masks = engine.generate_batch([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0)
+    tokens = seqs[0][1:]
     assert tokens == [S["<|python_start|>"], TOK.encode("x")[0], S["<|python_end|>"], S["<|assistant_end|>"]]
-    assert all(c[1] == [1] for c in cols)  # nothing forced: "x" is not a valid expression
+    assert masks[0][1:] == [1] * 4  # nothing forced: "x" is not a valid expression
 
 
 def test_max_tokens_and_custom_stop_tokens():
     b = TOK.encode
     engine = Engine(ScriptedGPT({}, default=b("a")[0]), TOK)
-    cols = list(engine.generate([S["<|bos|>"]], num_samples=2, max_tokens=5, temperature=0.0))
-    assert len(cols) == 5 and all(c == ([97, 97], [1, 1]) for c in cols)
+    seqs, masks = engine.generate_batch([S["<|bos|>"]], num_samples=2, max_tokens=5, temperature=0.0)
+    assert seqs == [[S["<|bos|>"]] + [97] * 5] * 2 and masks == [[0] + [1] * 5] * 2
     seqs, masks = engine.generate_batch([S["<|bos|>"]], max_tokens=5, temperature=0.0, stop_tokens=[97])
     assert seqs == [[S["<|bos|>"], 97]] and masks == [[0, 1]]
 
@@ -281,7 +279,7 @@ def test_runaway_tool_call_is_cut_and_counted_as_failed():
 
 def test_rejected_and_good_calls_are_counted():
     engine = rejected_call_engine()
-    list(engine.generate([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0))
+    engine.generate_batch([S["<|assistant_start|>"]], max_tokens=10, temperature=0.0)
     assert engine.tool_stats == {"calls": 1, "failed": 1, "cut": 0}
 
 

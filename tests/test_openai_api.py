@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from chatpipe.inference.engine import Engine, sample_next
+from chatpipe.inference.engine import Engine
+from chatpipe.inference.sampler import sample_next
 from chatpipe.model.loading import load_chat_model
 from tests.project import running_server
 from tests.trained import train_artifacts

@@ -287,5 +287,3 @@ def test_behaviour_logprobs_are_what_the_trainer_recomputes_and_change_no_token(
     assert on.sum() > 10
     assert torch.allclose(batch.behav_logp[on], trainer[on], atol=1e-4)
     assert not batch.behav_logp[~on].any()  # prompt, forced tokens and padding: 0
-    with pytest.raises(ValueError, match="continuous"):
-        collect_rollouts(Engine(model, TOK), problems, **kw, behaviour_logprobs=True, continuous=False)

@@ -13,7 +13,7 @@ import torch
 
 from chatpipe.inference.engine import Engine
 from chatpipe.inference.scheduler import GenRequest, Scheduler, generate_continuous
-from tests.test_engine import CALL_2_PLUS_3, TOK, S, ScriptedGPT, random_model
+from tests.test_engine import CALL_2_PLUS_3, TOK, S, ScriptedGPT, greedy_recompute, random_model
 
 TIE = 1e-4  # |top1 - top2| of the reference's logits under which a differing greedy token is a rounding tie
 MAX_TIES = 1  # of 16 requests, at most this many may end in such a tie
@@ -103,41 +103,113 @@ def test_samples_of_one_prompt_share_its_prefill_and_draw_independently():
     calls = []
     forward = model.forward
     model.forward = lambda idx, **kw: calls.append(tuple(idx.shape)) or forward(idx, **kw)
-    sched = Scheduler(engine, rows=8, context=64)
-    req = sched.submit(GenRequest([S["<|bos|>"], *TOK.encode("hello")], num_samples=4, max_tokens=10, seed=5))
+    sched = Scheduler(engine, rows=8, context=64, block_size=4)
+    prompt = [S["<|bos|>"], *TOK.encode("hello")]  # 6 tokens: one full block of 4, then 2 in a partial block
+    req = sched.submit(GenRequest(prompt, num_samples=4, max_tokens=10, seed=5))
     sched.step()
-    cache = sched.cache  # the four rows read one copy of the prompt, in slot 0, and hold only their replies
-    assert cache.slot[:4] == [0] * 4 and cache.base[:4] == [6] * 4 and cache.prompt_lengths[0] == 6
+    first = sched.live[0].seq.blocks[0]  # the full block is shared; each sample has its own copy of the partial one
+    assert all(r.seq.blocks[0] == first for r in sched.live) and sched.pool.refs[first] == 4
+    assert len({r.seq.blocks[1] for r in sched.live}) == 4
     sched.run()
     assert calls[0] == (1, 6) and all(c[1] == 1 for c in calls[1:])  # one prefill, then one token per row
     assert len({tuple(s) for s in req.seqs}) > 1
-    again = sched.submit(GenRequest([S["<|bos|>"], *TOK.encode("hello")], num_samples=4, max_tokens=10, seed=5))
+    again = sched.submit(GenRequest(prompt, num_samples=4, max_tokens=10, seed=5))
     sched.run()
     assert again.seqs == req.seqs
 
 
-def test_requests_of_several_samples_past_the_prompt_slots_run_as_whole_rows():
-    """Samples of one prompt end apart, so every prompt slot (rows // 2) can be held by a request with
-    one row left while rows are free: the next such request joins as whole rows, never fails, and
-    each request draws what it draws alone."""
-    engine = Engine(random_model(2), TOK)
-    work = [([S["<|bos|>"], *TOK.encode("ab" * (i % 5) + "q")], 100 + i) for i in range(12)]
-    kw = dict(num_samples=2, max_tokens=24, temperature=1.0, stop_tokens=TOK.encode("abcdefgh"))
+@pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
+def test_rows_reading_a_shared_prefix_once_attend_as_rows_holding_it_whole(options):
+    """Rows that share full prefix blocks (the samples of one prompt) read them once, on a grid beside
+    rows that share nothing; each still gives the tokens of a full recompute with no cache."""
+    model = quiet_model(**options)
+    engine = Engine(model, TOK)
+    prompt = [S["<|bos|>"], *TOK.encode("shared prompt of three blocks")]  # 30 tokens: 3 full blocks of 8
+    other = [S["<|bos|>"], *TOK.encode("alone")]
+    sched = Scheduler(engine, rows=8, context=96, block_size=8)
+    shared = sched.submit(GenRequest(prompt, num_samples=3, max_tokens=20, temperature=0.0))
+    single = sched.submit(GenRequest(other, max_tokens=20, temperature=0.0))
+    sched.step()
+    sched.step()
+    batch = sched.model.forward  # the next decode forward groups the three samples
+    seen = []
+    sched.model.forward = lambda idx, kv_cache=None, **kw: (
+        seen.append(kv_cache.shared) or batch(idx, kv_cache=kv_cache, **kw)
+    )
+    sched.run()
+    sched.model.forward = batch
+    assert seen[0] is not None and seen[0].groups == 1 and seen[0].width == 3 and seen[0].blocks == 3
+    ref = greedy_recompute(model, prompt, 20)
+    assert shared.seqs == [shared.seqs[0]] * 3
+    assert count_ties(model, [shared, single], [prompt, other], [ref, greedy_recompute(model, other, 20)]) <= MAX_TIES
+
+
+def test_a_prompt_that_starts_like_an_earlier_one_computes_only_the_rest():
+    """The prefix cache: a chat's next turn (the history, then new messages) prefills only what is new,
+    and gives the tokens a scheduler without that history gives."""
+    model = quiet_model()
+    engine = Engine(model, TOK)
+    widths = []
+    forward = model.forward
+    model.forward = lambda idx, **kw: widths.append(idx.size(1)) or forward(idx, **kw)
+    sched = Scheduler(engine, rows=4, context=96, block_size=8)
+    first = sched.submit(GenRequest([S["<|bos|>"], *TOK.encode("the first question")], max_tokens=12, temperature=0.0))
+    sched.run()
+    history = first.prompt + first.seqs[0] + TOK.encode(" and then?")  # 19 + 12 + 10 = 41 tokens
+    widths.clear()
+    second = sched.submit(GenRequest(history, max_tokens=12, temperature=0.0))
+    sched.run()
+    assert widths[0] == 41 - 24  # the first 3 blocks (24 tokens: prompt and reply) came from the cache
+    stats = sched.stats()
+    assert stats["prefix_hit_tokens"] == 24 and stats["prefix_query_tokens"] == 19 + 41
+    fresh = Scheduler(engine, rows=4, context=96, block_size=8)
+    alone = fresh.submit(GenRequest(history, max_tokens=12, temperature=0.0))
+    fresh.run()
+    assert count_ties(model, [second], [history], [alone.seqs[0]]) <= MAX_TIES
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_other_rows_keep_decoding():
+    model = quiet_model()
+    engine = Engine(model, TOK)
+    sched = Scheduler(engine, rows=4, context=96, max_batch_tokens=12)
+    short = sched.submit(GenRequest([S["<|bos|>"], 97], max_tokens=30, temperature=0.0))
+    sched.step()
+    long_prompt = [S["<|bos|>"], *TOK.encode("x" * 50)]
+    long = sched.submit(GenRequest(long_prompt, max_tokens=5, temperature=0.0))
+    before = len(short.seqs[0])
+    steps = 0
+    while not long.seqs[0]:
+        sched.step()
+        steps += 1
+    assert steps == 5  # 51 tokens at 11 a step (12 less the decoding row): 5 chunks
+    assert len(short.seqs[0]) == before + steps  # the decoding row got a token at every one of them
+    sched.run()
+    fresh = Scheduler(engine, rows=4, context=96)
+    alone = fresh.submit(GenRequest(long_prompt, max_tokens=5, temperature=0.0))
+    fresh.run()
+    assert count_ties(model, [long], [long_prompt], [alone.seqs[0]]) <= MAX_TIES
+
+
+def test_rows_past_the_kv_pool_are_preempted_and_recomputed_with_the_same_tokens():
+    """A pool with room for about two replies at once and four rows: the newest row is preempted when
+    blocks run out (never out of memory), recomputed later, and every request ends as it does alone."""
+    model = quiet_model()
+    engine = Engine(model, TOK)
+    work = [([S["<|bos|>"], *TOK.encode("q" * (3 + i))], 30) for i in range(6)]
     alone = []
-    for prompt, seed in work:
+    for p, m in work:
         sched = Scheduler(engine, rows=4, context=64)
-        alone.append(sched.submit(GenRequest(prompt, seed=seed, **kw)))
+        alone.append(sched.submit(GenRequest(p, max_tokens=m, temperature=0.0)))
         sched.run()
-    sched = Scheduler(engine, rows=4, context=64)
-    reqs = [sched.submit(GenRequest(prompt, seed=seed, **kw)) for prompt, seed in work]
-    whole_pairs = 0
+    sched = Scheduler(engine, rows=4, context=64, kv_blocks=10, block_size=8)
+    reqs = [sched.submit(GenRequest(p, max_tokens=m, temperature=0.0)) for p, m in work]
+    used = []
     while sched.busy():
         sched.step()
-        rows = sched.live
-        whole_pairs += sum(1 for i, row in enumerate(rows) if row.sample == 1 and sched.cache.slot[i] < 0)
-    assert whole_pairs > 0  # the case happened
-    assert all(r.done for r in reqs) and [r.seqs for r in reqs] == [r.seqs for r in alone]
-    assert len({len(s) for r in reqs for s in r.seqs}) > 3  # samples ended apart
+        used.append(sched.pool.used)
+    assert sched.preemptions > 0 and max(used) <= 10
+    assert all(r.reasons == ["length"] for r in reqs)
+    assert count_ties(model, reqs, [p for p, _ in work], [a.seqs[0] for a in alone]) <= MAX_TIES
 
 
 def test_rows_and_memory_are_bounded_and_a_request_too_long_is_refused():
@@ -148,12 +220,15 @@ def test_rows_and_memory_are_bounded_and_a_request_too_long_is_refused():
     while sched.busy():
         seen.append(sched.step())
     assert max(seen) == 4 and all(r.done for r in reqs)
-    # k and v x layers x kv heads x head_dim x (4 rows + 2 prompt slots) x context x float32
-    assert sched.memory_bytes == 2 * 2 * 1 * 32 * (4 + 2) * 40 * 4
+    # k and v x layers x kv heads x head_dim x (4 rows x 3 blocks of 16 positions) x float32
+    assert sched.memory_bytes == 2 * 2 * 1 * 32 * (4 * 3 * 16) * 4
     with pytest.raises(ValueError, match="over the 40 KV positions"):
         sched.submit(GenRequest([S["<|bos|>"]] * 30, max_tokens=11))
     with pytest.raises(ValueError, match="more rows than the batch's 4"):
         sched.submit(GenRequest([S["<|bos|>"]], num_samples=5, max_tokens=4))
+    small = Scheduler(engine, rows=4, context=64, kv_blocks=2, block_size=16)
+    with pytest.raises(ValueError, match="over the KV pool's 32 positions"):
+        small.submit(GenRequest([S["<|bos|>"]] * 30, max_tokens=11))
 
 
 def test_a_cancelled_request_leaves_the_batch_at_the_next_step():
@@ -163,10 +238,11 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step():
     b = sched.submit(GenRequest([S["<|bos|>"], 98], num_samples=2, max_tokens=50))
     assert sched.step() == 3
     b.cancelled = True
-    assert sched.step() == 1 and sched.cache.n == 1
+    assert sched.step() == 1 and len(sched.live) == 1
     assert b.reasons == ["cancelled", "cancelled"] and not a.done
     sched.run()
     assert a.reasons == ["length"] and len(a.seqs[0]) == 50
+    assert sched.pool.used == 0  # every block released (full ones stay cached, reusable)
 
 
 def test_tool_use_and_stops_per_row_in_one_batch():
@@ -181,7 +257,7 @@ def test_tool_use_and_stops_per_row_in_one_batch():
 
 
 @pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
-def test_rollouts_on_the_continuous_batch_equal_the_static_batches_greedy(options):
+def test_rollouts_in_company_equal_rollouts_one_prompt_at_a_time_greedy(options):
     from chatpipe.rl.rollout import Problem, collect_rollouts
     from chatpipe.tokenizer import Tokenizer
 
@@ -192,9 +268,9 @@ def test_rollouts_on_the_continuous_batch_equal_the_static_batches_greedy(option
     convs = [{"messages": [{"role": "user", "content": "q" * (1 + 5 * i)}, {"role": "assistant", "content": ""}]}
              for i in range(6)]  # fmt: skip
     problems = [Problem(c, score=lambda text, i=i: float(len(text) % (i + 2))) for i, c in enumerate(convs)]
-    kw = dict(group_size=3, max_new_tokens=12, temperature=0.0, seed=4, max_rows=9)  # 3 prompts at a time
-    static = collect_rollouts(engine, problems, continuous=False, **kw)
-    batched = collect_rollouts(engine, problems, **kw)  # prompts of 6 lengths prefilled together, right-padded
+    kw = dict(group_size=3, max_new_tokens=12, temperature=0.0, seed=4)
+    static = collect_rollouts(engine, problems, max_rows=3, **kw)  # one prompt at a time
+    batched = collect_rollouts(engine, problems, max_rows=9, **kw)  # 3 prompts of 6 lengths prefilled together
     for name in ("inputs", "targets", "mask", "scores", "ended", "lengths", "groups", "correct"):
         assert torch.equal(getattr(static, name), getattr(batched, name)), name
     assert batched.completions == static.completions and batched.mask.sum() == 6 * 3 * 12
@@ -238,18 +314,18 @@ def test_top_logprobs_are_the_raw_distributions_best_tokens_and_the_chosen_token
 
 
 def test_a_prefill_that_raises_leaves_its_requests_for_fail_all():
-    """issue 71: the requests popped for a prefill that raised were lost, and their replies waited forever."""
+    """issue 71: the requests popped for a prefill that raised were lost (f18dbe9), and their replies waited forever."""
     sched = Scheduler(Engine(quiet_model(), TOK), rows=4, context=64)
     running = sched.submit(GenRequest([S["<|bos|>"], 5], max_tokens=20, temperature=0.0))
     sched.step()
     joining = [sched.submit(GenRequest([S["<|bos|>"], 6 + i], max_tokens=4)) for i in range(2)]
 
-    def broken(_joining):
+    def broken():
         raise RuntimeError("prefill broke")
 
     sched._prefill = broken
     with pytest.raises(RuntimeError, match="prefill broke"):
         sched.step()
-    assert sched.stats()["running"] == 1 and sched.stats()["waiting"] == 2
+    assert sched.stats()["running"] == 3  # the running row and the two prefilling
     assert set(map(id, sched.fail_all())) == {id(running), *map(id, joining)}
     assert not sched.busy() and sched.stats()["running"] == 0

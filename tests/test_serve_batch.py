@@ -61,8 +61,8 @@ def test_forty_requests_at_once_get_200s_and_503s_then_the_server_answers(server
     assert wait_until(lambda: app.state.pool.live_rows == 0)
     health = httpx.get(f"{url}/health").json()
     assert health["active"] == 0 and health["waiting"] == 0 and health["batch"]["rows"] == 4
-    # k, v x layers x kv width x (4 rows + 2 prompt slots) x positions x float32
-    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * (4 + 2) * 200 * 4
+    # k, v x layers x kv width x (4 rows x 13 blocks of 16 positions: 200 each) x float32
+    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * (4 * 13 * 16) * 4
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
 
@@ -228,10 +228,10 @@ def test_a_prefill_that_raises_fails_its_requests_and_frees_their_rows(tmp_path,
 
     prefill = Scheduler._prefill
 
-    def broken(self, joining):  # requests 2 and 3 (however they arrive) break their prefill
-        if any(r.num_samples == 2 or r.prompt[-1] == 4 for r in joining):
+    def broken(self):  # requests 2 and 3 (however they arrive) break their prefill
+        if any(p.req.num_samples == 2 or p.req.prompt[-1] == 4 for p in self.prefills):
             raise RuntimeError("prefill broke")
-        return prefill(self, joining)
+        return prefill(self)
 
     monkeypatch.setattr(Scheduler, "_prefill", broken)
     with batch_loop(tmp_path, rows=4) as conn:

@@ -1,25 +1,28 @@
-"""Continuous batching: one running batch that requests join and leave between decode steps.
+"""The one engine loop: continuous batching over paged KV memory, with a prefix cache.
 
-A :class:`Scheduler` owns a :class:`chatpipe.model.row_cache.RowKVCache` of ``rows`` x
-``context`` positions (and ``rows // 2`` prompt slots for requests of several samples), allocated
-once: that is all the KV memory it ever uses. Each call of
+Every token chatpipe generates (chat, server, evals, rollouts, the reward model's sampling) comes
+from a :class:`Scheduler`. It owns admission, the KV budget and preemption; the model only runs
+forwards (:class:`chatpipe.model.paged_cache.PagedBatch`); :mod:`chatpipe.inference.sampler` draws
+and :class:`chatpipe.inference.rows.RowState` applies stops and the calculator. Each
 :meth:`Scheduler.step`:
 
-1. **admits** waiting requests, oldest first, while the batch has a free row for every sample of
-   the next one: the joining prompts are prefilled together, right-padded (a prompt never attends
-   to the padding after it, so each keeps its own positions). A prompt of one sample is copied
-   into its row; a prompt of several into a prompt slot that its samples' rows read (they share
-   its prefill and its keys/values, and hold only their replies);
-2. samples one token for every live row, each row with its own stop tokens, ``max_tokens`` and
-   calculator state. Every request has its own ``torch.Generator`` seeded with its seed: its live
-   samples draw from it together, in sample order, wherever their rows sit in the batch;
-3. **evicts** rows that finished or whose request was cancelled (the last live row moves into
-   the gap, so live rows stay ``0 .. n - 1``);
-4. runs one decode step for the rows left, each at its own position.
+1. **admits** waiting requests, oldest first, while the batch has a row for every sample of the
+   next one and the KV pool has blocks for its prompt. Its prompt is looked up in the prefix cache
+   first: the blocks found are shared, only the rest is computed;
+2. **prefills** in chunks under a per-step token budget (``max_batch_tokens``, decode rows first):
+   a long prompt takes several steps, and the rows already decoding get a token at every one of
+   them. When a prompt is done, its samples fork from it (sharing its blocks);
+3. **samples** one token per live row (each request from its own ``torch.Generator``), applies its
+   row rules and **evicts** the rows that finished or were cancelled (their full blocks stay in the
+   prefix cache);
+4. **decodes**: one forward for every live row. A row that needs a new block and finds none
+   **preempts** the newest row or prefill (its blocks are freed; it is recomputed later, mostly from
+   the prefix cache), never running out of memory.
 
-A request's tokens thus depend only on the request and its seed, not on its neighbours (up to the
-float rounding of a matmul at another batch size). A request whose prompt plus ``max_tokens``
-exceeds ``context`` is refused at :meth:`Scheduler.submit`; one that fits waits until rows free up.
+A request's tokens depend only on the request and its seed, not on its neighbours (up to the float
+rounding of a matmul at another batch size, and the draw order of a request's samples when one of
+them was preempted). A request that can never fit (its prompt plus ``max_tokens`` over the context
+or the whole pool, or more samples than rows) is refused at :meth:`Scheduler.submit`.
 
 Usage::
 
@@ -32,6 +35,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -40,11 +44,13 @@ from typing import Any
 
 import torch
 
-from chatpipe.inference.engine import Engine, _Row, draw, sampling_candidates
-from chatpipe.model.gpt import KVCache
-from chatpipe.model.row_cache import RowKVCache
+from chatpipe.inference.rows import RowState
+from chatpipe.inference.sampler import draw, sampling_candidates, token_logprobs, top_logprobs
+from chatpipe.model.paged_cache import BlockPool, PagedBatch, Sequence
 
 log = logging.getLogger(__name__)
+
+GREEDY = torch.finfo(torch.float32).tiny  # a temperature below it samples the argmax
 
 
 @dataclass(eq=False)
@@ -64,18 +70,16 @@ class GenRequest:
     seed: int = 42
     stop_tokens: list[int] | None = None
     logprobs: bool = False  # record each token's log-prob under the sampling temperature (``logps``)
-    top_logprobs: int | None = None  # record the raw distribution's log-probs (``tops``): None = off, k = top k
+    top_logprobs: int = -1  # >= 0: record the raw log-prob of each token and its k best rivals (``tops``)
     on_token: Callable[[int, int, int], None] | None = None
     on_done: Callable[[int, str], None] | None = None
     seqs: list[list[int]] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
     logps: list[list[float]] = field(default_factory=list)  # with ``logprobs``: per token, 0.0 where forced
-    # with ``top_logprobs``: per sample, per token (log-prob of the token, [(token, log-prob)] of the k
-    # likeliest), at temperature 1 (the model's own distribution); (0.0, []) where forced
     tops: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
     reasons: list[str | None] = field(default_factory=list)
     cancelled: bool = False
-    rng: torch.Generator | None = field(default=None, repr=False)  # seeded when the request joins
+    rng: torch.Generator | None = field(default=None, repr=False)  # seeded when the request is admitted
 
     @property
     def done(self) -> bool:
@@ -84,47 +88,86 @@ class GenRequest:
 
 
 @dataclass(eq=False)
-class _Live:
-    """A live row: which sample of which request, its tool state, its generator and its next input."""
+class _Row:
+    """A live sample: its request, its row rules, its sequence in the KV pool and its next input."""
 
     req: GenRequest
     sample: int
-    stops: set[int]
-    tool: _Row = field(default_factory=_Row)
-    count: int = 0
-    token: int = 0  # the token the next decode step feeds
-    reason: str | None = None
+    state: RowState
+    seq: Sequence
+    order: int  # admission order: the newest is preempted first
+    token: int = 0
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """A sequence being prefilled: a new request's prompt (its samples fork from it when done), or
+    one preempted ``row`` being recomputed (prompt and the tokens it had)."""
+
+    req: GenRequest
+    seq: Sequence
+    order: int
+    row: _Row | None = None
+    looked_up: bool = False
 
 
 class Scheduler:
-    """Runs :class:`GenRequest` s together in one batch of at most ``rows`` rows (see the module docstring)."""
+    """Runs :class:`GenRequest` s together (see the module docstring).
 
-    def __init__(self, engine: Engine, rows: int = 16, context: int = 0) -> None:
+    ``rows``: most samples generating at once. ``context``: most positions of one sequence (prompt
+    plus reply). ``kv_blocks`` x ``block_size``: the KV pool (default: ``rows`` sequences of ``context``
+    positions). ``max_batch_tokens``: tokens one step may compute (decode rows plus prefill chunks).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        rows: int = 16,
+        context: int = 0,
+        kv_blocks: int = 0,
+        block_size: int = 16,
+        max_batch_tokens: int = 512,
+    ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
-        self.engine, self.model = engine, engine.model
+        if max_batch_tokens <= rows:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be above rows ({rows}): prefill needs room")
+        self.engine, self.model, self.rules = engine, engine.model, engine.rules
         self.context = context or engine.model.config.sequence_len
-        self.cache = RowKVCache.from_config(engine.model.config, rows, self.context)
-        self.device = next(engine.model.parameters()).device
-        self.rows = rows
-        self.live: list[_Live] = []
+        self.rows, self.max_batch_tokens = rows, max_batch_tokens
+        self.pool = BlockPool(self.model.config, kv_blocks or rows * -(-self.context // block_size), block_size)
+        self.device = next(self.model.parameters()).device
+        self.live: list[_Row] = []
+        self.prefills: list[_Prefill] = []
         self.waiting: deque[GenRequest] = deque()
         self.logits: torch.Tensor | None = None  # [len(live), V]: each live row's next-token logits
-        self.steps = 0
+        self.steps = self.preemptions = self.hit_tokens = self.query_tokens = 0
+        self._order = itertools.count()
 
     @property
     def memory_bytes(self) -> int:
-        """The KV cache's bound in float32: rows, and rows // 2 prompt slots (allocated when a request
-        with several samples first shares one), of context positions of every layer's keys and values."""
-        return RowKVCache.bytes_for(self.model.config, self.rows + self.rows // 2, self.context)
+        """The KV pool's bound in float32: all the KV memory this scheduler ever allocates."""
+        return BlockPool.bytes_for(self.model.config, self.pool.num_blocks, self.pool.block_size)
+
+    def stats(self) -> dict[str, int]:
+        """The batch's load, for ``/metrics``: rows running and waiting, KV blocks, prefix-cache tokens."""
+        return {
+            "running": len(self.live) + sum(self._rows_of(p) for p in self.prefills),
+            "waiting": sum(r.num_samples for r in self.waiting),
+            "kv_blocks_used": self.pool.used,
+            "kv_blocks_total": self.pool.num_blocks,
+            "prefix_hit_tokens": self.hit_tokens,
+            "prefix_query_tokens": self.query_tokens,
+            "preemptions": self.preemptions,
+        }
 
     def fits(self, prompt_len: int, max_tokens: int, num_samples: int = 1) -> str | None:
         """Why a request this big can never run here (naming the limit), or None when it can."""
-        if prompt_len + max_tokens > self.context:
-            return (
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is over the {self.context} "
-                "KV positions a batch row holds"
-            )
+        need = prompt_len + max_tokens
+        if need > self.context:
+            return f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is over the {self.context} KV positions a sequence holds"
+        if need > self.pool.slots:
+            return f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) is over the KV pool's {self.pool.slots} positions"
         if num_samples > self.rows:
             return f"{num_samples} samples need more rows than the batch's {self.rows}"
         return None
@@ -138,65 +181,134 @@ class Scheduler:
         req.seqs = [[] for _ in range(req.num_samples)]
         req.masks = [[] for _ in range(req.num_samples)]
         req.logps = [[] for _ in range(req.num_samples)] if req.logprobs else []
-        req.tops = [[] for _ in range(req.num_samples)] if req.top_logprobs is not None else []
+        req.tops = [[] for _ in range(req.num_samples)] if req.top_logprobs >= 0 else []
         req.reasons = [None] * req.num_samples
         self.waiting.append(req)
         return req
 
     def busy(self) -> bool:
-        """Rows are live or requests wait."""
-        return bool(self.live or self.waiting)
+        """Rows are live, prompts prefilling or requests waiting."""
+        return bool(self.live or self.prefills or self.waiting)
+
+    def run(self) -> None:
+        """Step until every submitted request has finished."""
+        while self.busy():
+            self.step()
+
+    # ------------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """Admit, prefill a chunk, sample a token per live row, evict the finished, decode the rest;
+        returns the live rows."""
+        self._drop_cancelled()
+        self._admit()
+        self._prefill()
+        if self.live:
+            tokens = self._sample()
+            self._record(tokens)
+            self._evict()
+        if self.live:
+            self._decode()
+        else:
+            self.logits = None
+        self.steps += 1
+        return len(self.live)
+
+    def _rows_of(self, p: _Prefill) -> int:
+        return 1 if p.row is not None else p.req.num_samples
+
+    def _drop_cancelled(self) -> None:
+        """Rows of cancelled requests end now; their prefills leave and free their blocks."""
+        for row in self.live:
+            if row.req.cancelled and row.state.reason is None:
+                row.state.reason = "cancelled"
+        for p in [p for p in self.prefills if p.req.cancelled]:
+            self.prefills.remove(p)
+            self.pool.free_sequence(p.seq)
+            samples = [p.row.sample] if p.row is not None else range(p.req.num_samples)
+            for j in samples:
+                _end(p.req, j, "cancelled")
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows, oldest first, while the next one fits whole."""
-        joining: list[GenRequest] = []
-        free = self.rows - len(self.live)
-        while self.waiting and (self.waiting[0].cancelled or self.waiting[0].num_samples <= free):
-            req = self.waiting.popleft()
+        """Start prefilling waiting requests, oldest first, while rows and KV blocks allow the next one."""
+        in_use = len(self.live) + sum(self._rows_of(p) for p in self.prefills)
+        while self.waiting:
+            req = self.waiting[0]
             if req.cancelled:
-                _finish_cancelled(req)
+                self.waiting.popleft()
+                for j in range(req.num_samples):
+                    _end(req, j, "cancelled")
                 continue
-            joining.append(req)
-            free -= req.num_samples
-        if not joining:
-            return
-        live = len(self.live)
-        try:
-            logits = self._prefill(joining)
-        except Exception:  # back in the queue, so fail_all() reports them with the batch
-            del self.live[live:]
-            self.cache.n = live
-            self.waiting.extendleft(reversed(joining))
-            raise
-        parts = [] if self.logits is None else [self.logits]
-        repeats = torch.tensor([r.num_samples for r in joining], device=logits.device)
-        self.logits = torch.cat([*parts, logits.repeat_interleave(repeats, 0)])
-
-    def _prefill(self, joining: list[GenRequest]) -> torch.Tensor:
-        """Prefill ``joining`` together (right-padded: a prompt never attends to the padding after it),
-        copy each into a row per sample; returns each prompt's last logits [len(joining), V]."""
-        lengths = [len(r.prompt) for r in joining]
-        longest = max(lengths)
-        prompt = KVCache.from_config(self.model.config, batch_size=len(joining), max_len=longest)
-        ids = torch.tensor([r.prompt + [r.prompt[-1]] * (longest - len(r.prompt)) for r in joining], device=self.device)
-        ends = (torch.arange(len(joining), device=self.device), torch.tensor(lengths, device=self.device) - 1)
-        last = self.model(ids, kv_cache=prompt)[ends]  # each prompt's logits at its own last token
-        if prompt.prev_embed is not None:  # smear: a row's previous embedding is its own last token's
-            prompt.prev_embed = self.model.embed_for_smear(ids[ends])
-        for i, req in enumerate(joining):
-            stops = self.engine.stop_ids(req.stop_tokens)
+            if in_use + req.num_samples > self.rows:
+                return
+            job = _Prefill(req, Sequence(list(req.prompt)), next(self._order))
+            self._look_up(job)
+            # its prompt's blocks and one more per sample (each sample's first own block) must be free now
+            need = self.pool.blocks_for(len(req.prompt)) - len(job.seq.blocks) + req.num_samples
+            if need > self.pool.available and (self.live or self.prefills):
+                self.pool.free_sequence(job.seq)  # wait for memory; the prefix found is looked up again
+                self.hit_tokens -= job.seq.length
+                self.query_tokens -= len(req.prompt)
+                return
+            self.waiting.popleft()
             req.rng = torch.Generator(device=self.device)
             req.rng.manual_seed(req.seed)
-            shared = req.num_samples > 1 and self.cache.free_slot() is not None  # else whole rows, as one sample
-            slot = self.cache.add_prompt(prompt, source_row=i, length=lengths[i]) if shared else None
-            for j in range(req.num_samples):
-                if slot is None:
-                    self.cache.load(len(self.live), prompt, source_row=i, length=lengths[i])
-                else:  # the samples read one copy of their prompt (RowKVCache's shared prompts)
-                    self.cache.join(len(self.live), slot, prompt, source_row=i)
-                self.live.append(_Live(req, j, stops))
-                self.cache.n = len(self.live)
-        return last
+            self.prefills.append(job)
+            in_use += req.num_samples
+
+    def _look_up(self, job: _Prefill) -> None:
+        """Share the prefix-cache blocks that hold the start of ``job``'s sequence (counted for the hit rate)."""
+        found = self.pool.lookup(job.seq)
+        job.looked_up = True
+        self.hit_tokens += found
+        self.query_tokens += len(job.seq.tokens)
+
+    def _prefill(self) -> None:
+        """One forward over the next chunk of each prefilling sequence, oldest first, within the step's
+        token budget; sequences that are done become live rows with their last logits."""
+        budget = self.max_batch_tokens - len(self.live)
+        batch: list[tuple[_Prefill, int]] = []
+        for job in self.prefills:
+            if budget <= 0:
+                break
+            if not job.looked_up:
+                self._look_up(job)
+            chunk = min(len(job.seq.tokens) - job.seq.length, budget)
+            if not self.pool.reserve(job.seq, job.seq.length + chunk):
+                break  # wait until rows finish and free blocks; later prefills wait behind this one
+            batch.append((job, chunk))
+            budget -= chunk
+        if not batch:
+            return
+        seqs, chunks = [job.seq for job, _ in batch], [chunk for _, chunk in batch]
+        width = max(chunks)
+        ids = [s.tokens[s.length : s.length + c] + [0] * (width - c) for s, c in zip(seqs, chunks)]
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.model(ids, kv_cache=PagedBatch(self.pool, seqs, chunks, self.device))
+        for i, (job, chunk) in enumerate(batch):
+            if job.seq.length == len(job.seq.tokens):
+                self.prefills.remove(job)
+                self._join(job, logits[i, chunk - 1])
+
+    def _join(self, job: _Prefill, last: torch.Tensor) -> None:
+        """A prefilled sequence's rows go live: its samples fork from it, or the preempted row resumes."""
+        if job.row is not None:
+            job.row.seq = job.seq
+            rows = [job.row]
+        else:
+            rows = []
+            for j in range(job.req.num_samples):
+                seq = job.seq if j == 0 else self.pool.fork(job.seq)
+                state = self.rules.row(job.req.max_tokens, job.req.stop_tokens)
+                row = _Row(job.req, j, state, seq if seq is not None else Sequence([]), job.order)
+                if seq is None:  # no block left for its copy: recomputed once memory frees
+                    self.prefills.insert(0, _Prefill(job.req, Sequence(list(job.req.prompt)), job.order, row))
+                    continue
+                rows.append(row)
+        self.live.extend(rows)
+        new = last[None].expand(len(rows), -1)
+        self.logits = new if self.logits is None else torch.cat([self.logits, new])
 
     def _sample(self) -> list[int]:
         """One token per live row from its logits: argmax at temperature 0, else a draw from its request's
@@ -206,15 +318,13 @@ class Scheduler:
         by_request: dict[int, list[int]] = {}
         greedy = []
         for i, row in enumerate(self.live):
-            if row.req.temperature < torch.finfo(torch.float32).tiny:
+            if row.req.temperature < GREEDY:
                 greedy.append(i)
             else:
                 by_request.setdefault(id(row.req), []).append(i)
         if greedy:
             for i, t in zip(greedy, self.logits[greedy].argmax(dim=-1).tolist()):
                 tokens[i] = t
-        if not by_request:
-            return tokens
         settings: dict[tuple, list[list[int]]] = {}  # requests that sample alike: their probabilities together
         for idx in by_request.values():
             r = self.live[idx[0]].req
@@ -230,134 +340,107 @@ class Scheduler:
                 tokens[i] = t
         return tokens
 
+    def _record(self, tokens: list[int]) -> None:
+        """Apply each live row's sampled token through its row rules; record it (and its log-probs)."""
+        logps = self._logprobs(tokens)
+        tops = self._tops(tokens)
+        for i, row in enumerate(self.live):
+            if row.state.reason is not None:  # cancelled before sampling
+                continue
+            tok, mask = row.state.advance(tokens[i])
+            row.token = tok
+            row.seq.tokens.append(tok)
+            req = row.req
+            req.seqs[row.sample].append(tok)
+            req.masks[row.sample].append(mask)
+            if req.logprobs:
+                req.logps[row.sample].append(logps[i] if mask else 0.0)
+            if req.top_logprobs >= 0:
+                req.tops[row.sample].append(tops[i])
+            if req.on_token is not None:
+                _call(req, req.on_token, row.sample, tok, mask)
+
     def _logprobs(self, tokens: list[int]) -> list[float]:
-        """Each live row's log-prob of ``tokens`` under its sampling distribution before top-k/top-p,
-        log softmax(logits / temperature) (1 for greedy rows): the behaviour policy's log-probs as a
-        trainer recomputes them. Only rows of requests that ask (``logprobs``); 0.0 for the others."""
+        """Each live row's log-prob of its token under log softmax(logits / temperature) (1 for greedy
+        rows), for requests that ask (``logprobs``); 0.0 for the others."""
         asked = [i for i, row in enumerate(self.live) if row.req.logprobs]
         out = [0.0] * len(self.live)
-        if not asked:
-            return out
-        tiny = torch.finfo(torch.float32).tiny  # below it a row is greedy (``_sample``)
-        temps = [t if (t := self.live[i].req.temperature) >= tiny else 1.0 for i in asked]
-        temps = torch.tensor(temps, device=self.logits.device)
-        chosen = torch.tensor([tokens[i] for i in asked], device=self.logits.device)
-        logp = torch.log_softmax(self.logits[asked].float() / temps[:, None], dim=-1)
-        for i, v in zip(asked, logp.gather(1, chosen[:, None]).squeeze(1).tolist()):
-            out[i] = v
+        if asked:
+            temps = [t if (t := self.live[i].req.temperature) >= GREEDY else 1.0 for i in asked]
+            chosen = torch.tensor([tokens[i] for i in asked], device=self.logits.device)
+            values = token_logprobs(self.logits[asked], chosen, torch.tensor(temps, device=self.logits.device))
+            for i, v in zip(asked, values.tolist()):
+                out[i] = v
         return out
 
-    def _top_logprobs(self, tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:
-        """For the rows of requests that ask (``top_logprobs`` not None): the log-prob of ``tokens`` and the
-        ``top_logprobs`` likeliest tokens with theirs, under the raw distribution log softmax(logits), not
-        the sampling temperature (what OpenAI's API reports); None for the other rows."""
-        asked = [i for i, row in enumerate(self.live) if row.req.top_logprobs is not None]
-        out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(self.live)
-        if not asked:
-            return out
-        logp = torch.log_softmax(self.logits[asked].float(), dim=-1)
-        chosen = torch.tensor([tokens[i] for i in asked], device=logp.device)
-        chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
-        k = max(self.live[i].req.top_logprobs for i in asked)
-        values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        values, ids = values.tolist(), ids.tolist()
-        for n, i in enumerate(asked):
-            top = self.live[i].req.top_logprobs
-            out[i] = (chosen_lp[n], list(zip(ids[n][:top], values[n][:top])))
+    def _tops(self, tokens: list[int]) -> list[Any]:
+        """For requests with ``top_logprobs`` >= 0: (the token's raw log-prob, its k best rivals) per row."""
+        asked = [i for i, row in enumerate(self.live) if row.req.top_logprobs >= 0]
+        out: list[Any] = [None] * len(self.live)
+        if asked:
+            k = max(self.live[i].req.top_logprobs for i in asked)
+            chosen = torch.tensor([tokens[i] for i in asked], device=self.logits.device)
+            values, rivals = top_logprobs(self.logits[asked], chosen, k)
+            for i, v, r in zip(asked, values, rivals):
+                out[i] = (v, r[: self.live[i].req.top_logprobs])
         return out
-
-    def _advance(self, row: _Live, sampled: int, logp: float = 0.0, top: tuple | None = None) -> None:
-        """Apply one sampled token (its log-prob ``logp``, its raw ``top`` log-probs) to ``row``: forced
-        tool output first, stop rules, the calculator."""
-        tool = row.tool
-        forced = bool(tool.forced)
-        tok = tool.forced.popleft() if forced else sampled
-        mask = 0 if forced else 1
-        row.count += 1
-        row.token = tok
-        req = row.req
-        req.seqs[row.sample].append(tok)
-        req.masks[row.sample].append(mask)
-        if req.logprobs:
-            req.logps[row.sample].append(0.0 if forced else logp)
-        if req.top_logprobs is not None:
-            req.tops[row.sample].append((0.0, []) if forced or top is None else top)
-        if req.on_token is not None:
-            _call(req, req.on_token, row.sample, tok, mask)
-        if forced and tool.cut and not tool.forced:
-            row.reason = "tool_cut"
-        elif not forced and tok in row.stops:
-            row.reason = "stop"
-        elif not forced:
-            self.engine._tool_step(tool, tok)
-        if row.reason is None and row.count >= req.max_tokens:
-            row.reason = "length"
 
     def _evict(self) -> None:
-        """Drop finished and cancelled rows; the last live rows move into their gaps."""
-        keep = [i for i, row in enumerate(self.live) if row.reason is None and not row.req.cancelled]
-        for row in self.live:
-            if row.reason is None and row.req.cancelled:
-                row.reason = "cancelled"
-            if row.reason is not None:
-                row.req.reasons[row.sample] = row.reason
-                if row.req.on_done is not None:
-                    _call(row.req, row.req.on_done, row.sample, row.reason)
-        m, kept = len(keep), set(keep)
-        holes = [i for i in range(m) if i not in kept]
-        movers = [i for i in keep if i >= m]
-        for src, dst in zip(movers, holes):
-            self.cache.move(src, dst)
-            self.live[dst] = self.live[src]
-        del self.live[m:]
-        self.cache.n = m
+        """Drop finished and cancelled rows (their full blocks stay cached) and their logits."""
+        keep = []
+        for i, row in enumerate(self.live):
+            if row.state.reason is None and row.req.cancelled:
+                row.state.reason = "cancelled"
+            if row.state.reason is None:
+                keep.append(i)
+                continue
+            self.pool.free_sequence(row.seq)
+            _end(row.req, row.sample, row.state.reason)
+        if len(keep) < len(self.live):
+            self.live = [self.live[i] for i in keep]
+            self.logits = self.logits[keep] if keep else None
 
-    @torch.inference_mode()
-    def step(self) -> int:
-        """Admit, sample a token per live row, evict the finished, decode the rest; returns the live rows."""
-        for row in self.live:  # cancelled before sampling: leave now
-            if row.req.cancelled and row.reason is None:
-                row.reason = "cancelled"
-        self._admit()
+    def _decode(self) -> None:
+        """Room for every live row's next position (preempting the newest when the pool is full), then
+        one forward that stores the rows' last tokens and gives their next logits."""
+        for row in list(self.live):
+            while row in self.live and not self.pool.reserve(row.seq, row.seq.length + 1):
+                self._preempt_newest()
         if not self.live:
             self.logits = None
-            return 0
-        tokens = self._sample()
-        for row, tok, logp, top in zip(self.live, tokens, self._logprobs(tokens), self._top_logprobs(tokens)):
-            if row.reason is None:
-                self._advance(row, tok, logp, top)
-        self._evict()
-        self.steps += 1
-        if not self.live:
-            self.logits = None
-            return 0
+            return
+        seqs = [row.seq for row in self.live]
         column = torch.tensor([[row.token] for row in self.live], dtype=torch.long, device=self.device)
-        self.logits = self.model(column, kv_cache=self.cache)[:, -1, :]
-        return len(self.live)
+        batch = PagedBatch(self.pool, seqs, [1] * len(seqs), self.device)
+        self.logits = self.model(column, kv_cache=batch)[:, -1, :]
 
-    def run(self) -> None:
-        """Step until every submitted request has finished."""
-        while self.busy():
-            self.step()
-
-    def stats(self) -> dict[str, int]:
-        """The batch's load: rows decoding and samples waiting for a row, KV blocks in use and in all,
-        and the prompt tokens looked up in a prefix cache and found there (0 while there is none)."""
-        return {
-            "running": len(self.live),
-            "waiting": sum(r.num_samples for r in self.waiting),
-            "kv_blocks_used": 0,
-            "kv_blocks_total": 0,
-            "prefix_hit_tokens": 0,
-            "prefix_query_tokens": 0,
-        }
+    def _preempt_newest(self) -> None:
+        """Free the newest row or prefill's blocks; it is recomputed when memory allows (prefix cache first)."""
+        holders = [p for p in self.prefills if p.seq.blocks]
+        newest = max([*self.live, *holders], key=lambda x: x.order)
+        self.preemptions += 1
+        self.pool.free_sequence(newest.seq)
+        if isinstance(newest, _Prefill):
+            newest.looked_up = False
+            return
+        self.live.remove(newest)
+        tokens = list(newest.req.prompt) + newest.req.seqs[newest.sample]
+        self.prefills.insert(0, _Prefill(newest.req, Sequence(tokens), newest.order, newest))
 
     def fail_all(self) -> list[GenRequest]:
-        """Forget every live and waiting request (after an error in a step); returns them."""
-        reqs = list({id(r.req): r.req for r in self.live}.values()) + list(self.waiting)
-        self.live, self.logits, self.cache.n = [], None, 0
+        """Forget every live, prefilling and waiting request (after an error in a step); returns them."""
+        held = [r.req for r in self.live] + [p.req for p in self.prefills] + list(self.waiting)
+        for seq in [r.seq for r in self.live] + [p.seq for p in self.prefills]:
+            self.pool.free_sequence(seq)
+        self.live, self.prefills, self.logits = [], [], None
         self.waiting.clear()
-        return reqs
+        return list({id(r): r for r in held}.values())
+
+
+def _end(req: GenRequest, sample: int, reason: str) -> None:
+    req.reasons[sample] = reason
+    if req.on_done is not None:
+        _call(req, req.on_done, sample, reason)
 
 
 def _call(req: GenRequest, callback: Callable[..., None], *args: Any) -> None:
@@ -369,16 +452,8 @@ def _call(req: GenRequest, callback: Callable[..., None], *args: Any) -> None:
         req.cancelled = True
 
 
-def _finish_cancelled(req: GenRequest) -> None:
-    """A request cancelled before it joined: every sample ends without a token."""
-    for j in range(req.num_samples):
-        req.reasons[j] = "cancelled"
-        if req.on_done is not None:
-            _call(req, req.on_done, j, "cancelled")
-
-
 def generate_continuous(
-    engine: Engine,
+    engine: Any,
     prompts: list[list[int]],
     num_samples: int = 1,
     *,
@@ -388,21 +463,19 @@ def generate_continuous(
     logprobs: bool = False,
     **kw: Any,
 ) -> list[tuple]:
-    """:meth:`Engine.generate_many` on a continuous batch: (full sequences, masks) per prompt, in order;
-    with ``logprobs`` (full sequences, masks, per-token log-probs, 0.0 on the prompt and forced tokens).
+    """(full sequences, masks) per prompt, in order, ``num_samples`` each; with ``logprobs`` (full
+    sequences, masks, per-token log-probs, 0.0 on the prompt and forced tokens).
 
     Prompt ``i`` samples with seed ``seed + i``, so results depend only on the prompts and ``seed``.
     The batch holds ``max_rows`` rows (rounded down to whole prompts); when a row finishes, the
-    next prompt's samples take its place as soon as there are rows for all of them. The batch stays
-    on ``engine.batch`` for the next call of the same size (its KV memory is allocated once).
+    next prompt's samples take its place as soon as there are rows for all of them. The engine keeps
+    the scheduler for its next call of the same size (its KV memory is allocated once).
     """
     longest = max(len(p) for p in prompts) if prompts else 0
     rows = min(max(num_samples, (max_rows // num_samples) * num_samples), len(prompts) * num_samples)
     need = longest + kw.get("max_tokens", 64)
     context = context or max(need, min(-(-need // 64) * 64, engine.model.config.sequence_len))  # reused more
-    sched = engine.batch
-    if not isinstance(sched, Scheduler) or sched.rows != rows or sched.context < context or sched.busy():
-        sched = engine.batch = Scheduler(engine, rows=rows, context=context)  # RL's next step reuses its memory
+    sched = engine.scheduler(rows, context, max_batch_tokens=rows * context + 1)  # every joining prompt at once
     reqs = [
         sched.submit(GenRequest(list(p), num_samples=num_samples, seed=seed + i, logprobs=logprobs, **kw))
         for i, p in enumerate(prompts)

@@ -44,7 +44,7 @@ from chatpipe.model.attention import (
     sliding_window_block_mask,
 )
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
-from chatpipe.model.row_cache import RowKVCache, RowPlan
+from chatpipe.model.paged_cache import PagedBatch, PagedPlan
 
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
@@ -355,7 +355,7 @@ CPU_ATTENTION_BLOCK = 128  # query rows per call for windowed attention over a w
 # devices whose sliding-window layers go through FlexAttention (chatpipe.model.attention): CUDA only.
 # On CPU the compiled flex forward is no faster than the paths below (bench/README.md) and has no backward.
 FLEX_DEVICES = ("cuda",)
-AttentionPlan = list[AttentionSpan] | BlockwiseCausal | FlexWindow | RowPlan
+AttentionPlan = list[AttentionSpan] | BlockwiseCausal | FlexWindow | PagedPlan
 
 
 def _attention_plan(
@@ -435,7 +435,7 @@ class CausalSelfAttention(nn.Module):
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
         if self.qk_scale != 1.0:
             q, k = q * self.qk_scale, k * self.qk_scale
-        if isinstance(plan, RowPlan):  # rows at their own positions: the row cache attends (shared prompts)
+        if isinstance(plan, PagedPlan):  # rows of the KV pool, each at its own positions: the pool attends
             y = kv_cache.attend(self.layer_idx, q, k, v, plan)
             return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
         if kv_cache is not None:
@@ -574,15 +574,19 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too)."""
         t = idx.size(1)
-        t0 = kv_cache.pos if kv_cache is not None else 0
+        t0 = kv_cache.pos if kv_cache is not None and not isinstance(kv_cache, PagedBatch) else 0
         if t0 + t > self.cos.size(2):
             raise ValueError(f"positions {t0}..{t0 + t} exceed the rotary table length {self.cos.size(2)}")
         cos, sin = self.cos[:, :, t0 : t0 + t], self.sin[:, :, t0 : t0 + t]
         training = kv_cache is None and torch.is_grad_enabled()
-        if isinstance(kv_cache, RowKVCache):  # one token per row, each row at its own position
-            positions = kv_cache.positions(idx.device)
-            cos, sin = self.cos[0, 0, positions][:, None, None], self.sin[0, 0, positions][:, None, None]
-            plans = {w: kv_cache.plan(w, positions) for w in set(self.windows)}
+        if isinstance(kv_cache, PagedBatch):  # rows of sequences in KV blocks, each at its own positions
+            positions = kv_cache.positions()
+            if int(positions.max()) >= self.cos.size(2):
+                raise ValueError(f"position {int(positions.max())} exceeds the rotary table length {self.cos.size(2)}")
+            cos, sin = self.cos[0, 0, positions][:, None], self.sin[0, 0, positions][:, None]
+            plans = {w: kv_cache.plan(w) for w in set(self.windows)}
+            if self.config.smear:
+                kv_cache.prev_embed = self._previous_embeds(kv_cache.previous_tokens(), idx.device)
         elif kv_cache is not None and kv_cache.key_mask is not None:  # rows of left-padded prompts
             masks = {w: _padded_attention_mask(t0, t, w, kv_cache.key_mask) for w in set(self.windows)}
             plans = {w: [(0, t, 0, t0 + t, m, False)] for w, m in masks.items()}
@@ -609,6 +613,14 @@ class GPT(nn.Module):
             kv_cache.advance(t)
         return norm(x)
 
+    def _previous_embeds(self, tokens: list[int | None], device: torch.device) -> torch.Tensor:
+        """[rows, 1, n_embd]: the smear's previous embedding of each row, zeros where a row starts its
+        sequence (x + gate * 0 is x: that row's first token is not smeared, as at position 0)."""
+        ids = torch.tensor([0 if t is None else t for t in tokens], device=device)
+        embeds = self.embed_for_smear(ids)
+        starts = torch.tensor([t is None for t in tokens], device=device)
+        return embeds.masked_fill(starts[:, None, None], 0.0)
+
     def embed_for_smear(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, 1, n_embd]: what a KV cache keeps as ``prev_embed`` after tokens ``ids`` [B] (their normed embedding)."""
         return norm(self.wte(ids[:, None]))
@@ -634,7 +646,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        kv_cache: KVCache | RowKVCache | None = None,
+        kv_cache: KVCache | PagedBatch | None = None,
         loss_reduction: str = "mean",
     ) -> torch.Tensor:
         """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).

@@ -219,7 +219,6 @@ def collect_rollouts(
     seed: int = 0,
     device: torch.device | str = "cpu",
     generation_size: int = 0,
-    continuous: bool = True,
     max_rows: int = 128,
     behaviour_logprobs: bool = False,
     matmul_dtype: torch.dtype | None = None,
@@ -228,26 +227,20 @@ def collect_rollouts(
 
     With ``generation_size`` > ``group_size``, that many are sampled per problem and the
     ``group_size`` best-scored are kept (:func:`best_of_n`). ``seed`` makes the batch reproducible.
-    ``continuous`` (the default) samples on one continuous batch of ``max_rows`` rows
+    Samples on one continuous batch of ``max_rows`` rows
     (:func:`chatpipe.inference.scheduler.generate_continuous`: when a row finishes, the next
-    prompt's samples take its place); ``continuous=False`` uses the static batches of
-    :meth:`Engine.generate_many` (a batch runs until its longest row ends). ``behaviour_logprobs``
-    (continuous only) keeps the sampler's log-prob of every target in ``behav_logp``, for updates on
+    prompt's samples take its place). ``behaviour_logprobs`` keeps the sampler's log-prob of every
+    target in ``behav_logp``, for updates on
     rollouts an older policy sampled. ``matmul_dtype`` (e.g. bf16) samples with the linear layers in
     that precision (:func:`chatpipe.inference.precision.linears_in`); None: the weights' own.
     """
-    if behaviour_logprobs and not continuous:
-        raise ValueError("behaviour_logprobs needs the continuous batch (continuous=True)")
     tok = engine.tokenizer
     rows: dict[str, list] = {k: [] for k in ("seqs", "masks", "scores", "ended", "lengths", "groups", "texts", "ok")}
     prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
     sample = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, max_rows=max_rows)
     num_samples = max(generation_size, group_size)
     with linears_in(engine.model, matmul_dtype):
-        if continuous:
-            generated = generate_continuous(engine, prompts, num_samples, logprobs=behaviour_logprobs, **sample)
-        else:
-            generated = engine.generate_many(prompts, num_samples=num_samples, **sample)
+        generated = generate_continuous(engine, prompts, num_samples, logprobs=behaviour_logprobs, **sample)
     logps = []
     for j, (problem, prompt, (out, out_masks, *lps)) in enumerate(zip(problems, prompts, generated)):
         samples = [_read_sample(engine, problem, s, mk, len(prompt)) for s, mk in zip(out, out_masks)]

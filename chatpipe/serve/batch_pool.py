@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 
 from chatpipe.inference.engine import Engine, TextStream
 from chatpipe.inference.scheduler import GenRequest, Scheduler
-from chatpipe.model.row_cache import RowKVCache
+from chatpipe.model.paged_cache import BlockPool
 from chatpipe.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class _Reply:
 
     __slots__ = ("loop", "queue", "texts", "ended", "running", "lps", "top", "t0", "first", "last")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, texts: list[TextStream], top: int | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, texts: list[TextStream], top: int) -> None:
         self.loop, self.queue, self.texts, self.top = loop, asyncio.Queue(), texts, top
         self.ended = [False] * len(texts)  # the sample's text is complete (its last delta sent)
         self.running = len(texts)  # samples the batch has not reported done
@@ -193,8 +193,8 @@ class BatchPool:
         self.metrics = metrics or ServeMetrics()
         self.size = self.rows = rows
         self.context = context or engine.model.config.sequence_len
-        # the keys and values of every row and of the rows // 2 prompt slots (the scheduler's bound)
-        self.kv_bytes = RowKVCache.bytes_for(engine.model.config, rows + rows // 2, self.context)
+        # the KV pool's blocks: rows sequences of context positions (the scheduler's default, its bound)
+        self.kv_bytes = BlockPool.bytes_for(engine.model.config, rows * -(-self.context // 16), 16)
         self.inflight = self.served = self.cancelled = self.restarts = 0
         self.live_rows = self.active = self.steps = 0  # as the batch last reported
         self.gone: str | None = None  # "error: why", while the batch process is down
@@ -385,7 +385,7 @@ class BatchPool:
 
     @staticmethod
     def _take_lps(reply: _Reply, sample: int) -> list[tuple] | None:
-        if reply.top is None:
+        if reply.top < 0:  # not asked for
             return None
         lps, reply.lps[sample] = reply.lps[sample], []
         return lps
@@ -431,7 +431,7 @@ class BatchPool:
         stop = kw.pop("stop", None)
         texts = [TextStream(self.engine, s, stop, kw.get("stop_tokens")) for s in stats[: kw.get("num_samples", 1)]]
         loop = asyncio.get_running_loop()
-        reply = _Reply(loop, texts, kw.get("top_logprobs"))
+        reply = _Reply(loop, texts, kw.get("top_logprobs", -1))
         rid = next(self.ids)
         self.replies[rid] = reply
         self.inflight += 1

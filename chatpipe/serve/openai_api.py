@@ -248,13 +248,13 @@ def check_sampling(req: _Sampling, model_name: str, cfg: Any) -> dict[str, Any]:
     )
 
 
-def top_logprobs(req: _Sampling) -> int | None:
-    """The scheduler's ``top_logprobs`` for a request: None without log-probs, else how many top tokens."""
+def top_logprobs(req: _Sampling) -> int:
+    """The scheduler's ``top_logprobs`` for a request: -1 without log-probs, else how many top tokens."""
     if isinstance(req, CompletionRequest):
-        return req.logprobs
+        return -1 if req.logprobs is None else req.logprobs
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    return (req.top_logprobs or 0) if req.logprobs else None
+    return (req.top_logprobs or 0) if req.logprobs else -1
 
 
 def chat_prompt(req: ChatCompletionRequest, loaded: Any, cfg: Any, max_tokens: int) -> list[int]:
@@ -419,7 +419,7 @@ def choice(a: Answer, index: int, got: Choice, finish: str) -> dict[str, Any]:
     """One choice of a whole answer: the reply's text (the tool's parts too, in ``message.parts``)."""
     parts = got.parts
     content = "".join(p["text"] for p in parts if p["type"] == "text")
-    lps = logprobs_shape(a, got.lps, len(a.echoed(index)))[0] if a.kw["top_logprobs"] is not None else None
+    lps = logprobs_shape(a, got.lps, len(a.echoed(index)))[0] if a.kw["top_logprobs"] >= 0 else None
     if not a.chat:
         return {"index": index, "text": a.echoed(index) + content, "finish_reason": finish, "logprobs": lps}
     message: dict[str, Any] = {"role": "assistant", "content": content}

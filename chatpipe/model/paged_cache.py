@@ -1,0 +1,381 @@
+"""Paged KV memory: every sequence's keys/values live in fixed-size blocks of one shared pool.
+
+A :class:`BlockPool` holds ``num_blocks`` blocks of ``block_size`` positions for every layer,
+allocated once (on the first write, in the dtype and on the device of the keys): that is all the KV
+memory generation ever uses. A :class:`Sequence` owns a list of blocks (its block table), so
+memory follows the tokens a sequence really holds, not a worst-case row of the whole context.
+
+**Prefix cache.** A block that fills up is registered under the key (its parent block's key, its
+tokens): a chain, so a key names the whole prefix up to the block's end, as vLLM's block hashes
+do. A later sequence whose prompt starts with the same tokens shares those blocks (their reference
+count goes up) and prefills only the rest: a chat's next turn, whose prompt is the whole history,
+recomputes only the new messages. A block no sequence holds any more keeps its contents while
+memory allows: it is evicted, least recently released first, only when a new block is needed.
+
+**A forward over the pool.** :class:`PagedBatch` is what the model's forward gets as its
+``kv_cache``: rows of sequences that each add ``chunk`` tokens (a decode step adds 1, a prefill
+chunk many), right-padded to one length. Each layer writes the new keys/values into their slots
+and gathers every row's keys in position order for one masked attention call; padding writes go
+to a scratch slot and no real query attends them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence's tokens and its blocks: ``length`` of its ``tokens`` have keys/values stored."""
+
+    tokens: list[int]
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+    keys: list[Any] = field(default_factory=list)  # the prefix key of each full block registered so far
+
+    def capacity(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks of ``block_size`` positions, shared by sequences, with a prefix cache."""
+
+    def __init__(self, config: Any, num_blocks: int, block_size: int = 16) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        head_dim = config.n_embd // config.n_head
+        self.slots = num_blocks * block_size  # the first slot of the scratch block: padding writes there
+        # one more block than the pool holds: the scratch block, which pads block tables too
+        # heads before positions within a block: a gathered block is [heads, positions, dim] as attention reads it
+        self.shape = (config.n_layer, num_blocks + 1, config.n_kv_head, block_size, head_dim)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.refs = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))  # blocks holding nothing worth keeping
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence holds, oldest first
+        self.cached: dict[Any, int] = {}  # prefix key -> block
+        self.block_key: list[Any] = [None] * num_blocks
+        self.hit_tokens = 0  # prompt tokens found in the cache, and looked up, since the pool was made
+        self.query_tokens = 0
+
+    @staticmethod
+    def bytes_for(config: Any, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes the keys and values of ``num_blocks`` blocks take for a model with ``config``."""
+        per = config.n_layer * config.n_kv_head * (config.n_embd // config.n_head) * 2
+        return per * num_blocks * block_size * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def available(self) -> int:
+        """Blocks a new sequence can get: the free ones and the cached ones no sequence holds."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self.free) - len(self.evictable)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def storage(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the pool in ``dtype`` on ``device``; a change of either forgets the prefix cache."""
+        if self.k is not None and self.k.dtype == dtype and self.k.device == device:
+            return
+        stored = self.k is not None  # blocks hold keys of another dtype or device: none can be reused
+        if stored and any(self.refs):
+            raise ValueError(f"the KV pool holds live sequences in {self.k.dtype}: it cannot switch to {dtype}")
+        self.k = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+        if not stored:
+            return
+        self.cached.clear()
+        self.evictable.clear()
+        self.block_key = [None] * self.num_blocks
+        self.free = deque(range(self.num_blocks))
+
+    # ------------------------------------------------------------------------ blocks
+
+    def _take(self) -> int | None:
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_key[block]]
+            self.block_key[block] = None
+        else:
+            return None
+        self.refs[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self.evictable.pop(block, None)
+        self.refs[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if self.block_key[block] is not None:
+                self.evictable[block] = None  # kept for a later prefix hit until memory is needed
+            else:
+                self.free.append(block)
+
+    def reserve(self, seq: Sequence, positions: int) -> bool:
+        """Give ``seq`` blocks for ``positions`` positions in all; False (nothing taken) when too few are left."""
+        need = self.blocks_for(positions) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > self.available:
+            return False
+        seq.blocks.extend(self._take() for _ in range(need))
+        return True
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (its full ones stay cached for later prefix hits)."""
+        for block in seq.blocks:
+            self._release(block)
+        seq.blocks, seq.length, seq.keys = [], 0, []
+
+    # ------------------------------------------------------------------------ the prefix cache
+
+    def _key(self, seq: Sequence, index: int) -> Any:
+        """The prefix key of ``seq``'s full block ``index``: its parent's key and its own tokens."""
+        parent = seq.keys[index - 1] if index else None
+        start = index * self.block_size
+        return (hash(parent), tuple(seq.tokens[start : start + self.block_size]))
+
+    def lookup(self, seq: Sequence) -> int:
+        """Share the cached blocks that hold a prefix of ``seq``'s tokens; returns the positions found.
+
+        At least the last token is always left to compute: its logits start the reply."""
+        assert not seq.blocks, "look a prefix up before the sequence holds blocks"
+        usable = (len(seq.tokens) - 1) // self.block_size
+        for index in range(usable):
+            block = self.cached.get(self._key(seq, index))
+            if block is None:
+                break
+            seq.keys.append(self.block_key[block])
+            self._hold(block)
+            seq.blocks.append(block)
+        seq.length = len(seq.blocks) * self.block_size
+        self.hit_tokens += seq.length
+        self.query_tokens += len(seq.tokens)
+        return seq.length
+
+    def commit(self, seq: Sequence, count: int) -> None:
+        """``count`` more positions of ``seq`` hold their keys/values; register the blocks that filled."""
+        seq.length += count
+        while len(seq.keys) < seq.length // self.block_size:
+            index = len(seq.keys)
+            key = self._key(seq, index)
+            seq.keys.append(key)
+            block = seq.blocks[index]
+            if key not in self.cached and self.block_key[block] is None:
+                self.cached[key] = block
+                self.block_key[block] = key
+
+    def fork(self, seq: Sequence) -> Sequence | None:
+        """A copy of ``seq`` that shares its full blocks and copies its last, partly filled one
+        (each copy writes there next); None when no block is left for that copy."""
+        child = Sequence(list(seq.tokens), length=seq.length, keys=list(seq.keys))
+        full = seq.length // self.block_size
+        if full < len(seq.blocks):
+            block = self._take()
+            if block is None:
+                return None
+            if self.k is not None:
+                self.k[:, block] = self.k[:, seq.blocks[full]]
+                self.v[:, block] = self.v[:, seq.blocks[full]]
+            tail = [block]
+        else:
+            tail = []
+        for b in seq.blocks[:full]:
+            self._hold(b)
+        child.blocks = seq.blocks[:full] + tail
+        return child
+
+
+@dataclass
+class PagedPlan:
+    """One layer window's attention for a :class:`PagedBatch`: which keys each query may attend
+    (``mask`` [rows, 1, T, keys], keys laid out as the batch's shared prefix blocks, then own blocks)."""
+
+    mask: torch.Tensor
+
+
+@dataclass
+class SharedPrefixes:
+    """Rows of one forward that start with the same full blocks (the samples of one prompt, or prompts
+    found in the prefix cache): each such prefix is read once for all its rows, as a grid of
+    ``groups`` x ``width`` cells. ``tables`` [groups * blocks]: each prefix's blocks (padded with the
+    scratch block); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
+    whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1, 1]:
+    1.0 for rows in a group, 0.0 for the others."""
+
+    groups: int
+    width: int
+    blocks: int
+    tables: torch.Tensor
+    cell_rows: torch.Tensor
+    row_cell: torch.Tensor
+    grouped: torch.Tensor
+
+
+class PagedBatch:
+    """The ``kv_cache`` of one forward: row ``i`` of the input continues ``seqs[i]`` with ``chunks[i]``
+    tokens (the rest of the row is padding). The model calls :meth:`plan` once per window,
+    :meth:`attend` in every layer and :meth:`advance` at the end, which commits the positions.
+
+    Each layer attends block by block on the blocks as they lie ([rows, blocks, H_kv, block_size, D]),
+    with no copy into one [rows, H_kv, keys, D] tensor; a prefix several rows share is read once
+    for all of them (:class:`SharedPrefixes`)."""
+
+    key_mask = None
+
+    def __init__(self, pool: BlockPool, seqs: list[Sequence], chunks: list[int], device: torch.device) -> None:
+        self.pool, self.seqs, self.chunks, self.device = pool, seqs, chunks, device
+        size = pool.block_size
+        self.starts = torch.tensor([s.length for s in seqs], device=device)
+        steps = torch.arange(max(chunks), device=device)
+        counts = torch.tensor(chunks, device=device)
+        real = steps[None] < counts[:, None]
+        # [rows, T]; a row's padding repeats its last position (never past the rotary table)
+        self._positions = self.starts[:, None] + torch.minimum(steps[None], counts[:, None] - 1)
+        blocks = max(len(s.blocks) for s in seqs)
+        tables = torch.tensor(_padded([s.blocks for s in seqs], blocks, pool.num_blocks), device=device)
+        index = (self._positions // size).clamp(max=blocks - 1)
+        write_block = torch.where(real, tables.gather(1, index), pool.num_blocks)  # padding: the scratch block
+        self.write = (write_block.flatten(), (self._positions % size).flatten())
+        self.shared, prefix = self._share_prefixes()
+        own = [s.blocks[n:] for s, n in zip(seqs, prefix)]
+        self.own_blocks = max(len(o) for o in own)
+        self.own_tables = torch.tensor(_padded(own, self.own_blocks, pool.num_blocks), device=device).flatten()
+        self._key_layout(prefix, [len(o) for o in own])
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
+
+    def _share_prefixes(self) -> tuple[SharedPrefixes | None, list[int]]:
+        """Group rows by the full, shared blocks they start with; returns the groups (None when no two
+        rows share a prefix) and the prefix blocks each row reads from its group (0 if none)."""
+        size, refs = self.pool.block_size, self.pool.refs
+        found: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(self.seqs):
+            n = 0
+            while n < len(s.blocks) and (n + 1) * size <= s.length and refs[s.blocks[n]] > 1:
+                n += 1
+            if n:
+                found.setdefault(tuple(s.blocks[:n]), []).append(i)
+        groups = [(key, rows) for key, rows in found.items() if len(rows) > 1]
+        prefix = [0] * len(self.seqs)
+        if not groups:
+            return None, prefix
+        width, blocks = max(len(r) for _, r in groups), max(len(k) for k, _ in groups)
+        cell_rows, row_cell = [0] * (len(groups) * width), [0] * len(self.seqs)
+        for g, (key, rows) in enumerate(groups):
+            for w, r in enumerate(rows):
+                cell_rows[g * width + w], row_cell[r], prefix[r] = r, g * width + w, len(key)
+        tensor = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
+        tables = _padded([list(k) for k, _ in groups], blocks, self.pool.num_blocks)
+        grouped = tensor([float(n > 0) for n in prefix])[:, None, None, None]
+        shared = SharedPrefixes(
+            len(groups), width, blocks, tensor(tables).flatten(), tensor(cell_rows), tensor(row_cell), grouped
+        )
+        return shared, prefix
+
+    def _key_layout(self, prefix: list[int], own: list[int]) -> None:
+        """Each row's key positions, its group's prefix blocks first, then its own, and which are real."""
+        size, device = self.pool.block_size, self.device
+        prefix_blocks = self.shared.blocks if self.shared else 0
+        n_prefix, n_own = torch.tensor(prefix, device=device)[:, None], torch.tensor(own, device=device)[:, None]
+        pre = torch.arange(prefix_blocks * size, device=device)[None].expand(len(prefix), -1)
+        ahead = torch.arange(self.own_blocks * size, device=device)[None]
+        self.key_pos = torch.cat([pre, n_prefix * size + ahead], dim=1)
+        self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own * size], dim=1)
+
+    @property
+    def pos(self) -> int:
+        """Positions before this forward's first token, of the row that holds the most (the smear's test)."""
+        return int(self.starts.max())
+
+    def positions(self) -> torch.Tensor:
+        """[rows, T]: each input token's position in its sequence."""
+        return self._positions
+
+    def previous_tokens(self) -> list[int | None]:
+        """The token before each row's chunk (whose embedding the smear mixes in), or None at position 0."""
+        return [s.tokens[s.length - 1] if s.length else None for s in self.seqs]
+
+    def plan(self, window: int | None) -> PagedPlan:
+        query, keys = self._positions[:, :, None], self.key_pos[:, None, :]  # [rows, T, 1], [rows, 1, K]
+        mask = self.key_real[:, None, :] & (keys <= query)
+        if window is not None:
+            mask = mask & (query - keys < window)
+        return PagedPlan(mask[:, None])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
+        """Store the new keys/values (k/v [rows, H_kv, T, D]) and attend each query over its row's keys:
+        one softmax over [shared prefix keys | own keys]."""
+        rows, kv_heads, width, dim = k.shape
+        group, size, own = q.size(1) // kv_heads, self.pool.block_size, self.own_blocks
+        self.pool.storage(k.dtype, k.device)
+        pk, pv = self.pool.k[layer], self.pool.v[layer]
+        block, offset = self.write
+        pk[block, :, offset] = k.transpose(1, 2).reshape(rows * width, kv_heads, dim)
+        pv[block, :, offset] = v.transpose(1, 2).reshape(rows * width, kv_heads, dim)
+        qg = q.reshape(rows, kv_heads, group * width, dim) * dim**-0.5  # query heads grouped by their kv head
+        own_k = self._gather(0, pk, self.own_tables).view(rows, own, kv_heads, size, dim)
+        own_v = self._gather(1, pv, self.own_tables).view(rows, own, kv_heads, size, dim)
+        parts = [qg[:, None] @ own_k.transpose(-1, -2)]  # [rows, own blocks, H_kv, g*T, size]
+        if self.shared:
+            parts.insert(0, self._prefix_scores(qg, pk))
+        scores = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        blocks = scores.size(1)
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width, blocks * size)
+        scores = scores.masked_fill(~plan.mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * width, blocks, size).permute(0, 3, 1, 2, 4)
+        out = (probs[:, blocks - own :] @ own_v).sum(dim=1)  # [rows, H_kv, g*T, D]
+        if self.shared:
+            out = out + self._prefix_values(probs[:, : blocks - own], pv) * self.shared.grouped
+        return out.reshape(rows, q.size(1), width, dim)
+
+    def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+        """[rows, prefix blocks, H_kv, g*T, size]: each row's scores on its group's prefix, computed
+        on the grid (a group's queries side by side against its prefix, read once)."""
+        sh, (rows, kv_heads, gt, dim) = self.shared, qg.shape
+        keys = self._gather(2, pk, sh.tables).view(sh.groups, sh.blocks, kv_heads, -1, dim)
+        grid = qg.index_select(0, sh.cell_rows).view(sh.groups, sh.width, kv_heads, gt, dim)
+        grid = grid.transpose(1, 2).reshape(sh.groups, 1, kv_heads, sh.width * gt, dim)
+        scores = grid @ keys.transpose(-1, -2)  # [groups, blocks, H_kv, width * g*T, size]
+        scores = scores.view(sh.groups, sh.blocks, kv_heads, sh.width, gt, -1).permute(0, 3, 1, 2, 4, 5)
+        return scores.reshape(sh.groups * sh.width, sh.blocks, kv_heads, gt, -1).index_select(0, sh.row_cell)
+
+    def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+        """[rows, H_kv, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
+        sh, (rows, blocks, kv_heads, gt, size) = self.shared, probs.shape
+        values = self._gather(3, pv, sh.tables).view(sh.groups, blocks, kv_heads, size, -1)
+        grid = probs.index_select(0, sh.cell_rows).view(sh.groups, sh.width, blocks, kv_heads, gt, size)
+        grid = grid.permute(0, 2, 3, 1, 4, 5).reshape(sh.groups, blocks, kv_heads, sh.width * gt, size)
+        out = (grid @ values).sum(dim=1)  # [groups, H_kv, width * g*T, D]
+        out = out.view(sh.groups, kv_heads, sh.width, gt, -1).transpose(1, 2)
+        return out.reshape(sh.groups * sh.width, kv_heads, gt, -1).index_select(0, sh.row_cell)
+
+    def _gather(self, which: int, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """``pool``'s blocks ``tables``, into a buffer that every layer of this forward reuses: a fresh
+        tensor of megabytes per layer cost page faults that took longer than the copy itself."""
+        shape = (len(tables), *pool.shape[1:])
+        buf = self._buffers.get(which)
+        if buf is None or buf.shape != shape or buf.dtype != pool.dtype:
+            buf = self._buffers[which] = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        return torch.index_select(pool, 0, tables, out=buf)
+
+    def advance(self, t: int) -> None:
+        for seq, count in zip(self.seqs, self.chunks):
+            self.pool.commit(seq, count)
+
+
+def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:
+    return [t + [pad] * (width - len(t)) for t in tables]
