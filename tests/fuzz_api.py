@@ -39,7 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ("tried", "clean", "5xx", "bad shape", "silently wrong")
-LIMITS = dict(num_engines=2, max_queue=8, max_message_chars=200, max_turns=5, max_tokens=8, max_tokens_limit=16)
+LIMITS = dict(batch_rows=2, max_queue=8, max_message_chars=200, max_turns=5, max_tokens=8, max_tokens_limit=16)
 
 
 # --------------------------------------------------------------------------- the server
@@ -237,7 +237,10 @@ def hand_made() -> list[tuple[str, str, Any, int, str | None]]:
         (v1, {**CHAT, "bogus": 1}, 400, "bogus"),
         (v1, {**CHAT, "model": "gpt-4"}, 404, "model"),
         (v1, {**CHAT, "user": "u" * 1_100_000}, 413, None),
-        (v1, {**CHAT, "logprobs": True}, 400, "logprobs"),
+        (v1, {**CHAT, "logprobs": 1}, 400, "logprobs"),
+        (v1, {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        (v1, {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/completions", {"model": "sft", "prompt": "hi", "logprobs": True}, 400, "logprobs"),
         (v1, {**CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
         (v1, {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"model": "sft", "prompt": ["a", 7], "max_tokens": 2}, 400, "prompt"),

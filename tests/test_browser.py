@@ -43,7 +43,7 @@ def chromium_path() -> str:
 def url(tmp_path_factory):
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
     loaded.model.forward = Paced(loaded.model.forward, 0.02)  # a real model's pace: tokens arrive over ~1 s
-    cfg = serve_settings(num_engines=2, max_tokens=48, temperature=0.8, top_k=20)
+    cfg = serve_settings(batch_rows=2, max_tokens=48, temperature=0.8, top_k=20)
     server, base = run_in_thread(create_app(loaded, cfg))
     yield base
     server.should_exit = True

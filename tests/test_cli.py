@@ -20,7 +20,7 @@ def test_help_lists_commands_and_each_command_has_its_own_help(capsys):
     assert e.value.code == 0 and "chat" in (out := capsys.readouterr().out) and "serve" in out
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
-    assert "--num-engines" in capsys.readouterr().out
+    assert "--batch-rows" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         cli.main(["plot"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err

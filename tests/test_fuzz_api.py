@@ -14,7 +14,7 @@ pytest.importorskip("schemathesis")
 from tests.fuzz_api import campaign  # noqa: E402
 
 OPERATIONS = {
-    "GET /", "GET /health", "POST /api/chat", "GET /v1/models", "GET /v1/models/{model_id}",
+    "GET /", "GET /health", "GET /metrics", "POST /api/chat", "GET /v1/models", "GET /v1/models/{model_id}",
     "POST /v1/chat/completions", "POST /v1/completions",
 }  # fmt: skip
 

@@ -288,3 +288,44 @@ def test_a_failing_callback_cancels_its_own_request_not_the_batch():
     sched.run()
     assert bad.reasons == ["cancelled"] and len(bad.seqs[0]) == 1
     assert good.reasons == ["length"] and len(good.seqs[0]) == 20
+
+
+def test_top_logprobs_are_the_raw_distributions_best_tokens_and_the_chosen_tokens_log_prob():
+    """issue 71: OpenAI's logprobs come from log softmax(logits) at temperature 1, whatever the request samples at."""
+    model = quiet_model()
+    engine = Engine(model, TOK)
+    prompt = [S["<|bos|>"], *TOK.encode("abab")]
+    sched = Scheduler(engine, rows=4, context=64)
+    req = sched.submit(GenRequest(prompt, num_samples=2, max_tokens=5, temperature=0.7, seed=1, top_logprobs=3))
+    plain = sched.submit(GenRequest(prompt, max_tokens=5, temperature=0.0))
+    sched.run()
+    assert plain.tops == [] and len(req.tops) == 2
+    for seq, tops in zip(req.seqs, req.tops):
+        assert len(tops) == len(seq) == 5
+        for i, (chosen, best) in enumerate(tops):
+            with torch.no_grad():
+                ref = torch.log_softmax(model(torch.tensor([prompt + seq[:i]]))[0, -1].float(), dim=-1)
+            assert chosen == pytest.approx(ref[seq[i]].item(), abs=1e-4)
+            assert [t for t, _ in best] == ref.topk(3).indices.tolist()
+            assert [v for _, v in best] == pytest.approx(ref.topk(3).values.tolist(), abs=1e-4)
+    zero = sched.submit(GenRequest(prompt, max_tokens=2, temperature=0.0, top_logprobs=0))
+    sched.run()
+    assert [best for _, best in zero.tops[0]] == [[], []] and all(lp < 0 for lp, _ in zero.tops[0])
+
+
+def test_a_prefill_that_raises_leaves_its_requests_for_fail_all():
+    """issue 71: the requests popped for a prefill that raised were lost (f18dbe9), and their replies waited forever."""
+    sched = Scheduler(Engine(quiet_model(), TOK), rows=4, context=64)
+    running = sched.submit(GenRequest([S["<|bos|>"], 5], max_tokens=20, temperature=0.0))
+    sched.step()
+    joining = [sched.submit(GenRequest([S["<|bos|>"], 6 + i], max_tokens=4)) for i in range(2)]
+
+    def broken():
+        raise RuntimeError("prefill broke")
+
+    sched._prefill = broken
+    with pytest.raises(RuntimeError, match="prefill broke"):
+        sched.step()
+    assert sched.stats()["running"] == 3  # the running row and the two prefilling
+    assert set(map(id, sched.fail_all())) == {id(running), *map(id, joining)}
+    assert not sched.busy() and sched.stats()["running"] == 0

@@ -24,7 +24,7 @@ def loaded(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(loaded):
     cfg = serve_settings(
-        num_engines=4,
+        batch_rows=4,
         max_queue=16,
         max_message_chars=200,
         max_turns=5,
@@ -135,7 +135,7 @@ def test_eight_concurrent_requests_get_their_own_replies(server, loaded):
     for t in threads:
         t.join(60)
     assert got == dict(enumerate(expected))
-    # replies really overlapped in time (4 engines), rather than running one after another
+    # replies really overlapped in time (4 batch rows), rather than running one after another
     overlaps = sum(a[0] < b[1] and b[0] < a[1] for i, a in spans.items() for j, b in spans.items() if i < j)
     assert overlaps >= 3
     assert wait_until(lambda: app.state.pool.active == 0)
@@ -167,14 +167,15 @@ def test_seed_past_int64_is_a_4xx_naming_the_limit(server):
     assert "9223372036854775807" in r.json()["error"]
 
 
-def test_max_queue_is_enforced_exactly_for_requests_not_yet_streaming():
+def test_max_queue_is_enforced_exactly_for_requests_not_yet_streaming(server):
     """issue 15 item 5: requests admitted before their stream started were not counted, so 41
     could queue with max_queue=32."""
-    from chatpipe.serve.app import ApiError, EnginePool
+    from chatpipe.serve.app import ApiError
 
-    pool = EnginePool(engine=None, size=2, max_queue=3)
-    admitted = [pool.check_capacity() for _ in range(5)]  # 2 engines + 3 queued
-    with pytest.raises(ApiError, match="max_queue=3"):
+    pool = server[0].state.pool
+    assert wait_until(lambda: pool.inflight == 0)
+    admitted = [pool.check_capacity() for _ in range(4 + 16)]  # 4 rows + 16 queued
+    with pytest.raises(ApiError, match="max_queue=16"):
         pool.check_capacity()
     del admitted[0]  # a client that went away before its stream started frees its place
     pool.check_capacity()

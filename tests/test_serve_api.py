@@ -1,7 +1,7 @@
 """The JSON API beyond chatting: the non-streaming reply keeps calculator calls, and the API docs answer.
 
 A real uvicorn server on 127.0.0.1. For the calculator test the engine's token stream is scripted
-(a random tiny model never calls the tool); the app's own assembly of the reply is what is tested.
+(a random tiny model never calls the tool: the batch pool's stream is scripted); the app's own assembly of the reply is what is tested.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ CALC_REPLY = [("text", "12 + 7 is "), ("python", "12+7"), ("python_output", "19"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
-    limits = dict(num_engines=1, max_queue=4, max_message_chars=200, max_turns=5, max_tokens=16, max_tokens_limit=64)
-    cfg = serve_settings(**limits, batch_rows=0)  # the thread pool, whose engine.stream this test scripts
-    app = create_app(loaded, cfg)
-    engine = app.state.pool.engine
+    limits = dict(batch_rows=1, max_queue=4, max_message_chars=200, max_turns=5, max_tokens=16, max_tokens_limit=64)
+    app = create_app(loaded, serve_settings(**limits))
 
-    def scripted(prompt, stats=None, **kw):
-        stats.update(tokens=9, finish_reason="stop")
-        yield from CALC_REPLY
+    async def scripted(prompt, stats, admission=None, **kw):  # the pool's deltas of one sample, scripted
+        stats[0].update(tokens=9, finish_reason="stop")
+        for kind, text in CALC_REPLY:
+            yield 0, kind, text, None
+        yield 0, "end", "", None
 
-    engine.stream = scripted
+    app.state.pool.stream = scripted
     srv, url = run_in_thread(app)
     yield url
     srv.should_exit = True

@@ -8,7 +8,7 @@ server reports.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from chatpipe.model.loading import load_chat_model
+from chatpipe.serve import batch_pool
 from chatpipe.serve.app import create_app
 from tests.chatmodel import make_artifacts, run_in_thread, serve_paced, serve_settings
 from tests.project import wait_until
@@ -110,35 +111,18 @@ def test_the_batch_decodes_in_its_own_process_that_stops_with_the_server(tmp_pat
     assert pool.worker.exitcode == 0  # it was told to stop, not killed
 
 
-def test_a_batch_process_that_dies_fails_its_replies_and_the_server_says_so(tmp_path):
+@contextlib.contextmanager
+def small_server(tmp_path, **settings):
+    """A server of 2 batch rows, 20 ms a token, in a thread: yields (app, url)."""
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
-    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000)
-    for app, url in serve_paced(loaded, cfg, seconds_per_token=0.02):
-        pool = app.state.pool
-        body = {"messages": CHAT["messages"], "max_tokens": 150}
-        with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            next(lines)  # generating
-            os.kill(pool.worker.pid, signal.SIGKILL)
-            events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-        assert "batch process exited" in events[-1]["error"], events[-1]
-        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
-        assert r.status_code == 503 and "batch process exited" in r.json()["error"]["message"], r.text
-        # a reply that got past the check as the process died ends with the error too, never hangs
-        pool.reader.join(10)
-        assert not pool.reader.is_alive()
-        with pytest.raises(RuntimeError, match="batch process exited"):
-            asyncio.run(asyncio.wait_for(drain(pool.stream([1, 2, 3], {}, max_tokens=4)), 10))
+    cfg = serve_settings(batch_rows=2, batch_context=200, max_queue=2, max_tokens=16, max_tokens_limit=1000, **settings)
+    yield from serve_paced(loaded, cfg, seconds_per_token=0.02)
 
 
-async def drain(stream) -> None:
-    async for _ in stream:
-        pass
-
-
-def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_path):
-    """run_batch's protocol, in a thread here: a request the scheduler cannot take gets an error
-    event naming why, the next one its tokens, and "stop" ends the loop."""
+@contextlib.contextmanager
+def batch_loop(tmp_path, rows: int):
+    """:func:`run_batch` in a thread (so a test can patch what it calls): yields the server's end of its
+    pipe; "stop" ends the loop after."""
     import multiprocessing
 
     from chatpipe.inference.engine import Engine
@@ -146,19 +130,142 @@ def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_p
 
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
     conn, child = multiprocessing.Pipe()
-    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), 2, 64, 1, child))
+    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), rows, 64, 1, child))
     loop.start()
     assert conn.recv() == "ready"
-    conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 4, "bogus": 1}))
-    conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 100}))  # 3 + 100 positions > the row's 64
-    conn.send(("submit", 3, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}))
-    events = []
-    while not any(e[0] == 3 and e[2] is None for e in events):
-        assert conn.poll(10), f"the batch loop stopped answering (alive: {loop.is_alive()}); events so far {events}"
-        events += conn.recv()[0]
-    errors = {rid: reason for rid, _, tok, reason in events if tok is None and rid in (1, 2)}
-    assert "bogus" in errors[1] and "64 KV positions" in errors[2], errors
-    assert len([tok for rid, _, tok, _ in events if rid == 3 and tok is not None]) == 4
+    yield conn
     conn.send(("stop",))
     loop.join(10)
     assert not loop.is_alive()
+
+
+def read_events(lines) -> list[dict]:
+    """The JSON events of server-sent event ``lines`` (a response's, or what is left of them)."""
+    lines = lines.iter_lines() if isinstance(lines, httpx.Response) else lines
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_a_killed_batch_process_ends_its_streams_health_is_503_until_it_is_back(tmp_path, monkeypatch):
+    """issue 71: after kill -9 of the batch process /health stayed 200 and nothing restarted it."""
+    monkeypatch.setattr(batch_pool, "BACKOFF_START", 2.0)  # a down window long enough to look at
+    with small_server(tmp_path) as (app, url):
+        pool = app.state.pool
+        first = pool.worker.pid
+        v1: list[dict] = []
+        body = {**CHAT, "max_tokens": 150, "stream": True}
+        other = threading.Thread(
+            target=lambda: v1.extend(read_events(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)))
+        )
+        other.start()
+        with httpx.stream("POST", f"{url}/api/chat", json={"messages": CHAT["messages"], "max_tokens": 150},
+                          timeout=30) as r:  # fmt: skip
+            lines = r.iter_lines()
+            next(lines)  # generating
+            assert wait_until(lambda: pool.active == 2, 10)
+            os.kill(first, signal.SIGKILL)
+            killed = time.monotonic()
+            events = read_events(lines)
+        other.join(10)
+        assert time.monotonic() - killed < 10
+        assert "batch process exited (code -9)" in events[-1]["error"], events[-1]
+        err = v1[-1]["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "batch process exited" in err["message"], v1[-1]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "down", health.text
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 503 and "restarting" in r.json()["error"]["message"], r.text
+        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, poll=0.2)
+        assert pool.worker.pid != first and not psutil.pid_exists(first)  # the killed one was reaped
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
+        assert time.monotonic() - killed < 60
+        assert httpx.get(f"{url}/health").json()["batch"]["restarts"] == 1 and pool.inflight == 0
+
+
+def test_a_reader_that_raises_fails_the_replies_in_flight_and_restarts_the_batch(tmp_path):
+    """issue 71: the reader thread caught only EOF and OSError; anything else left every reply waiting."""
+    with small_server(tmp_path, request_timeout_s=30.0) as (app, url):
+        pool = app.state.pool
+        first = pool.worker
+        on_step, calls = pool._on_step, []
+
+        def broken(*message):
+            calls.append(1)
+            if len(calls) == 5:  # mid-reply
+                raise KeyError("a bug in the reader")
+            return on_step(*message)
+
+        pool._on_step = broken
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 150}, timeout=30)
+        assert r.status_code == 500 and "batch reader failed" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 10  # failed at once, not at the request timeout
+        assert wait_until(lambda: not first.is_alive(), 10)  # the old process was stopped
+        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, poll=0.2)
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
+        assert pool.inflight == 0 and wait_until(lambda: pool.live_rows == 0)
+
+
+def test_a_request_past_serve_request_timeout_s_is_cancelled_and_its_row_freed(tmp_path):
+    with small_server(tmp_path, request_timeout_s=1.0) as (app, url):
+        pool = app.state.pool
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 150}, timeout=30)
+        assert r.status_code == 504 and "serve.request_timeout_s" in r.json()["error"]["message"], r.text
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        with httpx.stream("POST", f"{url}/api/chat", json={"messages": CHAT["messages"], "max_tokens": 150},
+                          timeout=30) as r:  # fmt: skip
+            events = read_events(r)
+        assert "serve.request_timeout_s" in events[-1]["error"]
+        assert wait_until(lambda: pool.live_rows == 0 and pool.inflight == 0, 5)
+        assert pool.metrics.requests.labels("timeout")._value.get() == 2
+
+
+def test_a_prefill_that_raises_fails_its_requests_and_frees_their_rows(tmp_path, monkeypatch):
+    """issue 71: requests moved into the joining list never got on_done when their prefill raised."""
+    from chatpipe.inference.scheduler import Scheduler
+
+    prefill = Scheduler._prefill
+
+    def broken(self):  # requests 2 and 3 (however they arrive) break their prefill
+        if any(p.req.num_samples == 2 or p.req.prompt[-1] == 4 for p in self.prefills):
+            raise RuntimeError("prefill broke")
+        return prefill(self)
+
+    monkeypatch.setattr(Scheduler, "_prefill", broken)
+    with batch_loop(tmp_path, rows=4) as conn:
+        conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 30, "temperature": 0.0}))
+        conn.recv()
+        conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 4, "num_samples": 2}))
+        conn.send(("submit", 3, [1, 2, 4], {"max_tokens": 4}))
+        ended: dict[tuple[int, int], str] = {}
+        deadline = time.monotonic() + 10
+        while len(ended) < 4:
+            assert conn.poll(max(0.0, deadline - time.monotonic())), f"replies left waiting: only {ended} ended"
+            events, load, stats = conn.recv()
+            ended.update({(rid, j): reason for rid, j, tok, reason, *_ in events if tok is None})
+        assert all("prefill broke" in reason for reason in ended.values()), ended
+        assert set(ended) == {(1, 0), (2, 0), (2, 1), (3, 0)} and load[0] == 0 and stats["waiting"] == 0
+        conn.send(("submit", 4, [1, 2, 3], {"max_tokens": 4, "num_samples": 4}))  # every row is free again
+        got: list[tuple] = []
+        while sum(e[0] == 4 and e[2] is None for e in got) < 4:
+            assert conn.poll(10), f"request 4 did not finish: {got}"
+            got += conn.recv()[0]
+        assert len([e for e in got if e[0] == 4 and e[2] is not None]) == 16
+
+
+def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_path):
+    """run_batch's protocol, in a thread here: a request the scheduler cannot take gets an error
+    event naming why, the next one its tokens, and "stop" ends the loop."""
+    with batch_loop(tmp_path, rows=2) as conn:
+        conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 4, "bogus": 1}))
+        conn.send(("submit", 2, [1, 2, 3], {"max_tokens": 100}))  # 3 + 100 positions > the row's 64
+        conn.send(("submit", 3, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}))
+        events = []
+        while not any(e[0] == 3 and e[2] is None for e in events):
+            assert conn.poll(10), f"the batch loop stopped answering; events so far {events}"
+            events += conn.recv()[0]
+        errors = {rid: reason for rid, _, tok, reason in events if tok is None and rid in (1, 2)}
+        assert "bogus" in errors[1] and "64 KV positions" in errors[2], errors
+        assert len([tok for rid, _, tok, _ in events if rid == 3 and tok is not None]) == 4

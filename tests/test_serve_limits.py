@@ -24,7 +24,7 @@ CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_to
 def server(tmp_path_factory):
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
     cfg = serve_settings(
-        num_engines=2, max_queue=4, max_message_chars=200, max_turns=5, max_tokens=16, max_tokens_limit=2000,
+        batch_rows=2, max_queue=4, max_message_chars=200, max_turns=5, max_tokens=16, max_tokens_limit=2000,
         max_stop_chars=BIG_STOP, max_body_bytes=400_000, max_request_tokens=4000,
     )  # fmt: skip
     yield from serve_paced(loaded, cfg)

@@ -4,13 +4,15 @@ Run::
 
     chatpipe serve                               # http://127.0.0.1:8000, model from params.yaml `serve`
     chatpipe serve --model sft --port 8080 --batch-rows 32
-    chatpipe serve --batch-rows 0 --num-engines 4   # the older pool: 4 threads, one reply each
     python -m chatpipe.serve.app --host 0.0.0.0      # expose it beyond this machine (on purpose only)
 
 Endpoints:
 
 - ``GET /``            the chat page (chatpipe/serve/static/index.html)
-- ``GET /health``      status, model name and stage, limits, engines busy / queued
+- ``GET /health``      status, model name and stage, limits, load; 503 (``"status": "down"``) while the
+  batch process is down (it is restarted with backoff), 200 once it is back
+- ``GET /metrics``     Prometheus text format: latency histograms (time to first token, inter-token,
+  queue, end to end), the batch's load, requests by status (chatpipe/serve/metrics.py)
 - ``POST /api/chat``   ``{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.6,
   "top_k": 50, "max_tokens": 256, "seed": 1, "stream": true}``. With ``stream`` (the default) the
   reply comes as server-sent events, one JSON object per ``data:`` line: ``{"kind": "text" |
@@ -29,38 +31,36 @@ shape); bodies over ``serve.max_body_bytes`` a 413, wrong methods a 405. Replies
 together in one continuous batch of ``serve.batch_rows`` rows (chatpipe/serve/batch_pool.py: a
 reply joins between decode steps and leaves when it ends, each with its own KV row and random
 generator, so conversations never mix); up to ``max_queue`` more wait, then 503. A request whose
-prompt plus ``max_tokens`` does not fit a row's ``serve.batch_context`` KV positions is a 413.
-``serve.batch_rows: 0`` runs the older pool instead: ``num_engines`` worker threads, one reply
-each. A client that disconnects, mid-stream or while waiting for a whole reply, stops its
-generation at the next token.
+prompt plus ``max_tokens`` does not fit a row's ``serve.batch_context`` KV positions is a 413; one
+still unanswered after ``serve.request_timeout_s`` a 504 (its rows freed). A request without a
+``seed`` samples with a fresh random one. A client that disconnects, mid-stream or while waiting for
+a whole reply, stops its generation at the next token.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import json
 import logging
+import secrets
 import sys
-import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatpipe.inference.engine import Engine
-from chatpipe.serve.batch_pool import Admission, BatchPool, take_place
+from chatpipe.serve.batch_pool import Admission, BatchPool
 from chatpipe.serve.chat import ContextTooLong, append_part, context_limit, prompt_for, show_stream
+from chatpipe.serve.metrics import ServeMetrics
 from chatpipe.serve.openai_api import (
     SSE_EVENT,
     OpenAIError,
@@ -101,86 +101,6 @@ class ChatRequest(StrictRequest):
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)  # torch.Generator.manual_seed takes a 64-bit seed
     stream: bool = True
-
-
-# --------------------------------------------------------------------------- engine pool
-
-
-class EnginePool:
-    """Runs at most ``size`` generations at once in worker threads; up to ``max_queue`` wait."""
-
-    def __init__(self, engine: Engine, size: int, max_queue: int) -> None:
-        self.engine, self.size, self.max_queue = engine, size, max_queue
-        self.executor = ThreadPoolExecutor(size, thread_name_prefix="engine")
-        self.slots = asyncio.Semaphore(size)
-        self.active = self.waiting = self.served = self.cancelled = 0
-        self.admitted: weakref.WeakSet[Admission] = weakref.WeakSet()
-
-    def check_capacity(self, tokens: int = 0, positions: int = 0) -> Admission:
-        """Refuse (503) before streaming starts when the queue is full; else hold a place.
-
-        Requests admitted but not yet streaming count too (a streaming reply starts only after
-        the response headers go out), so at most ``size + max_queue`` requests are ever in.
-        """
-        in_flight = self.active + self.waiting
-        return take_place(self, in_flight, tokens, f"serve.max_queue={self.max_queue}", ApiError)
-
-    def queued_tokens(self) -> int:
-        """The token budgets of the requests admitted whose replies have not started."""
-        return sum(a.tokens for a in list(self.admitted))
-
-    async def stream(
-        self, prompt: list[int], stats: dict[str, Any], admission: Admission | None = None, **kw: Any
-    ) -> AsyncIterator[tuple[str, str]]:
-        """Deltas of one reply, generated in a worker thread; closing this iterator cancels it."""
-        self.waiting += 1
-        if admission is not None:
-            self.admitted.discard(admission)  # now counted as waiting
-        try:
-            await self.slots.acquire()
-        finally:
-            self.waiting -= 1
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-
-        def put(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (server shutting down)
-                cancel.set()
-
-        def work() -> None:
-            try:
-                for piece in self.engine.stream(prompt, stats=stats, **kw):
-                    if cancel.is_set():
-                        return
-                    put(piece)
-            except Exception as e:  # reported to this client; the server carries on
-                log.exception("generation failed")
-                put(e)
-            finally:
-                put(None)
-
-        def release(_: Any) -> None:
-            self.active -= 1
-            self.cancelled += cancel.is_set()
-            self.served += not cancel.is_set()
-            self.slots.release()
-
-        self.active += 1
-        # the slot is freed when the thread really stops, not when the client goes away
-        loop.run_in_executor(self.executor, work).add_done_callback(release)
-        finished = False
-        try:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-            finished = True
-        finally:
-            if not finished:
-                cancel.set()
 
 
 # --------------------------------------------------------------------------- app
@@ -284,17 +204,18 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool | BatchPool) -> dict[str, Any]:
-    """What ``GET /health`` reports: the model, the engines' load, the limits and sampling defaults."""
+def health_report(loaded: Any, cfg: ServeSettings, pool: BatchPool) -> dict[str, Any]:
+    """What ``GET /health`` reports: the model, the batch's load, the limits and sampling defaults."""
     return {
-        "status": "ok",
+        "status": "down" if pool.gone else "ok",
+        "error": pool.gone.removeprefix("error: ") if pool.gone else None,
         "model": loaded.name,
         "stage": loaded.stage,
         "step": loaded.meta.get("step"),
         "description": loaded.describe(),
         "device": loaded.device.type,
         "engines": pool.size,
-        "batch": pool.batch_report() if isinstance(pool, BatchPool) else None,
+        "batch": pool.batch_report(),
         "active": pool.active,
         "waiting": pool.waiting,
         "served": pool.served,
@@ -308,6 +229,7 @@ def health_report(loaded: Any, cfg: ServeSettings, pool: EnginePool | BatchPool)
             "max_body_bytes": cfg.max_body_bytes,
             "max_stops": cfg.max_stops,
             "max_stop_chars": cfg.max_stop_chars,
+            "request_timeout_s": cfg.request_timeout_s,
         },
         "defaults": {"temperature": cfg.temperature, "top_k": cfg.top_k, "max_tokens": cfg.max_tokens},
     }
@@ -331,32 +253,37 @@ def reply_summary(parts: list[dict[str, str]], stats: dict[str, Any], t0: float,
 
 
 async def reply_events(
-    pool: EnginePool, prompt: list[int], stats: dict[str, Any], admission: Admission, kw: dict[str, Any],
+    pool: BatchPool, prompt: list[int], stats: dict[str, Any], admission: Admission, kw: dict[str, Any],
     summary: Callable[[list[dict[str, str]]], dict[str, Any]],
 ) -> AsyncIterator[str]:  # fmt: skip
     """The reply as server-sent events: each delta, then the summary (or the error)."""
     parts: list[dict[str, str]] = []
     try:
-        async for kind, text in pool.stream(prompt, stats, admission, **kw):
-            append_part(parts, kind, text)
-            yield f"data: {json.dumps({'kind': kind, 'text': text})}\n\n"
+        async for _, kind, text, _ in pool.stream(prompt, [stats], admission, **kw):
+            if kind != "end":
+                append_part(parts, kind, text)
+                yield f"data: {json.dumps({'kind': kind, 'text': text})}\n\n"
         yield f"data: {json.dumps({'done': True, **summary(parts)})}\n\n"
     except Exception as e:  # headers are sent: report in-band
         yield f"data: {json.dumps({'error': f'generation failed: {e}'})}\n\n"
 
 
 async def whole_reply(
-    pool: EnginePool, prompt: list[int], stats: dict[str, Any], admission: Admission, kw: dict[str, Any],
+    pool: BatchPool, prompt: list[int], stats: dict[str, Any], admission: Admission, kw: dict[str, Any],
     summary: Callable[[list[dict[str, str]]], dict[str, Any]],
 ) -> dict[str, Any]:  # fmt: skip
     """The reply as one JSON object."""
     parts: list[dict[str, str]] = []
-    async for kind, text in pool.stream(prompt, stats, admission, **kw):
-        append_part(parts, kind, text)
+    try:
+        async for _, kind, text, _ in pool.stream(prompt, [stats], admission, **kw):
+            if kind != "end":
+                append_part(parts, kind, text)
+    except RuntimeError as e:  # the batch failed it (its process died, a step raised): this API's error shape
+        raise ApiError(500, f"generation failed: {e}") from None
     return summary(parts)
 
 
-async def chat_reply(req: ChatRequest, request: Request, loaded: Any, cfg: ServeSettings, pool: EnginePool) -> Any:
+async def chat_reply(req: ChatRequest, request: Request, loaded: Any, cfg: ServeSettings, pool: BatchPool) -> Any:
     """Answer ``POST /api/chat``: one JSON object, or a stream of events."""
     check_request(req, cfg)
     messages = [m.model_dump() for m in req.messages]
@@ -371,7 +298,7 @@ async def chat_reply(req: ChatRequest, request: Request, loaded: Any, cfg: Serve
         max_tokens=max_tokens,
         temperature=cfg.temperature if req.temperature is None else req.temperature,
         top_k=top_k or None,
-        seed=cfg.seed if req.seed is None else req.seed,
+        seed=secrets.randbits(63) if req.seed is None else req.seed,  # no seed: a fresh draw, as OpenAI's API
     )
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -394,7 +321,8 @@ CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {"schema": SSE_EVENT}},
     },
     "4XX": {"model": PlainError, "description": "a refused request: 400 not JSON, 413 too long, 422 invalid"},
-    503: {"model": PlainError, "description": "every engine is busy and the queue is full: retry shortly"},
+    503: {"model": PlainError, "description": "the batch is full, or its process is restarting: retry shortly"},
+    504: {"model": PlainError, "description": "no reply within serve.request_timeout_s"},
 }
 
 
@@ -406,23 +334,22 @@ def batch_context(model: Any, cfg: ServeSettings) -> int:
     return min(context_limit(model), model.config.sequence_len + cfg.max_tokens_limit)
 
 
-def make_pool(engine: Engine, cfg: ServeSettings) -> BatchPool | EnginePool:
-    """The continuous batch (``serve.batch_rows`` > 0), else the pool of ``serve.num_engines`` threads."""
-    if cfg.batch_rows > 0:
-        return BatchPool(engine, cfg.batch_rows, batch_context(engine.model, cfg), cfg.max_queue, ApiError)
-    return EnginePool(engine, cfg.num_engines, cfg.max_queue)
+def make_pool(engine: Engine, cfg: ServeSettings, metrics: ServeMetrics) -> BatchPool:
+    """The continuous batch of ``serve.batch_rows`` rows, in its supervised process."""
+    context = batch_context(engine.model, cfg)
+    return BatchPool(engine, cfg.batch_rows, context, cfg.max_queue, ApiError, cfg.request_timeout_s, metrics)
 
 
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     """The FastAPI app serving ``loaded`` (a :class:`chatpipe.model.loading.Loaded`) under ``cfg``'s limits."""
     engine = Engine(loaded.model, loaded.tokenizer)
-    pool = make_pool(engine, cfg)
+    metrics = ServeMetrics()  # this app's own registry
+    pool = make_pool(engine, cfg, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        if isinstance(pool, BatchPool):  # its batch process stops with the server
-            pool.close()
+        pool.close()  # its batch process stops with the server
 
     app = FastAPI(title="chatpipe", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.pool = pool
@@ -440,9 +367,15 @@ def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
-    @app.get("/health", operation_id="health")
-    async def health() -> dict[str, Any]:
-        return health_report(loaded, cfg, pool)
+    @app.get("/health", operation_id="health", responses={503: {"description": "the batch process is down"}})
+    async def health() -> Any:
+        report = health_report(loaded, cfg, pool)
+        return JSONResponse(report, status_code=503) if pool.gone else report
+
+    @app.get("/metrics", operation_id="metrics", response_class=Response)
+    async def prometheus() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.post("/api/chat", operation_id="chat", responses=CHAT_RESPONSES)
     async def chat(req: ChatRequest, request: Request):
@@ -461,9 +394,9 @@ def parse_args(argv: list[str] | None) -> ServeSettings:
     p.add_argument("--device", help="auto | cpu | cuda")
     p.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int)
-    p.add_argument("--num-engines", dest="num_engines", type=int, help="replies generated at once")
     p.add_argument("--max-queue", dest="max_queue", type=int)
-    p.add_argument("--batch-rows", dest="batch_rows", type=int, help="rows of the running batch; 0 = engine threads")
+    p.add_argument("--batch-rows", dest="batch_rows", type=int, help="rows of the running batch")
+    p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float, help="longest a request may take")
     p.add_argument("-t", "--temperature", type=float)
     p.add_argument("-k", "--top-k", dest="top_k", type=int)
     p.add_argument("--max-tokens", dest="max_tokens", type=int, help="default new tokens per reply")
@@ -485,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         # computing threads x intra-op threads <= cores: the batch's process shares with the event loop
-        share_cores(2 if cfg.batch_rows > 0 else cfg.num_engines)
+        share_cores(2)
         loaded = load_chat_model(cfg.model, device=cfg.device)
     except (ParamsError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"chatpipe serve: {e}", file=sys.stderr)

@@ -10,10 +10,12 @@ Endpoints (mounted by chatpipe/serve/app.py):
   name it was loaded by: ``sft``, ``models:/chatpipe/3``, a directory name).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the chat format the model was trained on;
   ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an
-  extension), ``stop`` (up to ``serve.max_stops`` strings), ``n``, ``seed``, ``stream`` (server-sent events,
-  ``stream_options.include_usage`` adds a last chunk with ``usage``). Answers carry ``usage``.
+  extension), ``stop`` (up to ``serve.max_stops`` strings), ``n``, ``seed``, ``logprobs`` and
+  ``top_logprobs`` (0..20), ``stream`` (server-sent events, ``stream_options.include_usage`` adds a
+  last chunk with ``usage``). Answers carry ``usage``.
 - ``POST /v1/completions``: plain text continuation (meant for base models): ``prompt`` (a string
-  or a list of strings), ``echo`` and the sampling fields above.
+  or a list of strings), ``echo``, ``logprobs`` (an int, 0..20: the top tokens per position) and
+  the sampling fields above.
 
 The model's calculator calls run on the server, as in the web UI. ``content`` is the reply's text
 parts; a reply that used the tool also carries its parts (``{"type": "python" | "python_output" |
@@ -23,20 +25,32 @@ messages sent back may use the same parts as their ``content``.
 Request bodies are typed pydantic models (strict: ``"max_tokens": "8"`` is refused, not coerced), so
 ``/openapi.json`` describes them. Bad requests get OpenAI's error shape, ``{"error": {"message",
 "type", "param", "code"}}``, with a 4xx status (413 over ``serve.max_body_bytes``; 503 when every
-engine is busy and the queue is full). A request generates at most ``serve.max_request_tokens``
-(prompts x n x max_tokens). Choice ``i`` of ``n`` samples with seed ``seed + i``; at temperature 0
-every choice is the greedy reply. A client that leaves stops its generation, streamed or not.
+batch is full or its process is restarting; 504 after ``serve.request_timeout_s``). A request
+generates at most ``serve.max_request_tokens`` (prompts x n x max_tokens).
+
+Sampling follows OpenAI's API: without ``seed`` each request draws a fresh random seed; the ``n``
+choices of a prompt are one request of ``n`` samples in the batch (their prompt prefilled once),
+drawn from one generator seeded with ``seed`` (prompt ``p`` of a completions list: ``seed + p``),
+so a seeded request is reproducible and its choices differ; at temperature 0 every choice is the
+greedy reply. Log-probs are the model's own (log softmax of its logits, whatever the temperature,
+as vLLM reports them), for the tokens the reply sampled (not stop tokens, not the calculator's
+forced output; an echoed prompt carries none): chat ``choices[i].logprobs.content`` =
+``[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]``, completions
+``choices[i].logprobs`` = ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``;
+streamed, each chunk carries those of its own tokens. A client that leaves stops its generation,
+streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -46,7 +60,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from chatpipe.serve.chat import ContextTooLong, append_part, check_fits, prompt_for
 
-MAX_N = 8  # choices per request: each is a full generation on an engine
+MAX_N = 8  # choices per request: each takes a row of the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_SEED = 2**63 - 1  # a signed 64-bit seed (seed + i of n still fits torch's unsigned 64 bits)
 
 
@@ -123,17 +138,23 @@ class _Sampling(StrictRequest):
     # accepted so clients that always send them work; only the neutral values are supported
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logprobs: bool | int | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, description="return each sampled token's log-prob")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: the likeliest tokens per position"
+    )
 
 
 class CompletionRequest(_Sampling):
     prompt: Text | list[Text]
     echo: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probs of the sampled tokens and this many likeliest"
+    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -212,7 +233,7 @@ def check_sampling(req: _Sampling, model_name: str, cfg: Any) -> dict[str, Any]:
             400, f"max_tokens={max_tokens} is over this server's limit of {cfg.max_tokens_limit} "
             "(serve.max_tokens_limit)", "max_tokens",
         )  # fmt: skip
-    for name in ("presence_penalty", "frequency_penalty", "logprobs"):
+    for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise OpenAIError(400, f"{name}={getattr(req, name)!r} is not supported (only 0 / unset)", name)
     if req.stream_options is not None and not req.stream:
@@ -223,8 +244,17 @@ def check_sampling(req: _Sampling, model_name: str, cfg: Any) -> dict[str, Any]:
         temperature=cfg.temperature if req.temperature is None else req.temperature,
         top_k=top_k or None,
         top_p=req.top_p,
-        seed=cfg.seed if req.seed is None else req.seed,
+        top_logprobs=top_logprobs(req),
     )
+
+
+def top_logprobs(req: _Sampling) -> int:
+    """The scheduler's ``top_logprobs`` for a request: -1 without log-probs, else how many top tokens."""
+    if isinstance(req, CompletionRequest):
+        return -1 if req.logprobs is None else req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else -1
 
 
 def chat_prompt(req: ChatCompletionRequest, loaded: Any, cfg: Any, max_tokens: int) -> list[int]:
@@ -286,11 +316,13 @@ class Answer:
     kw: dict[str, Any]  # the engine's sampling arguments, stop strings included
     prompts: list[list[int]]
     base: dict[str, Any]  # id, created, model: the same in the answer and in each of its chunks
+    tokenizer: Any  # to spell the tokens of log-probs
+    seeds: list[int]  # one per prompt
     admission: Any = None  # the request's place in the engine queue until its first choice starts
 
-    def jobs(self) -> list[tuple[list[int], int, int]]:
-        """(prompt, sample j, choice index): choice j of prompt p has index p * n + j, as OpenAI numbers them."""
-        return [(p, j, pi * self.req.n + j) for pi, p in enumerate(self.prompts) for j in range(self.req.n)]
+    def index(self, prompt: int, sample: int) -> int:
+        """Choice ``sample`` of prompt ``prompt`` has index p * n + j, as OpenAI numbers them."""
+        return prompt * self.req.n + sample
 
     def echoed(self, index: int) -> str:
         """The prompt that choice ``index`` continues, when the request asks to echo it; else ''."""
@@ -300,6 +332,41 @@ class Answer:
 
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    def spell(self, token: int) -> tuple[str, list[int]]:
+        """A token as text (undecodable bytes replaced) and its bytes."""
+        raw = self.tokenizer.enc.decode_single_token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+@dataclass
+class Choice:
+    """What one choice has so far: its typed parts, its tokens' log-probs, the characters they spell."""
+
+    parts: list[dict[str, str]] = field(default_factory=list)
+    lps: list[tuple] = field(default_factory=list)
+    offset: int = 0  # completions' text_offset of its next token (the echoed prompt counts)
+
+
+def logprobs_shape(a: Answer, lps: list[tuple], offset: int) -> tuple[dict[str, Any], int]:
+    """OpenAI's ``logprobs`` of the tokens ``lps`` (``(token, log-prob, [(token, log-prob)])``) and the
+    text offset after them: chat ``{"content": [...]}``, completions ``{tokens, token_logprobs, ...}``."""
+    if a.chat:
+        content = []
+        for tok, lp, best in lps:
+            text, raw = a.spell(tok)
+            tops = [dict(zip(("token", "bytes"), a.spell(t)), logprob=v) for t, v in best]
+            content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": tops})
+        return {"content": content, "refusal": None}, offset
+    shape: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, lp, best in lps:
+        text = a.spell(tok)[0]
+        shape["tokens"].append(text)
+        shape["token_logprobs"].append(lp)
+        shape["top_logprobs"].append({a.spell(t)[0]: v for t, v in best})
+        shape["text_offset"].append(offset)
+        offset += len(text)
+    return shape, offset
 
 
 def check_budget(num_prompts: int, n: int, max_tokens: int, cfg: Any) -> int:
@@ -322,17 +389,20 @@ def checked_answer(req: Any, chat: bool, loaded: Any, cfg: Any, pool: Any) -> An
         prompts = [chat_prompt(req, loaded, cfg, kw["max_tokens"])]
     else:
         prompts = completion_prompts(req, loaded, cfg, kw["max_tokens"])
-    admission = pool.check_capacity(budget, max(map(len, prompts)) + kw["max_tokens"])
+    admission = pool.check_capacity(budget, max(map(len, prompts)) + kw["max_tokens"], req.n)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": rid, "created": int(time.time()), "model": loaded.name}
-    return Answer(chat, req, kw, prompts, base, admission)
+    # no seed: a fresh one per prompt (OpenAI's API); a seed: seed + p for prompt p (a completions list)
+    seeds = [secrets.randbits(63) if req.seed is None else req.seed + p for p in range(len(prompts))]
+    return Answer(chat, req, kw, prompts, base, loaded.tokenizer, seeds, admission)
 
 
-async def generate(pool: Any, a: Answer, prompt: list[int], index: int, stats: dict) -> AsyncIterator[tuple[str, str]]:
-    """(kind, text) deltas of sample ``index`` (cut at a stop string by the engine, in its thread)."""
-    admission, a.admission = a.admission, None  # the first choice takes the request's place in the queue
-    kw = {**a.kw, "seed": a.kw["seed"] + index}
-    async with aclosing(pool.stream(prompt, stats, admission, **kw)) as pieces:
+async def generate(pool: Any, a: Answer, p: int, stats: list[dict]) -> AsyncIterator[tuple]:
+    """``(sample, kind, text, log-probs)`` deltas of prompt ``p``'s ``n`` choices, one request of ``n`` samples
+    in the batch (cut at stop strings on the batch's reader thread)."""
+    admission, a.admission = a.admission, None  # the first prompt takes the request's place in the queue
+    kw = {**a.kw, "seed": a.seeds[p], "num_samples": a.req.n}
+    async with aclosing(pool.stream(a.prompts[p], stats, admission, **kw)) as pieces:
         async for piece in pieces:
             yield piece
 
@@ -345,30 +415,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def choice(a: Answer, index: int, parts: list[dict[str, str]], finish: str) -> dict[str, Any]:
+def choice(a: Answer, index: int, got: Choice, finish: str) -> dict[str, Any]:
     """One choice of a whole answer: the reply's text (the tool's parts too, in ``message.parts``)."""
+    parts = got.parts
     content = "".join(p["text"] for p in parts if p["type"] == "text")
+    lps = logprobs_shape(a, got.lps, len(a.echoed(index)))[0] if a.kw["top_logprobs"] >= 0 else None
     if not a.chat:
-        return {"index": index, "text": a.echoed(index) + content, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": a.echoed(index) + content, "finish_reason": finish, "logprobs": lps}
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if any(p["type"] != "text" for p in parts):
         message["parts"] = parts
-    return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": lps}
+
+
+def failure(e: Exception) -> OpenAIError:
+    """A generation that failed (the batch's error, a timeout's 504) as OpenAI's error."""
+    status = getattr(e, "status", 500)
+    return OpenAIError(status, f"generation failed: {getattr(e, 'message', e)}", code="generation_failed")
 
 
 async def whole_answer(pool: Any, a: Answer) -> Any:
-    """The answer as one JSON object, every choice generated in turn."""
-    choices, completion_tokens = [], 0
+    """The answer as one JSON object: each prompt's ``n`` choices generated together."""
+    choices, completion_tokens, n = [], 0, a.req.n
     try:
-        for prompt, j, index in a.jobs():
-            stats: dict[str, Any] = {}
-            parts: list[dict[str, str]] = []
-            async for kind, text in generate(pool, a, prompt, j, stats):
-                append_part(parts, kind, text)
-            completion_tokens += stats.get("tokens", 0)
-            choices.append(choice(a, index, parts, stats.get("finish_reason", "length")))
+        for p in range(len(a.prompts)):
+            stats: list[dict[str, Any]] = [{} for _ in range(n)]
+            got = [Choice() for _ in range(n)]
+            async for j, kind, text, lps in generate(pool, a, p, stats):
+                got[j].lps += lps or []
+                if kind != "end":
+                    append_part(got[j].parts, kind, text)
+            for j in range(n):
+                completion_tokens += stats[j].get("tokens", 0)
+                choices.append(choice(a, a.index(p, j), got[j], stats[j].get("finish_reason", "length")))
     except Exception as e:
-        return OpenAIError(500, f"generation failed: {e}", code="generation_failed").response()
+        return failure(e).response()
     kind = "chat.completion" if a.chat else "text_completion"
     return {**a.base, "object": kind, "choices": choices, "usage": usage(a.prompt_tokens(), completion_tokens)}
 
@@ -405,36 +486,46 @@ def chunk(a: Answer, choices: list[dict[str, Any]], **extra: Any) -> str:
     return f"data: {json.dumps({**a.base, 'object': kind, 'choices': choices, **extra})}\n\n"
 
 
-def delta(a: Answer, index: int, payload: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+def delta(a: Answer, index: int, payload: dict[str, Any], finish: str | None = None, lps: Any = None) -> dict[str, Any]:
     """A streamed choice: chat chunks carry ``delta``, completion chunks its ``text``."""
     if a.chat:
-        return {"index": index, "delta": payload, "finish_reason": finish, "logprobs": None}
-    return {"index": index, "text": payload.get("content", ""), "finish_reason": finish, "logprobs": None}
+        return {"index": index, "delta": payload, "finish_reason": finish, "logprobs": lps}
+    return {"index": index, "text": payload.get("content", ""), "finish_reason": finish, "logprobs": lps}
 
 
 async def events(pool: Any, a: Answer) -> AsyncIterator[str]:
-    """The answer's server-sent events: each choice's deltas in turn, optional usage, then [DONE]."""
-    completion_tokens = 0
+    """The answer's server-sent events: each prompt's choices' deltas as they come (each chunk names its
+    choice's ``index``), optional usage, then [DONE]."""
+    completion_tokens, n = 0, a.req.n
     try:
-        for prompt, j, index in a.jobs():
-            stats: dict[str, Any] = {}
-            if a.chat:
-                yield chunk(a, [delta(a, index, {"role": "assistant", "content": ""})])
-            elif a.req.echo:
-                yield chunk(a, [delta(a, index, {"content": a.echoed(index)})])
-            async for part_kind, text in generate(pool, a, prompt, j, stats):
-                if part_kind == "text":
-                    yield chunk(a, [delta(a, index, {"content": text})])
+        for p in range(len(a.prompts)):
+            stats: list[dict[str, Any]] = [{} for _ in range(n)]
+            offsets = [len(a.echoed(a.index(p, j))) for j in range(n)]
+            for j in range(n):
+                if a.chat:
+                    yield chunk(a, [delta(a, a.index(p, j), {"role": "assistant", "content": ""})])
+                elif a.req.echo:
+                    yield chunk(a, [delta(a, a.index(p, j), {"content": a.echoed(a.index(p, j))})])
+            async for j, kind, text, lps in generate(pool, a, p, stats):
+                index, shaped = a.index(p, j), None
+                if lps is not None:
+                    shaped, offsets[j] = logprobs_shape(a, lps, offsets[j])
+                if kind == "end":
+                    if lps:  # tokens that completed no text of their own (a stop string held them)
+                        yield chunk(a, [delta(a, index, {"content": ""}, None, shaped)])
+                    yield chunk(a, [delta(a, index, {}, stats[j].get("finish_reason", "length"))])
+                elif kind == "text":
+                    yield chunk(a, [delta(a, index, {"content": text}, None, shaped)])
                 elif a.chat:
-                    yield chunk(a, [delta(a, index, {"part": {"type": part_kind, "text": text}})])
-            completion_tokens += stats.get("tokens", 0)
-            yield chunk(a, [delta(a, index, {}, stats.get("finish_reason", "length"))])
+                    yield chunk(a, [delta(a, index, {"part": {"type": kind, "text": text}}, None, shaped)])
+            completion_tokens += sum(s.get("tokens", 0) for s in stats)
         if a.req.stream_options and a.req.stream_options.include_usage:
             yield chunk(a, [], usage=usage(a.prompt_tokens(), completion_tokens))
         yield "data: [DONE]\n\n"
     except Exception as e:  # headers are sent: report in-band, in the error shape
-        err = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
-        yield f"data: {json.dumps({'error': err})}\n\n"
+        err = failure(e)
+        body = {"message": err.message, "type": "server_error", "param": None, "code": err.code}
+        yield f"data: {json.dumps({'error': body})}\n\n"
 
 
 async def respond(request: Request, req: Any, loaded: Any, cfg: Any, pool: Any) -> Any:
@@ -459,7 +550,8 @@ async def respond(request: Request, req: Any, loaded: Any, cfg: Any, pool: Any) 
 SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 ERRORS: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": ErrorBody, "description": "a refused request, in OpenAI's error shape"},
-    503: {"model": ErrorBody, "description": "every engine is busy and the queue is full: retry shortly"},
+    503: {"model": ErrorBody, "description": "the batch is full, or its process is restarting: retry shortly"},
+    504: {"model": ErrorBody, "description": "no answer within serve.request_timeout_s"},
 }
 STREAMED = {
     200: {

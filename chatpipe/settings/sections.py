@@ -172,11 +172,8 @@ class ServeSettings(ChatSettings):
     section: ClassVar[str] = "serve"
     host: str = Field("127.0.0.1", description="0.0.0.0 exposes the server to the network")
     port: int = Field(8000, ge=0, le=65535)
-    num_engines: int = Field(2, ge=1, le=64, description="replies generated at once; more requests queue")
-    max_queue: int = Field(32, ge=0, description="requests waiting for an engine before 503s")
-    batch_rows: int = Field(
-        16, ge=0, le=1024, description="rows of the running batch (replies decoded together); 0 = num_engines threads"
-    )
+    max_queue: int = Field(32, ge=0, description="requests waiting for batch rows before 503s")
+    batch_rows: int = Field(16, ge=1, le=1024, description="rows of the running batch (replies decoded together)")
     batch_context: int = Field(
         0, ge=0, description="KV positions per batch row (prompt + reply); 0 = sequence_len + max_tokens_limit"
     )
@@ -188,4 +185,7 @@ class ServeSettings(ChatSettings):
     max_stop_chars: int = Field(1000, ge=1, le=1_000_000, description="longest stop string a request may send")
     max_request_tokens: int = Field(
         8192, ge=1, description="work one request may ask for: prompts x n x max_tokens generated tokens"
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="the longest a request may take; then it is cancelled and answered 504"
     )
