@@ -9,7 +9,7 @@ import torch
 
 from chatpipe.inference.engine import Engine, StopMatcher, draw, sample_next, sampling_candidates, sampling_probs
 from chatpipe.model.gpt import GPT, GPTConfig
-from tests.chatmodel import ByteTokenizer
+from chatpipe.testing.chatmodel import ByteTokenizer
 
 TOK = ByteTokenizer()
 S = TOK.special

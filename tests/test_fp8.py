@@ -208,7 +208,7 @@ def test_fp8_run_tracks_plain_run_evaluates_samples_saves_and_resumes_bitwise(
 def test_pretrain_stage_trains_in_fp8_with_the_test_allowance_and_refuses_without(tmp_path):
     """The stage end to end: the check before any work, FP8 training, val bpb and samples with the
     layers swapped back, a final model that loads into a plain GPT."""
-    from tests.project import BIN, make_project, newest_pretrain_run, run
+    from chatpipe.testing.project import BIN, make_project, newest_pretrain_run, run
 
     project = make_project(
         tmp_path, {"pretrain": {"fp8": True, "max_steps": 4, "eval_every": 2, "sample_every": 2, "checkpoint_every": 2}}

@@ -1,6 +1,6 @@
 """End to end through the real chain: Prefect flow -> dvc repro -> torchx -> torchrun stage -> MLflow.
 
-Runs in a throwaway git + DVC copy of the repo with small params (tests/project.py).
+Runs in a throwaway git + DVC copy of the repo with small params (chatpipe/testing/project.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from chatpipe.settings import dvc_stages
-from tests.project import (
+from chatpipe.testing.project import (
     BIN,
     assert_bitwise_equal,
     dvc,

@@ -185,7 +185,7 @@ def build_preference_repos(root: Path, bad_row: bool) -> None:
     dataset card with its train_prefs/test_prefs splits) and the pretraining repo the mirror's probe reads."""
     import pyarrow as pa
 
-    from tests.hub_mirror import PRETRAIN_REPO, _card, _git, _parquet
+    from chatpipe.testing.hub_mirror import PRETRAIN_REPO, _card, _git, _parquet
 
     def conv(prompt: str, reply: str) -> list[dict[str, str]]:
         return [{"content": prompt, "role": "user"}, {"content": reply, "role": "assistant"}]
@@ -223,8 +223,8 @@ def test_hub_chosen_rejected_pairs_through_the_local_mirror(tmp_path, bad_row):
     import subprocess
     import sys
 
+    from chatpipe.testing.hub_mirror import Mirror
     from tests.conftest import REPO
-    from tests.hub_mirror import Mirror
 
     root = tmp_path / "hub"
     build_preference_repos(root, bad_row)

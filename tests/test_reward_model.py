@@ -27,7 +27,7 @@ from chatpipe.rl.reward_model import (
 )
 from chatpipe.rl.rewards import combine_rewards, group_win_rates
 from chatpipe.rl.value import ValueModel
-from tests.chatmodel import make_artifacts
+from chatpipe.testing.chatmodel import make_artifacts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -362,8 +362,8 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
 @pytest.mark.slow
 def test_stage_logs_loss_and_gradient_norm_to_mlflow_every_step(project, monkeypatch):
     """The shared loop's per-step metrics reach the reward model's MLflow run, as for every training stage."""
+    from chatpipe.testing.project import mlflow_client
     from stages import reward_model as stage
-    from tests.project import mlflow_client
 
     monkeypatch.setenv("CHATPIPE_TRACKING__ENABLED", "true")
     write_prefs(project / "prefs.jsonl", 16)

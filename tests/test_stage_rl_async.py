@@ -22,8 +22,8 @@ import torch
 
 from chatpipe.launch import build_app
 from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, load_section
+from chatpipe.testing.project import SMALL_PARAMS, _merge, processes_in, project_env, run, set_params
 from tests.conftest import REPO
-from tests.project import SMALL_PARAMS, _merge, processes_in, project_env, run, set_params
 from tests.test_stage_rl import RL_PARAMS, setup_project
 
 ONE_THREAD = {"CHATPIPE_LAUNCH__THREADS": "1", "CHATPIPE_TRACKING__ENABLED": "false"}

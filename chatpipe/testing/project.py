@@ -16,7 +16,7 @@ import httpx
 import psutil
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 # Small enough for seconds per stage on 2 CPU cores, big enough that learning shows.
@@ -111,6 +111,21 @@ SMALL_EVAL = {
     "eval_tokens": 1024,
     "device_batch_size": 4,
     "tinyworld_examples": 20,
+}
+
+PIPELINE_PARAMS = {  # SMALL_PARAMS plus small rl/eval, on the `slurm` profile
+    "profile": "slurm",
+    # Slurm, the flow and the math are the subject; MLflow from a Slurm job is checked by tests/test_slurm.py's grad-accum
+    # test (its job runs tracked), and costs ~2 s of CPU and ~2.5 s of wall in every tracked stage process
+    "tracking": {"enabled": False},
+    "rl": SMALL_RL,
+    "eval": {**SMALL_EVAL, "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}}},
+    "pretrain": {"dtype": "float32"},
+    # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
+    "midtrain": {"total_batch_size": 1024},
+    "sft": {"total_batch_size": 1024},
+    # the slurm profile's 12 pairs x 2 ranks per step need >= 24 train pairs (32 problems give more)
+    "reward_model": {"tiny_prompts": 32},
 }
 
 
