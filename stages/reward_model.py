@@ -53,12 +53,12 @@ from chatpipe.rl.reward_model import (
     unique_rows,
 )
 from chatpipe.runtime import all_reduce_sum
-from chatpipe.settings import RewardModelSettings, TrainSettings, snapshot
+from chatpipe.settings import RewardModelSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
 from chatpipe.train.loop import step_optimizers
-from chatpipe.train.optim import build_optimizers
+from chatpipe.train.optim import build_optimizers, init_lrs
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
 from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
 
@@ -164,13 +164,11 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
 def reward_optimizers(cfg: RewardModelSettings, rm: RewardModel, init_meta: dict) -> list:
     """The trunk's optimizers at ``lr_frac`` of the init model's LRs (the training defaults for a model
     dir without training settings), the scalar head's at ``head_lr``."""
-    init_lrs = {
-        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
-    }
+    lrs = init_lrs(init_meta)
     return build_optimizers(
         rm,
-        matrix_lr=init_lrs["matrix_lr"] * cfg.lr_frac,
-        embedding_lr=init_lrs["embedding_lr"] * cfg.lr_frac,
+        matrix_lr=lrs["matrix_lr"] * cfg.lr_frac,
+        embedding_lr=lrs["embedding_lr"] * cfg.lr_frac,
         unembedding_lr=cfg.head_lr,  # the "lm_head" group holds only the scalar head
         weight_decay=cfg.weight_decay,
     )
