@@ -124,7 +124,7 @@ def test_contrasts_are_what_the_verifier_rejects(tok):
             assert task.reward(conv, _reply(contrast)[-1]["text"]) == 0.0, _reply(contrast)
     pairs = prefs.contrast_pairs([task[i] for i in range(5)], tok, seed=0)
     assert len(pairs) == 20 and all(p.chosen != p.rejected for p in pairs)
-    assert [p.kind for p in pairs] == list(prefs.CONTRASTS) * 5  # each pair names its contrast's kind
+    assert [p.mistake for p in pairs] == list(prefs.CONTRASTS) * 5  # each pair names its contrast's mistake
 
 
 def _calls(parts: list[dict]) -> list[tuple[str, str]]:

@@ -144,14 +144,15 @@ def test_tiny_pairs_sample_only_the_first_problems_and_fit_the_context(project, 
     ranked, real = [], prefs.ranked_pairs
     monkeypatch.setattr(prefs, "ranked_pairs", lambda *a: ranked.append(a[3]) or real(*a))
     flags = ["--tiny_samples=2", "--tiny_max_new_tokens=4", "--max_seq_len=128"]
-    got = stage._tiny_split(load_section(RewardModelSettings, flags), tok, policy, "train", 6, 2)
+    cfg = load_section(RewardModelSettings, flags)
+    got = prefs.tiny_split(cfg, tok, stage.sampler(cfg, tok, policy), "train", 6, 2)
     assert ranked == ["tinyworld_arith/train problem 0", "tinyworld_arith/train problem 1"]
     assert {int(p.where.split(":")[1].split()[0]) for p, k in got if k.startswith("contrast")} == set(range(6))
     ranked.clear()
     lengths = sorted(max(len(p.chosen), len(p.rejected)) for p, _ in got)
     limit = lengths[len(lengths) // 2]  # about half the pairs are longer
     cfg = load_section(RewardModelSettings, ["--tiny_samples=0", f"--max_seq_len={limit}"])
-    short = stage._tiny_split(cfg, tok, policy, "train", 6, 2)
+    short = prefs.tiny_split(cfg, tok, stage.sampler(cfg, tok, policy), "train", 6, 2)
     assert ranked == [] and 0 < len(short) < len(got)
     assert all(max(len(p.chosen), len(p.rejected)) <= limit for p, _ in short)
 
@@ -703,10 +704,10 @@ def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project,
 
 
 @pytest.mark.parametrize(
-    ("kinds", "expect"),
+    ("origins", "expect"),
     [
         # the float32 SFT model of a 2-core Intel kind made 627 sampled pairs on 600 held-out problems,
-        # more than val_pairs, so no contrast joined: the one kind PPO needs ranked must still be reported
+        # more than val_pairs, so no contrast joined: the one origin PPO needs ranked must still be reported
         (["sampled"] * 4, {"pair_accuracy_sampled": 0.75, "pairs_sampled": 4}),
         (
             ["sampled", "sampled", "contrast_miscopied", "contrast_miscopied"],
@@ -717,14 +718,14 @@ def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project,
                 "pairs_contrast_miscopied": 2,
             },
         ),
-        (["file"] * 4, {}),  # a user's file names no kinds: the overall accuracy says it all
+        (["file"] * 4, {}),  # a user's file names no origins: the overall accuracy says it all
     ],
 )
-def test_held_out_reports_the_accuracy_of_every_named_kind_of_pair(kinds, expect, monkeypatch):
+def test_held_out_reports_the_accuracy_of_every_named_origin_of_pair(origins, expect, monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    from chatpipe.data.preferences import Pair
+    from chatpipe.data.preferences import Pair, PairSet
     from stages import reward_model as stage
 
     val = [Pair([1, 2, 10 + i], [1, 2, 20 + i], f"pair {i}") for i in range(4)]
@@ -732,8 +733,10 @@ def test_held_out_reports_the_accuracy_of_every_named_kind_of_pair(kinds, expect
     monkeypatch.setattr(stage, "score_rows", lambda rm, rows, pad: torch.tensor([scores[r[-1]] for r in rows]))
     rm = SimpleNamespace(eval=lambda: None, train=lambda: None)
     rt = SimpleNamespace(autocast=contextlib.nullcontext)
-    parts = SimpleNamespace(rm=rm, rt=rt, pad_id=0, pairs=stage.Pairs([], val, kinds))
+    parts = SimpleNamespace(rm=rm, rt=rt, pad_id=0, pairs=PairSet([], val, origins))
     got = stage.held_out(parts)
     assert got["val/pair_accuracy"] == 0.75
-    by_kind = {k.removeprefix("val/"): v for k, v in got.items() if k.startswith(("val/pair_accuracy_", "val/pairs_"))}
-    assert by_kind == expect
+    by_origin = {
+        k.removeprefix("val/"): v for k, v in got.items() if k.startswith(("val/pair_accuracy_", "val/pairs_"))
+    }
+    assert by_origin == expect
