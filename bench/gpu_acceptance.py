@@ -3,7 +3,7 @@ and against nanochat's per-GPU figures.
 
     python bench/gpu_acceptance.py                       # every visible GPU, d24, bf16 and both fp8 recipes
     python bench/gpu_acceptance.py --gpus 0 --depths 12,24
-    python bench/gpu_acceptance.py --peak-tflops 989     # a GPU chatpipe.train.loop.PEAK_FLOPS does not name
+    python bench/gpu_acceptance.py --peak-tflops 989     # a GPU chatpipe.train.step.PEAK_FLOPS does not name
 
 For each visible GPU (one at a time, one process: a per-GPU check, no NCCL), each depth and each
 precision (bf16 autocast; bf16 + FP8 matmuls through torchao's Float8Linear, and through chatpipe's
@@ -54,13 +54,13 @@ from chatpipe.testing.gpu_acceptance import (  # noqa: E402
     record_mfu,
     target_report,
 )
-from chatpipe.train.loop import PEAK_FLOPS, train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 from chatpipe.train.pretrain_plan import (  # noqa: E402
     GIB,
     MEASURED_MFU_FILE,
     model_config_for,
 )
+from chatpipe.train.step import PEAK_FLOPS, train_step  # noqa: E402
 
 NO_GPU_EXIT = 2
 WARMUP_STEPS = 3  # the first steps compile (model, optimizer); their time is not throughput

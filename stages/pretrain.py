@@ -31,7 +31,7 @@ from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.pretrain_plan import (
     PlanCounts,
@@ -45,7 +45,7 @@ from chatpipe.train.pretrain_plan import (
     polar_express_dtype,
 )
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]

@@ -14,7 +14,7 @@ before the model loads. Each step takes ``device_batch_size`` pairs per rank and
 -log sigmoid(r_chosen - r_rejected - margin), each response scored at its last token. At the end
 the mean and std of the scores of the init model's own samples are saved as ``score_norm``, which
 RL applies to every score.
-The steps run on the shared training loop (:mod:`chatpipe.train.trainer`), which logs each step's
+The steps run on the shared training loop (:mod:`chatpipe.train.loop`), which logs each step's
 loss, batch pair accuracy and gradient norm to MLflow. Held-out pair accuracy and the margin's
 quantiles go to MLflow every ``eval_every`` steps and to ``summary`` in
 ``artifacts/reward_model/meta.json`` (the report card reads them); resumable checkpoints in
@@ -57,10 +57,10 @@ from chatpipe.settings import RewardModelSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import step_optimizers
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
 from chatpipe.train.optim import build_optimizers, init_lrs
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import step_optimizers
 
 log = logging.getLogger("reward_model")
 
@@ -255,7 +255,7 @@ def batch_indices(
 def rm_step(parts: Parts, step: int) -> StepOut:
     """One optimizer step (its LR already set by the loop) on this rank's ``device_batch_size`` pairs,
     -log sigmoid(r_chosen - r_rejected); returns the loss, the gradient norm and the batch pair
-    accuracy, each the mean over ranks, for the loop's step row (:func:`chatpipe.train.trainer.step_row`)."""
+    accuracy, each the mean over ranks, for the loop's step row (:func:`chatpipe.train.loop.step_row`)."""
     cfg, rt, pairs = parts.cfg, parts.rt, parts.pairs
     idx = batch_indices(parts.groups, step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
     batch = [pairs.train[i] for i in idx]

@@ -74,10 +74,10 @@ from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
 from chatpipe.train.checkpoint import carried_over
-from chatpipe.train.loop import step_optimizers
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
 from chatpipe.train.optim import build_optimizers, init_lrs
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import step_optimizers
 
 log = logging.getLogger("rl")
 

@@ -28,8 +28,8 @@ from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import load_checkpoint, save_checkpoint
-from chatpipe.train.loop import evaluate_loss_bpb, scheduled_train_step
-from chatpipe.train.optim import build_optimizers
+from chatpipe.train.optim import apply_schedules, build_optimizers
+from chatpipe.train.step import evaluate_loss_bpb, train_schedule, train_step
 
 pytest.importorskip("torchao.float8", reason="the gpu/test extra (torchao) is not installed")
 
@@ -87,10 +87,10 @@ def train(model: GPT, optimizers: list, start: int, stop: int, vocab: int) -> li
     losses = []
     for step in range(start, stop):
         rows = batch(step, vocab)
-        loss, _, _ = scheduled_train_step(
-            step, STEPS, RECIPE, model, lambda rows=rows: rows, optimizers, grad_accum=1, rt=RT
+        apply_schedules(optimizers, *train_schedule(RECIPE, STEPS)(step))  # the stages' LR and momentum at `step`
+        losses.append(
+            train_step(model, lambda rows=rows: rows, optimizers, grad_accum=1, rt=RT, grad_clip=RECIPE.grad_clip)
         )
-        losses.append(loss)
     return losses
 
 

@@ -162,20 +162,20 @@ def test_an_import_cycle_between_subpackages_is_caught_and_named(tmp_path):
         "chatpipe/model/__init__.py": "",
         "chatpipe/model/gpt.py": "from chatpipe.paths import ARTIFACTS\n",
         "chatpipe/train/__init__.py": "",
-        "chatpipe/train/loop.py": "from chatpipe.model.gpt import GPT\n",
+        "chatpipe/train/step.py": "from chatpipe.model.gpt import GPT\n",
         "chatpipe/data/__init__.py": "",
         "chatpipe/data/tasks/humaneval.py": "import chatpipe.paths\n",
     }
     write_tree(tmp_path, files)
     assert import_cycles(tmp_path) == []
     # model -> train, inside a function; data -> paths.py -> data, through a relative import
-    (tmp_path / "chatpipe/model/gpt.py").write_text("def f():\n    from chatpipe.train import loop\n")
+    (tmp_path / "chatpipe/model/gpt.py").write_text("def f():\n    from chatpipe.train import step\n")
     (tmp_path / "chatpipe/paths.py").write_text("from .data.tasks import humaneval\n")
     assert import_cycles(tmp_path) == [
         "chatpipe/data -> chatpipe/paths.py -> chatpipe/data (chatpipe/data/tasks/humaneval.py imports chatpipe.paths; "
         "chatpipe/paths.py imports chatpipe.data.tasks)",
         "chatpipe/model -> chatpipe/train -> chatpipe/model (chatpipe/model/gpt.py imports chatpipe.train; "
-        "chatpipe/train/loop.py imports chatpipe.model.gpt)",
+        "chatpipe/train/step.py imports chatpipe.model.gpt)",
     ]
 
 

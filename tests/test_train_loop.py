@@ -1,4 +1,4 @@
-"""The one training loop (chatpipe/train/trainer.py) and the step it runs (chatpipe/train/loop.py):
+"""The one training loop (chatpipe/train/loop.py) and the step it runs (chatpipe/train/step.py):
 cadence, what a checkpoint carries, bitwise resume, and the gradient norm every training stage logs."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
 from chatpipe.stage_metrics import Curves
 from chatpipe.testing.project import dvc, make_project
-from chatpipe.train.loop import train_step_stats
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop, step_row
 from chatpipe.train.stage import resume_or_fresh
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop, step_row
+from chatpipe.train.step import train_step_stats
 
 RT = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
 TOTAL = 6

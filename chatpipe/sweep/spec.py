@@ -211,7 +211,7 @@ def price(points: list[Point], peak_flops: float, mfu: float) -> dict[str, float
 
 def format_plan(sweep: SweepSettings, points: list[Point], gpu: str = "H100", mfu: float = 0.4) -> str:
     """The grid with each point's model size, steps and FLOPs, and the whole sweep's GPU-hours."""
-    from chatpipe.train.loop import PEAK_FLOPS
+    from chatpipe.train.step import PEAK_FLOPS
 
     lines = [
         f"sweep {sweep.name}: {len(points)} points, stages {', '.join(sweep.stages)}, concurrency {sweep.concurrency}"
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from chatpipe.train.loop import PEAK_FLOPS
+    from chatpipe.train.step import PEAK_FLOPS
 
     p = argparse.ArgumentParser(prog="chatpipe sweep-plan", description="validate a sweep file and price its points")
     p.add_argument("sweep")

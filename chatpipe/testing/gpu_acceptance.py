@@ -16,8 +16,8 @@ from chatpipe.io import env_set
 from chatpipe.model.fp8 import FP8_RECIPES
 from chatpipe.model.gpt import GPT
 from chatpipe.settings import PretrainSettings, TokenizerSettings, load_section
-from chatpipe.train.loop import PEAK_FLOPS
 from chatpipe.train.pretrain_plan import GIB, make_plan, model_config_for, model_memory_bytes
+from chatpipe.train.step import PEAK_FLOPS
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = "speedrun"

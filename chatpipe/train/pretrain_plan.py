@@ -28,7 +28,7 @@ from chatpipe.io import env_set
 from chatpipe.model.gpt import MODEL_OPTIONS, GPTConfig, ModelCounts, config_from_depth, count_model, quarter_window
 from chatpipe.runtime import Runtime, compute_dtype, dtype_named
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
-from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
+from chatpipe.train.step import PEAK_FLOPS, grad_accum_steps
 
 GIB = 1024**3
 # d24 MFU per GPU kind and precision as bench/gpu_acceptance.py last measured it (it rewrites the file);
