@@ -16,6 +16,8 @@ import httpx
 import psutil
 import yaml
 
+from chatpipe.settings import deep_merge
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -129,13 +131,6 @@ PIPELINE_PARAMS = {  # SMALL_PARAMS plus small rl/eval, on the `slurm` profile
 }
 
 
-def _merge(base: dict, overlay: dict) -> dict:
-    out = dict(base)
-    for k, v in overlay.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def make_project(dest: Path, params: dict | None = None, small: bool = True) -> Path:
     """Copy the repo's files (tracked + untracked-not-ignored) to ``dest``, git init + commit there.
 
@@ -154,7 +149,7 @@ def make_project(dest: Path, params: dict | None = None, small: bool = True) -> 
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     copy_bytecode(dest)
-    set_params(dest, _merge(SMALL_PARAMS, params or {}) if small else (params or {}))
+    set_params(dest, deep_merge(SMALL_PARAMS, params or {}) if small else (params or {}))
     git = ["git", "-c", "user.email=t@chatpipe.local", "-c", "user.name=test"]
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
@@ -189,7 +184,7 @@ def copy_bytecode(dest: Path) -> None:
 def set_params(project: Path, overlay: dict) -> None:
     """Merge ``overlay`` into the project's params.yaml."""
     path = project / "params.yaml"
-    path.write_text(yaml.safe_dump(_merge(yaml.safe_load(path.read_text()), overlay), sort_keys=False))
+    path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(path.read_text()), overlay), sort_keys=False))
 
 
 def project_env(project: Path, **extra: str) -> dict[str, str]:
