@@ -40,6 +40,7 @@ from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
+from chatpipe.progress import progress
 from chatpipe.rl.reward_model import (
     MODEL_KIND,
     RewardModel,
@@ -219,6 +220,7 @@ def sampler(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> prefs.Samp
                 temperature=cfg.tiny_temperature,
                 top_k=50,
                 seed=cfg.seed,
+                desc=f"reward_model {split} pairs: sampling",
             )
         return [(s.prompt, s.seqs, [p.score(x) for x in s.texts]) for p, s in zip(problems, sampled)]
 
@@ -284,8 +286,9 @@ def reference_norm(parts: Parts, max_rows: int = 2048) -> dict[str, float]:
     rows, _ = unique_rows([r for p in own for r in (p.chosen, p.rejected)])
     rows = random.Random(parts.cfg.seed).sample(rows, min(max_rows, len(rows)))
     parts.rm.eval()
-    with parts.rt.autocast():
+    with parts.rt.autocast(), progress(len(rows), "reward_model score_norm", unit="reply") as bar:
         scores = score_rows(parts.rm, rows, parts.pad_id)
+        bar.update(len(rows))
     parts.rm.train()
     return score_norm(scores)
 

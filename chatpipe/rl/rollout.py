@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from chatpipe.inference.precision import linears_in
 from chatpipe.inference.scheduler import generate_continuous
+from chatpipe.progress import progress
 from chatpipe.rl.rewards import RewardFn, exact_answer, get_reward
 from chatpipe.tokenizer import reply_text
 
@@ -336,15 +337,24 @@ def sample_problems(
     temperature: float,
     top_k: int | None,
     seed: int,
+    desc: str = "sampling",
 ) -> list[Sampled]:
     """``num_samples`` replies to each problem on one continuous batch, as the rollouts, each read by
     :func:`chatpipe.tokenizer.reply_text`; callers judge them (:func:`evaluate_problems`, the reward
-    model's sampled pairs)."""
+    model's sampled pairs). Finished samples count on a :mod:`chatpipe.progress` line named ``desc``."""
     tok = engine.tokenizer
     prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
-    generated = generate_continuous(
-        engine, prompts, num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
-    )
+    with progress(len(prompts) * num_samples, desc, unit="sample") as bar:
+        generated = generate_continuous(
+            engine,
+            prompts,
+            num_samples,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            on_done=lambda sample, reason: bar.update(),  # called by the scheduler as each sample ends
+        )
     return [
         Sampled(prompt, seqs, [reply_text(tok, s[len(prompt) :], m[len(prompt) :])[0] for s, m in zip(seqs, masks)])
         for prompt, (seqs, masks) in zip(prompts, generated)
@@ -354,4 +364,5 @@ def sample_problems(
 def evaluate_problems(engine: Any, problems: list[Problem], **sampling: Any) -> list[list[bool]]:
     """Per-problem lists of sample correctness (the task's verdict, :meth:`Problem.is_correct`), for pass@k;
     ``sampling`` as :func:`sample_problems` takes it."""
-    return [[p.is_correct(t) for t in s.texts] for p, s in zip(problems, sample_problems(engine, problems, **sampling))]
+    sampled = sample_problems(engine, problems, **{"desc": "pass@k sampling", **sampling})
+    return [[p.is_correct(t) for t in s.texts] for p, s in zip(problems, sampled)]
