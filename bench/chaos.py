@@ -4,7 +4,7 @@ every re-run ends with the same weights and leaves nothing behind.
     python bench/chaos.py                       # 10 kills per training stage + 1 flow SIGTERM each
     python bench/chaos.py --trials 2 --flow-trials 0 --stages pretrain   # what the slow test runs
 
-In a throwaway copy of the repo (small params, as tests/project.py), first one uninterrupted
+In a throwaway copy of the repo (small params, as chatpipe/testing/project.py), first one uninterrupted
 ``dvc repro rl`` gives the reference sha256 of artifacts/{base,mid,sft,rl}/model.pt. Then for each
 stage and trial: remove the stage's checkpoints and output, start ``dvc repro --single-item
 <stage>`` (the command each flow task runs), kill -9 its worker at a random moment (every third
@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.project import BIN, make_project, processes_in, project_env  # noqa: E402
+from chatpipe.testing.project import BIN, make_project, processes_in, project_env  # noqa: E402
 
 OUTPUT = {"pretrain": "base", "midtrain": "mid", "sft": "sft", "rl": "rl"}
 # Small enough for a shared 2-core machine; checkpoints often, so kills land during writes too.

@@ -30,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("tokenizer", "tokenstore", "report", "settings")
+WRITER = "--writer"  # the first argument of a writer process (kill_trial starts them)
 CONTROL = "plain"  # np.save straight onto the target: the check must catch its partial files
 
 
@@ -92,9 +93,8 @@ def prepare(kind: str, out: Path) -> None:
 def kill_trial(kind: str, out: Path, rng: random.Random) -> None:
     """Start a writer, let it write for a random while, SIGKILL it."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import chaos_writes as c; c.main_writer()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, kind, str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, WRITER, kind, str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(rng.uniform(0.05, 1.5))
@@ -102,8 +102,9 @@ def kill_trial(kind: str, out: Path, rng: random.Random) -> None:
     proc.wait()
 
 
-def main_writer() -> None:
-    write_forever(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+def main_writer(argv: list[str]) -> None:
+    """The writer process's body: ``WRITER kind out [writes]``."""
+    write_forever(argv[0], Path(argv[1]), int(argv[2]) if len(argv) > 2 else None)
 
 
 def check(out: Path, allowed: dict[str, list[bytes]]) -> tuple[list[str], int]:
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=(*KINDS, CONTROL))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--json", type=Path, help="write the summary here")
     args = ap.parse_args(argv)
     import tempfile
 
@@ -141,8 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     summary = {kind: run_kind(kind, work / kind, args.trials, rng) for kind in args.kinds}
     print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [WRITER]:
+        main_writer(sys.argv[2:])
+    else:
+        main()

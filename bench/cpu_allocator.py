@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-from tests.cpu_allocator import run  # noqa: E402
+from chatpipe.testing.cpu_allocator import run  # noqa: E402
 
 
 def main() -> None:

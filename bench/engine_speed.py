@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chatpipe.inference.engine import Engine  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth  # noqa: E402
-from tests.chatmodel import ByteTokenizer  # noqa: E402  (the engine needs only bytes and specials)
+from chatpipe.testing.chatmodel import ByteTokenizer  # noqa: E402  (the engine needs only bytes and specials)
 
 
 @torch.inference_mode()

@@ -37,7 +37,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
-from tests.fuzz_cases import (  # noqa: E402
+from chatpipe.testing.fuzz_cases import (  # noqa: E402
     FORMATS,
     build_artifacts,
     file_case,

@@ -3,7 +3,7 @@ and against nanochat's per-GPU figures.
 
     python bench/gpu_acceptance.py                       # every visible GPU, d24, bf16 and both fp8 recipes
     python bench/gpu_acceptance.py --gpus 0 --depths 12,24
-    python bench/gpu_acceptance.py --peak-tflops 989     # a GPU chatpipe.train.loop.PEAK_FLOPS does not name
+    python bench/gpu_acceptance.py --peak-tflops 989     # a GPU chatpipe.train.step.PEAK_FLOPS does not name
 
 For each visible GPU (one at a time, one process: a per-GPU check, no NCCL), each depth and each
 precision (bf16 autocast; bf16 + FP8 matmuls through torchao's Float8Linear, and through chatpipe's
@@ -31,7 +31,6 @@ stops at once with a message and exit 2: there is nothing to qualify.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -41,30 +40,30 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from chatpipe.io import env_set  # noqa: E402
-from chatpipe.model.fp8 import FP8_RECIPES, enable_fp8  # noqa: E402
+from chatpipe.model.fp8 import enable_fp8  # noqa: E402
 from chatpipe.model.gpt import GPT  # noqa: E402
 from chatpipe.runtime import Runtime  # noqa: E402
-from chatpipe.settings import PretrainSettings, TokenizerSettings, load_section  # noqa: E402
-from chatpipe.train.loop import PEAK_FLOPS, train_step  # noqa: E402
+from chatpipe.settings import PretrainSettings  # noqa: E402
+from chatpipe.testing.gpu_acceptance import (  # noqa: E402
+    PRECISIONS,
+    gpu_kind,
+    implausible,
+    nanochat_columns,
+    plan_estimate,
+    profile_at,
+    record_mfu,
+    target_report,
+)
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 from chatpipe.train.pretrain_plan import (  # noqa: E402
     GIB,
     MEASURED_MFU_FILE,
-    make_plan,
     model_config_for,
-    model_memory_bytes,
 )
+from chatpipe.train.step import PEAK_FLOPS, train_step  # noqa: E402
 
-PROFILE = "speedrun"
 NO_GPU_EXIT = 2
 WARMUP_STEPS = 3  # the first steps compile (model, optimizer); their time is not throughput
-PRECISIONS = ("bf16", *(f"fp8 {recipe}" for recipe in FP8_RECIPES))
-# nanochat's per-GPU throughput (tokens / time / 8 GPUs of its 8xH100 leaderboard runs; same FLOPs count
-# and 989 TFLOP/s peak): d24 bf16 from its Run 1, fp8 from Run 6 (5,567 x 2**20 tokens in 99 min)
-NANOCHAT_PER_GPU = {(24, "bf16"): (100_000, 0.50), (24, "fp8"): (123_000, 0.59)}
-# the speed targets at d24 (issue 44): fp8 MFU, bf16 MFU, fp8 over bf16, and peak memory against the plan
-TARGETS = {"fp8_mfu": 0.55, "bf16_mfu": 0.47, "fp8_over_bf16": 1.12, "memory_vs_plan": 0.10}
 PROFILE_STEPS = 3  # d24 steps under torch.profiler (after the timed ones)
 TOP_KERNELS = 15
 
@@ -78,36 +77,6 @@ def no_gpu_message() -> str | None:
             "GPU node for the speedrun; run it there. CPU runs of the GPU code paths: the rehearsal_gpu profile."
         )
     return None
-
-
-def gpu_kind(name: str) -> str | None:
-    """The PEAK_FLOPS key (and `chatpipe plan --gpu` name) of a device name like 'NVIDIA H100 80GB HBM3'."""
-    return next((k for k in PEAK_FLOPS if k in name), None)
-
-
-def with_env(overrides: dict[str, str], fn, *args):
-    """Call ``fn(*args)`` with environment variables set (settings read the profile and depth from there)."""
-    with env_set(**overrides):
-        return fn(*args)
-
-
-def profile_at(depth: int) -> tuple[PretrainSettings, int]:
-    """The speedrun's pretrain settings at ``depth`` (its batch, sequence, recipe options) and its vocab size."""
-    env = {"CHATPIPE_PROFILE": PROFILE, "CHATPIPE_PRETRAIN__DEPTH": str(depth)}
-    cfg = with_env(env, load_section, PretrainSettings)
-    vocab = with_env(env, load_section, TokenizerSettings).vocab_size
-    return cfg, vocab
-
-
-def plan_estimate(depth: int, kind: str | None) -> dict[str, float]:
-    """What `chatpipe plan --profile speedrun` assumes at ``depth``: tokens/s per GPU at its MFU, and its
-    memory for the step measured here (compiled, one micro-batch: no gradients held across micro-batches)."""
-    plan = with_env({"CHATPIPE_PRETRAIN__DEPTH": str(depth)}, make_plan, PROFILE, kind or "H100")
-    cfg, vocab = profile_at(depth)
-    with torch.device("meta"):
-        model = GPT(model_config_for(cfg, vocab))
-    memory = model_memory_bytes(model.counts(), cfg.device_batch_size, cfg.sequence_len) / GIB
-    return {"tok_s": plan.peak_flops * plan.mfu / plan.flops_per_token, "mfu": plan.mfu, "memory_gib": memory}
 
 
 def measure(
@@ -170,29 +139,6 @@ def profile_steps(step, trace: Path) -> str:
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS, max_name_column_width=70)
-
-
-def nanochat_columns(depth: int, precision: str, row: dict) -> str:
-    """nanochat's per-GPU tok/s and MFU for this depth and precision, and chatpipe's ratio ('-' unknown)."""
-    known = NANOCHAT_PER_GPU.get((depth, precision.split()[0]))
-    if known is None:
-        return f"{'-':>12} {'-':>6} {'-':>6}"
-    tok_s, mfu = known
-    return f"{tok_s:>12,} {mfu:>6.0%} {row['mfu'] / mfu:>6.2f}"
-
-
-def implausible(row: dict, device_gib: float) -> list[str]:
-    """Why a measured row cannot be right (empty when it is plausible)."""
-    problems = []
-    if not 0 < row["mfu"] < 1:  # a FLOPs count or a timer that is wrong, not a fast GPU
-        problems.append(f"MFU {row['mfu']:.1%} is outside (0%, 100%)")
-    if not 0 < row["peak_gib"] <= device_gib:
-        problems.append(f"peak memory {row['peak_gib']:.1f} GiB is outside (0, {device_gib:.1f}] GiB")
-    if not math.isfinite(row["loss"]):
-        problems.append(f"loss {row['loss']} is not finite")
-    if not row["tok_s"] > 0:
-        problems.append(f"tokens/s {row['tok_s']} is not positive")
-    return problems
 
 
 def _time_ms(fn, repeats: int = 10) -> float:
@@ -348,54 +294,6 @@ def print_ratios(rows: dict, depths: list[int]) -> None:
             ratios = ", ".join(f"{p} {r['tok_s'] / bf16['tok_s']:.2f}x" for p, r in fp8.items())
             best = max(fp8, key=lambda p: fp8[p]["tok_s"])
             print(f"  d{depth} against bf16: {ratios}; faster fp8 recipe: {best.split()[1]}")
-
-
-def target_report(rows: dict) -> str:
-    """One line per d24 target (:data:`TARGETS`): the measured value and whether it is met."""
-    bf16 = rows.get("d24 bf16")
-    fp8 = max((rows[f"d24 {p}"] for p in PRECISIONS[1:] if f"d24 {p}" in rows), key=lambda r: r["mfu"], default=None)
-    if not bf16 or not fp8:
-        return "  targets: not every d24 row ran"
-    checks = [
-        ("d24 fp8 MFU", f"{fp8['mfu']:.1%}", fp8["mfu"] >= TARGETS["fp8_mfu"], f">= {TARGETS['fp8_mfu']:.0%}"),
-        ("d24 bf16 MFU", f"{bf16['mfu']:.1%}", bf16["mfu"] >= TARGETS["bf16_mfu"], f">= {TARGETS['bf16_mfu']:.0%}"),
-        (
-            "fp8 / bf16",
-            f"{fp8['mfu'] / bf16['mfu']:.2f}x",
-            fp8["mfu"] / bf16["mfu"] >= TARGETS["fp8_over_bf16"],
-            ">= 1.12x",
-        ),
-    ]
-    for name, row in (("bf16", bf16), ("fp8", fp8)):
-        off = row["peak_gib"] / row["plan_gib"] - 1
-        checks.append((f"d24 {name} peak vs plan", f"{off:+.1%}", abs(off) <= TARGETS["memory_vs_plan"], "within 10%"))
-    return "\n".join(
-        f"  target {name:<22} {value:>8} ({goal}): {'met' if ok else 'NOT met'}" for name, value, ok, goal in checks
-    )
-
-
-def record_mfu(path: Path, kind: str, name: str, rows: dict, depth: int) -> None:
-    """Write the measured MFU at ``depth`` per precision for this GPU kind to ``path`` (what `chatpipe plan`
-    reads): bf16, and fp8 as the faster recipe's."""
-    import json
-    import subprocess
-
-    bf16 = rows.get(f"d{depth} bf16")
-    fp8 = [rows[f"d{depth} {p}"] for p in PRECISIONS[1:] if f"d{depth} {p}" in rows]
-    if not bf16 or not fp8:
-        return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[kind] = {
-        "bf16": round(bf16["mfu"], 4),
-        "fp8": round(max(r["mfu"] for r in fp8), 4),
-        "depth": depth,
-        "device": name,
-        "commit": commit.stdout.strip() or "unknown",
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    print(f"recorded d{depth} MFU for {kind} in {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "out" / "orchestration"  # each run's full log (git-ignored)
 STAGES = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
 
-from tests.project import make_project, project_env  # noqa: E402
+from chatpipe.testing.project import make_project, project_env  # noqa: E402
 
 
 def timed(project: Path, log: Path, *cmds: list[str]) -> float:

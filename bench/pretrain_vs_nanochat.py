@@ -5,7 +5,7 @@
 The config is the issue's: depth 4 (n_embd 256, head_dim 64), sequence 256, batch 16 x 256 = 4096
 tokens per step, vocab 1024, fp32, CPU. Every measurement runs in its own process, and a step is
 what the pretrain stage times: the loader's next batch, forward/backward, the optimizer, the loss
-read back (:func:`chatpipe.train.loop.train_step`); nanochat's logged step covers the same.
+read back (:func:`chatpipe.train.step.train_step`); nanochat's logged step covers the same.
 
 1. ``nanochat`` recipe (our model with every nanochat option: value embeddings, lambdas, smear,
    backout, SSSL quarter windows, q/k scale, vocab padding; MuonAdamW in nanochat's order of
@@ -68,9 +68,9 @@ from chatpipe.data.tokenstore import save_shard, write_index  # noqa: E402
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options  # noqa: E402
 from chatpipe.runtime import Runtime, init  # noqa: E402
 from chatpipe.settings import PretrainSettings, resolve_params  # noqa: E402
-from chatpipe.train.loop import train_step  # noqa: E402
 from chatpipe.train.optim import build_optimizers  # noqa: E402
 from chatpipe.train.pretrain_plan import compile_pays, model_config_for, polar_express_dtype  # noqa: E402
+from chatpipe.train.step import train_step  # noqa: E402
 
 DEPTH, HEAD_DIM, SEQ, BATCH, VOCAB = 4, 64, 256, 16, 1024
 TOKENS = BATCH * SEQ

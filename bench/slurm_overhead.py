@@ -3,7 +3,7 @@
     bash scripts/slurm-local.sh up && export SLURM_CONF=/tmp/chatpipe-slurm/etc/slurm.conf
     python bench/slurm_overhead.py [--stages data tokenizer pretrain] [--small]
 
-Two fresh copies of this repo (tests/project.py), the same params and the same math:
+Two fresh copies of this repo (chatpipe/testing/project.py), the same params and the same math:
 - local: ``python -m chatpipe.launch <stage>`` on ``local_cwd`` with the ``slurm`` profile's params,
   multi-process stages as 1 node x 2 gloo processes;
 - slurm: the same command under the ``slurm`` profile, multi-process stages as 2 nodes x 1 process
@@ -31,8 +31,7 @@ sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "out" / "slurm"
 
 from chatpipe.settings import STAGES  # noqa: E402
-from tests.project import make_project, project_env  # noqa: E402
-from tests.test_slurm import PIPELINE_PARAMS  # noqa: E402  (small rl/eval that divide over 2 ranks)
+from chatpipe.testing.project import PIPELINE_PARAMS, make_project, project_env  # noqa: E402
 
 
 def free_port() -> int:

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 OUT = REPO / "bench" / "out" / "sweep_concurrency"
 
-from tests.project import make_project, project_env  # noqa: E402
+from chatpipe.testing.project import make_project, project_env  # noqa: E402
 
 
 def cut_sweep(source: Path, flops: float, depths: list[int], concurrency: int) -> dict:

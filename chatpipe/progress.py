@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -63,6 +64,21 @@ class Progress:
             every_s = float(os.environ.get("CHATPIPE_PROGRESS_EVERY", "30"))
         # the plain line only stands in for the bar when there is none
         self.every_s = every_s if (mode == "auto" and self.bar is None) else 0.0
+        self._lock, self._closed = threading.Lock(), threading.Event()
+        if self.every_s > 0:  # a line on time even while one item takes longer than every_s
+            threading.Thread(target=self._tick, name=f"progress {desc}", daemon=True).start()
+
+    def _tick(self) -> None:
+        """The timer's loop: a line whenever ``every_s`` passed since the last one, until :meth:`close`."""
+        while not self._closed.wait(max(self.every_s - (time.monotonic() - self.last_line), 0.01)):
+            self._line_if_due({})
+
+    def _line_if_due(self, postfix: dict[str, Any]) -> None:
+        with self._lock:
+            if self._closed.is_set() or time.monotonic() - self.last_line < self.every_s:
+                return
+            self.last_line = time.monotonic()
+        log.info("%s", self.line(postfix))
 
     def update(self, n: int = 1, **postfix: Any) -> None:
         """Count ``n`` more done; ``postfix`` values (e.g. loss=...) show beside the bar or line."""
@@ -71,9 +87,8 @@ class Progress:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(n)
-        elif self.every_s > 0 and time.monotonic() - self.last_line >= self.every_s:
-            self.last_line = time.monotonic()
-            log.info("%s", self.line(postfix))
+        elif self.every_s > 0:
+            self._line_if_due(postfix)
 
     def line(self, postfix: dict[str, Any] | None = None) -> str:
         """``desc: 40/100 step | 0:12 elapsed | ETA 0:18 | loss 2.31``."""
@@ -88,7 +103,8 @@ class Progress:
         return " | ".join(parts)
 
     def close(self) -> None:
-        """Close the bar (idempotent)."""
+        """Close the bar and stop the timer (idempotent)."""
+        self._closed.set()
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -241,11 +241,22 @@ def init(device: str = "auto", dtype: str = "auto", *, training: bool = False) -
     return Runtime(rank, local_rank, world_size, dev, compute_dtype(dtype, use_cuda, training=training))
 
 
-def compute_dtype(dtype: str, use_cuda: bool, *, training: bool) -> torch.dtype:
-    """The dtype a stage computes in: ``dtype`` itself, or for ``auto`` the rule of :func:`init`."""
+DTYPE_NAMES = ("float32", "bfloat16")  # the dtypes settings and exports name (besides "auto")
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype of a settings name in :data:`DTYPE_NAMES`; None for any other name ("auto")."""
     import torch
 
-    chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
+
+
+def compute_dtype(dtype: str, use_cuda: bool, *, training: bool) -> torch.dtype:
+    """The dtype a stage computes in: ``dtype`` itself, or for ``auto`` the rule of :func:`init`:
+    bfloat16 on a GPU, and for training on a CPU that multiplies bfloat16 natively; float32 elsewhere."""
+    import torch
+
+    chosen = dtype_named(dtype)
     if chosen is not None:
         return chosen
     return torch.bfloat16 if use_cuda or (training and cpu_multiplies_bf16()) else torch.float32

@@ -294,6 +294,19 @@ class Tokenizer:
         return ids + [self.special_ids["<|assistant_start|>"]]
 
 
+def reply_text(tokenizer: Any, generated: Sequence[int], mask: Sequence[int]) -> tuple[str, bool]:
+    """The text of a sampled reply and whether the model ended its turn.
+
+    ``generated`` is a sample's ids after its prompt, ``mask`` their sampled (1) / forced (0) flags.
+    The reply ended when its last token is an ``<|assistant_end|>`` the model sampled; that token is
+    dropped from the text, any other token kept as decoded. Every reader of sampled replies uses this
+    rule: RL rollouts and pass@k, the chat checks, the reward model's sampled pairs.
+    """
+    end = tokenizer.encode_special("<|assistant_end|>")
+    ended = bool(generated) and generated[-1] == end and mask[-1] == 1
+    return tokenizer.decode(generated[:-1] if ended else generated), ended
+
+
 def assistant_parts(content: str | list[dict[str, str]]) -> list[dict[str, str]]:
     """An assistant message's content as a list of ``{"type", "text"}`` parts."""
     return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)

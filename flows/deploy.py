@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from flows.pipeline import STAGES, pipeline
+from chatpipe.settings import dvc_stages
+from flows.pipeline import pipeline
 
 DEFAULT_TAGS = ["chatpipe", "training"]
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="nightly")
     p.add_argument("--cron", default="0 3 * * *", help="cron schedule (server time zone)")
     p.add_argument("--profile", default="tiny")
-    p.add_argument("--stages", nargs="+", choices=STAGES)
+    p.add_argument("--stages", nargs="+", choices=dvc_stages())
     p.add_argument("--tag", action="append", default=[], help="extra deployment tag (repeatable)")
     args = p.parse_args(argv)
     serve(build_deployment(args.name, args.cron, args.profile, args.stages, args.tag))

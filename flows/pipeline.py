@@ -45,7 +45,6 @@ from chatpipe.settings import (
 )
 from flows import prefect_api
 
-STAGES = list(dvc_stages())  # dvc.yaml's, `profile` included: the flow runs what `dvc repro` runs
 # what a stage leaves for git beside its DVC-cached outputs (committed with --commit-lock)
 LOCK_PATHS = ["dvc.lock", "profile", "metrics", "plots"]
 
@@ -299,17 +298,18 @@ def pipeline(
     ``commit_lock_file``: after a successful run, git-commit dvc.lock, profile/, metrics/ and plots/
     (only those paths), so the next ``dvc metrics diff`` / ``dvc exp show`` compares against it.
     """
-    unknown = set(stages or []) - set(STAGES)
+    every = list(dvc_stages())  # dvc.yaml's, `profile` included: the flow runs what `dvc repro` runs
+    unknown = set(stages or []) - set(every)
     if unknown:
-        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(STAGES)}")
-    if resume_from and resume_from not in STAGES:
-        raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(STAGES)}")
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(every)}")
+    if resume_from and resume_from not in every:
+        raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(every)}")
     selected = [
         s
-        for s in STAGES
-        if (not stages or s in stages) and (not resume_from or STAGES.index(s) >= STAGES.index(resume_from))
+        for s in every
+        if (not stages or s in stages) and (not resume_from or every.index(s) >= every.index(resume_from))
     ]
-    if PROFILE_STAGE in STAGES and PROFILE_STAGE not in selected:
+    if PROFILE_STAGE in every and PROFILE_STAGE not in selected:
         selected.insert(0, PROFILE_STAGE)  # the others depend on its files: keep them current
     logger = get_run_logger()
     if profile:
@@ -380,8 +380,8 @@ def finish_parent_run(parent_id: str, results: dict[str, str], status: str, logg
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Run the chatpipe pipeline (Prefect flow over DVC stages).")
     p.add_argument("--profile", help="params profile (tiny, speedrun, ...); default: params.yaml's")
-    p.add_argument("--stages", nargs="+", choices=STAGES, help="run only these stages")
-    p.add_argument("--resume-from", choices=STAGES, help="start at this stage")
+    p.add_argument("--stages", nargs="+", choices=dvc_stages(), help="run only these stages")
+    p.add_argument("--resume-from", choices=dvc_stages(), help="start at this stage")
     p.add_argument(
         "--commit-lock",
         action="store_true",

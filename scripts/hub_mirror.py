@@ -5,7 +5,7 @@
     # then, in another shell:
     HF_ENDPOINT=http://127.0.0.1:8090 python -m flows.pipeline --profile rehearsal
 
-The repos, their builder and the server (:class:`Mirror`) live in tests/hub_mirror.py, which the
+The repos, their builder and the server (:class:`Mirror`) live in chatpipe/testing/hub_mirror.py, which the
 hub tests use the same way; this is the command line.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.hub_mirror import DEFAULT_DATA, Mirror, build_repos  # noqa: E402
+from chatpipe.testing.hub_mirror import DEFAULT_DATA, Mirror, build_repos  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,7 +38,7 @@ from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.settings import MODEL_STAGES, EvalSettings, active_profile, snapshot
 from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train.loop import evaluate_bpb, fixed_batches
+from chatpipe.train.step import evaluate_bpb, fixed_batches
 
 log = logging.getLogger("eval")
 OUT = ARTIFACTS / "eval"

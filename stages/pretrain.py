@@ -25,15 +25,16 @@ from chatpipe.horizon import Horizon
 from chatpipe.inference.engine import Engine
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.fp8 import check_fp8, enable_fp8, float8_layers, plain_linears
-from chatpipe.model.gpt import GPT
+from chatpipe.model.gpt import GPT, ModelCounts
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.settings import PretrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.pretrain_plan import (
+    PlanCounts,
     apply_horizon,
     check_memory_fits,
     compile_pays,
@@ -44,7 +45,7 @@ from chatpipe.train.pretrain_plan import (
     polar_express_dtype,
 )
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
 
 log = logging.getLogger("pretrain")
 SAMPLE_PROMPTS = ["The capital of", "12 plus 7 is", "The word apple is spelled", "Once upon a time"]
@@ -66,8 +67,9 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
 
     # --- model, then batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon;
     # `chatpipe plan` shows the same): cfg now holds the batch, steps, LRs and decay
-    model = build_model(cfg, tok, rt)
-    cfg, horizon = resolve_horizon(cfg, tok.vocab_size, rt.world_size)
+    counts = plan_counts(cfg, tok.vocab_size)  # the model's numbers, counted once on the meta device
+    model = build_model(cfg, tok, counts.run, rt)
+    cfg, horizon = resolve_horizon(cfg, counts, rt.world_size)
     total_steps = cfg.max_steps
     grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     use_compile = compile_pays(cfg.compile, total_steps, rt.device)
@@ -180,9 +182,14 @@ def tokenized_docs(work: Path, tok: Tokenizer, rt: runtime.Runtime) -> tuple[dic
     return inputs, TokenDocs(work / "tokens", "train"), TokenDocs(work / "tokens", "val")
 
 
-def build_model(cfg: PretrainSettings, tok: Tokenizer, rt: runtime.Runtime) -> GPT:
+def build_model(cfg: PretrainSettings, tok: Tokenizer, counts: ModelCounts, rt: runtime.Runtime) -> GPT:
     """A freshly initialized GPT (same init on every rank; DDP also broadcasts rank 0's weights),
-    FP8 on its block matrices if asked; stops early if it would not fit the device's memory."""
+    FP8 on its block matrices if asked; stops before allocating it if it would not fit the device's
+    memory by the plan's figure for ``counts`` (value embeddings and padded vocabulary included), as
+    `chatpipe plan` prints it."""
+    check_memory_fits(
+        model_memory_bytes(counts, cfg.device_batch_size, cfg.sequence_len), rt.device, cfg.device_batch_size
+    )
     torch.manual_seed(cfg.seed)
     model_config = model_config_for(cfg, tok.vocab_size)
     with torch.device(rt.device):
@@ -190,10 +197,6 @@ def build_model(cfg: PretrainSettings, tok: Tokenizer, rt: runtime.Runtime) -> G
     model.init_weights()
     if cfg.fp8:
         enable_fp8(model)  # block matrices only; eval, samples and saved weights go through plain Linear
-    # the plan's figure for this model (value embeddings and padded vocabulary included), as `chatpipe plan` prints it
-    check_memory_fits(
-        model_memory_bytes(model.counts(), cfg.device_batch_size, cfg.sequence_len), rt.device, cfg.device_batch_size
-    )
     return model
 
 
@@ -225,10 +228,10 @@ def make_optimizers(cfg: PretrainSettings, model: GPT, rt: runtime.Runtime) -> l
     )
 
 
-def resolve_horizon(cfg: PretrainSettings, vocab_size: int, world_size: int) -> tuple[PretrainSettings, Horizon]:
+def resolve_horizon(cfg: PretrainSettings, counts: PlanCounts, world_size: int) -> tuple[PretrainSettings, Horizon]:
     """The run's settings with the derived batch, steps, LRs and weight decay in place, and the derivation
     (the plan's, from the model's numbers counted once: :func:`chatpipe.train.pretrain_plan.plan_counts`)."""
-    horizon = horizon_for(cfg, plan_counts(cfg, vocab_size), world_size)
+    horizon = horizon_for(cfg, counts, world_size)
     log.info(
         "horizon: %d steps x %d tokens | %d scaling params | LR scale %.4f (%s) | weight decay %.6g",
         horizon.num_iterations,

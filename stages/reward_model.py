@@ -14,7 +14,7 @@ before the model loads. Each step takes ``device_batch_size`` pairs per rank and
 -log sigmoid(r_chosen - r_rejected - margin), each response scored at its last token. At the end
 the mean and std of the scores of the init model's own samples are saved as ``score_norm``, which
 RL applies to every score.
-The steps run on the shared training loop (:mod:`chatpipe.train.trainer`), which logs each step's
+The steps run on the shared training loop (:mod:`chatpipe.train.loop`), which logs each step's
 loss, batch pair accuracy and gradient norm to MLflow. Held-out pair accuracy and the margin's
 quantiles go to MLflow every ``eval_every`` steps and to ``summary`` in
 ``artifacts/reward_model/meta.json`` (the report card reads them); resumable checkpoints in
@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,13 +36,13 @@ from chatpipe import runtime
 from chatpipe.data import preferences as prefs
 from chatpipe.data.tasks import build_task
 from chatpipe.inference.engine import Engine
-from chatpipe.inference.scheduler import generate_continuous
 from chatpipe.io import fingerprint, sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS, WORK
+from chatpipe.progress import progress
 from chatpipe.rl.reward_model import (
-    KIND,
+    MODEL_KIND,
     RewardModel,
     bradley_terry_loss,
     pad_rows,
@@ -52,32 +52,22 @@ from chatpipe.rl.reward_model import (
     scoring_meta,
     unique_rows,
 )
+from chatpipe.rl.rollout import Problem, sample_problems
 from chatpipe.runtime import all_reduce_sum
-from chatpipe.settings import RewardModelSettings, TrainSettings, snapshot
+from chatpipe.settings import RewardModelSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import step_optimizers
-from chatpipe.train.optim import build_optimizers
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.optim import build_optimizers, init_lrs
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import step_optimizers
 
 log = logging.getLogger("reward_model")
-FILE_KIND = "file"  # the kind of every pair read from a user's file or the hub: it names no mistake
 
 
 def main(argv: list[str] | None = None) -> None:
     runtime.run_stage(RewardModelSettings, train, argv, training=True)
-
-
-@dataclass
-class Pairs:
-    """Train and held-out pairs, and a name for each pair's kind (tiny: sampled or contrast_<kind>)."""
-
-    train: list[prefs.Pair]
-    val: list[prefs.Pair]
-    val_kinds: list[str] = field(default_factory=list)
-    train_kinds: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +79,7 @@ class Parts:
     rm: RewardModel
     step_model: torch.nn.Module  # the reward model, DDP-wrapped when there are several ranks
     optimizers: list
-    pairs: Pairs
+    pairs: prefs.PairSet
     pad_id: int
     groups: list[list[int]]  # train pairs sharing a chosen reply (pair_groups), shuffled together each epoch
 
@@ -105,7 +95,7 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
             f"reward_model.max_seq_len = {cfg.max_seq_len} is longer than the model's sequence_len "
             f"{policy.config.sequence_len} ({init_dir}); set it to at most that"
         )
-    pairs = pairs or tiny_pairs(cfg, tok, policy)
+    pairs = pairs or prefs.tiny_pairs(cfg, tok, sampler(cfg, tok, policy))
     log.info("%d train pairs, %d held-out pairs (%s)", len(pairs.train), len(pairs.val), cfg.source)
 
     # --- model: the init trunk with a zero scalar head; LRs are fractions of the init model's
@@ -137,7 +127,7 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
         identity={
             **run_meta("reward_model", run_fp, cfg, inputs, rt, rm.config),
             **scoring_meta(rm),
-            "kind": KIND,
+            "kind": MODEL_KIND,
             "init_dir": str(init_dir),
         },
     )
@@ -164,19 +154,17 @@ def train(cfg: RewardModelSettings, rt: runtime.Runtime) -> None:
 def reward_optimizers(cfg: RewardModelSettings, rm: RewardModel, init_meta: dict) -> list:
     """The trunk's optimizers at ``lr_frac`` of the init model's LRs (the training defaults for a model
     dir without training settings), the scalar head's at ``head_lr``."""
-    init_lrs = {
-        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
-    }
+    lrs = init_lrs(init_meta)
     return build_optimizers(
         rm,
-        matrix_lr=init_lrs["matrix_lr"] * cfg.lr_frac,
-        embedding_lr=init_lrs["embedding_lr"] * cfg.lr_frac,
+        matrix_lr=lrs["matrix_lr"] * cfg.lr_frac,
+        embedding_lr=lrs["embedding_lr"] * cfg.lr_frac,
         unembedding_lr=cfg.head_lr,  # the "lm_head" group holds only the scalar head
         weight_decay=cfg.weight_decay,
     )
 
 
-def summary(state: LoopState, pairs: Pairs) -> dict[str, float]:
+def summary(state: LoopState, pairs: prefs.PairSet) -> dict[str, float]:
     """The final ``summary`` of ``meta.json`` (the report card reads it): the newest held-out metrics
     as ``val_<name>``, the pair counts and the training time."""
     held = {k.replace("val/", "val_", 1): v for k, v in state.evals.items()}
@@ -184,7 +172,7 @@ def summary(state: LoopState, pairs: Pairs) -> dict[str, float]:
     return {**held, **counts, "train_seconds": state.total("train_seconds")}
 
 
-def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> Pairs:
+def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> prefs.PairSet:
     """Train and held-out pairs of a local JSONL file or a hub dataset, every record checked."""
     if cfg.source == "local":
         if not cfg.path:
@@ -211,71 +199,32 @@ def file_pairs(cfg: RewardModelSettings, tok: Tokenizer) -> Pairs:
         )
     if held is None:
         pairs, held = prefs.split_pairs(pairs, cfg.val_pairs, cfg.seed)
-    return Pairs(pairs, held, [FILE_KIND] * len(held), [FILE_KIND] * len(pairs))
+    return prefs.PairSet(pairs, held, [prefs.FROM_FILE] * len(held), [prefs.FROM_FILE] * len(pairs))
 
 
-def tiny_pairs(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> Pairs:
-    """Tiny-world pairs: the train split's ``preferences`` problems make the train pairs, the val
-    split's the held-out ones: every sampled pair of ``tiny_val_problems`` problems (the kind PPO
-    needs ranked), then their contrasts up to ``val_pairs`` in all."""
-    train = _tiny_split(cfg, tok, policy, "train", cfg.tiny_prompts, cfg.tiny_sample_prompts)
-    val = _tiny_split(cfg, tok, policy, "val", cfg.tiny_val_problems, cfg.tiny_val_problems)
-    random.Random(cfg.seed).shuffle(val)
-    sampled = [pk for pk in val if pk[1] == "sampled"]
-    val = sampled + [pk for pk in val if pk[1] != "sampled"][: max(cfg.val_pairs - len(sampled), 0)]
-    return Pairs([p for p, _ in train], [p for p, _ in val], [k for _, k in val], [k for _, k in train])
+def sampler(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> prefs.Samples | None:
+    """How tiny pairs get the init model's samples: ``tiny_samples`` replies to each problem
+    (:func:`chatpipe.rl.rollout.sample_problems`) scored by the task's verifier; None when it samples none."""
+    if not cfg.tiny_samples:
+        return None
 
+    def sample(split: str, convs: list[dict]) -> list[tuple[list[int], list[list[int]], list[float]]]:
+        task = build_task("tinyworld_arith", split, limit=1)  # the verifier
+        problems = [Problem(c, lambda text, c=c: float(task.reward(c, text))) for c in convs]
+        with torch.no_grad():
+            sampled = sample_problems(
+                Engine(policy.eval(), tok),
+                problems,
+                num_samples=cfg.tiny_samples,
+                max_new_tokens=cfg.tiny_max_new_tokens,
+                temperature=cfg.tiny_temperature,
+                top_k=50,
+                seed=cfg.seed,
+                desc=f"reward_model {split} pairs: sampling",
+            )
+        return [(s.prompt, s.seqs, [p.score(x) for x in s.texts]) for p, s in zip(problems, sampled)]
 
-def tiny_problems(split: str, n: int) -> list[dict]:
-    """The ``n`` arithmetic problems tiny pairs are made from: the train split's ``preferences`` part
-    (:func:`chatpipe.data.synthetic.preference_problem`), or a held-out split."""
-    task = build_task("tinyworld_arith", split, limit=n, part="preferences" if split == "train" else None)
-    return [task[i] for i in range(min(n, len(task)))]
-
-
-def _tiny_split(
-    cfg: RewardModelSettings, tok: Tokenizer, policy: GPT, split: str, n: int, n_sampled: int
-) -> list[tuple[prefs.Pair, str]]:
-    """(pair, kind) for ``n`` arithmetic problems of ``split``: synthetic contrasts, then the model's
-    samples on the first ``n_sampled`` ranked by the task's verifier (a right answer over a wrong or
-    unfinished one)."""
-    task = build_task("tinyworld_arith", split, limit=1)  # the verifier
-    convs = tiny_problems(split, n)
-    made = prefs.contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
-    out = [(p, f"contrast_{p.kind}") for p in made]  # contrast_miscopied, ...
-    convs = convs[:n_sampled]  # sampling costs far more than a contrast
-    if not cfg.tiny_samples or not convs:
-        return _fitting(out, cfg.max_seq_len, split)
-    engine = Engine(policy.eval(), tok)
-    prompts = [tok.render_for_completion(c) for c in convs]
-    with torch.no_grad():
-        generated = generate_continuous(  # finished rows leave, the next problems' samples join
-            engine,
-            prompts,
-            cfg.tiny_samples,
-            max_tokens=cfg.tiny_max_new_tokens,
-            temperature=cfg.tiny_temperature,
-            top_k=50,
-            seed=cfg.seed,
-        )
-    end = tok.encode_special("<|assistant_end|>")
-    for i, (conv, prompt, (seqs, _)) in enumerate(zip(convs, prompts, generated)):
-        texts = [tok.decode([t for t in s[len(prompt) :] if t != end]) for s in seqs]
-        scores = [float(task.reward(conv, t)) for t in texts]
-        where = f"tinyworld_arith/{split} problem {i}"
-        out += [(p, "sampled") for p in prefs.ranked_pairs(prompt, seqs, scores, where)]
-    return _fitting(out, cfg.max_seq_len, split)
-
-
-def _fitting(pairs: list[tuple[prefs.Pair, str]], max_len: int, split: str) -> list[tuple[prefs.Pair, str]]:
-    """The pairs of at most ``max_len`` tokens: made here, not read from a user's file, so longer ones
-    are left out (and counted in the log), not an error."""
-    fits = [(p, k) for p, k in pairs if max(len(p.chosen), len(p.rejected)) <= max_len]
-    if len(fits) < len(pairs):
-        log.info(
-            "tiny %s: %d of %d pairs over max_seq_len %d left out", split, len(pairs) - len(fits), len(pairs), max_len
-        )
-    return fits
+    return sample
 
 
 def pair_groups(pairs: list[prefs.Pair]) -> list[list[int]]:
@@ -308,7 +257,7 @@ def batch_indices(
 def rm_step(parts: Parts, step: int) -> StepOut:
     """One optimizer step (its LR already set by the loop) on this rank's ``device_batch_size`` pairs,
     -log sigmoid(r_chosen - r_rejected); returns the loss, the gradient norm and the batch pair
-    accuracy, each the mean over ranks, for the loop's step row (:func:`chatpipe.train.trainer.step_row`)."""
+    accuracy, each the mean over ranks, for the loop's step row (:func:`chatpipe.train.loop.step_row`)."""
     cfg, rt, pairs = parts.cfg, parts.rt, parts.pairs
     idx = batch_indices(parts.groups, step, cfg.device_batch_size, rt.rank, rt.world_size, cfg.seed)
     batch = [pairs.train[i] for i in idx]
@@ -332,20 +281,21 @@ def reference_norm(parts: Parts, max_rows: int = 2048) -> dict[str, float]:
     """``score_norm`` (:func:`chatpipe.rl.reward_model.score_norm`) over the init model's own sampled
     train replies, the distribution RL's first rollouts come from (every train reply when there
     are no samples, e.g. a JSONL source); at most ``max_rows`` distinct replies, every rank alike."""
-    pairs, kinds = parts.pairs.train, parts.pairs.train_kinds
-    own = [p for p, k in zip(pairs, kinds) if k == "sampled"] or pairs
+    pairs, origins = parts.pairs.train, parts.pairs.train_origins
+    own = [p for p, o in zip(pairs, origins) if o == prefs.SAMPLED] or pairs
     rows, _ = unique_rows([r for p in own for r in (p.chosen, p.rejected)])
     rows = random.Random(parts.cfg.seed).sample(rows, min(max_rows, len(rows)))
     parts.rm.eval()
-    with parts.rt.autocast():
+    with parts.rt.autocast(), progress(len(rows), "reward_model score_norm", unit="reply") as bar:
         scores = score_rows(parts.rm, rows, parts.pad_id)
+        bar.update(len(rows))
     parts.rm.train()
     return score_norm(scores)
 
 
 def held_out(parts: Parts) -> dict[str, float]:
-    """Held-out pair accuracy, loss and margin quantiles, overall and (tiny) per kind of pair, as
-    ``val/<name>`` metrics. Every rank scores every held-out pair."""
+    """Held-out pair accuracy, loss and margin quantiles, overall and (tiny) per origin of pair
+    (``pair_accuracy_sampled``, ``pair_accuracy_contrast_<mistake>``), as ``val/<name>`` metrics. Every rank scores every held-out pair."""
     rm, pairs, rt = parts.rm, parts.pairs, parts.rt
     rm.eval()
     rows, where = unique_rows([p.chosen for p in pairs.val] + [p.rejected for p in pairs.val])
@@ -354,12 +304,11 @@ def held_out(parts: Parts) -> dict[str, float]:
     rm.train()
     chosen, rejected = scores[: len(pairs.val)], scores[len(pairs.val) :]
     out = pair_metrics(chosen, rejected)
-    # every kind the source names, even one alone (tiny's held-out pairs can all be sampled ones)
-    kinds = sorted(set(pairs.val_kinds) - {FILE_KIND})
-    for kind in kinds:
-        of_kind = torch.tensor([k == kind for k in pairs.val_kinds])
-        out[f"pair_accuracy_{kind}"] = (chosen[of_kind] > rejected[of_kind]).double().mean().item()
-        out[f"pairs_{kind}"] = int(of_kind.sum())
+    # every origin the source names, even one alone (tiny's held-out pairs can all be sampled ones)
+    for origin in sorted(set(pairs.val_origins) - {prefs.FROM_FILE}):
+        of_origin = torch.tensor([o == origin for o in pairs.val_origins])
+        out[f"pair_accuracy_{origin}"] = (chosen[of_origin] > rejected[of_origin]).double().mean().item()
+        out[f"pairs_{origin}"] = int(of_origin.sum())
     return {f"val/{k}": v for k, v in out.items()}
 
 

@@ -69,15 +69,15 @@ from chatpipe.rl.rollout import (
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
-from chatpipe.settings import RL_EXCHANGE_ENV, RL_ROLE_ENV, RL_THREADS_AFTER_ENV, RLSettings, TrainSettings, snapshot
+from chatpipe.settings import RL_EXCHANGE_ENV, RL_ROLE_ENV, RL_THREADS_AFTER_ENV, RLSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
 from chatpipe.train.checkpoint import carried_over
-from chatpipe.train.loop import step_optimizers
-from chatpipe.train.optim import build_optimizers
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.optim import build_optimizers, init_lrs
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import step_optimizers
 
 log = logging.getLogger("rl")
 
@@ -427,25 +427,21 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
     ]
     critic = load_critic(cfg, policy, rm, rt) if cfg.algorithm == "ppo" and not cfg.disable_value else None
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
-    init_lrs = {  # a model dir without training settings (e.g. an import) gets the training defaults
-        k: init_meta.get("settings", {}).get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS
-    }
+    lrs = init_lrs(init_meta)
     embedding_frac = cfg.lr_frac if cfg.embedding_lr_frac is None else cfg.embedding_lr_frac
     policy_frac = {"matrix_lr": cfg.lr_frac, "embedding_lr": embedding_frac, "unembedding_lr": embedding_frac}
     policy_opts = build_optimizers(
-        policy, **{k: v * policy_frac[k] for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
+        policy, **{k: v * policy_frac[k] for k, v in lrs.items()}, weight_decay=cfg.weight_decay
     )
     critic_opts = (
-        build_optimizers(
-            critic, **{k: v * cfg.value_lr_frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay
-        )
+        build_optimizers(critic, **{k: v * cfg.value_lr_frac for k, v in lrs.items()}, weight_decay=cfg.weight_decay)
         if critic
         else []
     )
-    rm_opts = reward_model_optimizers(cfg, rm, init_lrs)
+    rm_opts = reward_model_optimizers(cfg, rm, lrs)
     if rm_opts:  # the reward model changes as RL goes: checkpoints hold it
         state["reward_model"] = rm
-    return Models(policy, ref, critic, state, init_lrs, policy_opts, critic_opts, rm, rm_opts, ensemble)
+    return Models(policy, ref, critic, state, lrs, policy_opts, critic_opts, rm, rm_opts, ensemble)
 
 
 def load_scorer(cfg: RLSettings, key: str, model_dir: str, policy: GPT, rt: runtime.Runtime) -> RewardModel:
@@ -457,15 +453,15 @@ def load_scorer(cfg: RLSettings, key: str, model_dir: str, policy: GPT, rt: runt
     return rm.requires_grad_(False)
 
 
-def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, init_lrs: dict[str, float]) -> list:
+def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, lrs: dict[str, float]) -> list:
     """Iterated RLHF (``reward_model_lr_frac`` > 0): the reward model's optimizers at that fraction of
-    the init model's LRs ``init_lrs``, decayed with the policy's by the loop; none when it stays frozen."""
+    the init model's LRs ``lrs``, decayed with the policy's by the loop; none when it stays frozen."""
     if rm is None or cfg.reward_model_lr_frac <= 0:
         return []
     rm.requires_grad_(True)
     rm.trunk.lm_head.requires_grad_(False)  # unused by a reward model
     frac = cfg.reward_model_lr_frac
-    return build_optimizers(rm, **{k: v * frac for k, v in init_lrs.items()}, weight_decay=cfg.weight_decay)
+    return build_optimizers(rm, **{k: v * frac for k, v in lrs.items()}, weight_decay=cfg.weight_decay)
 
 
 def critic_source(cfg: RLSettings) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Three workers on two cores: one thread each (OpenMP threads beyond the cores spin and slow
-    # every worker down). Commands the tests start inherit it, as tests/project.py sets anyway.
+    # every worker down). Commands the tests start inherit it, as chatpipe/testing/project.py sets anyway.
     os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]

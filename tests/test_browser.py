@@ -15,7 +15,7 @@ import pytest
 
 from chatpipe.model.loading import load_chat_model
 from chatpipe.serve.app import create_app
-from tests.chatmodel import Paced, make_artifacts, run_in_thread, serve_settings
+from chatpipe.testing.chatmodel import Paced, make_artifacts, run_in_thread, serve_settings
 from tests.conftest import REPO
 
 # as root, with no network: no sandbox, and none of the background calls home that would fail

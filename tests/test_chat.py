@@ -14,7 +14,7 @@ import pytest
 from chatpipe.inference.engine import Engine
 from chatpipe.model.loading import load_chat_model
 from chatpipe.serve.chat import ContextTooLong, main, prompt_for, show_stream
-from tests.chatmodel import make_artifacts
+from chatpipe.testing.chatmodel import make_artifacts
 from tests.conftest import REPO
 
 

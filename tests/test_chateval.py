@@ -13,7 +13,7 @@ from chatpipe.inference.engine import Engine
 from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.runtime import Runtime
 from chatpipe.tokenizer import Tokenizer
-from chatpipe.train import loop as trainloop
+from chatpipe.train import step as train_step
 
 TOK = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})  # bytes only: ids 0..255, specials after
 RT = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
@@ -33,12 +33,12 @@ def test_val_loss_and_bpb_count_only_trained_targets():
     y[:, :10] = -1
     y[0, 15] = END  # a special token: a target for the loss, no bytes for bpb
     per_token = model(x, y, loss_reduction="none")
-    loss, bpb = trainloop.evaluate_loss_bpb(model, [(x, y)], TOK.token_bytes(), RT)
+    loss, bpb = train_step.evaluate_loss_bpb(model, [(x, y)], TOK.token_bytes(), RT)
     assert loss == pytest.approx(per_token[:, 10:].mean().item(), rel=1e-5)
     byte_targets = per_token[:, 10:].flatten().tolist()
     del byte_targets[5]  # row 0, position 15
     assert bpb == pytest.approx(sum(byte_targets) / (math.log(2) * len(byte_targets)), rel=1e-5)
-    assert bpb == pytest.approx(trainloop.evaluate_bpb(model, [(x, y)], TOK.token_bytes(), RT), rel=1e-5)
+    assert bpb == pytest.approx(train_step.evaluate_bpb(model, [(x, y)], TOK.token_bytes(), RT), rel=1e-5)
 
 
 def test_evaluation_builds_no_autograd_graph():
@@ -49,7 +49,7 @@ def test_evaluation_builds_no_autograd_graph():
     grad_on = []
     model.register_forward_pre_hook(lambda *_: grad_on.append(torch.is_grad_enabled()))
     x = torch.randint(0, 256, (2, 16))
-    trainloop.evaluate_loss_bpb(model, [(x, x), (x, x)], TOK.token_bytes(), RT)
+    train_step.evaluate_loss_bpb(model, [(x, x), (x, x)], TOK.token_bytes(), RT)
     assert grad_on == [False, False]
 
 

@@ -29,7 +29,7 @@ def test_help_lists_commands_and_each_command_has_its_own_help(capsys):
 def test_chat_refuses_what_cannot_fit_with_a_message_not_a_traceback(tmp_path, params_file, monkeypatch, capsys):
     """issue 46: a too-long prompt or --max-tokens past the context ended in a ContextTooLong traceback,
     and -t 1e-50 crashed (its logits underflowed to NaN)."""
-    from tests.chatmodel import make_artifacts
+    from chatpipe.testing.chatmodel import make_artifacts
 
     make_artifacts(tmp_path / "artifacts")
     monkeypatch.chdir(tmp_path)

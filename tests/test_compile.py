@@ -25,8 +25,8 @@ from chatpipe.model.fp8 import CPU_TEST_ENV, enable_fp8
 from chatpipe.model.gpt import GPT, config_from_depth, nanochat_options
 from chatpipe.runtime import Runtime
 from chatpipe.train import optim
-from chatpipe.train.loop import train_step
 from chatpipe.train.optim import build_optimizers
+from chatpipe.train.step import train_step
 
 SEQ, ROWS, VOCAB, STEPS = 64, 4, 512, 5
 

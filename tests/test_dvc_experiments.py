@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.project import dvc, make_project
+from chatpipe.testing.project import dvc, make_project
 
 REPO = Path(__file__).resolve().parents[1]
 

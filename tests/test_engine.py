@@ -10,7 +10,7 @@ import torch
 from chatpipe.inference.engine import Engine, StopMatcher
 from chatpipe.inference.sampler import draw, sample_next, sampling_candidates, sampling_probs
 from chatpipe.model.gpt import GPT, GPTConfig
-from tests.chatmodel import ByteTokenizer
+from chatpipe.testing.chatmodel import ByteTokenizer
 
 TOK = ByteTokenizer()
 S = TOK.special

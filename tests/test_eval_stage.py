@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.project import SMALL_EVAL, dvc, make_project, run
+from chatpipe.testing.project import SMALL_EVAL, dvc, make_project, run
 
 EVAL_PARAMS = {
     "pretrain": {"max_steps": 8, "eval_every": 4, "checkpoint_every": 4},  # still 3 bpb points for the plot

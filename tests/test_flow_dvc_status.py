@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from chatpipe.testing.project import BIN
 from flows.pipeline import repro, stage_is_current
-from tests.project import BIN
 
 # Loaded by every Python the dvc children start: rewrites DVC's log records before any handler
 # formats them, so "Stage 'x' didn't change, skipping" reads "Stage 'x' is up to date, nothing to do".

@@ -28,8 +28,8 @@ from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.checkpoint import load_checkpoint, save_checkpoint
-from chatpipe.train.loop import evaluate_loss_bpb, scheduled_train_step
-from chatpipe.train.optim import build_optimizers
+from chatpipe.train.optim import apply_schedules, build_optimizers
+from chatpipe.train.step import evaluate_loss_bpb, train_schedule, train_step
 
 pytest.importorskip("torchao.float8", reason="the gpu/test extra (torchao) is not installed")
 
@@ -87,10 +87,10 @@ def train(model: GPT, optimizers: list, start: int, stop: int, vocab: int) -> li
     losses = []
     for step in range(start, stop):
         rows = batch(step, vocab)
-        loss, _, _ = scheduled_train_step(
-            step, STEPS, RECIPE, model, lambda rows=rows: rows, optimizers, grad_accum=1, rt=RT
+        apply_schedules(optimizers, *train_schedule(RECIPE, STEPS)(step))  # the stages' LR and momentum at `step`
+        losses.append(
+            train_step(model, lambda rows=rows: rows, optimizers, grad_accum=1, rt=RT, grad_clip=RECIPE.grad_clip)
         )
-        losses.append(loss)
     return losses
 
 
@@ -208,7 +208,7 @@ def test_fp8_run_tracks_plain_run_evaluates_samples_saves_and_resumes_bitwise(
 def test_pretrain_stage_trains_in_fp8_with_the_test_allowance_and_refuses_without(tmp_path):
     """The stage end to end: the check before any work, FP8 training, val bpb and samples with the
     layers swapped back, a final model that loads into a plain GPT."""
-    from tests.project import BIN, make_project, newest_pretrain_run, run
+    from chatpipe.testing.project import BIN, make_project, newest_pretrain_run, run
 
     project = make_project(
         tmp_path, {"pretrain": {"fp8": True, "max_steps": 4, "eval_every": 2, "sample_every": 2, "checkpoint_every": 2}}

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("schemathesis")
 
-from tests.fuzz_api import campaign  # noqa: E402
+from chatpipe.testing.fuzz_api import campaign  # noqa: E402
 
 OPERATIONS = {
     "GET /", "GET /health", "GET /metrics", "POST /api/chat", "GET /v1/models", "GET /v1/models/{model_id}",

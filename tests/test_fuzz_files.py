@@ -1,6 +1,6 @@
 """Hypothesis over the readers of every file format chatpipe reads (tokenizer, model dir, checkpoint, token
 store, text shards, sweep files): one file damaged at a time is refused with an error naming it, or read
-as exactly what the intact files give (tests/fuzz_cases.py's oracle; bench/fuzz.py runs more cases)."""
+as exactly what the intact files give (chatpipe/testing/fuzz_cases.py's oracle; bench/fuzz.py runs more cases)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from chatpipe.testing.fuzz_cases import FORMATS, build_artifacts, file_case, run_file_case
 from tests.conftest import REPO
-from tests.fuzz_cases import FORMATS, build_artifacts, file_case, run_file_case
 
 
 @pytest.fixture(scope="module")

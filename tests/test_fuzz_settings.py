@@ -1,14 +1,14 @@
 """Hypothesis over the settings (params.yaml, profiles.yaml, env, command line): every case is refused by a
 ParamsError naming its key and where it came from, or accepted meaning exactly what it says (the oracle
-in tests/fuzz_cases.py). bench/fuzz.py runs the same cases by the thousand."""
+in chatpipe/testing/fuzz_cases.py). bench/fuzz.py runs the same cases by the thousand."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chatpipe.testing.fuzz_cases import SOURCES, VALUES, run_settings_case, scalar_keys, settings_case
 from tests.conftest import REPO
-from tests.fuzz_cases import SOURCES, VALUES, run_settings_case, scalar_keys, settings_case
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 

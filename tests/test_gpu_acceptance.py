@@ -1,5 +1,5 @@
 """bench/gpu_acceptance.py: refuses a machine without CUDA clearly, and its plausibility checks and plan
-estimates are right (the GPU measurement itself only runs on a GPU node)."""
+estimates (chatpipe/testing/gpu_acceptance.py) are right (the GPU measurement itself only runs on a GPU node)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from chatpipe.testing import gpu_acceptance
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def test_refuses_without_a_gpu_with_a_clear_message():
@@ -25,8 +26,6 @@ def test_refuses_without_a_gpu_with_a_clear_message():
 
 
 def test_implausible_numbers_are_named():
-    import gpu_acceptance
-
     good = {"tok_s": 4e5, "mfu": 0.45, "peak_gib": 40.0, "loss": 10.4}
     assert gpu_acceptance.implausible(good, device_gib=80.0) == []
     problems = gpu_acceptance.implausible(
@@ -38,8 +37,6 @@ def test_implausible_numbers_are_named():
 
 
 def test_plan_estimate_is_chatpipe_plans():
-    import gpu_acceptance
-
     from chatpipe.train.pretrain_plan import GIB, make_plan, measured_mfu
 
     plan = make_plan("speedrun", "H100")  # d24
@@ -60,8 +57,6 @@ def test_plan_estimate_is_chatpipe_plans():
 
 
 def test_nanochat_columns_and_the_recorded_mfu_the_plan_reads(tmp_path):
-    import gpu_acceptance
-
     from chatpipe.train.pretrain_plan import measured_mfu
 
     row = {"mfu": 0.295}
@@ -84,8 +79,6 @@ def test_nanochat_columns_and_the_recorded_mfu_the_plan_reads(tmp_path):
 
 
 def test_the_issue_44_targets_are_reported_met_or_not():
-    import gpu_acceptance
-
     rows = {
         "d24 bf16": {"mfu": 0.345, "peak_gib": 66.6, "plan_gib": 66.5},
         "d24 fp8 torchao": {"mfu": 0.373, "peak_gib": 49.6, "plan_gib": 66.5},

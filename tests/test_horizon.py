@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from chatpipe.horizon import REFERENCE_BATCH, derive_horizon, power_lines_batch
 from chatpipe.model.gpt import GPT
 from chatpipe.settings import PretrainSettings
-from chatpipe.train.loop import grad_accum_steps
 from chatpipe.train.pretrain_plan import PlanCounts, apply_horizon, horizon_for, model_config_for, plan_counts
+from chatpipe.train.step import grad_accum_steps
 
 REPO = Path(__file__).resolve().parents[1]
 REF = Path(os.environ.get("CHATPIPE_NANOCHAT_REF", REPO.parent / "shared" / "reference" / "nanochat"))

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from chatpipe.testing.hub_mirror import BUNDLE_URL, PRETRAIN_REPO, Mirror, build_repos, free_port
+from chatpipe.testing.project import BIN, make_project, project_env, run
 from tests.conftest import REPO, require_shared_data
 from tests.faultproxy import FAULTS, FaultProxy
-from tests.hub_mirror import BUNDLE_URL, PRETRAIN_REPO, Mirror, build_repos, free_port
-from tests.project import BIN, make_project, project_env, run
 
 # What the speedrun's hf paths fetch, in one process: the data stage's shards, every task split
 # the mixtures/RL/ChatCORE read, and the CORE bundle. Artifacts land in argv[1].
@@ -502,7 +502,7 @@ def test_dropped_download_resumes_with_range_where_the_server_allows(hub, tmp_pa
     a body dropped midway is resumed from the bytes already on disk, and the file still verifies."""
     import random
 
-    from tests.hub_mirror import _git
+    from chatpipe.testing.hub_mirror import _git
 
     size = 24 << 20  # past huggingface_hub's 10 MB write chunk, so the drop leaves bytes to resume from
     content = random.Random(0).randbytes(size)

@@ -11,7 +11,7 @@ import pytest
 
 from chatpipe.launch import build_app, main, scheduler_cfg
 from chatpipe.settings import LaunchSettings, load_section
-from tests.project import dvc, make_project, plotted_curve, processes_in, run
+from chatpipe.testing.project import dvc, make_project, plotted_curve, processes_in, run
 
 LAUNCH = ("python", "-m", "chatpipe.launch")
 
@@ -132,7 +132,7 @@ def test_two_workers_match_one_worker_with_grad_accum(tmp_path):
 
     import psutil
 
-    from tests.project import project_env
+    from chatpipe.testing.project import project_env
 
     proc = subprocess.Popen(
         ["python", "-m", "chatpipe.launch", "pretrain", "--", "--max_steps=100000"],
@@ -179,7 +179,7 @@ def test_stopping_dvc_or_killing_the_launcher_takes_the_workers_down(tmp_path):
     import subprocess
     import time
 
-    from tests.project import project_env
+    from chatpipe.testing.project import project_env
 
     project = make_project(tmp_path, {"pretrain": {"max_steps": 100000, "checkpoint_every": 0, "eval_every": 0}})
     dvc(project, "repro", "tokenizer")

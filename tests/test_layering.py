@@ -4,6 +4,7 @@ subpackages (chatpipe/<pkg>/) import each other, directly or round a longer loop
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from pathlib import Path
 
@@ -48,6 +49,13 @@ def layering_violations(root: Path) -> list[str]:
         for name in imports_of(path):
             if name.split(".")[0] == "stages":
                 bad.append(f"{path.relative_to(root)}: a flow imports {name} (flows reach stages through dvc/torchx)")
+    for folder in ("chatpipe", "stages", "flows"):  # what tests and benches share is theirs alone
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.relative_to(root).parts[:2] == ("chatpipe", "testing"):
+                continue
+            bad += [
+                f"{path.relative_to(root)}: imports {n}" for n in imports_of(path) if n.startswith("chatpipe.testing")
+            ]
     return bad
 
 
@@ -154,20 +162,20 @@ def test_an_import_cycle_between_subpackages_is_caught_and_named(tmp_path):
         "chatpipe/model/__init__.py": "",
         "chatpipe/model/gpt.py": "from chatpipe.paths import ARTIFACTS\n",
         "chatpipe/train/__init__.py": "",
-        "chatpipe/train/loop.py": "from chatpipe.model.gpt import GPT\n",
+        "chatpipe/train/step.py": "from chatpipe.model.gpt import GPT\n",
         "chatpipe/data/__init__.py": "",
         "chatpipe/data/tasks/humaneval.py": "import chatpipe.paths\n",
     }
     write_tree(tmp_path, files)
     assert import_cycles(tmp_path) == []
     # model -> train, inside a function; data -> paths.py -> data, through a relative import
-    (tmp_path / "chatpipe/model/gpt.py").write_text("def f():\n    from chatpipe.train import loop\n")
+    (tmp_path / "chatpipe/model/gpt.py").write_text("def f():\n    from chatpipe.train import step\n")
     (tmp_path / "chatpipe/paths.py").write_text("from .data.tasks import humaneval\n")
     assert import_cycles(tmp_path) == [
         "chatpipe/data -> chatpipe/paths.py -> chatpipe/data (chatpipe/data/tasks/humaneval.py imports chatpipe.paths; "
         "chatpipe/paths.py imports chatpipe.data.tasks)",
         "chatpipe/model -> chatpipe/train -> chatpipe/model (chatpipe/model/gpt.py imports chatpipe.train; "
-        "chatpipe/train/loop.py imports chatpipe.model.gpt)",
+        "chatpipe/train/step.py imports chatpipe.model.gpt)",
     ]
 
 
@@ -217,12 +225,128 @@ def test_a_cycle_inside_a_subpackage_through_a_function_import_is_caught(tmp_pat
     assert module_cycles(tmp_path) == ["chatpipe.settings.load -> chatpipe.settings.params -> chatpipe.settings.load"]
 
 
-def test_tests_import_nothing_from_bench_or_scripts():
-    """What a test needs lives in the library or in tests/; bench scripts and scripts/ are entry points."""
-    bad = [
-        f"{path.relative_to(REPO)}: imports {name}"
-        for path in sorted((REPO / "tests").rglob("*.py"))
-        for name in imports_of(path)
-        if name.split(".")[0] in {"bench", "scripts"}
-    ]
-    assert bad == []
+# Each folder of entry points and the folders it may not reach, by import or by the module search path:
+# tests and benches share helpers through chatpipe/testing/, never each other's files.
+APART = {"tests": ("bench", "scripts"), "bench": ("tests",), "scripts": ("tests",)}
+PATH_CALLS = {"sys.path.insert", "sys.path.append", "sys.path.extend", "site.addsitedir"}
+
+
+def _dotted(node: ast.AST) -> str:
+    """``sys.path.insert`` for the expression naming that function; '' for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def search_path_additions(path: Path) -> list[tuple[int, str]]:
+    """``(line, source)`` of each place ``path`` adds to the module search path: a ``sys.path`` insert,
+    append or extend, ``site.addsitedir``, a ``PYTHONPATH`` value (keyword, dict entry, item assignment,
+    ``setenv``), and code written as a string that does one of these (``python -c "...sys.path..."``)."""
+    text = path.read_text()
+    found = []
+
+    def add(node: ast.AST) -> None:
+        found.append((node.lineno, ast.get_source_segment(text, node) or ""))
+
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        if isinstance(node, ast.Call) and _dotted(node.func) in PATH_CALLS:
+            add(node)
+        elif isinstance(node, ast.Call) and _dotted(node.func).endswith(("setenv", "putenv")) and node.args:
+            if isinstance(node.args[0], ast.Constant) and node.args[0].value == "PYTHONPATH":
+                add(node)
+        elif isinstance(node, ast.keyword) and node.arg == "PYTHONPATH":
+            add(node.value)
+        elif isinstance(node, ast.Dict):
+            found += [
+                (v.lineno, ast.get_source_segment(text, v) or "")
+                for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant) and k.value == "PYTHONPATH"
+            ]
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(tg, ast.Subscript) and isinstance(tg.slice, ast.Constant) and tg.slice.value == "PYTHONPATH"
+            for tg in node.targets
+        ):
+            add(node.value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "sys.path" in node.value:
+            add(node)
+        elif isinstance(node, ast.JoinedStr) and any(
+            isinstance(v, ast.Constant) and "sys.path" in v.value for v in node.values
+        ):
+            add(node)
+    return sorted(set(found))
+
+
+def folder_crossings(root: Path, exempt: tuple[str, ...] = ()) -> list[str]:
+    """Every import of, or search-path entry into, a folder that :data:`APART` keeps apart, as
+    ``file:line what`` (imports without a line); files in ``exempt`` (repo-relative) are not read."""
+    bad = []
+    for folder, others in APART.items():
+        names = re.compile(rf"(?<![\w.-])({'|'.join(others)})(?![\w-])")  # the folder's name as a path part or word
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root)
+            if rel.as_posix() in exempt:
+                continue
+            bad += [f"{rel}: imports {name}" for name in sorted(imports_of(path)) if name.split(".")[0] in others]
+            bad += [
+                f"{rel}:{line} puts {names.search(source).group(1)}/ on the module search path: {source}"
+                for line, source in search_path_additions(path)
+                if names.search(source)
+            ]
+    return bad
+
+
+def test_tests_and_benches_import_nothing_from_each_other_nor_put_it_on_the_search_path():
+    """What both need lives in chatpipe/testing/; bench scripts and scripts/ are entry points."""
+    # this file's own fixtures below are crossings written as strings, on purpose
+    assert folder_crossings(REPO, exempt=("tests/test_layering.py",)) == []
+
+
+# the ways f18dbe9's tree crossed (tests/test_chaos.py, tests/test_gpu_acceptance.py, bench/chaos.py,
+# bench/chaos_writes.py, scripts/hub_mirror.py) and the ways a fix might still cross
+CROSSINGS = {
+    "tests/test_chaos.py": 'sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))\nimport chaos\n',
+    "tests/test_gpu.py": 'REPO = Path(".")\nsys.path.append(str(REPO / "bench"))\n',
+    "tests/test_env.py": 'env = {"PYTHONPATH": f"{REPO}/scripts"}\nrun(env=dict(PYTHONPATH=str(REPO / "bench")))\n',
+    "tests/test_code.py": "code = \"import sys; sys.path.insert(0, 'bench'); import fuzz\"\n",
+    "tests/test_set.py": 'def t(monkeypatch):\n    monkeypatch.setenv("PYTHONPATH", "bench")\n    os.environ["PYTHONPATH"] = "scripts"\n',
+    "bench/chaos.py": "from tests.project import make_project\n",
+    "bench/writes.py": "code = f\"import sys; sys.path.insert(0, {str(REPO / 'tests')!r})\"\n",
+    "scripts/hub_mirror.py": "from tests.hub_mirror import Mirror\n",
+}
+# what stays allowed: the repo root on the path, a word like "benchmark", tests importing tests
+ALLOWED = {
+    "tests/test_ok.py": 'env = {"PYTHONPATH": str(REPO)}\nsys.path.insert(0, sys.argv[1])\nbenchmark = 1\n'
+    "from tests.conftest import REPO\nfrom chatpipe.testing.project import make_project\n",
+    "bench/ok.py": "sys.path.insert(0, str(REPO))\nfrom chatpipe.testing.project import make_project\n",
+}
+
+
+def test_crossing_by_import_or_by_the_search_path_is_caught_and_the_repo_root_is_not(tmp_path):
+    write_tree(tmp_path, ALLOWED)
+    assert folder_crossings(tmp_path) == []
+    write_tree(tmp_path, CROSSINGS)
+    found = folder_crossings(tmp_path)
+    assert [f.split(" ")[0] for f in found] == [
+        "tests/test_chaos.py:1",
+        "tests/test_code.py:1",
+        "tests/test_env.py:1",
+        "tests/test_env.py:2",
+        "tests/test_gpu.py:2",
+        "tests/test_set.py:2",
+        "tests/test_set.py:3",
+        "bench/chaos.py:",
+        "bench/writes.py:1",
+        "scripts/hub_mirror.py:",
+    ], found
+    assert "tests/test_chaos.py:1 puts bench/ on the module search path" in found[0]
+    assert found[-1] == "scripts/hub_mirror.py: imports tests.hub_mirror"
+
+
+def test_only_tests_and_benches_import_the_shared_helpers(tmp_path):
+    files = {"chatpipe/model/gpt.py": "import os\n", "chatpipe/testing/project.py": "from chatpipe.model import gpt\n"}
+    write_tree(tmp_path, {**files, "stages/rl.py": "import chatpipe.model\n", "flows/pipeline.py": ""})
+    assert layering_violations(tmp_path) == []
+    write_tree(tmp_path, {"stages/rl.py": "from chatpipe.testing.project import make_project\n"})
+    assert layering_violations(tmp_path) == ["stages/rl.py: imports chatpipe.testing.project"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from chatpipe.lineage import import_closure, stage_code_deps, stale_deps
-from tests.project import make_project, run
+from chatpipe.testing.project import make_project, run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chatpipe.model.loading import load_chat_model, pick_device, resolve
-from tests.chatmodel import make_artifacts
+from chatpipe.testing.chatmodel import make_artifacts
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.project import BIN, dvc, make_project, mlflow_client, project_env, run
+from chatpipe.testing.project import BIN, dvc, make_project, mlflow_client, project_env, run
 
 
 def _kill_project_processes(project) -> None:

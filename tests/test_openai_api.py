@@ -14,7 +14,7 @@ import torch
 from chatpipe.inference.engine import Engine
 from chatpipe.inference.sampler import sample_next
 from chatpipe.model.loading import load_chat_model
-from tests.project import running_server
+from chatpipe.testing.project import running_server
 from tests.trained import train_artifacts
 
 openai = pytest.importorskip("openai")

@@ -256,3 +256,15 @@ print("torch._dynamo" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_init_lrs_are_the_model_dirs_trained_lrs_and_the_defaults_where_it_has_none():
+    from chatpipe.settings import TrainSettings
+    from chatpipe.train.optim import init_lrs
+
+    trained = {"settings": {"matrix_lr": 0.011, "embedding_lr": 0.33, "unembedding_lr": 0.0055, "depth": 4}}
+    assert init_lrs(trained) == {"matrix_lr": 0.011, "embedding_lr": 0.33, "unembedding_lr": 0.0055}
+    imported = init_lrs({"settings": {"matrix_lr": 0.011}})  # e.g. a nanochat import: no embedding lrs recorded
+    assert imported["matrix_lr"] == 0.011
+    assert imported["embedding_lr"] == TrainSettings.model_fields["embedding_lr"].default
+    assert init_lrs({}) == {k: TrainSettings.model_fields[k].default for k in TrainSettings.LR_KEYS}

@@ -1,6 +1,6 @@
 """End to end through the real chain: Prefect flow -> dvc repro -> torchx -> torchrun stage -> MLflow.
 
-Runs in a throwaway git + DVC copy of the repo with small params (tests/project.py).
+Runs in a throwaway git + DVC copy of the repo with small params (chatpipe/testing/project.py).
 """
 
 from __future__ import annotations
@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from chatpipe.settings import dvc_stages
-from tests.project import (
+from chatpipe.testing.project import (
     BIN,
+    REPO,
     assert_bitwise_equal,
     dvc,
     final_weights,
@@ -236,6 +238,23 @@ def test_bad_params_stop_the_flow_and_write_nothing(tmp_path):
 def test_pipeline_stage_order_is_dvc_order():
     stages = list(dvc_stages())
     assert stages[:4] == ["profile", *FOUNDATION]  # profile: the active overlay files every stage reads
+
+
+def test_the_flows_read_dvc_yaml_when_asked_not_at_import():
+    """As the settings module's rule says: importing flows.pipeline or flows.deploy reads no dvc.yaml
+    (counted by a spy on dvc_stages); running them does."""
+    code = (
+        "import chatpipe.settings as s, chatpipe.settings.pipeline as p\n"
+        "calls, real = [], p.dvc_stages\n"
+        "s.dvc_stages = p.dvc_stages = lambda *a: calls.append(a) or real(*a)\n"
+        "import flows.pipeline, flows.deploy\n"
+        "assert calls == [], calls\n"
+        "try:\n    flows.deploy.main(['--stages', 'no_such_stage'])\nexcept SystemExit as e:\n    print(e.code, len(calls))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "1"]  # argparse refused the stage: the choices were read then, once
+    assert "invalid choice: 'no_such_stage'" in out.stderr
 
 
 def test_the_reward_model_runs_only_when_rl_reads_it_or_it_is_named(params_file, monkeypatch):

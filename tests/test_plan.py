@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from chatpipe import runtime
 from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
-from chatpipe.train import pretrain_plan
 from chatpipe.train.pretrain_plan import (
     check_memory_fits,
     estimate_memory_bytes,
@@ -115,7 +115,7 @@ def test_cli_script_exit_status_for_a_misspelt_profile(params_file, capsys):
 def test_polar_express_dtype_resolves_auto_from_the_run_and_the_cpu(
     monkeypatch, setting, optimizer, run_dtype, cpu_bf16, expected
 ):
-    monkeypatch.setattr(pretrain_plan, "cpu_multiplies_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(runtime, "cpu_multiplies_bf16", lambda: cpu_bf16)  # read by runtime.compute_dtype
     cfg = PretrainSettings(polar_express_dtype=setting, optimizer=optimizer)
     rt = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=run_dtype)
     assert polar_express_dtype(cfg, rt) == expected

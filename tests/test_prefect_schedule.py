@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.project import BIN, make_project, project_env
+from chatpipe.testing.project import BIN, make_project, project_env
 
 POOL = "chatpipe-local"
 

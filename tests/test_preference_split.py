@@ -17,12 +17,12 @@ def test_no_reward_model_problem_is_an_rl_prompt_an_eval_problem_or_sft_data(par
     them (default settings, and a pool eight times the default), every held-out split the evals read,
     and the SFT mixture's arithmetic."""
     from chatpipe import runtime
+    from chatpipe.data import preferences as prefs
     from chatpipe.settings import RewardModelSettings, RLSettings, load_section
-    from stages import reward_model as rm_stage
     from stages import rl
 
     cfg = load_section(RewardModelSettings, [])
-    preference = questions(rm_stage.tiny_problems("train", cfg.tiny_prompts))
+    preference = questions(prefs.tiny_problems("train", cfg.tiny_prompts))
     assert len(preference) == cfg.tiny_prompts
     rt = runtime.Runtime(0, 0, 1, None, None)
     for flags in ([], ["--num_train_problems=4096"]):

@@ -124,7 +124,7 @@ def test_contrasts_are_what_the_verifier_rejects(tok):
             assert task.reward(conv, _reply(contrast)[-1]["text"]) == 0.0, _reply(contrast)
     pairs = prefs.contrast_pairs([task[i] for i in range(5)], tok, seed=0)
     assert len(pairs) == 20 and all(p.chosen != p.rejected for p in pairs)
-    assert [p.kind for p in pairs] == list(prefs.CONTRASTS) * 5  # each pair names its contrast's kind
+    assert [p.mistake for p in pairs] == list(prefs.CONTRASTS) * 5  # each pair names its contrast's mistake
 
 
 def _calls(parts: list[dict]) -> list[tuple[str, str]]:
@@ -185,7 +185,7 @@ def build_preference_repos(root: Path, bad_row: bool) -> None:
     dataset card with its train_prefs/test_prefs splits) and the pretraining repo the mirror's probe reads."""
     import pyarrow as pa
 
-    from tests.hub_mirror import PRETRAIN_REPO, _card, _git, _parquet
+    from chatpipe.testing.hub_mirror import PRETRAIN_REPO, _card, _git, _parquet
 
     def conv(prompt: str, reply: str) -> list[dict[str, str]]:
         return [{"content": prompt, "role": "user"}, {"content": reply, "role": "assistant"}]
@@ -223,8 +223,8 @@ def test_hub_chosen_rejected_pairs_through_the_local_mirror(tmp_path, bad_row):
     import subprocess
     import sys
 
+    from chatpipe.testing.hub_mirror import Mirror
     from tests.conftest import REPO
-    from tests.hub_mirror import Mirror
 
     root = tmp_path / "hub"
     build_preference_repos(root, bad_row)

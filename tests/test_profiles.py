@@ -61,7 +61,7 @@ def test_unknown_section_in_profiles_file_names_the_file(params_file, monkeypatc
 def test_cpu_profiles_split_every_training_batch_over_their_ranks(params_file, monkeypatch, profile):
     """A CPU profile's batches divide over its nodes x processes, so every stage starts (no batch-math error)."""
     from chatpipe.settings import LaunchSettings, MidtrainSettings, SFTSettings
-    from chatpipe.train.loop import grad_accum_steps
+    from chatpipe.train.step import grad_accum_steps
 
     monkeypatch.setenv("CHATPIPE_PROFILE", profile)
     launch = load_section(LaunchSettings)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.project import make_project, run
+from chatpipe.testing.project import make_project, run
 
 QUESTIONS = [
     ("What is 12 + 7?", 19),

@@ -20,7 +20,7 @@ from chatpipe.inference.engine import Engine
 from chatpipe.model.loading import load_chat_model
 from chatpipe.report import summary_values
 from chatpipe.settings import TrackingSettings
-from tests.chatmodel import make_artifacts
+from chatpipe.testing.chatmodel import make_artifacts
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -14,7 +14,7 @@ import pytest
 
 from chatpipe.model.fp8 import CPU_TEST_ENV
 from chatpipe.settings import PretrainSettings, load_section
-from tests.project import BIN, loss_curve, make_project, newest_pretrain_run, run
+from chatpipe.testing.project import BIN, loss_curve, make_project, newest_pretrain_run, run
 
 # The keys rehearsal_gpu may set itself: sizes, and the two switches that make CPU take the GPU's
 # paths (auto would pick float32 and no compile on CPU). Every other pretrain key is the speedrun's.

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.project import dvc, make_project
+from chatpipe.testing.project import dvc, make_project
 
 
 @pytest.mark.slow

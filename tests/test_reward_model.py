@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from chatpipe.rl.reward_model import (
 )
 from chatpipe.rl.rewards import combine_rewards, group_win_rates
 from chatpipe.rl.value import ValueModel
-from tests.chatmodel import make_artifacts
+from chatpipe.testing.chatmodel import make_artifacts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,14 +146,15 @@ def test_tiny_pairs_sample_only_the_first_problems_and_fit_the_context(project, 
     ranked, real = [], prefs.ranked_pairs
     monkeypatch.setattr(prefs, "ranked_pairs", lambda *a: ranked.append(a[3]) or real(*a))
     flags = ["--tiny_samples=2", "--tiny_max_new_tokens=4", "--max_seq_len=128"]
-    got = stage._tiny_split(load_section(RewardModelSettings, flags), tok, policy, "train", 6, 2)
+    cfg = load_section(RewardModelSettings, flags)
+    got = prefs.tiny_split(cfg, tok, stage.sampler(cfg, tok, policy), "train", 6, 2)
     assert ranked == ["tinyworld_arith/train problem 0", "tinyworld_arith/train problem 1"]
     assert {int(p.where.split(":")[1].split()[0]) for p, k in got if k.startswith("contrast")} == set(range(6))
     ranked.clear()
     lengths = sorted(max(len(p.chosen), len(p.rejected)) for p, _ in got)
     limit = lengths[len(lengths) // 2]  # about half the pairs are longer
     cfg = load_section(RewardModelSettings, ["--tiny_samples=0", f"--max_seq_len={limit}"])
-    short = stage._tiny_split(cfg, tok, policy, "train", 6, 2)
+    short = prefs.tiny_split(cfg, tok, stage.sampler(cfg, tok, policy), "train", 6, 2)
     assert ranked == [] and 0 < len(short) < len(got)
     assert all(max(len(p.chosen), len(p.rejected)) <= limit for p, _ in short)
 
@@ -362,8 +365,8 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
 @pytest.mark.slow
 def test_stage_logs_loss_and_gradient_norm_to_mlflow_every_step(project, monkeypatch):
     """The shared loop's per-step metrics reach the reward model's MLflow run, as for every training stage."""
+    from chatpipe.testing.project import mlflow_client
     from stages import reward_model as stage
-    from tests.project import mlflow_client
 
     monkeypatch.setenv("CHATPIPE_TRACKING__ENABLED", "true")
     write_prefs(project / "prefs.jsonl", 16)
@@ -703,10 +706,10 @@ def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project,
 
 
 @pytest.mark.parametrize(
-    ("kinds", "expect"),
+    ("origins", "expect"),
     [
         # the float32 SFT model of a 2-core Intel kind made 627 sampled pairs on 600 held-out problems,
-        # more than val_pairs, so no contrast joined: the one kind PPO needs ranked must still be reported
+        # more than val_pairs, so no contrast joined: the one origin PPO needs ranked must still be reported
         (["sampled"] * 4, {"pair_accuracy_sampled": 0.75, "pairs_sampled": 4}),
         (
             ["sampled", "sampled", "contrast_miscopied", "contrast_miscopied"],
@@ -717,14 +720,14 @@ def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project,
                 "pairs_contrast_miscopied": 2,
             },
         ),
-        (["file"] * 4, {}),  # a user's file names no kinds: the overall accuracy says it all
+        (["file"] * 4, {}),  # a user's file names no origins: the overall accuracy says it all
     ],
 )
-def test_held_out_reports_the_accuracy_of_every_named_kind_of_pair(kinds, expect, monkeypatch):
+def test_held_out_reports_the_accuracy_of_every_named_origin_of_pair(origins, expect, monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    from chatpipe.data.preferences import Pair
+    from chatpipe.data.preferences import Pair, PairSet
     from stages import reward_model as stage
 
     val = [Pair([1, 2, 10 + i], [1, 2, 20 + i], f"pair {i}") for i in range(4)]
@@ -732,8 +735,39 @@ def test_held_out_reports_the_accuracy_of_every_named_kind_of_pair(kinds, expect
     monkeypatch.setattr(stage, "score_rows", lambda rm, rows, pad: torch.tensor([scores[r[-1]] for r in rows]))
     rm = SimpleNamespace(eval=lambda: None, train=lambda: None)
     rt = SimpleNamespace(autocast=contextlib.nullcontext)
-    parts = SimpleNamespace(rm=rm, rt=rt, pad_id=0, pairs=stage.Pairs([], val, kinds))
+    parts = SimpleNamespace(rm=rm, rt=rt, pad_id=0, pairs=PairSet([], val, origins))
     got = stage.held_out(parts)
     assert got["val/pair_accuracy"] == 0.75
-    by_kind = {k.removeprefix("val/"): v for k, v in got.items() if k.startswith(("val/pair_accuracy_", "val/pairs_"))}
-    assert by_kind == expect
+    by_origin = {
+        k.removeprefix("val/"): v for k, v in got.items() if k.startswith(("val/pair_accuracy_", "val/pairs_"))
+    }
+    assert by_origin == expect
+
+
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank0\] ")
+
+
+@pytest.mark.slow
+def test_the_tiny_stage_logs_a_line_every_interval_from_start_to_end(project, monkeypatch, capfd):
+    """The tiny run sampled for 4 min 31 s without a line on the AVX2 kind. Scaled down here (a progress
+    line every 0.3 s instead of 30 s, 256 train samples): from the first log line to the saved model no two
+    lines are more than a few intervals apart (f18dbe9 on a busy machine: 27 s of silent sampling), and
+    sampling writes its progress lines (phase, done/total, elapsed; f18dbe9 wrote none). Training and
+    its evals are covered by the shared loop's progress line, score_norm by its own."""
+    from stages import reward_model as stage
+
+    monkeypatch.setenv("CHATPIPE_PROGRESS_EVERY", "0.3")
+    capfd.readouterr()
+    sizes = ["--tiny_prompts=64", "--tiny_sample_prompts=64", "--tiny_samples=4", "--tiny_val_problems=16"]
+    short = ["--val_pairs=32", "--tiny_max_new_tokens=48", "--max_steps=16", "--device_batch_size=8", "--eval_every=8"]
+    rest = ["--checkpoint_every=8", "--max_seq_len=128", "--device=cpu", "--dtype=float32"]
+    stage.main(["--source=tiny", *sizes, *short, *rest])
+    lines = [line for line in capfd.readouterr().out.splitlines() if LOG_LINE.match(line)]
+    stamps = [datetime.strptime(LOG_LINE.match(line).group(1), "%Y-%m-%d %H:%M:%S,%f") for line in lines]
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    # 0.3 s lines while a phase runs; the steps between phases (loading, building the model) take ~2 s here
+    assert gaps[worst] <= 6, f"{gaps[worst]:.1f} s silent between:\n{lines[worst]}\n{lines[worst + 1]}"
+    assert "saved artifacts/reward_model" in lines[-1]
+    sampling = [line for line in lines if "reward_model train pairs: sampling: " in line]
+    assert sampling and "/256 sample |" in sampling[-1] and "elapsed" in sampling[-1], lines

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from chatpipe.runtime import cpu_multiplies_bf16, keep_freed_memory_in_heap
-from tests.cpu_allocator import run
+from chatpipe.testing.cpu_allocator import run
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")

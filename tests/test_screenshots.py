@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.project import BIN, dvc, make_project, project_env, run, set_params
+from chatpipe.testing.project import BIN, dvc, make_project, project_env, run, set_params
 from tests.test_prefect_schedule import Proc, free_port, wait_http
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")

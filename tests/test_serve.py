@@ -12,8 +12,8 @@ import pytest
 
 from chatpipe.inference.engine import Engine
 from chatpipe.model.loading import load_chat_model
-from tests.chatmodel import make_artifacts, serve_paced, serve_settings
-from tests.project import wait_until
+from chatpipe.testing.chatmodel import make_artifacts, serve_paced, serve_settings
+from chatpipe.testing.project import wait_until
 
 
 @pytest.fixture(scope="module")

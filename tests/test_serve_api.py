@@ -13,7 +13,7 @@ import pytest
 
 from chatpipe.model.loading import load_chat_model
 from chatpipe.serve.app import create_app
-from tests.chatmodel import make_artifacts, run_in_thread, serve_settings
+from chatpipe.testing.chatmodel import make_artifacts, run_in_thread, serve_settings
 
 CALC_REPLY = [("text", "12 + 7 is "), ("python", "12+7"), ("python_output", "19"), ("text", ", so 19.")]
 

@@ -22,8 +22,8 @@ import pytest
 from chatpipe.model.loading import load_chat_model
 from chatpipe.serve import batch_pool
 from chatpipe.serve.app import create_app
-from tests.chatmodel import make_artifacts, run_in_thread, serve_paced, serve_settings
-from tests.project import wait_until
+from chatpipe.testing.chatmodel import make_artifacts, run_in_thread, serve_paced, serve_settings
+from chatpipe.testing.project import wait_until
 
 CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from chatpipe.model.loading import load_chat_model
-from tests.chatmodel import make_artifacts, serve_paced, serve_settings
-from tests.project import wait_until
+from chatpipe.testing.chatmodel import make_artifacts, serve_paced, serve_settings
+from chatpipe.testing.project import wait_until
 
 BIG_STOP = 100_000  # this server's serve.max_stop_chars: the largest stop string it allows
 CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -22,10 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.project import (
+from chatpipe.testing.project import (
+    PIPELINE_PARAMS,
     REPO,
-    SMALL_EVAL,
-    SMALL_RL,
     assert_bitwise_equal,
     final_weights,
     loss_curve,
@@ -39,20 +38,6 @@ from tests.project import (
 
 SCRIPT = REPO / "scripts" / "slurm-local.sh"
 MULTI = ("pretrain", "midtrain", "sft", "rl", "eval")  # stages that run as 2 nodes x 1 process
-PIPELINE_PARAMS = {  # tests/project.py SMALL_PARAMS plus small rl/eval, on the `slurm` profile
-    "profile": "slurm",
-    # Slurm, the flow and the math are the subject; MLflow from a Slurm job is checked by the grad-accum
-    # test below (its job runs tracked), and costs ~2 s of CPU and ~2.5 s of wall in every tracked stage process
-    "tracking": {"enabled": False},
-    "rl": SMALL_RL,
-    "eval": {**SMALL_EVAL, "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}}},
-    "pretrain": {"dtype": "float32"},
-    # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
-    "midtrain": {"total_batch_size": 1024},
-    "sft": {"total_batch_size": 1024},
-    # the slurm profile's 12 pairs x 2 ranks per step need >= 24 train pairs (32 problems give more)
-    "reward_model": {"tiny_prompts": 32},
-}
 
 
 @pytest.fixture(scope="session")

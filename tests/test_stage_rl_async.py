@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from chatpipe.launch import build_app
-from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, load_section
+from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, deep_merge, load_section
+from chatpipe.testing.project import SMALL_PARAMS, processes_in, project_env, run, set_params
 from tests.conftest import REPO
-from tests.project import SMALL_PARAMS, _merge, processes_in, project_env, run, set_params
 from tests.test_stage_rl import RL_PARAMS, setup_project
 
 ONE_THREAD = {"CHATPIPE_LAUNCH__THREADS": "1", "CHATPIPE_TRACKING__ENABLED": "false"}
@@ -106,7 +106,7 @@ def test_without_the_role_rl_is_bitwise_the_code_before_it(tmp_path, algorithm):
     # float32 rollouts, as then (rl.rollout_dtype came later; auto is bf16 where the CPU multiplies it)
     now = setup_project(tmp_path / "now", **rl, rollout_dtype="float32")
     before = code_at(BEFORE_THE_ROLE, tmp_path / "before")
-    set_params(before, _merge(SMALL_PARAMS, {"rl": {**RL_PARAMS, **rl}}))  # its own params.yaml, the same overrides
+    set_params(before, deep_merge(SMALL_PARAMS, {"rl": {**RL_PARAMS, **rl}}))  # its own params.yaml, the same overrides
     for inputs in ("artifacts", "init_model"):  # the same tokenizer and init model
         shutil.copytree(now / inputs, before / inputs)
     out = {}

@@ -22,7 +22,7 @@ import yaml
 
 from chatpipe.settings import ParamsError
 from chatpipe.sweep.spec import expand, load_sweep
-from tests.project import REPO, make_project, project_env
+from chatpipe.testing.project import REPO, make_project, project_env
 
 PRETRAIN = {
     "sequence_len": 64,

@@ -221,3 +221,18 @@ def test_ranks_that_are_not_a_bpe_table_are_named(tok: Tokenizer, tmp_path) -> N
     ranks.write_bytes(b"".join([*lines[:-1], lines[-1].split()[0] + b" 3\n"]))  # a rank given twice
     with pytest.raises(ValueError, match=r"ranks\.tiktoken: corrupt ranks \(not the numbers 0\.\."):
         Tokenizer.load(tmp_path)
+
+
+def test_a_reply_drops_only_its_final_sampled_assistant_end(tok: Tokenizer) -> None:
+    """The one reply-text rule (RL rollouts and pass@k, chat checks, reward-model pairs)."""
+    from chatpipe.tokenizer import reply_text
+
+    end = tok.encode_special("<|assistant_end|>")
+    words = tok.encode("the answer is 5")
+    assert reply_text(tok, [*words, end], [1] * (len(words) + 1)) == ("the answer is 5", True)
+    assert reply_text(tok, words, [1] * len(words)) == ("the answer is 5", False)  # cut at max_tokens
+    # an end the engine forced in is not the model ending its turn, and an earlier one stays in the text
+    assert reply_text(tok, [*words, end], [1] * len(words) + [0]) == ("the answer is 5<|assistant_end|>", False)
+    got = reply_text(tok, [end, *words, end], [1] * (len(words) + 2))
+    assert got == ("<|assistant_end|>the answer is 5", True)
+    assert reply_text(tok, [], []) == ("", False)

@@ -13,7 +13,7 @@ import yaml
 
 from chatpipe.launch import PERSISTENT_DIRS, build_app, main
 from chatpipe.settings import LaunchSettings, load_section
-from tests.project import make_project, run
+from chatpipe.testing.project import make_project, run
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHX = str(Path(sys.executable).parent / "torchx")

@@ -13,7 +13,7 @@ import pytest
 
 from chatpipe import tracking
 from chatpipe.settings import TrackingSettings
-from tests.project import make_project, project_env, run
+from chatpipe.testing.project import make_project, project_env, run
 
 REPO = Path(__file__).resolve().parents[1]
 

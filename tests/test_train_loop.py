@@ -1,4 +1,4 @@
-"""The one training loop (chatpipe/train/trainer.py) and the step it runs (chatpipe/train/loop.py):
+"""The one training loop (chatpipe/train/loop.py) and the step it runs (chatpipe/train/step.py):
 cadence, what a checkpoint carries, bitwise resume, and the gradient norm every training stage logs."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from chatpipe.runtime import Runtime
 from chatpipe.settings import PretrainSettings
 from chatpipe.stage_metrics import Curves
-from chatpipe.train.loop import train_step_stats
+from chatpipe.testing.project import dvc, make_project
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop, step_row
 from chatpipe.train.stage import resume_or_fresh
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop, step_row
-from tests.project import dvc, make_project
+from chatpipe.train.step import train_step_stats
 
 RT = Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
 TOTAL = 6
@@ -205,7 +205,7 @@ def test_two_ranks_resume_pretrain_and_midtrain_bitwise(tmp_path):
     """2 gloo workers: a run resumed from a middle checkpoint ends with the uninterrupted run's weights."""
     import shutil
 
-    from tests.project import run
+    from chatpipe.testing.project import run
 
     params = {
         "pretrain": {"max_steps": 6, "eval_every": 3, "checkpoint_every": 3, "dtype": "float32"},
@@ -239,8 +239,8 @@ def test_every_training_stage_logs_the_keys_of_the_one_step_row(params_file, tmp
     """pretrain, midtrain, SFT, the reward model and RL, run in this process for two steps each (data and
     tokenizer before them): every step of every stage's MLflow run holds every key :func:`step_row` puts on
     a row that stepped. A key added there reaches all five; a stage that built its own row would miss it."""
+    from chatpipe.testing.project import SMALL_PARAMS, SMALL_RL, mlflow_client, set_params
     from stages import data, midtrain, pretrain, reward_model, rl, sft, tokenizer
-    from tests.project import SMALL_PARAMS, SMALL_RL, mlflow_client, set_params
 
     monkeypatch.chdir(tmp_path)
     short = {"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "log_every": 1}

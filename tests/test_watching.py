@@ -51,8 +51,27 @@ def test_progress_bar_off_without_a_terminal_but_logs_eta(caplog):
     bar.t0 -= 20  # as if 20 s went by for the first 4 steps
     bar.last_line -= 20
     bar.update(4, loss=2.5)
+    bar.close()
     line = caplog.records[-1].getMessage()
     assert line.startswith("pretrain: 4/10 step | 0:20 elapsed | ETA 0:30") and "loss 2.5" in line
+
+
+def test_a_line_comes_on_time_while_one_item_takes_longer_and_none_after_close(caplog):
+    """The timer writes the line while a single item (a long generation call, a checkpoint write)
+    runs longer than every_s; closing the bar stops it."""
+    import time
+
+    logging.getLogger("chatpipe.progress").disabled = False
+    caplog.set_level(logging.INFO, logger="chatpipe.progress")
+    with Progress(4, "sampling", unit="sample", stream=io.StringIO(), every_s=0.2) as bar:
+        bar.update(1)
+        time.sleep(1.1)  # no update for 1.1 s: about five timed lines
+        ticks = [r.getMessage() for r in caplog.records]
+    assert len(ticks) >= 3 and all(t.startswith("sampling: 1/4 sample |") and "ETA" in t for t in ticks), ticks
+    gaps = [b.created - a.created for a, b in zip(caplog.records, caplog.records[1:])]
+    assert max(gaps) < 0.2 + 0.15, gaps
+    time.sleep(0.5)
+    assert len(caplog.records) == len(ticks)  # closed: no line after the phase ended
 
 
 def test_progress_bar_on_a_terminal_and_off_by_env(monkeypatch):

@@ -7,6 +7,7 @@ conversations, ``<|assistant_end|>`` included, so the reward model scores both a
     pairs = read_hub_pairs("HuggingFaceH4/ultrafeedback_binarized", None, "train_prefs", tok, max_len=256)
     pairs = contrast_pairs(build_task("tinyworld_arith", "train", limit=256), tok, seed=0)   # tiny, offline
     pairs += ranked_pairs(prompt_ids, samples, verifier_scores, where="...")               # tiny, sampled
+    pair_set = tiny_pairs(cfg, tok, sample)   # the reward model stage's tiny train and held-out pairs
 
 Record formats (local JSONL lines and hub rows alike):
 
@@ -22,14 +23,20 @@ raises ValueError naming the file and line (hub rows: file and row) before any t
 
 from __future__ import annotations
 
+import logging
 import random
 import re
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatpipe.data.jsonl import iter_jsonl
+
+if TYPE_CHECKING:
+    from chatpipe.settings import RewardModelSettings
+
+log = logging.getLogger(__name__)
 
 _TURN = re.compile(r"\n\n(Human|Assistant): ")
 
@@ -45,7 +52,7 @@ class Pair:
     chosen: list[int]
     rejected: list[int]
     where: str  # "file:line", "file:row N" or the tiny source that made it
-    kind: str = ""  # tiny contrasts: which mistake the rejected side has (a key of CONTRASTS)
+    mistake: str = ""  # tiny contrasts: which mistake the rejected side has (a key of CONTRASTS)
 
 
 # --------------------------------------------------------------------------- records -> pairs
@@ -269,7 +276,76 @@ def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: 
     pairs = []
     for i, conv in enumerate(convs):
         chosen, _ = tok.render_conversation(conv, max_tokens=1 << 62)
-        for kind, bad in contrasts(conv, rng).items():
+        for mistake, bad in contrasts(conv, rng).items():
             rejected, _ = tok.render_conversation(bad, max_tokens=1 << 62)
-            pairs.append(Pair(chosen, rejected, f"{where}:{i} {kind}", kind))
+            pairs.append(Pair(chosen, rejected, f"{where}:{i} {mistake}", mistake))
     return pairs
+
+
+# --------------------------------------------------------------------------- tiny: the reward model's pair sets
+
+SAMPLED = "sampled"  # the origin of a pair of the init model's own samples, ranked by the verifier
+FROM_FILE = "file"  # the origin of every pair read from a user's file or the hub: it names no mistake
+# per problem: its prompt ids, its sampled sequences (prompt included) and the verifier's score of each
+Samples = Callable[[str, list[dict[str, Any]]], list[tuple[list[int], list[list[int]], list[float]]]]
+
+
+@dataclass
+class PairSet:
+    """Train and held-out pairs and the origin of each: ``file``, ``sampled`` or ``contrast_<mistake>``
+    (per-origin held-out accuracy tells which mistakes the reward model catches)."""
+
+    train: list[Pair]
+    val: list[Pair]
+    val_origins: list[str] = field(default_factory=list)
+    train_origins: list[str] = field(default_factory=list)
+
+
+def tiny_problems(split: str, n: int) -> list[dict]:
+    """The ``n`` arithmetic problems tiny pairs are made from: the train split's ``preferences`` part
+    (:func:`chatpipe.data.synthetic.preference_problem`), which no other stage reads, or a held-out split."""
+    from chatpipe.data.tasks import build_task
+
+    task = build_task("tinyworld_arith", split, limit=n, part="preferences" if split == "train" else None)
+    return [task[i] for i in range(min(n, len(task)))]
+
+
+def tiny_pairs(cfg: RewardModelSettings, tok: Any, sample: Samples | None) -> PairSet:
+    """Tiny-world pairs: the train split's ``preferences`` problems make the train pairs, the val
+    split's the held-out ones: every sampled pair of ``tiny_val_problems`` problems (the kind PPO
+    needs ranked), then their contrasts up to ``val_pairs`` in all. ``sample`` samples and scores
+    replies to a split's problems (None: contrasts only)."""
+    train = tiny_split(cfg, tok, sample, "train", cfg.tiny_prompts, cfg.tiny_sample_prompts)
+    val = tiny_split(cfg, tok, sample, "val", cfg.tiny_val_problems, cfg.tiny_val_problems)
+    random.Random(cfg.seed).shuffle(val)
+    sampled = [po for po in val if po[1] == SAMPLED]
+    val = sampled + [po for po in val if po[1] != SAMPLED][: max(cfg.val_pairs - len(sampled), 0)]
+    return PairSet([p for p, _ in train], [p for p, _ in val], [o for _, o in val], [o for _, o in train])
+
+
+def tiny_split(
+    cfg: RewardModelSettings, tok: Any, sample: Samples | None, split: str, n: int, n_sampled: int
+) -> list[tuple[Pair, str]]:
+    """(pair, origin) for ``n`` arithmetic problems of ``split``: synthetic contrasts, then the model's
+    samples on the first ``n_sampled`` ranked by the task's verifier (a right answer over a wrong or
+    unfinished one), the pairs longer than ``max_seq_len`` left out (:func:`fitting`)."""
+    convs = tiny_problems(split, n)
+    made = contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
+    out = [(p, f"contrast_{p.mistake}") for p in made]  # contrast_miscopied, ...
+    convs = convs[:n_sampled]  # sampling costs far more than a contrast
+    if sample is not None and convs:
+        for i, (prompt, seqs, scores) in enumerate(sample(split, convs)):
+            where = f"tinyworld_arith/{split} problem {i}"
+            out += [(p, SAMPLED) for p in ranked_pairs(prompt, seqs, scores, where)]
+    return fitting(out, cfg.max_seq_len, split)
+
+
+def fitting(pairs: list[tuple[Pair, str]], max_len: int, split: str) -> list[tuple[Pair, str]]:
+    """The pairs of at most ``max_len`` tokens: made here, not read from a user's file, so longer ones
+    are left out (and counted in the log), not an error."""
+    fits = [(p, o) for p, o in pairs if max(len(p.chosen), len(p.rejected)) <= max_len]
+    if len(fits) < len(pairs):
+        log.info(
+            "tiny %s: %d of %d pairs over max_seq_len %d left out", split, len(pairs) - len(fits), len(pairs), max_len
+        )
+    return fits

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from chatpipe.inference.engine import Engine
+from chatpipe.tokenizer import reply_text
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,7 @@ def complete(
     out = []
     generated = engine.generate_many(prompts, num_samples=1, max_tokens=max_tokens, temperature=temperature, seed=seed)
     for prompt, (seqs, masks) in zip(prompts, generated):
-        new = seqs[0][len(prompt) :]
-        ended = bool(new) and new[-1] == engine.assistant_end and masks[0][-1] == 1
-        out.append((tok.decode(new[:-1] if ended else new), ended))
+        out.append(reply_text(tok, seqs[0][len(prompt) :], masks[0][len(prompt) :]))
     return out
 
 

@@ -45,6 +45,7 @@ import torch
 
 from chatpipe.io import atomic_dir, sha256_file, write_json_atomic
 from chatpipe.model.gpt import ROTARY_BASE, SOFTCAP, has_value_embed, layer_windows
+from chatpipe.runtime import DTYPE_NAMES, dtype_named
 from chatpipe.tokenizer import SPECIAL_TOKENS
 
 log = logging.getLogger(__name__)
@@ -431,9 +432,9 @@ def export_model(
     """Write the transformers directory for ``model`` + ``tokenizer`` atomically to ``out_dir``."""
     config = model.config
     builtin_lacks(config)  # refuses an option neither path carries, before anything is written
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    torch_dtype = dtype_named(dtype)
     if torch_dtype is None:
-        raise ExportError(f"dtype={dtype!r}; allowed: float32, bfloat16")
+        raise ExportError(f"dtype={dtype!r}; allowed: {', '.join(DTYPE_NAMES)}")
     if tokenizer.vocab_size > config.vocab_size:
         raise ExportError(f"tokenizer has {tokenizer.vocab_size} ids, the model only {config.vocab_size}")
     out_dir = Path(out_dir)

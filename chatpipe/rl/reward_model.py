@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from chatpipe.model.files import read_meta, save_model_dir, verify_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
 
-KIND = "reward_model"  # meta.json "kind" of a reward model dir (a GPT dir has none)
+MODEL_KIND = "reward_model"  # meta.json "kind" of a reward model dir (a GPT dir has none)
 MARGIN_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
@@ -184,7 +184,7 @@ def score_rows(rm: RewardModel, rows: list[list[int]], pad_id: int, micro_batch:
 
 def save_reward_model(out_dir: Path, rm: RewardModel, meta: dict[str, Any]) -> None:
     """Write ``out_dir`` (``model.pt`` with ``trunk.*`` and ``head.weight``, ``meta.json`` with kind)."""
-    save_model_dir(out_dir, rm, {**meta, **scoring_meta(rm), "kind": KIND, "model_config": rm.config.to_dict()})
+    save_model_dir(out_dir, rm, {**meta, **scoring_meta(rm), "kind": MODEL_KIND, "model_config": rm.config.to_dict()})
 
 
 def scoring_meta(rm: RewardModel) -> dict[str, Any]:
@@ -194,14 +194,14 @@ def scoring_meta(rm: RewardModel) -> dict[str, Any]:
 
 def is_reward_model_dir(model_dir: Path | str) -> bool:
     """Whether ``model_dir`` holds a reward model (else a plain GPT)."""
-    return read_meta(Path(model_dir)).get("kind") == KIND
+    return read_meta(Path(model_dir)).get("kind") == MODEL_KIND
 
 
 def load_reward_model(model_dir: Path | str, device: str | torch.device = "cpu") -> tuple[RewardModel, dict]:
     """The reward model saved in ``model_dir`` (checksums verified) and its meta, in eval mode."""
     model_dir = Path(model_dir)
     meta = read_meta(model_dir)
-    if meta.get("kind") != KIND:
+    if meta.get("kind") != MODEL_KIND:
         raise ValueError(
             f"{model_dir} holds a {meta.get('stage', 'GPT')!r} model, not a reward model (meta.json kind "
             f"{meta.get('kind')!r}); point it at the reward_model stage's output, e.g. artifacts/reward_model"

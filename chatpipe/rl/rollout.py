@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from chatpipe.inference.precision import linears_in
 from chatpipe.inference.scheduler import generate_continuous
+from chatpipe.progress import progress
 from chatpipe.rl.rewards import RewardFn, exact_answer, get_reward
+from chatpipe.tokenizer import reply_text
 
 # --------------------------------------------------------------------------- problems
 
@@ -273,10 +275,8 @@ def pad_logprobs(logps: list[list[float]], width: int) -> torch.Tensor:
 
 def _read_sample(engine: Any, problem: Problem, seq: list[int], mask: list[int], prompt_len: int) -> tuple:
     """(ids, mask, score, ended, action tokens, text, correct) of one sampled sequence."""
-    gen, gen_mask = seq[prompt_len:], mask[prompt_len:]
-    stopped = bool(gen) and gen[-1] == engine.assistant_end and gen_mask[-1] == 1
-    text = engine.tokenizer.decode(gen[:-1] if stopped else gen)
-    return seq, mask, problem.score(text), stopped, sum(gen_mask), text, problem.is_correct(text)
+    text, stopped = reply_text(engine.tokenizer, seq[prompt_len:], mask[prompt_len:])
+    return seq, mask, problem.score(text), stopped, sum(mask[prompt_len:]), text, problem.is_correct(text)
 
 
 # --------------------------------------------------------------------------- model passes
@@ -312,7 +312,16 @@ def sampled_logprobs(
     return -F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), reduction="none").view(targets.shape)
 
 
-def evaluate_problems(
+@dataclass
+class Sampled:
+    """One problem's samples: its prompt ids, each sampled sequence (prompt included) and each reply's text."""
+
+    prompt: list[int]
+    seqs: list[list[int]]
+    texts: list[str]
+
+
+def sample_problems(
     engine: Any,
     problems: list[Problem],
     *,
@@ -321,14 +330,32 @@ def evaluate_problems(
     temperature: float,
     top_k: int | None,
     seed: int,
-) -> list[list[bool]]:
-    """Per-problem lists of sample correctness (the task's verdict, :meth:`Problem.is_correct`), for pass@k."""
-    out = []
-    prompts = [engine.tokenizer.render_for_completion(problem.conversation) for problem in problems]
-    generated = generate_continuous(  # one continuous batch, as the rollouts
-        engine, prompts, num_samples, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
-    )
-    for problem, prompt, (seqs, _) in zip(problems, prompts, generated):
-        texts = [engine.tokenizer.decode([t for t in s[len(prompt) :] if t != engine.assistant_end]) for s in seqs]
-        out.append([problem.is_correct(t) for t in texts])
-    return out
+    desc: str = "sampling",
+) -> list[Sampled]:
+    """``num_samples`` replies to each problem on one continuous batch, as the rollouts, each read by
+    :func:`chatpipe.tokenizer.reply_text`; callers judge them (:func:`evaluate_problems`, the reward
+    model's sampled pairs). Finished samples count on a :mod:`chatpipe.progress` line named ``desc``."""
+    tok = engine.tokenizer
+    prompts = [tok.render_for_completion(problem.conversation) for problem in problems]
+    with progress(len(prompts) * num_samples, desc, unit="sample") as bar:
+        generated = generate_continuous(
+            engine,
+            prompts,
+            num_samples,
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            on_done=lambda sample, reason: bar.update(),  # called by the scheduler as each sample ends
+        )
+    return [
+        Sampled(prompt, seqs, [reply_text(tok, s[len(prompt) :], m[len(prompt) :])[0] for s, m in zip(seqs, masks)])
+        for prompt, (seqs, masks) in zip(prompts, generated)
+    ]
+
+
+def evaluate_problems(engine: Any, problems: list[Problem], **sampling: Any) -> list[list[bool]]:
+    """Per-problem lists of sample correctness (the task's verdict, :meth:`Problem.is_correct`), for pass@k;
+    ``sampling`` as :func:`sample_problems` takes it."""
+    sampled = sample_problems(engine, problems, **{"desc": "pass@k sampling", **sampling})
+    return [[p.is_correct(t) for t in s.texts] for p, s in zip(problems, sampled)]

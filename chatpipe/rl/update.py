@@ -25,7 +25,7 @@ from chatpipe import runtime
 from chatpipe.rl import losses as rl
 from chatpipe.rl.rollout import Rollouts, sampled_logprobs, token_logprobs
 from chatpipe.rl.value import token_values
-from chatpipe.train.loop import step_optimizers
+from chatpipe.train.step import step_optimizers
 
 if TYPE_CHECKING:
     from chatpipe.settings import RLSettings

@@ -47,8 +47,8 @@ from chatpipe.settings.load import (
 )
 from chatpipe.settings.params import (
     ParamsError,
-    _deep_merge,
     active_profile,
+    deep_merge,
     params_path,
     profile_overlay,
     profiles_path,
@@ -118,7 +118,7 @@ __all__ = [
     "TokenizerSettings",
     "TrackingSettings",
     "TrainSettings",
-    "_deep_merge",
+    "deep_merge",
     "active_profile",
     "check_env_sections",
     "format_error",

@@ -15,7 +15,7 @@ from chatpipe.settings.base import FILE_VALUES_GIVEN, SECTIONS, StageSettings
 from chatpipe.settings.cli import format_error, parse_cli
 from chatpipe.settings.params import (
     ParamsError,
-    _deep_merge,
+    deep_merge,
     params_path,
     profile_overlay,
     profiles_path,
@@ -110,7 +110,7 @@ def validate_profile(name: str, path: Path, base: dict[str, Any], profiles: dict
     profile that is not the active one is checked as well, so switching to it cannot meet a bad value."""
     where = profiles_path(path)
     overlay = profile_overlay(profiles, name, where)
-    resolved = _deep_merge(base, overlay)
+    resolved = deep_merge(base, overlay)
     for section, cls in SECTIONS.items():
         values = resolved.get(section) or {}
         source = f"{where} (profile {name})"

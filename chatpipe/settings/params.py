@@ -29,11 +29,13 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _deep_merge(base: dict, overlay: dict) -> dict:
+def deep_merge(base: dict, overlay: dict) -> dict:
+    """``base`` with ``overlay`` laid over it, nested mappings merged key by key (neither is changed):
+    how a profile overlays params.yaml and a sweep point overlays its profile."""
     out = dict(base)
     for key, value in overlay.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -68,7 +70,7 @@ def resolve_params(path: Path | None = None, profile: str | None = None) -> dict
     if chosen not in allowed:
         raise ParamsError(f"{path}: profile = {chosen!r} is not defined; allowed: {', '.join(allowed)}")
     raw["profile"] = chosen
-    return _deep_merge(raw, profile_overlay(profiles, chosen, path))
+    return deep_merge(raw, profile_overlay(profiles, chosen, path))
 
 
 def profile_overlay(profiles: dict[str, Any], name: str, path: Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def profile_overlay(profiles: dict[str, Any], name: str, path: Path, seen: tuple
         raise ParamsError(
             f"{path}: profiles.{name}.extends = {parent!r} is not defined; allowed: {', '.join(profiles)}"
         )
-    return _deep_merge(profile_overlay(profiles, parent, path, (*seen, name)), overlay)
+    return deep_merge(profile_overlay(profiles, parent, path, (*seen, name)), overlay)
 
 
 def active_profile() -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from chatpipe.settings import SECTIONS, ParamsError, _deep_merge, pipeline_stages, read_settings_yaml, resolve_params
+from chatpipe.settings import SECTIONS, ParamsError, deep_merge, pipeline_stages, read_settings_yaml, resolve_params
 
 # Sections that say where a point runs or logs, not what it computes: never part of a point's identity.
 PLACEMENT_SECTIONS = ("launch", "tracking")
@@ -126,7 +126,7 @@ def _coerce(value: Any) -> Any:
 
 def expand(sweep: SweepSettings, params_file: Path | None = None) -> list[Point]:
     """The points of the sweep's grid, each with its resolved settings, validated (before any training)."""
-    base = _deep_merge(resolve_params(params_file, sweep.profile), sweep.settings)
+    base = deep_merge(resolve_params(params_file, sweep.profile), sweep.settings)
     keys = list(sweep.grid)
     points = []
     for combo in itertools.product(*(sweep.grid[k] for k in keys)):
@@ -135,7 +135,7 @@ def expand(sweep: SweepSettings, params_file: Path | None = None) -> list[Point]
         for key, value in values.items():
             section, name = key.split(".", 1)
             overlay.setdefault(section, {})[name] = value
-        point = Point(values, _deep_merge(base, overlay), point_name(values))
+        point = Point(values, deep_merge(base, overlay), point_name(values))
         validate_point(point)
         points.append(point)
     return points
@@ -211,7 +211,7 @@ def price(points: list[Point], peak_flops: float, mfu: float) -> dict[str, float
 
 def format_plan(sweep: SweepSettings, points: list[Point], gpu: str = "H100", mfu: float = 0.4) -> str:
     """The grid with each point's model size, steps and FLOPs, and the whole sweep's GPU-hours."""
-    from chatpipe.train.loop import PEAK_FLOPS
+    from chatpipe.train.step import PEAK_FLOPS
 
     lines = [
         f"sweep {sweep.name}: {len(points)} points, stages {', '.join(sweep.stages)}, concurrency {sweep.concurrency}"
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from chatpipe.train.loop import PEAK_FLOPS
+    from chatpipe.train.step import PEAK_FLOPS
 
     p = argparse.ArgumentParser(prog="chatpipe sweep-plan", description="validate a sweep file and price its points")
     p.add_argument("sweep")

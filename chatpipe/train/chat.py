@@ -25,10 +25,10 @@ from chatpipe.settings import ChatTrainSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.tracking import tracked_run
-from chatpipe.train.loop import evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
+from chatpipe.train.loop import Every, Loop, LoopState, StepOut, run_loop
 from chatpipe.train.optim import build_optimizers
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
-from chatpipe.train.trainer import Every, Loop, LoopState, StepOut, run_loop
+from chatpipe.train.step import evaluate_loss_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
 
 log = logging.getLogger("chattrain")
 # rank 0's end-of-training hook: (model, tokenizer, the stage's run) -> extra summary metrics

@@ -27,6 +27,7 @@ import torch
 import torch.optim._muon as _torch_muon
 
 from chatpipe import runtime
+from chatpipe.settings import TrainSettings
 
 SCHEDULES = ("warmdown", "cosine")
 OPTIMIZERS = ("muon_newton_schulz", "normuon_polar_express")
@@ -105,6 +106,14 @@ def build_optimizers(
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+def init_lrs(meta: dict) -> dict[str, float]:
+    """The learning rates (:attr:`TrainSettings.LR_KEYS`) a model dir was trained with, read from its
+    ``meta.json`` settings: the stages that start from a trained model (reward model, RL) take fractions
+    of them. A model dir without training settings (e.g. an import) gets the training defaults."""
+    trained = meta.get("settings", {})
+    return {k: trained.get(k, TrainSettings.model_fields[k].default) for k in TrainSettings.LR_KEYS}
 
 
 def newton_schulz_fp32(

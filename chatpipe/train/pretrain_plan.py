@@ -26,9 +26,9 @@ import torch
 from chatpipe.horizon import REFERENCE_DEPTH, Horizon, derive_horizon
 from chatpipe.io import env_set
 from chatpipe.model.gpt import MODEL_OPTIONS, GPTConfig, ModelCounts, config_from_depth, count_model, quarter_window
-from chatpipe.runtime import Runtime, cpu_multiplies_bf16
+from chatpipe.runtime import Runtime, compute_dtype, dtype_named
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
-from chatpipe.train.loop import PEAK_FLOPS, grad_accum_steps
+from chatpipe.train.step import PEAK_FLOPS, grad_accum_steps
 
 GIB = 1024**3
 # d24 MFU per GPU kind and precision as bench/gpu_acceptance.py last measured it (it rewrites the file);
@@ -152,12 +152,12 @@ def polar_express_dtype(cfg: PretrainSettings, rt: Runtime) -> torch.dtype:
     where the run trains in bfloat16 (nanochat's choice on GPU) or the CPU multiplies bfloat16
     natively (there Polar Express takes half the time of float32 on the tiny model, and val bpb per
     CPU-second is lower: bench/README.md), float32 elsewhere."""
-    if cfg.optimizer != "normuon_polar_express" or cfg.polar_express_dtype == "float32":
+    if cfg.optimizer != "normuon_polar_express":
         return torch.float32
-    if cfg.polar_express_dtype == "bfloat16":
-        return torch.bfloat16
-    native = rt.dtype == torch.bfloat16 or (rt.device.type == "cpu" and cpu_multiplies_bf16())
-    return torch.bfloat16 if native else torch.float32
+    if cfg.polar_express_dtype != "auto" or rt.dtype == torch.bfloat16:
+        return dtype_named(cfg.polar_express_dtype) or rt.dtype
+    # a float32 run: bfloat16 only on a CPU that multiplies it natively, the rule compute_dtype trains by
+    return compute_dtype("auto", use_cuda=False, training=True) if rt.device.type == "cpu" else torch.float32
 
 
 @dataclass

@@ -11,7 +11,7 @@ resume with :func:`resume_or_fresh` once model and optimizers exist, open their 
                      metrics=metrics, rt=rt, final={"final/val_bpb": bpb})
 
 They are plain functions, not a base class: each stage still reads top to bottom (settings, data,
-model, optimizer) and hands its step to the one training loop (chatpipe.train.trainer).
+model, optimizer) and hands its step to the one training loop (chatpipe.train.loop).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from chatpipe.settings import RunSettings, math_settings, snapshot
 from chatpipe.stage_metrics import Curves, write_metrics
 from chatpipe.tracking import StageRun
 from chatpipe.train.checkpoint import resume_latest, save_checkpoint
-from chatpipe.train.loop import due
+from chatpipe.train.step import due
 
 
 def resume_or_fresh(

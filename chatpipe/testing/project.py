@@ -16,7 +16,9 @@ import httpx
 import psutil
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from chatpipe.settings import deep_merge
+
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 # Small enough for seconds per stage on 2 CPU cores, big enough that learning shows.
@@ -113,12 +115,20 @@ SMALL_EVAL = {
     "tinyworld_examples": 20,
 }
 
-
-def _merge(base: dict, overlay: dict) -> dict:
-    out = dict(base)
-    for k, v in overlay.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+PIPELINE_PARAMS = {  # SMALL_PARAMS plus small rl/eval, on the `slurm` profile
+    "profile": "slurm",
+    # Slurm, the flow and the math are the subject; MLflow from a Slurm job is checked by tests/test_slurm.py's grad-accum
+    # test (its job runs tracked), and costs ~2 s of CPU and ~2.5 s of wall in every tracked stage process
+    "tracking": {"enabled": False},
+    "rl": SMALL_RL,
+    "eval": {**SMALL_EVAL, "chatcore_tasks": {"MMLU": {"task": "tinyworld_mc"}, "GSM8K": {"task": "tinyworld_gsm"}}},
+    "pretrain": {"dtype": "float32"},
+    # a whole number of micro-batches over 2 ranks: 4 rows x 128 tokens x 2 ranks
+    "midtrain": {"total_batch_size": 1024},
+    "sft": {"total_batch_size": 1024},
+    # the slurm profile's 12 pairs x 2 ranks per step need >= 24 train pairs (32 problems give more)
+    "reward_model": {"tiny_prompts": 32},
+}
 
 
 def make_project(dest: Path, params: dict | None = None, small: bool = True) -> Path:
@@ -139,7 +149,7 @@ def make_project(dest: Path, params: dict | None = None, small: bool = True) -> 
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     copy_bytecode(dest)
-    set_params(dest, _merge(SMALL_PARAMS, params or {}) if small else (params or {}))
+    set_params(dest, deep_merge(SMALL_PARAMS, params or {}) if small else (params or {}))
     git = ["git", "-c", "user.email=t@chatpipe.local", "-c", "user.name=test"]
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
@@ -174,7 +184,7 @@ def copy_bytecode(dest: Path) -> None:
 def set_params(project: Path, overlay: dict) -> None:
     """Merge ``overlay`` into the project's params.yaml."""
     path = project / "params.yaml"
-    path.write_text(yaml.safe_dump(_merge(yaml.safe_load(path.read_text()), overlay), sort_keys=False))
+    path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(path.read_text()), overlay), sort_keys=False))
 
 
 def project_env(project: Path, **extra: str) -> dict[str, str]:

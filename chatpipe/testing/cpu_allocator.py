@@ -11,7 +11,7 @@ from pathlib import Path
 
 from chatpipe.runtime import MALLOC_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, resource, statistics, sys, time, torch

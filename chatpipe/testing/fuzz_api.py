@@ -1,7 +1,7 @@
 """Fuzz `chatpipe serve` from outside: schemathesis-generated requests for every operation, plus
 hand-made malformed ones, each sorted into clean / 5xx / bad error shape / silently wrong.
 
-A tiny random chat model (tests/chatmodel.py) is served by ``python -m bench.fuzz_api --serve PORT``
+A tiny random chat model (chatpipe/testing/chatmodel.py) is served by ``python -m chatpipe.testing.fuzz_api --serve PORT``
 in a subprocess started from a source tree (this one by default), so the same campaign runs against
 another checkout's server too (``--src``: the "before" row of a fix). Requests go over HTTP with httpx;
 each generated response is checked with schemathesis's response checks against the server's own
@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("tried", "clean", "5xx", "bad shape", "silently wrong")
 LIMITS = dict(batch_rows=2, max_queue=8, max_message_chars=200, max_turns=5, max_tokens=8, max_tokens_limit=16)
 
@@ -49,10 +49,9 @@ def serve(port: int) -> None:
     """Serve the tiny test model on 127.0.0.1:``port`` until killed (the subprocess's body)."""
     import uvicorn
 
-    sys.path.insert(0, os.getcwd())  # the source tree this process was started in
     from chatpipe.model.loading import load_chat_model
     from chatpipe.serve.app import create_app
-    from tests.chatmodel import make_artifacts, serve_settings
+    from chatpipe.testing.chatmodel import make_artifacts, serve_settings
 
     root = Path(tempfile.mkdtemp(prefix="fuzz-api-"))
     loaded = load_chat_model("sft", artifacts=make_artifacts(root / "artifacts"), device="cpu")
@@ -68,13 +67,13 @@ def free_port() -> int:
 @contextmanager
 def server(src: Path = ROOT, timeout: float = 120):
     """A fuzz server from source tree ``src`` in its own process; its base URL. Stopped by its pid."""
-    sys.path.insert(0, str(ROOT))
-    from tests.project import running_server
+    from chatpipe.testing.project import running_server
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATPIPE_")}
     env.update(PYTHONPATH=str(src), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(ROOT / "tests" / "fuzz_api.py"), "--serve", str(port)]
+    # run from ``src`` as a module: its chatpipe (PYTHONPATH, and the working directory first on sys.path) serves
+    cmd = [sys.executable, "-m", "chatpipe.testing.fuzz_api", "--serve", str(port)]
     with running_server(cmd, src, env, port, timeout, "fuzz server") as url:
         yield url
 

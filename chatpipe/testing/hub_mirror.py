@@ -44,12 +44,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make chatpipe importable
-    sys.path.insert(0, str(ROOT))
+from chatpipe.data.sources import _txt_documents
+from chatpipe.data.synthetic import split_of
 
-from chatpipe.data.sources import _txt_documents  # noqa: E402
-from chatpipe.data.synthetic import split_of  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 PRETRAIN_REPO = "karpathy/fineweb-edu-100b-shuffle"
