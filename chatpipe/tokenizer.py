@@ -377,6 +377,20 @@ def _get_encoding(name: str, timeout: float) -> tiktoken.Encoding:
     raise RuntimeError(f"{type(err).__name__}: {err}" if err else f"no answer within {timeout:.0f} s")
 
 
+def roundtrip_failures(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[int, int]]:
+    """``(text index, first differing char)`` of every text for which ``decode(encode(text)) != text``.
+
+    Byte-level BPE keeps every valid string; what breaks the round trip is text that is not valid
+    Unicode (a lone surrogate from a ``\\ud800`` escape), which encoding replaces."""
+    failures = []
+    for i, text in enumerate(texts):
+        back = tokenizer.decode(tokenizer.encode(text))
+        if back != text:
+            at = next((j for j, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+            failures.append((i, at))
+    return failures
+
+
 def compression_report(tokenizer: Tokenizer, text: str, timeout: float = 10.0) -> dict[str, Any]:
     """Bytes per token of ours vs GPT-2 and GPT-4 (cl100k_base) on ``text``.
 

@@ -98,6 +98,10 @@ def record_pair(record: Any, tok: Any, max_len: int, where: str) -> Pair:
                 f"{where}: '{key}' is {len(ids[key])} tokens, longer than the context of {max_len} "
                 "(reward_model.max_seq_len); shorten or drop the pair"
             )
+    if ids["chosen"] == ids["rejected"]:
+        raise ValueError(
+            f"{where}: 'chosen' equals 'rejected'; expected two different replies (the pair teaches nothing)"
+        )
     return Pair(ids["chosen"], ids["rejected"], where)
 
 
