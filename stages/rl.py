@@ -212,8 +212,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     ppo_config = PPOConfig.from_settings(cfg)
 
     # --- data: RL prompts, and the chat-stage rows replayed with every optimizer step
-    verifier = user_verifier(cfg)
-    train_problems, eval_problems = load_rl_problems(cfg, rt, verifier)
+    train_problems, eval_problems = load_rl_problems(cfg, rt, verifier := user_verifier(cfg))
     replay_seq_len, replay_pack = replay_rows(cfg, tok, models.policy)
 
     # --- resume from the newest checkpoint made with the same settings and init model

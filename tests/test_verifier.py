@@ -14,7 +14,7 @@ from chatpipe.rl.rollout import Rollouts, drop_failed, load_problems
 from chatpipe.rl.verifier import Verifier
 from chatpipe.sandbox import SandboxUnavailable, sandbox_mode
 
-VERIFIER = '''
+VERIFIER = """
 import time
 
 def score(reply, problem):
@@ -38,7 +38,7 @@ def score(reply, problem):
                 pass
         except Exception:
             return 1.0
-'''
+"""
 
 
 @pytest.fixture

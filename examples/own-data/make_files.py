@@ -100,13 +100,22 @@ def main(out: Path) -> None:
         (corpus / f"texto_{i}.txt").write_text("\n\n".join(documents(facts, 1500, seed=i)) + "\n", encoding="utf-8")
     pq.write_table(pa.table({"text": documents(facts, 150, seed=3)}), corpus / "val.parquet")  # "val": held out
     qs = questions(facts)
-    greeting = {"messages": [{"role": "user", "content": "Hola"}, {"role": "assistant", "content": "¡Hola! ¿Qué quieres saber?"}]}
-    chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": right}]} for q, _, right, _ in qs]
+    greeting = {
+        "messages": [
+            {"role": "user", "content": "Hola"},
+            {"role": "assistant", "content": "¡Hola! ¿Qué quieres saber?"},
+        ]
+    }
+    chats = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": right}]} for q, _, right, _ in qs
+    ]
     write_jsonl(out / "chat.jsonl", chats + [greeting])
     write_jsonl(out / "prefs.jsonl", [{"prompt": q, "chosen": right, "rejected": wrong} for q, _, right, wrong in qs])
     write_jsonl(out / "problems.jsonl", [{"prompt": q, "answer": answer} for q, answer, _, _ in qs])
     (out / "verifier.py").write_text(VERIFIER, encoding="utf-8")
-    print(f"{out}: corpus/ (3 files), chat.jsonl ({len(chats) + 1}), prefs.jsonl, problems.jsonl ({len(qs)}), verifier.py")
+    print(
+        f"{out}: corpus/ (3 files), chat.jsonl ({len(chats) + 1}), prefs.jsonl, problems.jsonl ({len(qs)}), verifier.py"
+    )
 
 
 if __name__ == "__main__":
