@@ -391,6 +391,30 @@ def roundtrip_failures(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple
     return failures
 
 
+def check_corpus(
+    tok: Tokenizer, vocab_size: int, sample: Sequence[str], corpus: str | None, n_chars: int
+) -> dict[str, int]:
+    """The checks of a tokenizer trained on a user's ``corpus`` (its name; None for the generated tiny
+    world, which runs out of merges by design and keeps the smaller vocabulary): the corpus held
+    enough text for ``vocab_size``, and ``decode(encode(text)) == text`` on every text of ``sample``.
+    A failure raises naming the corpus; else the round trip's counts (the stage's metrics)."""
+    if corpus is not None and tok.vocab_size < vocab_size:
+        raise ValueError(
+            f"{corpus}: {n_chars:,} chars of train text are too few for tokenizer.vocab_size={vocab_size}: "
+            f"byte-pair merges ran out at {tok.vocab_size} tokens; expected more text, "
+            f"or set tokenizer.vocab_size <= {tok.vocab_size}"
+        )
+    failures = roundtrip_failures(tok, sample)
+    if failures:
+        i, at = failures[0]
+        raise ValueError(
+            f"{corpus or 'the pretraining text'}: decode(encode(text)) != text for {len(failures)} of "
+            f"{len(sample)} sampled train documents (first: document {i}, char {at}: "
+            f"{sample[i][max(0, at - 20) : at + 20]!r}); expected text that is valid Unicode"
+        )
+    return {"docs": len(sample), "failures": 0}
+
+
 def compression_report(tokenizer: Tokenizer, text: str, timeout: float = 10.0) -> dict[str, Any]:
     """Bytes per token of ours vs GPT-2 and GPT-4 (cl100k_base) on ``text``.
 

@@ -10,18 +10,16 @@ Reads ``artifacts/data`` (train split, first ``max_chars`` characters), writes
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from chatpipe import runtime, tracking
-from chatpipe.data.sources import iter_documents
+from chatpipe.data.sources import corpus_name, iter_documents
 from chatpipe.io import atomic_dir, write_json_atomic
 from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import TokenizerSettings, snapshot
 from chatpipe.stage_metrics import write_metrics
-from chatpipe.tokenizer import Tokenizer, compression_report, roundtrip_failures
+from chatpipe.tokenizer import Tokenizer, check_corpus, compression_report
 
 
 def take_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:
@@ -47,9 +45,7 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
         n_chars = sum(len(t) for t in texts)
         tok = Tokenizer.train(texts, cfg.vocab_size)
         train_s = time.time() - t0
-        corpus = user_corpus(data_dir)
-        check_vocab(tok, cfg, corpus, n_chars)
-        roundtrip = check_roundtrip(tok, texts[: cfg.roundtrip_docs], corpus)
+        roundtrip = check_corpus(tok, cfg.vocab_size, texts[: cfg.roundtrip_docs], corpus_name(data_dir), n_chars)
 
         # --- eval: compression on held-out text
         val_text = "".join(take_chars(iter_documents(data_dir, "val"), cfg.eval_chars))
@@ -80,42 +76,6 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
         run.log_metrics(tracking.numeric_leaves(report))
         run.log_artifact(out_dir / "report.json")
     print(f"tokenizer: vocab {tok.vocab_size}, trained on {n_chars:,} chars in {train_s:.1f}s; {report}")
-
-
-def user_corpus(data_dir: Path) -> str | None:
-    """What the data stage read, by name, when it is not the generated tiny world: the local dir and
-    its files, or the hub repo (None for synthetic text)."""
-    manifest_path = data_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-    if manifest.get("source") == "local":
-        return f"data.local_dir {manifest['local_dir']} ({', '.join(manifest.get('files', []))})"
-    if manifest.get("source") == "hf":
-        return f"data.hf_repo {manifest.get('hf_repo', '')}"
-    return None
-
-
-def check_vocab(tok: Tokenizer, cfg: TokenizerSettings, corpus: str | None, n_chars: int) -> None:
-    """A user corpus too small for the vocabulary is refused before anything is written (the tiny world
-    runs out of merges by design, and keeps the smaller vocabulary it gets)."""
-    if corpus is not None and tok.vocab_size < cfg.vocab_size:
-        raise ValueError(
-            f"{corpus}: {n_chars:,} chars of train text are too few for tokenizer.vocab_size={cfg.vocab_size}: "
-            f"byte-pair merges ran out at {tok.vocab_size} tokens; expected more text, "
-            f"or set tokenizer.vocab_size <= {tok.vocab_size}"
-        )
-
-
-def check_roundtrip(tok: Tokenizer, texts: list[str], corpus: str | None) -> dict[str, int]:
-    """``decode(encode(text)) == text`` on ``texts``; a failure names the corpus and the first document."""
-    failures = roundtrip_failures(tok, texts)
-    if failures:
-        i, at = failures[0]
-        raise ValueError(
-            f"{corpus or 'the pretraining text'}: decode(encode(text)) != text for {len(failures)} of "
-            f"{len(texts)} sampled train documents (first: document {i}, char {at}: {texts[i][max(0, at - 20) : at + 20]!r}); "
-            "expected text that is valid Unicode"
-        )
-    return {"docs": len(texts), "failures": 0}
 
 
 if __name__ == "__main__":

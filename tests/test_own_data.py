@@ -125,3 +125,21 @@ def test_editing_the_verifier_file_makes_rl_stale(project):
     mine.write_text(mine.read_text() + "\n# any edit\n")
     status = dvc(project, "status", "rl").stdout
     assert "rl:" in status and "modified:" in status and "mine.py" in status, status
+
+
+def test_check_data_stops_at_a_bad_file_before_any_stage_runs(project):
+    """`chatpipe check-data`, the walkthrough's first command, names file and line; nothing is written."""
+    chat = write_lines(project / "chat.jsonl", [{"messages": [HI, YO]}, {"messages": [HI, YO, YO]}])
+    set_params(
+        project, {"data": {"source": "synthetic"}, "sft": {"mixture": [{"task": "customjson", "path": "chat.jsonl"}]}}
+    )
+    proc = run(project, "chatpipe", "check-data", check=False)
+    assert proc.returncode == 1
+    assert (
+        "error: chat.jsonl:2: malformed conversation row: message 2: expected role 'user', got 'assistant'"
+        in proc.stderr
+    )
+    chat.write_text(json.dumps({"messages": [HI, YO]}) + "\n")
+    proc = run(project, "chatpipe", "check-data")
+    assert "ok  chat.jsonl (sft.mixture[0]): 1 rows" in proc.stdout
+    assert not (project / "artifacts" / "sft").exists()
