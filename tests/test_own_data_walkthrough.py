@@ -26,7 +26,7 @@ SHRINK = {
     "midtrain": {"max_steps": 12, "eval_every": 0, "checkpoint_every": 6},
     "sft": {"max_steps": 40, "eval_every": 0, "checkpoint_every": 20},
     "reward_model": {"max_steps": 6, "eval_every": 3, "checkpoint_every": 3},
-    "rl": {"max_steps": 14, "checkpoint_every": 7, "log_every": 1, "prompts_per_step": 4},
+    "rl": {"max_steps": 40, "checkpoint_every": 20, "log_every": 5},
 }
 
 

@@ -27,6 +27,7 @@ COLOURS = "negro blanco rojo verde azul amarillo gris marrón".split()
 HOMES = "bosque río campo mar monte pueblo lago desierto".split()
 COLOUR_QUESTIONS = ("¿De qué color es el {a}?", "¿Qué color tiene el {a}?", "Dime el color del {a}.")
 HOME_QUESTIONS = ("¿Dónde vive el {a}?", "Dime dónde vive el {a}.")
+DONT_KNOW = "No lo sé."
 FILLER = (
     "Un día el {a} {c} fue al {h} con el {b}.",
     "Por la mañana el {a} come y después duerme.",
@@ -88,6 +89,10 @@ def questions(facts: dict[str, tuple[str, str]]) -> list[tuple[str, str, str, st
     return out
 
 
+def chat(question: str, reply: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]}
+
+
 def write_jsonl(path: Path, rows: list) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
@@ -100,21 +105,19 @@ def main(out: Path) -> None:
         (corpus / f"texto_{i}.txt").write_text("\n\n".join(documents(facts, 1500, seed=i)) + "\n", encoding="utf-8")
     pq.write_table(pa.table({"text": documents(facts, 150, seed=3)}), corpus / "val.parquet")  # "val": held out
     qs = questions(facts)
-    greeting = {
-        "messages": [
-            {"role": "user", "content": "Hola"},
-            {"role": "assistant", "content": "¡Hola! ¿Qué quieres saber?"},
-        ]
-    }
-    chats = [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": right}]} for q, _, right, _ in qs
-    ]
-    write_jsonl(out / "chat.jsonl", chats + [greeting])
-    write_jsonl(out / "prefs.jsonl", [{"prompt": q, "chosen": right, "rejected": wrong} for q, _, right, wrong in qs])
+    rng = random.Random(2)
+    # Chats as they come: some questions were once answered "No lo sé." (I don't know), so the
+    # SFT model sometimes says so; RL on the verifier is what trains that away.
+    chats = [chat(q, right) for q, _, right, _ in qs] + [chat(q, DONT_KNOW) for q, *_ in qs if rng.random() < 0.4]
+    write_jsonl(out / "chat.jsonl", [*chats, chat("Hola", "¡Hola! ¿Qué quieres saber?")])
+    pairs = [{"prompt": q, "chosen": right, "rejected": wrong} for q, _, right, wrong in qs]
+    pairs += [{"prompt": q, "chosen": right, "rejected": DONT_KNOW} for q, _, right, _ in qs[::3]]
+    write_jsonl(out / "prefs.jsonl", pairs)
     write_jsonl(out / "problems.jsonl", [{"prompt": q, "answer": answer} for q, answer, _, _ in qs])
     (out / "verifier.py").write_text(VERIFIER, encoding="utf-8")
     print(
-        f"{out}: corpus/ (3 files), chat.jsonl ({len(chats) + 1}), prefs.jsonl, problems.jsonl ({len(qs)}), verifier.py"
+        f"{out}: corpus/ (3 files), chat.jsonl ({len(chats) + 1} conversations), prefs.jsonl ({len(pairs)} pairs), "
+        f"problems.jsonl ({len(qs)} problems), verifier.py"
     )
 
 
