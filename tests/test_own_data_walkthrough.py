@@ -62,13 +62,13 @@ def test_walkthrough_as_written_trains_every_stage_and_rl_raises_pass_at_1_on_th
         times[command] = round(time.perf_counter() - t0, 1)
     print("walkthrough times (s):", json.dumps(times, ensure_ascii=False))
 
-    tokenizer = json.loads((project / "metrics" / "tokenizer.json").read_text())
+    tokenizer = json.loads((project / "metrics" / "tokenizer.json").read_text())["tokenizer"]
     assert tokenizer["roundtrip_docs"] > 0 and tokenizer["roundtrip_failures"] == 0
     manifest = json.loads((project / "artifacts" / "data" / "manifest.json").read_text())
     assert manifest["source"] == "local" and "val.parquet" in manifest["files"]
-    for stage in ("pretrain", "mid", "sft", "reward_model", "rl"):
+    for stage in ("base", "mid", "sft", "reward_model", "rl"):
         assert (project / "artifacts" / stage / "model.pt").is_file(), stage
-    rl = json.loads((project / "metrics" / "rl.json").read_text())
+    rl = json.loads((project / "metrics" / "rl.json").read_text())["rl"]
     print("rl metrics:", {k: v for k, v in rl.items() if "pass" in k or "verifier" in k})
     assert rl["verifier_calls"] > 0 and rl["verifier_errors"] == 0
     assert rl["final_eval/pass_at_1"] > rl["first_eval/pass_at_1"], rl
