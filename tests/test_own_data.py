@@ -133,6 +133,7 @@ def test_check_data_stops_at_a_bad_file_before_any_stage_runs(project):
     set_params(
         project, {"data": {"source": "synthetic"}, "sft": {"mixture": [{"task": "customjson", "path": "chat.jsonl"}]}}
     )
+    before = sorted(p.relative_to(project) for p in project.rglob("*") if not {".git", "__pycache__"} & set(p.parts))
     proc = run(project, "chatpipe", "check-data", check=False)
     assert proc.returncode == 1
     assert (
@@ -142,4 +143,7 @@ def test_check_data_stops_at_a_bad_file_before_any_stage_runs(project):
     chat.write_text(json.dumps({"messages": [HI, YO]}) + "\n")
     proc = run(project, "chatpipe", "check-data")
     assert "ok  chat.jsonl (sft.mixture[0]): 1 rows" in proc.stdout
-    assert not (project / "artifacts" / "sft").exists()
+    assert (
+        sorted(p.relative_to(project) for p in project.rglob("*") if not {".git", "__pycache__"} & set(p.parts))
+        == before
+    )
