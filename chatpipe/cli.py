@@ -7,6 +7,7 @@ Run::
     chatpipe plan --profile speedrun                # chatpipe/train/pretrain_plan.py
     chatpipe sweep-plan sweeps/isoflop_speedrun.yaml # chatpipe/sweep/spec.py
     chatpipe export --model sft --out DIR           # chatpipe/export/hf.py
+    chatpipe check-data                             # chatpipe/owndata.py
     chatpipe <command> --help                       # that command's flags
 
 A new subcommand is one line in ``COMMANDS``; its module is imported only when it runs.
@@ -24,6 +25,7 @@ COMMANDS = {
     "serve": ("chatpipe.serve.app", "web UI and JSON API for a trained model"),
     "plan": ("chatpipe.train.pretrain_plan", "parameters, tokens, steps, time, cost and memory of a profile"),
     "sweep-plan": ("chatpipe.sweep.spec", "validate a sweep file (sweeps/*.yaml) and price its points"),
+    "check-data": ("chatpipe.owndata", "check every file of your own the settings name, before any training"),
     "lineage": ("chatpipe.lineage", "rewrite (or --check) dvc.yaml's code deps from each stage's imports"),
     "export": ("chatpipe.export.hf", "write a model as a Hugging Face transformers directory (optionally push it)"),
     "import-nanochat": ("chatpipe.model.nanochat_import", "turn a nanochat checkpoint into a chatpipe model dir"),

@@ -390,6 +390,44 @@ def _get_encoding(name: str, timeout: float) -> tiktoken.Encoding:
     raise RuntimeError(f"{type(err).__name__}: {err}" if err else f"no answer within {timeout:.0f} s")
 
 
+def roundtrip_failures(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[int, int]]:
+    """``(text index, first differing char)`` of every text for which ``decode(encode(text)) != text``.
+
+    Byte-level BPE keeps every valid string; what breaks the round trip is text that is not valid
+    Unicode (a lone surrogate from a ``\\ud800`` escape), which encoding replaces."""
+    failures = []
+    for i, text in enumerate(texts):
+        back = tokenizer.decode(tokenizer.encode(text))
+        if back != text:
+            at = next((j for j, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
+            failures.append((i, at))
+    return failures
+
+
+def check_corpus(
+    tok: Tokenizer, vocab_size: int, sample: Sequence[str], corpus: str | None, n_chars: int
+) -> dict[str, int]:
+    """The checks of a tokenizer trained on a user's ``corpus`` (its name; None for the generated tiny
+    world, which runs out of merges by design and keeps the smaller vocabulary): the corpus held
+    enough text for ``vocab_size``, and ``decode(encode(text)) == text`` on every text of ``sample``.
+    A failure raises naming the corpus; else the round trip's counts (the stage's metrics)."""
+    if corpus is not None and tok.vocab_size < vocab_size:
+        raise ValueError(
+            f"{corpus}: {n_chars:,} chars of train text are too few for tokenizer.vocab_size={vocab_size}: "
+            f"byte-pair merges ran out at {tok.vocab_size} tokens; expected more text, "
+            f"or set tokenizer.vocab_size <= {tok.vocab_size}"
+        )
+    failures = roundtrip_failures(tok, sample)
+    if failures:
+        i, at = failures[0]
+        raise ValueError(
+            f"{corpus or 'the pretraining text'}: decode(encode(text)) != text for {len(failures)} of "
+            f"{len(sample)} sampled train documents (first: document {i}, char {at}: "
+            f"{sample[i][max(0, at - 20) : at + 20]!r}); expected text that is valid Unicode"
+        )
+    return {"docs": len(sample), "failures": 0}
+
+
 def compression_report(tokenizer: Tokenizer, text: str, timeout: float = 10.0) -> dict[str, Any]:
     """Bytes per token of ours vs GPT-2 and GPT-4 (cl100k_base) on ``text``.
 

@@ -32,6 +32,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 from prefect import flow, get_run_logger, task  # noqa: E402
 
 from chatpipe import tracking
+from chatpipe.owndata import check_user_files
 from chatpipe.settings import (
     PROFILE_STAGE,  # writes profile/<section>.yaml, which every other stage depends on
     ParamsError,
@@ -314,7 +315,8 @@ def pipeline(
     logger = get_run_logger()
     if profile:
         write_profile(profile)
-    validate_all()  # bad params stop the flow before any stage writes anything
+    settings = validate_all()  # bad params stop the flow before any stage writes anything
+    check_user_files(settings)  # ...and so does a bad file of the user's (docs/own-data.md)
     for stage in unread_stages(stages or []):
         if stage in selected:
             selected.remove(stage)
@@ -391,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         os.environ["CHATPIPE_PROFILE"] = args.profile
     try:  # fail fast, before the Prefect server starts or any stage writes anything
-        validate_all()
-    except ParamsError as e:
+        check_user_files(validate_all())
+    except (ParamsError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     # Without a configured Prefect server, start the temporary one now so that it boots while

@@ -69,6 +69,7 @@ from chatpipe.rl.rollout import (
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import PPOConfig, grpo_update, ppo_update
 from chatpipe.rl.value import ValueModel
+from chatpipe.rl.verifier import Verifier
 from chatpipe.settings import RL_EXCHANGE_ENV, RL_ROLE_ENV, RL_THREADS_AFTER_ENV, RLSettings, snapshot
 from chatpipe.stage_metrics import Curves
 from chatpipe.tokenizer import Tokenizer
@@ -177,12 +178,14 @@ def loop_meta(meta: dict) -> dict:
     return {**meta, "carried": carried}
 
 
-def summary(state: LoopState, guard: RewardGuard | None = None) -> dict[str, float]:
-    """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k, and
-    the reward-hacking guard's trips and its first and last windows (the report card shows them)."""
+def summary(state: LoopState, guard: RewardGuard | None = None, verifier: Verifier | None = None) -> dict[str, float]:
+    """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k, the
+    reward-hacking guard's trips and its first and last windows (the report card shows them), and the
+    user's verifier's calls and failures (this rank's)."""
     gen_seconds = state.total("gen_seconds")
     return {
         **(guard.summary() if guard else {}),
+        **(verifier.summary() if verifier else {}),
         "steps": state.step,
         "gen_seconds": gen_seconds,
         "train_seconds": state.total("train_seconds") - gen_seconds,
@@ -209,7 +212,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     ppo_config = PPOConfig.from_settings(cfg)
 
     # --- data: RL prompts, and the chat-stage rows replayed with every optimizer step
-    train_problems, eval_problems = load_rl_problems(cfg, rt)
+    train_problems, eval_problems = load_rl_problems(cfg, rt, verifier := user_verifier(cfg))
     replay_seq_len, replay_pack = replay_rows(cfg, tok, models.policy)
 
     # --- resume from the newest checkpoint made with the same settings and init model
@@ -265,7 +268,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             out_dir,
             models.policy,
             loop.meta(state),
-            summary(state, parts.guard),
+            summary(state, parts.guard, verifier),
             step=state.step,
             run=run,
             metrics=metrics,
@@ -333,7 +336,7 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
     policy, _ = load_model(cfg.init_dir, rt.device)
     policy.eval()
     engine = Engine(policy, tok)
-    train_problems, _ = load_rl_problems(cfg, rt)
+    train_problems, _ = load_rl_problems(cfg, rt, user_verifier(cfg))
 
     matmul_dtype = rollout_dtype(cfg, rt)
 
@@ -532,7 +535,10 @@ def role_inputs(cfg: RLSettings) -> dict[str, str]:
     if cfg.reward_source != "verifier":
         dirs["reward_model"] = cfg.reward_model_dir
         dirs |= {f"reward_model_ensemble_{i}": d for i, d in enumerate(cfg.reward_model_ensemble)}
-    return {k: sha256_file(Path(d) / "model.pt") for k, d in dirs.items() if d}
+    hashes = {k: sha256_file(Path(d) / "model.pt") for k, d in dirs.items() if d}
+    if cfg.reward == "custom":  # an edited verifier starts afresh, never from a checkpoint the old one scored
+        hashes["verifier"] = sha256_file(Path(cfg.verifier_file))
+    return hashes
 
 
 def score_rollouts(parts: Parts, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
@@ -573,17 +579,33 @@ def refresh_reward_model(parts: Parts, batch: Rollouts) -> dict[str, float]:
     return stats
 
 
-def load_rl_problems(cfg: RLSettings, rt: runtime.Runtime) -> tuple[list[Problem], list[Problem]]:
+def load_rl_problems(
+    cfg: RLSettings, rt: runtime.Runtime, verifier: Verifier | None = None
+) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out) problems: every rank samples its own train prompts from the whole pool and
-    evaluates its share of the held-out ones."""
-    train_problems = load_problems(cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source)
+    evaluates its share of the held-out ones; ``verifier`` (:func:`user_verifier`) scores them all."""
+    task_kw = {"verifier": verifier, "path": cfg.task_path or None}
+    train_problems = load_problems(
+        cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+    )
     for keep in cfg.keep_tasks:  # skills RL must not wear away: their prompts join the training pool
         n = keep.limit or cfg.num_train_problems
         train_problems += load_problems(
             keep.task, "train", n, cfg.seed, source=keep.source or "", words=keep.words, path=keep.path
         )
-    eval_problems = load_problems(cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source)
+    eval_problems = load_problems(
+        cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+    )
     return train_problems, eval_problems[rt.rank :: rt.world_size]
+
+
+def user_verifier(cfg: RLSettings) -> Verifier | None:
+    """``reward: custom``: the user's own verifier (docs/own-data.md), loaded and checked before training."""
+    if cfg.reward != "custom":
+        return None
+    return Verifier(
+        cfg.verifier_file, cfg.verifier_function, sandbox=cfg.verifier_sandbox, timeout_s=cfg.verifier_timeout_s
+    )
 
 
 def replay_rows(cfg: RLSettings, tok: Tokenizer, policy: GPT) -> tuple[int, tuple | None]:

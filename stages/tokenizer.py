@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterator
 
 from chatpipe import runtime, tracking
-from chatpipe.data.sources import iter_documents
+from chatpipe.data.sources import corpus_name, iter_documents
 from chatpipe.io import atomic_dir, write_json_atomic
 from chatpipe.paths import ARTIFACTS
 from chatpipe.settings import TokenizerSettings, snapshot
 from chatpipe.stage_metrics import write_metrics
-from chatpipe.tokenizer import Tokenizer, compression_report
+from chatpipe.tokenizer import Tokenizer, check_corpus, compression_report
 
 
 def take_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:
@@ -45,6 +45,7 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
         n_chars = sum(len(t) for t in texts)
         tok = Tokenizer.train(texts, cfg.vocab_size)
         train_s = time.time() - t0
+        roundtrip = check_corpus(tok, cfg.vocab_size, texts[: cfg.roundtrip_docs], corpus_name(data_dir), n_chars)
 
         # --- eval: compression on held-out text
         val_text = "".join(take_chars(iter_documents(data_dir, "val"), cfg.eval_chars))
@@ -54,6 +55,7 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
             train_seconds=round(train_s, 3),
             chars_per_second=round(n_chars / max(train_s, 1e-9)),
             vocab_size=tok.vocab_size,
+            roundtrip=roundtrip,
         )
 
         # --- save atomically: build in a temp dir, then swap it in
@@ -66,6 +68,8 @@ def train_tokenizer(cfg: TokenizerSettings) -> None:
                 "bytes_per_token": report["ours"]["bytes_per_token"],
                 "train_seconds": train_s,
                 "vocab_size": tok.vocab_size,
+                "roundtrip_docs": roundtrip["docs"],
+                "roundtrip_failures": roundtrip["failures"],
             },
         )
 

@@ -17,8 +17,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatpipe.model.loading import load_chat_model
-from tests.chatmodel import make_artifacts, serve_paced, serve_settings
-from tests.project import wait_until
+from chatpipe.testing.chatmodel import make_artifacts, serve_paced, serve_settings
+from chatpipe.testing.project import wait_until
 
 QUESTION = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "sft", "messages": QUESTION, "max_tokens": 8}

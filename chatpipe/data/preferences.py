@@ -89,10 +89,33 @@ def _messages(record: dict[str, Any], key: str, where: str) -> list[dict[str, An
     return msgs
 
 
-def record_pair(record: Any, tok: Any, max_len: int, where: str) -> Pair:
-    """The :class:`Pair` of one record, rendered with ``tok``; errors name ``where``."""
+def _same_replies(where: str) -> ValueError:
+    return ValueError(f"{where}: 'chosen' equals 'rejected'; expected two different replies (the pair teaches nothing)")
+
+
+def _check_record(record: Any, where: str) -> None:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object with 'chosen' and 'rejected', got {type(record).__name__}")
+
+
+def check_jsonl_pairs(path: Path | str) -> int:
+    """Every record of a pairs file checked without a tokenizer, so before any training: the fields, a
+    non-empty reply on each side, chosen unlike rejected; returns how many pairs it holds."""
+    n = 0
+    for lineno, record in iter_jsonl(path):
+        where = f"{path}:{lineno}"
+        _check_record(record, where)
+        if _messages(record, "chosen", where) == _messages(record, "rejected", where):
+            raise _same_replies(where)
+        n += 1
+    if not n:
+        raise ValueError(f"{path}: no preference pairs (the file is empty)")
+    return n
+
+
+def record_pair(record: Any, tok: Any, max_len: int, where: str) -> Pair:
+    """The :class:`Pair` of one record, rendered with ``tok``; errors name ``where``."""
+    _check_record(record, where)
     ids = {}
     for key in ("chosen", "rejected"):
         msgs = _messages(record, key, where)
@@ -105,6 +128,8 @@ def record_pair(record: Any, tok: Any, max_len: int, where: str) -> Pair:
                 f"{where}: '{key}' is {len(ids[key])} tokens, longer than the context of {max_len} "
                 "(reward_model.max_seq_len); shorten or drop the pair"
             )
+    if ids["chosen"] == ids["rejected"]:
+        raise _same_replies(where)
     return Pair(ids["chosen"], ids["rejected"], where)
 
 

@@ -23,6 +23,7 @@ leaves a half-written data dir.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -291,6 +292,18 @@ def _link_or_rewrite(src: Path, dst: Path, column: str) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- reading back
+
+
+def corpus_name(data_dir: Path) -> str | None:
+    """What the data stage wrote ``data_dir`` from, by name, when it is text of the user's: the local
+    dir and its files, or the hub repo; None for the generated tiny world."""
+    manifest_path = Path(data_dir) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if manifest.get("source") == "local":
+        return f"data.local_dir {manifest['local_dir']} ({', '.join(manifest.get('files', []))})"
+    if manifest.get("source") == "hf":
+        return f"data.hf_repo {manifest.get('hf_repo', '')}"
+    return None
 
 
 def iter_documents(data_dir: Path, split: str) -> Iterator[str]:

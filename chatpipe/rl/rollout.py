@@ -12,6 +12,7 @@ prompt, on tool outputs the engine forced in, and on padding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -23,6 +24,7 @@ from chatpipe.inference.precision import linears_in
 from chatpipe.inference.scheduler import generate_continuous
 from chatpipe.progress import progress
 from chatpipe.rl.rewards import RewardFn, exact_answer, get_reward
+from chatpipe.rl.verifier import Verifier
 from chatpipe.tokenizer import reply_text
 
 # --------------------------------------------------------------------------- problems
@@ -54,7 +56,14 @@ def gold_text(conversation: dict[str, Any]) -> str:
 
 
 def load_problems(
-    task: str, split: str, n: int, seed: int = 0, reward: str = "exact", source: str = "", **task_kw: Any
+    task: str,
+    split: str,
+    n: int,
+    seed: int = 0,
+    reward: str = "exact",
+    source: str = "",
+    verifier: Verifier | None = None,
+    **task_kw: Any,
 ) -> list[Problem]:
     """``n`` problems of ``task`` ("tinyworld_arith", "gsm8k", ...) from ``split``.
 
@@ -62,8 +71,14 @@ def load_problems(
     reward name other than "exact" is asked for; ``source`` picks hf | local | synthetic where the
     task has sources, "" its default; ``task_kw`` such as ``words`` or ``path`` go to the task).
     Without that package the tiny-world arithmetic comes from the synthetic generator directly
-    (``seed`` only matters there).
+    (``seed`` only matters there). A ``verifier`` of the user's own (:mod:`chatpipe.rl.verifier`)
+    scores every problem instead, and a pass is its full score.
     """
+    if verifier is not None:
+        from chatpipe.data.tasks import build_task
+
+        t = build_task(task, split, limit=n, source=source or None, **task_kw)
+        return [_verified(verifier, t[i], i) for i in range(min(n, len(t)))]
     reward_fn = get_reward(reward)
     try:
         from chatpipe.data.tasks import build_task
@@ -83,6 +98,18 @@ def load_problems(
 
     convs = tool_conversations(seed, n, split)
     return [Problem(c, _gold_scorer(reward_fn, gold_text(c)), _exact_checker(gold_text(c))) for c in convs]
+
+
+def _verified(verifier: Verifier, conversation: dict[str, Any], i: int) -> Problem:
+    """A problem scored by the user's verifier: it gets the file's row (``problem``) when the task
+    keeps one, else the conversation; a failed call scores NaN (:func:`drop_failed`) and is no pass."""
+    problem, index = conversation.get("problem", conversation), conversation.get("index", i)
+
+    def score(text: str) -> float:
+        got = verifier(text, problem, index)
+        return math.nan if got is None else got
+
+    return Problem(conversation, score, lambda text: verifier(text, problem, index) == 1.0)
 
 
 def _gold_scorer(fn: RewardFn, gold: str) -> Callable[[str], float]:
@@ -182,7 +209,7 @@ def best_of_n(scores: list[float], keep: int) -> list[int]:
 
     ``generation_size`` samples per prompt, ``group_size`` kept: the best-scored responses.
     """
-    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i] if scores[i] == scores[i] else math.inf, i))
     return sorted(ranked[:keep])
 
 
@@ -251,18 +278,36 @@ def collect_rollouts(
                 rows[key].append(value)
             logps += [lps[0][i]] if lps else []
     inputs, targets, mask = pad_batch(rows["seqs"], rows["masks"], tok.bos_id)
-    return Rollouts(
-        inputs.to(device),
-        targets.to(device),
-        mask.to(device),
-        torch.tensor(rows["scores"], dtype=torch.float32, device=device),
-        torch.tensor(rows["ended"], dtype=torch.bool, device=device),
-        torch.tensor(rows["lengths"], dtype=torch.long, device=device),
-        torch.tensor(rows["groups"], dtype=torch.long, device=device),
-        rows["texts"],
-        torch.tensor(rows["ok"], dtype=torch.bool, device=device),
-        pad_logprobs(logps, targets.size(1)).to(device) if behaviour_logprobs else None,
+    return drop_failed(
+        Rollouts(
+            inputs.to(device),
+            targets.to(device),
+            mask.to(device),
+            torch.tensor(rows["scores"], dtype=torch.float32, device=device),
+            torch.tensor(rows["ended"], dtype=torch.bool, device=device),
+            torch.tensor(rows["lengths"], dtype=torch.long, device=device),
+            torch.tensor(rows["groups"], dtype=torch.long, device=device),
+            rows["texts"],
+            torch.tensor(rows["ok"], dtype=torch.bool, device=device),
+            pad_logprobs(logps, targets.size(1)).to(device) if behaviour_logprobs else None,
+        )
     )
+
+
+def drop_failed(batch: Rollouts) -> Rollouts:
+    """Rows whose verifier call failed (score NaN, :mod:`chatpipe.rl.verifier`) leave the update: their
+    action mask is 0 and their score is their group's mean over the rows that were scored (0 when none
+    was), so they move neither the loss nor their group's baseline."""
+    failed = batch.scores.isnan()
+    if not failed.any():
+        return batch
+    scores = batch.scores.clone()
+    for g in batch.groups[failed].unique().tolist():
+        members = batch.groups == g
+        good = members & ~failed
+        scores[members & failed] = batch.scores[good].mean() if good.any() else 0.0
+    mask = batch.mask * (~failed)[:, None].to(batch.mask.dtype)
+    return replace(batch, scores=scores, mask=mask)
 
 
 def pad_logprobs(logps: list[list[float]], width: int) -> torch.Tensor:

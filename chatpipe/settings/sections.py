@@ -35,6 +35,9 @@ class TokenizerSettings(StageSettings):
     vocab_size: int = Field(2048, ge=256 + 9, le=1 << 20)
     max_chars: int = Field(2_000_000, ge=1000, description="train on the first N chars of the train split")
     eval_chars: int = Field(200_000, ge=100, description="held-out chars for the compression report")
+    roundtrip_docs: int = Field(
+        1000, ge=0, description="train documents checked for decode(encode(text)) == text (0: none)"
+    )
 
 
 class EvalSettings(StageSettings):

@@ -244,7 +244,11 @@ class RLSettings(RunSettings):
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
     task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
-    reward: str = Field("exact", description="the verifier: reward function name in chatpipe.rl.rewards")
+    reward: str = Field(
+        "exact",
+        description="the verifier: a reward function name in chatpipe.rl.rewards, or custom: the function "
+        "verifier_function of your own file verifier_file (docs/own-data.md)",
+    )
     reward_source: Literal["verifier", "model", "both"] = Field(
         "verifier",
         description="what trains the policy: the verifier (`reward`), the reward model at reward_model_dir "
@@ -271,6 +275,19 @@ class RLSettings(RunSettings):
         "reward_model_dir when reward_source is model|both, else init_dir",
     )
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
+    task_path: str = Field("", description="the task's own file or dir, e.g. task customjson: a problems JSONL")
+    # reward: custom. The file is a DVC dependency of `rl` (dvc.yaml), so editing it makes `rl` stale;
+    # the default names the shipped example, which scores like reward: exact.
+    verifier_file: str = Field(
+        "verifiers/exact_answer.py", description="reward custom: your Python file defining the verifier"
+    )
+    verifier_function: str = Field(
+        "score", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="its function: (reply: str, problem) -> [0, 1]"
+    )
+    verifier_sandbox: bool = Field(
+        False, description="run every call under chatpipe.sandbox (bubblewrap; standard library only)"
+    )
+    verifier_timeout_s: float = Field(5.0, gt=0, description="a call running longer fails (reported, never a score)")
     num_train_problems: int = Field(512, ge=1)
     keep_tasks: list[MixItem] = Field(
         default_factory=list,

@@ -101,10 +101,18 @@ def conversation_rows(path: Path | str, convert: Callable[[Any], dict[str, Any]]
 
     def checked(obj: Any) -> dict[str, Any]:
         conversation = convert(obj)
-        normalize_messages(conversation)
+        offset = int(conversation["messages"][0].get("role") == "system")  # merged into the first user turn
+        for i, message in enumerate(normalize_messages(conversation), start=offset):
+            if not message_text(message["content"]).strip():
+                raise ValueError(f"message {i} ({message['role']}): empty text; expected a non-empty 'content'")
         return conversation
 
     return checked_rows(path, checked, "conversation row")
+
+
+def message_text(content: str | list[dict[str, Any]]) -> str:
+    """A message's text: the string, or its parts' texts joined (tool calls and outputs included)."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
 
 
 def hash_split(rows: Sequence[Any], split: str, key: Callable[[Any], str]) -> list[Any]:
@@ -181,8 +189,7 @@ def final_answer(text: str) -> str | None:
 
 def gold_text(conversation: dict[str, Any]) -> str:
     """Plain text of the gold assistant message (tool calls and outputs included)."""
-    content = conversation["messages"][-1]["content"]
-    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+    return message_text(conversation["messages"][-1]["content"])
 
 
 class NumericAnswerTask(Task):
