@@ -31,7 +31,9 @@ CHAT = {"model": "sft", "messages": [{"role": "user", "content": "hi"}], "max_to
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path_factory.mktemp("artifacts")), device="cpu")
-    cfg = serve_settings(batch_rows=4, batch_context=200, max_queue=6, max_tokens=16, max_tokens_limit=1000)
+    cfg = serve_settings(
+        batch_rows=4, batch_context=200, kv_cache_tokens=480, max_queue=6, max_tokens=16, max_tokens_limit=1000
+    )
     yield from serve_paced(loaded, cfg)
 
 
@@ -61,8 +63,8 @@ def test_forty_requests_at_once_get_200s_and_503s_then_the_server_answers(server
     assert wait_until(lambda: app.state.pool.live_rows == 0)
     health = httpx.get(f"{url}/health").json()
     assert health["active"] == 0 and health["waiting"] == 0 and health["batch"]["rows"] == 4
-    # k, v x layers x kv width x (4 rows x 13 blocks of 16 positions: 200 each) x float32
-    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * (4 * 13 * 16) * 4
+    # k, v x layers x kv width x serve.kv_cache_tokens (30 blocks of 16, below 4 rows x 200) x float32
+    assert health["batch"]["kv_bytes"] == 2 * 2 * 64 * 480 * 4
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
 

@@ -389,3 +389,11 @@ def test_a_settings_error_leaves_params_yaml_and_the_overlays_as_they_were(param
     assert params_file.read_bytes() == before
     assert {p.name: p.read_bytes() for p in (tmp_path / "profile").iterdir()} == overlays
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
+
+
+def test_a_step_budget_below_the_batch_rows_is_refused_naming_both(params_file):
+    text = params_file.read_text().replace("  max_batch_tokens: 512 ", "  max_batch_tokens: 8 ")
+    params_file.write_text(text)
+    with pytest.raises(ParamsError) as e:
+        validate_all()
+    assert "max_batch_tokens = 8 must be above batch_rows = 16" in str(e.value)

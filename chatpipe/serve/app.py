@@ -337,7 +337,9 @@ def batch_context(model: Any, cfg: ServeSettings) -> int:
 def make_pool(engine: Engine, cfg: ServeSettings, metrics: ServeMetrics) -> BatchPool:
     """The continuous batch of ``serve.batch_rows`` rows, in its supervised process."""
     context = batch_context(engine.model, cfg)
-    return BatchPool(engine, cfg.batch_rows, context, cfg.max_queue, ApiError, cfg.request_timeout_s, metrics)
+    blocks = -(-cfg.kv_cache_tokens // cfg.kv_block_size)  # 0: batch_rows sequences of the whole context
+    kv = {"kv_blocks": blocks, "block_size": cfg.kv_block_size, "max_batch_tokens": cfg.max_batch_tokens}
+    return BatchPool(engine, cfg.batch_rows, context, cfg.max_queue, ApiError, cfg.request_timeout_s, metrics, kv)
 
 
 def create_app(loaded: Any, cfg: ServeSettings) -> FastAPI:
@@ -397,6 +399,10 @@ def parse_args(argv: list[str] | None) -> ServeSettings:
     p.add_argument("--max-queue", dest="max_queue", type=int)
     p.add_argument("--batch-rows", dest="batch_rows", type=int, help="rows of the running batch")
     p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float, help="longest a request may take")
+    p.add_argument(
+        "--kv-cache-tokens", dest="kv_cache_tokens", type=int, help="the KV pool in positions (0: rows x context)"
+    )
+    p.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, help="tokens one step may compute")
     p.add_argument("-t", "--temperature", type=float)
     p.add_argument("-k", "--top-k", dest="top_k", type=int)
     p.add_argument("--max-tokens", dest="max_tokens", type=int, help="default new tokens per reply")

@@ -67,7 +67,7 @@ class Admission:
 # --------------------------------------------------------------------------- the batch process
 
 
-def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any) -> None:
+def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, kv: dict | None = None) -> None:
     """The batch process: step a :class:`Scheduler` over the requests ``conn`` brings.
 
     In: ``("submit", id, prompt, settings)``, ``("cancel", id)``, ``("stop",)``. Out, after every
@@ -77,10 +77,11 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any) 
     :meth:`Scheduler.stats` with ``queue_times``, the seconds each request admitted in the step
     waited for it. A step that raises ends every request the scheduler holds with
     ``"error: ..."``; the batch carries on. Returns when told to stop or when the server's end of
-    the pipe closes (the server exited).
+    the pipe closes (the server exited). ``kv``: the scheduler's KV pool and step budget
+    (``kv_blocks``, ``block_size``, ``max_batch_tokens``; its defaults where absent).
     """
     torch.set_num_threads(threads)
-    sched = Scheduler(engine, rows=rows, context=context)
+    sched = Scheduler(engine, rows=rows, context=context, **(kv or {}))
     reqs: dict[int, GenRequest] = {}
     arrived: dict[int, float] = {}  # requests not yet admitted: when they arrived
     events: list[tuple] = []
@@ -187,14 +188,16 @@ class BatchPool:
 
     def __init__(
         self, engine: Engine, rows: int, context: int, max_queue: int, error: type[Exception],
-        timeout_s: float = 600.0, metrics: ServeMetrics | None = None,
+        timeout_s: float = 600.0, metrics: ServeMetrics | None = None, kv: dict | None = None,
     ) -> None:  # fmt: skip
         self.engine, self.max_queue, self.error, self.timeout_s = engine, max_queue, error, timeout_s
         self.metrics = metrics or ServeMetrics()
         self.size = self.rows = rows
         self.context = context or engine.model.config.sequence_len
-        # the KV pool's blocks: rows sequences of context positions (the scheduler's default, its bound)
-        self.kv_bytes = BlockPool.bytes_for(engine.model.config, rows * -(-self.context // 16), 16)
+        self.kv = dict(kv or {})
+        size = self.kv.get("block_size", 16)
+        blocks = self.kv.get("kv_blocks") or rows * -(-self.context // size)  # the scheduler's default
+        self.kv_bytes = BlockPool.bytes_for(engine.model.config, blocks, size)  # all the KV memory it uses
         self.inflight = self.served = self.cancelled = self.restarts = 0
         self.live_rows = self.active = self.steps = 0  # as the batch last reported
         self.gone: str | None = None  # "error: why", while the batch process is down
@@ -204,7 +207,7 @@ class BatchPool:
         self.ids = itertools.count()
         self.outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         self.send_lock = threading.Lock()
-        self.conn, self.worker = start_batch(engine, rows, self.context)
+        self.conn, self.worker = start_batch(engine, rows, self.context, self.kv)
         self.metrics.up.set(1)
         self.reader = threading.Thread(target=self._supervise, name="batch-reader", daemon=True)
         self.reader.start()
@@ -291,7 +294,7 @@ class BatchPool:
                     return
                 delay = min(2 * delay, BACKOFF_MAX)
                 try:
-                    conn, worker = start_batch(self.engine, self.rows, self.context)
+                    conn, worker = start_batch(self.engine, self.rows, self.context, self.kv)
                 except Exception as e:  # noqa: BLE001 (any failure to start is retried, later)
                     reason = f"restart failed: {e}"
                     continue
@@ -469,13 +472,13 @@ class BatchPool:
                 self.metrics.e2e.observe(time.monotonic() - reply.t0)
 
 
-def start_batch(engine: Engine, rows: int, context: int) -> tuple[Any, Any]:
+def start_batch(engine: Engine, rows: int, context: int, kv: dict | None = None) -> tuple[Any, Any]:
     """Start :func:`run_batch` in its own process and wait until its batch is built: (pipe, process)."""
     ctx = mp.get_context("spawn")  # torch's: the weights go over as shared memory, not copies
     conn, child = ctx.Pipe()
     worker = ctx.Process(
         target=run_batch,
-        args=(engine, rows, context, torch.get_num_threads(), child),
+        args=(engine, rows, context, torch.get_num_threads(), child, kv),
         name="chatpipe-batch",
         daemon=True,
     )

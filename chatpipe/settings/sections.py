@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from chatpipe.settings.base import MAX_SEED, MODEL_STAGES, ModelStage, StageSettings
 
@@ -180,6 +180,13 @@ class ServeSettings(ChatSettings):
     batch_context: int = Field(
         0, ge=0, description="KV positions per batch row (prompt + reply); 0 = sequence_len + max_tokens_limit"
     )
+    kv_cache_tokens: int = Field(
+        0, ge=0, description="the KV pool in positions (prefix cache included); 0 = batch_rows x batch_context"
+    )
+    kv_block_size: int = Field(16, ge=1, le=1024, description="positions per KV block (the prefix cache's unit)")
+    max_batch_tokens: int = Field(
+        512, ge=2, le=1_000_000, description="tokens one decode step may compute: decoding rows plus prefill chunks"
+    )
     max_message_chars: int = Field(4000, ge=1)
     max_turns: int = Field(32, ge=1, description="messages in one conversation")
     max_tokens_limit: int = Field(1024, ge=1, description="the most max_tokens a request may ask for")
@@ -192,3 +199,12 @@ class ServeSettings(ChatSettings):
     request_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="the longest a request may take; then it is cancelled and answered 504"
     )
+
+    @model_validator(mode="after")
+    def _step_budget_holds_the_rows(self) -> ServeSettings:
+        if self.max_batch_tokens <= self.batch_rows:
+            raise ValueError(
+                f"max_batch_tokens = {self.max_batch_tokens} must be above batch_rows = {self.batch_rows}: "
+                "every decoding row takes a token of a step's budget, and prefill needs the rest"
+            )
+        return self
