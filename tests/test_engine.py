@@ -325,3 +325,12 @@ def test_stream_cuts_text_at_a_stop_string_and_reports_stop():
     stats: dict = {}
     cut = "".join(t for _, t in engine.stream([TOK.bos_id], stats, max_tokens=30, temperature=0.0, stop=[word]))
     assert cut == text[: text.index(word)] and stats["finish_reason"] == "stop"
+
+
+def test_stream_runs_past_sequence_len_as_the_chat_cli_asks():
+    """The chat CLI's default max_tokens equals sequence_len: a reply may run past it (the rotary table
+    reaches further); the engine refused it once the stream ran on a scheduler sized to sequence_len."""
+    engine = Engine(ScriptedGPT({}, default=TOK.encode("a")[0]), TOK)  # sequence_len 64
+    stats: dict = {}
+    pieces = list(engine.stream([S["<|bos|>"], *TOK.encode("hello")], stats=stats, max_tokens=64, temperature=0.0))
+    assert "".join(t for _, t in pieces) == "a" * 64 and stats["finish_reason"] == "length"

@@ -159,7 +159,8 @@ class Engine:
         text = TextStream(self, stats, stop, kw.get("stop_tokens"))
         pieces: list[tuple[str, str]] = []
         req = GenRequest(prompt, on_token=lambda _s, tok, mask: pieces.extend(text.push(tok, mask)), **kw)
-        sched = self.scheduler(1, self.model.config.sequence_len)  # kept: the next turn hits its prefix
+        need = len(prompt) + req.max_tokens  # may run past sequence_len, as far as the rotary table reaches
+        sched = self.scheduler(1, max(self.model.config.sequence_len, need))  # kept: the next turn hits its prefix
         sched.submit(req)
         try:
             while sched.busy():
