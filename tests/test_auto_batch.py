@@ -106,6 +106,7 @@ def test_the_stage_resolves_auto_once_and_logs_it(caplog):
     with caplog.at_level(logging.INFO):
         resolved = resolve_device_batch(cfg.model_copy(update={"memory_gib": small}), counts, 1, torch.device("cpu"))
     assert resolved.device_batch_size == 8 and "device_batch_size: auto -> 8 (grad accum 8)" in caplog.text
+    assert "MiB of the" in caplog.text  # a tiny step is named in MiB, not as 0.0 GiB
     given = cfg.model_copy(update={"device_batch_size": 4})
     assert resolve_device_batch(given, counts, 1, torch.device("cpu")) is given
 

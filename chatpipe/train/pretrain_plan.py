@@ -307,12 +307,17 @@ class BatchChoice:
     def reason(self) -> str:
         """One line: the chosen batch's planned peak, and the next larger one's, against the budget."""
         chosen = (
-            f"batch {self.device_batch_size} plans ~{self.peak_bytes / GIB:.1f} GiB of the "
-            f"{self.budget_bytes / GIB:.1f} GiB budget ({self.budget})"
+            f"batch {self.device_batch_size} plans ~{sized(self.peak_bytes)} of the "
+            f"{sized(self.budget_bytes)} budget ({self.budget})"
         )
         if self.larger is None or self.larger_peak_bytes is None:
             return f"{chosen}; no larger batch divides the rows each rank takes per step"
-        return f"{chosen}; batch {self.larger} would plan ~{self.larger_peak_bytes / GIB:.1f} GiB"
+        return f"{chosen}; batch {self.larger} would plan ~{sized(self.larger_peak_bytes)}"
+
+
+def sized(n_bytes: float) -> str:
+    """``n_bytes`` in GiB to a tenth, or in MiB below a tenth of a GiB (a tiny model's whole step)."""
+    return f"{n_bytes / GIB:.1f} GiB" if n_bytes >= GIB / 10 else f"{n_bytes / 2**20:.1f} MiB"
 
 
 def rows_per_rank(total_batch_size: int, sequence_len: int, world_size: int) -> int:
@@ -348,8 +353,8 @@ def choose_device_batch(
         least = min(sizes, key=peaks.__getitem__)
         need = math.ceil(peaks[least] / GIB * 10) / 10
         raise ValueError(
-            f"pretrain.device_batch_size = 'auto': no batch fits {budget_bytes / GIB:.1f} GiB ({budget}); "
-            f"the smallest peak, batch {least}'s, is ~{peaks[least] / GIB:.1f} GiB per device: give a budget of "
+            f"pretrain.device_batch_size = 'auto': no batch fits {sized(budget_bytes)} ({budget}); "
+            f"the smallest peak, batch {least}'s, is ~{sized(peaks[least])} per device: give a budget of "
             f"at least {need:.1f} GiB, or a smaller model or sequence_len"
         )
     best = fitting[-1]
