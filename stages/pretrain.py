@@ -43,6 +43,7 @@ from chatpipe.train.pretrain_plan import (
     model_memory_bytes,
     plan_counts,
     polar_express_dtype,
+    resolve_device_batch,
 )
 from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
 from chatpipe.train.step import evaluate_bpb, fixed_batches, grad_accum_steps, train_schedule, train_step_stats
@@ -65,14 +66,16 @@ def train(cfg: PretrainSettings, rt: runtime.Runtime) -> None:
     token_bytes = torch.load(tok_dir / "token_bytes.pt", weights_only=True).to(rt.device)
     inputs, train_docs, val_docs = tokenized_docs(work, tok, rt)
 
-    # --- model, then batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon;
-    # `chatpipe plan` shows the same): cfg now holds the batch, steps, LRs and decay
+    # --- batch math, schedule length, LR and weight-decay scaling (chatpipe.horizon), the device batch
+    # (`auto`: the largest whose planned peak fits the memory budget), then the model; `chatpipe plan`
+    # shows the same: cfg now holds the batch, steps, LRs and decay
     counts = plan_counts(cfg, tok.vocab_size)  # the model's numbers, counted once on the meta device
-    model = build_model(cfg, tok, counts.run, rt)
     cfg, horizon = resolve_horizon(cfg, counts, rt.world_size)
     total_steps = cfg.max_steps
-    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     use_compile = compile_pays(cfg.compile, total_steps, rt.device)
+    cfg = resolve_device_batch(cfg, counts.run, rt.world_size, rt.device, compiled=use_compile)
+    model = build_model(cfg, tok, counts.run, rt)
+    grad_accum = grad_accum_steps(cfg.total_batch_size, cfg.device_batch_size, cfg.sequence_len, rt.world_size)
     log_run_shape(cfg, model, grad_accum, rt)
     optimizers = make_optimizers(cfg, model, rt)
 

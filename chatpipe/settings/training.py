@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from chatpipe.settings.base import MAX_SEED, StageSettings, StrictScalars, resume_neutral
 
@@ -88,6 +89,17 @@ class PretrainSettings(TrainSettings):
     compile: bool | Literal["auto"] = resume_neutral(
         "auto", description="torch.compile the model; auto: when the run has enough steps to amortise compiling"
     )
+    device_batch_size: int | Literal["auto"] = Field(
+        16,
+        description="rows per rank per forward; auto: the largest that divides the rows each rank takes per step "
+        "and whose planned peak memory fits memory_gib (chatpipe.train.pretrain_plan.choose_device_batch)",
+    )
+    memory_gib: float = resume_neutral(
+        0.0,
+        ge=0,
+        description="device_batch_size: auto plans for this many GiB per device; 0: the GPU's own memory "
+        "(on CPU, auto then stops and asks for a budget)",
+    )
     # nanochat 2026 recipe options (chatpipe.model.gpt.GPTConfig documents each); all off = the 2025 model
     value_embeds: bool = False
     lambdas: bool = Field(False, description="per-layer residual and x0 lambdas")
@@ -121,6 +133,17 @@ class PretrainSettings(TrainSettings):
         description="FP8 matmuls of the block matrices via torchao (pip install -e '.[gpu]'); needs CUDA with compute "
         "capability >= 8.9. Tests only: CHATPIPE_TEST_FP8_ON_CPU=1 emulates it on CPU (chatpipe.model.fp8)",
     )
+
+    @field_validator("device_batch_size", mode="wrap")
+    @classmethod
+    def _auto_or_positive(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> int | str:
+        try:
+            checked = handler(value)
+        except (ValueError, ValidationError):  # the union's two refusals, replaced by one that says both
+            checked = None
+        if checked != "auto" and (type(checked) is not int or checked < 1):
+            raise ValueError("allowed: 'auto' or an integer >= 1")
+        return checked
 
     @field_validator("target_param_data_ratio")
     @classmethod

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from chatpipe.runtime import Runtime, compute_dtype, dtype_named
 from chatpipe.settings import LaunchSettings, PretrainSettings, TokenizerSettings, load_section
 from chatpipe.train.step import PEAK_FLOPS, grad_accum_steps
 
+log = logging.getLogger(__name__)
 GIB = 1024**3
 # d24 MFU per GPU kind and precision as bench/gpu_acceptance.py last measured it (it rewrites the file);
 # `chatpipe plan` assumes it for that GPU, DEFAULT_MFU where the GPU was never measured
@@ -114,6 +117,8 @@ def horizon_for(cfg: PretrainSettings, counts: PlanCounts, world_size: int) -> H
         wd_scaling=cfg.wd_scaling,
         **given,
     )
+    if cfg.device_batch_size == "auto":  # chosen later to divide this batch (choose_device_batch)
+        return horizon
     unit = cfg.device_batch_size * cfg.sequence_len * world_size
     if horizon.total_batch_size % unit:  # gradient accumulation needs whole micro-batches on every rank
         raise ValueError(
@@ -190,6 +195,8 @@ class Plan:
     usd: float
     memory_gib: float  # compiled step (a GPU run)
     memory_eager_gib: float  # the eager step, as MemTracker measures it
+    device_batch_size: int  # rows per GPU per forward, as set or as `auto` chose it
+    batch_choice: str  # why `auto` chose it (BatchChoice.reason); "" where the profile sets the batch
 
 
 # Activation bytes saved per token, per layer and channel, (eager, compiled), by whether the model has
@@ -273,6 +280,124 @@ def check_memory_fits(estimate_bytes: int, device: torch.device, device_batch_si
         )
 
 
+# Memory of each GPU `chatpipe plan --gpu` names, as its driver reports it (nvidia-smi's MiB; the 80 GB
+# A100): the budget `device_batch_size: auto` plans for when neither --memory-gib nor pretrain.memory_gib sets one
+GPU_MEMORY_GIB = {
+    "H100": 81_559 / 1024,
+    "H200": 143_771 / 1024,
+    "H800": 81_559 / 1024,
+    "A100": 81_920 / 1024,
+    "L40S": 46_068 / 1024,
+    "A10": 23_028 / 1024,
+}
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """What ``device_batch_size: auto`` chose (:func:`choose_device_batch`), and why."""
+
+    device_batch_size: int
+    grad_accum: int
+    peak_bytes: int  # the chosen batch's planned peak per device
+    budget_bytes: int
+    budget: str  # where the budget comes from, e.g. "--memory-gib 80"
+    larger: int | None  # the next larger batch that divides the rows per rank; None: none is larger
+    larger_peak_bytes: int | None
+
+    def reason(self) -> str:
+        """One line: the chosen batch's planned peak, and the next larger one's, against the budget."""
+        chosen = (
+            f"batch {self.device_batch_size} plans ~{sized(self.peak_bytes)} of the "
+            f"{sized(self.budget_bytes)} budget ({self.budget})"
+        )
+        if self.larger is None or self.larger_peak_bytes is None:
+            return f"{chosen}; no larger batch divides the rows each rank takes per step"
+        return f"{chosen}; batch {self.larger} would plan ~{sized(self.larger_peak_bytes)}"
+
+
+def sized(n_bytes: float) -> str:
+    """``n_bytes`` in GiB to a tenth, or in MiB below a tenth of a GiB (a tiny model's whole step)."""
+    return f"{n_bytes / GIB:.1f} GiB" if n_bytes >= GIB / 10 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def rows_per_rank(total_batch_size: int, sequence_len: int, world_size: int) -> int:
+    """Rows of ``sequence_len`` tokens each rank trains on per optimizer step: what every micro-batch divides."""
+    unit = sequence_len * world_size
+    if total_batch_size % unit:
+        raise ValueError(
+            f"pretrain.total_batch_size = {total_batch_size:,} tokens is not a multiple of sequence_len x world "
+            f"size = {unit:,}: no device_batch_size divides it"
+        )
+    return total_batch_size // unit
+
+
+def choose_device_batch(
+    counts: ModelCounts,
+    total_batch_size: int,
+    sequence_len: int,
+    world_size: int,
+    budget_bytes: int,
+    budget: str = "the budget",
+    compiled: bool = True,
+) -> BatchChoice:
+    """The largest device batch that divides the rows each rank takes per step (gradient accumulation makes
+    up the rest, so ``total_batch_size`` stays) and whose planned peak (:func:`model_memory_bytes`, with
+    the gradients accumulation keeps) fits ``budget_bytes``. Every larger divisor's peak is over the budget.
+
+    Raises ValueError naming the smallest budget that would fit when no batch fits."""
+    rows = rows_per_rank(total_batch_size, sequence_len, world_size)
+    sizes = [b for b in range(1, rows + 1) if rows % b == 0]
+    peaks = {b: model_memory_bytes(counts, b, sequence_len, rows // b, compiled) for b in sizes}
+    fitting = [b for b in sizes if peaks[b] <= budget_bytes]
+    if not fitting:
+        least = min(sizes, key=peaks.__getitem__)
+        need = math.ceil(peaks[least] / GIB * 10) / 10
+        raise ValueError(
+            f"pretrain.device_batch_size = 'auto': no batch fits {sized(budget_bytes)} ({budget}); "
+            f"the smallest peak, batch {least}'s, is ~{sized(peaks[least])} per device: give a budget of "
+            f"at least {need:.1f} GiB, or a smaller model or sequence_len"
+        )
+    best = fitting[-1]
+    larger = next((b for b in sizes if b > best), None)
+    return BatchChoice(best, rows // best, peaks[best], budget_bytes, budget, larger, peaks[larger] if larger else None)
+
+
+def memory_budget(memory_gib: float, device: torch.device, key: str = "pretrain.memory_gib") -> tuple[int, str]:
+    """(bytes, where from) that ``device_batch_size: auto`` plans for: ``memory_gib`` when above 0, else
+    the GPU's total memory (the same on every rank, so every rank chooses the same batch). On CPU no
+    budget is assumed: host memory is shared with everything else the machine runs."""
+    if memory_gib > 0:
+        return int(memory_gib * GIB), f"{key} = {memory_gib:g}"
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total, f"{torch.cuda.get_device_name(device)}'s memory"
+    raise ValueError(
+        f"pretrain.device_batch_size = 'auto' on {device.type} needs a memory budget: set {key} "
+        f"(GiB per device, above 0), or set device_batch_size to an integer >= 1"
+    )
+
+
+def resolve_device_batch(
+    cfg: PretrainSettings, counts: ModelCounts, world_size: int, device: torch.device, compiled: bool = True
+) -> PretrainSettings:
+    """``cfg`` with ``device_batch_size: auto`` resolved (:func:`choose_device_batch`) against
+    :func:`memory_budget`, the choice and its reason logged; a given batch leaves ``cfg`` as it is.
+    Call it once, after the horizon has set ``total_batch_size``."""
+    if cfg.device_batch_size != "auto":
+        return cfg
+    budget_bytes, budget = memory_budget(cfg.memory_gib, device)
+    choice = choose_device_batch(
+        counts, cfg.total_batch_size, cfg.sequence_len, world_size, budget_bytes, budget, compiled
+    )
+    log.info(
+        "device_batch_size: auto -> %d (grad accum %d): %s",
+        choice.device_batch_size,
+        choice.grad_accum,
+        choice.reason(),
+    )
+    return cfg.model_copy(update={"device_batch_size": choice.device_batch_size})
+
+
 def measured_mfu(gpu: str, fp8: bool, path: Path = MEASURED_MFU_FILE) -> tuple[float, str]:
     """(MFU, where it comes from) for ``gpu`` in the run's precision: the acceptance bench's last
     measurement (``path``), or :data:`DEFAULT_MFU` with "assumed" where it has none."""
@@ -288,12 +413,41 @@ def measured_mfu(gpu: str, fp8: bool, path: Path = MEASURED_MFU_FILE) -> tuple[f
     return float(entry[precision]), f"measured by bench/gpu_acceptance.py at {entry.get('commit', '?')}"
 
 
-def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per_gpu_hour: float = 3.0) -> Plan:
+def plan_batch(
+    cfg: PretrainSettings, counts: ModelCounts, world: int, gpu: str, memory_gib: float | None
+) -> tuple[int, str]:
+    """(device batch, why) of a plan for ``gpu``: as the profile sets it, or ``auto``'s choice for the budget
+    of ``memory_gib`` (--memory-gib), else pretrain.memory_gib, else the ``gpu``'s memory
+    (:data:`GPU_MEMORY_GIB`). Needs ``cfg`` with the horizon applied. Compiled as a GPU run compiles."""
+    if cfg.device_batch_size != "auto":
+        return cfg.device_batch_size, ""
+    if memory_gib:
+        budget_bytes, budget = int(memory_gib * GIB), f"--memory-gib {memory_gib:g}"
+    elif cfg.memory_gib:
+        budget_bytes, budget = int(cfg.memory_gib * GIB), f"pretrain.memory_gib = {cfg.memory_gib:g}"
+    else:
+        budget_bytes, budget = int(GPU_MEMORY_GIB[gpu] * GIB), f"the {gpu}'s memory"
+    compiled = compile_pays(cfg.compile, cfg.max_steps, torch.device("cuda"))
+    args = (counts, cfg.total_batch_size, cfg.sequence_len, world, budget_bytes, budget, compiled)
+    choice = choose_device_batch(*args)
+    return choice.device_batch_size, f"auto: {choice.reason()}"
+
+
+def make_plan(
+    profile: str,
+    gpu: str = "H100",
+    mfu: float | None = None,
+    usd_per_gpu_hour: float = 3.0,
+    memory_gib: float | None = None,
+    device_batch_size: int | str | None = None,
+) -> Plan:
     """Compute the plan of ``profile`` from params.yaml (the same settings the stages read). ``mfu``
-    None: what the acceptance bench last measured on ``gpu`` (:func:`measured_mfu`)."""
+    None: what the acceptance bench last measured on ``gpu`` (:func:`measured_mfu`).
+    ``device_batch_size`` overrides the profile's (``"auto"``: chosen for ``memory_gib``, :func:`plan_batch`)."""
     if gpu not in PEAK_FLOPS:
         raise ValueError(f"gpu = {gpu!r}; allowed: {', '.join(PEAK_FLOPS)}")
-    with env_set(CHATPIPE_PROFILE=profile):  # settings resolve the profile from here
+    batch_env = {} if device_batch_size is None else {"CHATPIPE_PRETRAIN__DEVICE_BATCH_SIZE": str(device_batch_size)}
+    with env_set(CHATPIPE_PROFILE=profile, **batch_env):  # settings resolve the profile from here
         cfg = load_section(PretrainSettings)
         vocab = load_section(TokenizerSettings).vocab_size
         launch = load_section(LaunchSettings)
@@ -303,13 +457,14 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per
     horizon = horizon_for(cfg, counts, world)
     batch, steps = horizon.total_batch_size, horizon.num_iterations
     tokens = steps * batch
-    accum = grad_accum_steps(batch, cfg.device_batch_size, cfg.sequence_len, world)
+    device_batch, batch_choice = plan_batch(apply_horizon(cfg, horizon), counts.run, world, gpu, memory_gib)
+    accum = grad_accum_steps(batch, device_batch, cfg.sequence_len, world)
     total_flops = float(fpt) * tokens
     gpus = max(1, launch.nnodes * launch.gpus_per_node)
     mfu, mfu_source = (mfu, "given") if mfu is not None else measured_mfu(gpu, cfg.fp8)
     hours = total_flops / (PEAK_FLOPS[gpu] * gpus * mfu) / 3600
-    memory = model_memory_bytes(counts.run, cfg.device_batch_size, cfg.sequence_len, accum)
-    memory_eager = model_memory_bytes(counts.run, cfg.device_batch_size, cfg.sequence_len, accum, compiled=False)
+    memory = model_memory_bytes(counts.run, device_batch, cfg.sequence_len, accum)
+    memory_eager = model_memory_bytes(counts.run, device_batch, cfg.sequence_len, accum, compiled=False)
     on = [k for k in ("value_embeds", "lambdas", "smear", "backout") if getattr(cfg, k)]
     recipe = f"{cfg.optimizer}; model options: {', '.join(on) or 'none'}; windows {cfg.window_pattern}"
     recipe += f" ({cfg.short_window})" + (", fp8" if cfg.fp8 else "")
@@ -340,6 +495,8 @@ def make_plan(profile: str, gpu: str = "H100", mfu: float | None = None, usd_per
         hours * gpus * usd_per_gpu_hour,
         memory / GIB,
         memory_eager / GIB,
+        device_batch,
+        batch_choice,
     )
 
 
@@ -359,6 +516,8 @@ def format_plan(plan: Plan) -> str:
             f"{'applied to every LR' if plan.lr_scaled else 'off, LRs as set'})",
             f"  weight decay     {plan.weight_decay:.3g}",
             f"  world size       {plan.world_size} (grad accumulation {plan.grad_accum})",
+            f"  device batch     {plan.device_batch_size} rows per GPU per forward"
+            + (f" ({plan.batch_choice})" if plan.batch_choice else " (set)"),
             f"  total FLOPs      {plan.total_flops:.3e}",
             f"  time on {plan.gpu}   {plan.hours:.2f} h at {plan.mfu:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s "
             f"per GPU ({plan.mfu_source})",
@@ -369,9 +528,11 @@ def format_plan(plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``chatpipe plan --profile speedrun [--gpu H100 --mfu 0.4 --usd-per-gpu-hour 3 --json]``.
+    """CLI: ``chatpipe plan --profile speedrun [--gpu H100 --mfu 0.4 --usd-per-gpu-hour 3 --json]
+    [--device-batch-size auto --memory-gib 24]``.
 
-    Returns 2 with a one-line error (no traceback) for an unknown profile or bad params.
+    Returns 2 with a one-line error (no traceback) for an unknown profile, bad params or a memory budget
+    that no batch fits.
     """
     p = argparse.ArgumentParser(prog="chatpipe plan", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -385,14 +546,30 @@ def main(argv: list[str] | None = None) -> int:
         help="model FLOPs utilisation (default: the acceptance bench's last measured)",
     )
     p.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
+    p.add_argument(
+        "--device-batch-size",
+        default=None,
+        help="rows per GPU per forward instead of the profile's pretrain.device_batch_size; "
+        "auto: the largest whose planned peak fits the memory budget",
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="memory budget per GPU that device_batch_size auto plans for (default: pretrain.memory_gib, "
+        "else the --gpu's memory)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        p.error(f"--memory-gib {args.memory_gib:g}: allowed: a number of GiB above 0")
     from chatpipe.settings import ParamsError, active_profile
 
     names = (args.profile or active_profile()).split(",")
+    batch = dict(memory_gib=args.memory_gib, device_batch_size=args.device_batch_size)
     try:
-        plans = [make_plan(name, args.gpu, args.mfu, args.usd_per_gpu_hour) for name in names]
-    except ParamsError as e:  # names the file, the profile and the allowed ones
+        plans = [make_plan(name, args.gpu, args.mfu, args.usd_per_gpu_hour, **batch) for name in names]
+    except (ParamsError, ValueError) as e:  # names the file, the profile and the allowed ones; or the budget
         print(f"chatpipe plan: {e}", file=sys.stderr)
         return 2
     if args.json:
