@@ -156,9 +156,11 @@ async def n_choices(url: str, n: int, max_tokens: int, seed: int) -> float:
     body = {"messages": [{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}], "n": n}
     body |= {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
     async with httpx.AsyncClient(timeout=600) as client:
+        body["model"] = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         t0 = time.perf_counter()
         r = await client.post(f"{url}/v1/chat/completions", json=body)
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"n={n}: {r.status_code} {r.text[:300]}")
         return time.perf_counter() - t0
 
 
