@@ -35,6 +35,7 @@ from chatpipe.evals.metrics import chatcore_label
 from chatpipe.io import atomic_dir, fingerprint, sha256_file, write_json_atomic
 from chatpipe.model.files import load_model
 from chatpipe.paths import ARTIFACTS, WORK
+from chatpipe.progress import iterate
 from chatpipe.settings import MODEL_STAGES, EvalSettings, active_profile, snapshot
 from chatpipe.stage_metrics import write_metrics
 from chatpipe.tokenizer import Tokenizer
@@ -167,7 +168,8 @@ def evaluate_model(stage: str, cfg: EvalSettings, inputs: EvalInputs, provenance
     seq_len = model.config.sequence_len
     steps = max(1, cfg.eval_tokens // (cfg.device_batch_size * seq_len * rt.world_size))
     loader = RowLoader(inputs.docs, batch_size=cfg.device_batch_size, seq_len=seq_len, **rt.shard)
-    r["bpb"] = evaluate_bpb(model, fixed_batches(loader.next_batch, steps), inputs.token_bytes, rt)
+    batches = iterate(fixed_batches(loader.next_batch, steps), f"eval {stage} bpb", total=steps, unit="batch")
+    r["bpb"] = evaluate_bpb(model, batches, inputs.token_bytes, rt)
     log.info("%s | val bpb %.4f", stage, r["bpb"])
 
     # --- CORE, each suite under its own key

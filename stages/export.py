@@ -20,6 +20,7 @@ import shutil
 from chatpipe import runtime, tracking
 from chatpipe.export.hf import ExportError, export_by_name, log_to_mlflow, push_to_hub
 from chatpipe.paths import ARTIFACTS
+from chatpipe.progress import progress
 from chatpipe.settings import ExportSettings, ReportSettings, load_section, snapshot
 
 log = logging.getLogger("export")
@@ -35,7 +36,8 @@ def export(cfg: ExportSettings) -> None:
     with tracking.tracked_run("export", {"export": snapshot(cfg)}) as run:
         # --- the transformers directory (or, on request, the reason there is none)
         try:
-            out = export_by_name(cfg.model, OUT, dtype=cfg.dtype, artifacts=ARTIFACTS)
+            with progress(1, "export", unit="model"):  # one call; the timer's line every 30 s says it runs
+                out = export_by_name(cfg.model, OUT, dtype=cfg.dtype, artifacts=ARTIFACTS)
         except ExportError as e:
             if cfg.on_unsupported == "fail":
                 raise

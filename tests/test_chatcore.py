@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -274,3 +275,21 @@ def test_long_prompts_keep_their_end() -> None:
     conv = {"messages": [{"role": "user", "content": "x" * 100 + " hint C"}], "letters": LETTERS}
     assert choose_letters(model, TOK, [conv], "cpu") == ["C"]
     assert len(chatcore_mod._fit(list(range(100)), model, room=6)) == 10
+
+
+class SlowMC(FakeMC):
+    """A multiple-choice task whose every verdict takes a while, as a big task's items do in total."""
+
+    def evaluate(self, conversation, answer):
+        time.sleep(0.02)
+        return super().evaluate(conversation, answer)
+
+
+def test_chatcore_writes_a_progress_line_while_a_long_task_runs(monkeypatch, caplog) -> None:
+    """A ChatCORE pass longer than CHATPIPE_PROGRESS_EVERY is never silent for longer (issue 72)."""
+    monkeypatch.setenv("CHATPIPE_PROGRESS_EVERY", "0.1")
+    monkeypatch.setenv("CHATPIPE_PROGRESS", "auto")
+    with caplog.at_level("INFO", logger="chatpipe.progress"):
+        evaluate_chatcore(CopyModel(TOK.vocab_size), TOK, {"MMLU": SlowMC(20, name="mmlu")}, options(), device="cpu")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chatcore:")]
+    assert len(lines) >= 2 and "0/1 task" in lines[0]

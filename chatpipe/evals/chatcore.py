@@ -30,6 +30,7 @@ import torch
 
 from chatpipe.evals.metrics import CHATCORE_BASELINES, centered, chatcore, chatcore_label, pass_at_k
 from chatpipe.inference.engine import Engine
+from chatpipe.progress import iterate
 
 
 class Task(Protocol):
@@ -222,7 +223,7 @@ def evaluate_chatcore(
         raise ValueError(f"two ChatCORE tasks would report under one name: {labels}")
     results, accuracies = {}, {}
     where = {"device": device, "rank": rank, "world_size": world_size}
-    for name, task in tasks.items():
+    for name, task in iterate(tasks.items(), "chatcore", total=len(tasks), unit="task"):  # a line every 30 s
         limit = (task.eval_type == "generative" and cfg.generative_max_per_task) or cfg.max_per_task
         r = evaluate_task(model, tokenizer, task, **where, max_examples=limit, sampling=cfg)
         r["centered"] = centered(r["accuracy"], CHATCORE_BASELINES[name])

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from chatpipe.io import env_set
+from chatpipe.progress import progress
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 # lm-eval task name -> CORE task label (chatpipe/evals/core_tasks.yaml)
@@ -86,7 +87,8 @@ def run_lm_eval(
     ``trust_remote_code`` is passed when the export ships its own modeling file."""
     # an export with our own modeling file (config.json auto_map) loads only with remote code allowed
     remote = "auto_map" in json.loads((Path(hf_dir) / "config.json").read_text())
-    with hub_offline():  # local files only: never reach for the hub (set before lm-eval imports datasets)
+    # lm-eval runs as one call: the timer's line every 30 s says it is still going
+    with hub_offline(), progress(len(tasks), f"lm-eval {', '.join(tasks)}", unit="task"):
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
