@@ -21,6 +21,18 @@ from chatpipe.settings import deep_merge
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
+# what midtrain and SFT share in the small runs
+CHAT_TRAINING = {
+    "val_limit": 10,
+    "max_seq_len": 128,
+    "device_batch_size": 4,
+    "total_batch_size": 512,
+    "eval_every": 0,
+    "eval_tokens": 1024,
+    "log_every": 4,
+    "momentum_warmup_steps": 4,
+}
+
 # Small enough for seconds per stage on 2 CPU cores, big enough that learning shows.
 SMALL_PARAMS = {
     "data": {"num_docs": 600, "val_docs": 60, "docs_per_shard": 300},
@@ -45,16 +57,9 @@ SMALL_PARAMS = {
             {"task": "identity", "limit": 20},
             {"task": "spellingbee", "limit": 20, "words": "tinyworld"},
         ],
-        "val_limit": 10,
-        "max_seq_len": 128,
-        "device_batch_size": 4,
-        "total_batch_size": 512,
+        **CHAT_TRAINING,
         "max_steps": 8,
-        "eval_every": 0,
-        "eval_tokens": 1024,
         "checkpoint_every": 4,
-        "log_every": 4,
-        "momentum_warmup_steps": 4,
     },
     "sft": {
         "mixture": [
@@ -62,16 +67,9 @@ SMALL_PARAMS = {
             {"task": "tinyworld_arith", "limit": 100},
             {"task": "identity", "limit": 20},
         ],
-        "val_limit": 10,
-        "max_seq_len": 128,
-        "device_batch_size": 4,
-        "total_batch_size": 512,
+        **CHAT_TRAINING,
         "max_steps": 24,
-        "eval_every": 0,
-        "eval_tokens": 1024,
         "checkpoint_every": 2,
-        "log_every": 4,
-        "momentum_warmup_steps": 4,
         "eval_prompts": 6,
         "eval_arith": 6,
         "eval_max_tokens": 32,
