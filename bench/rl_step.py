@@ -22,7 +22,7 @@ from chatpipe.inference.engine import Engine
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT, config_from_depth
 from chatpipe.rl.rollout import collect_rollouts, load_problems
-from chatpipe.rl.update import grpo_update
+from chatpipe.rl.update import GRPOConfig, grpo_update
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.optim import build_optimizers
 
@@ -70,7 +70,9 @@ def main() -> None:
         )
         t1 = time.perf_counter()
         # the same update the rl stage runs (chatpipe.rl.update)
-        grpo_update(model, optimizers, batch, batch.scores, group_size=args.group, micro_batch=args.micro_batch)
+        grpo_update(
+            model, optimizers, batch, batch.scores, GRPOConfig(group_size=args.group, micro_batch=args.micro_batch)
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()

@@ -18,8 +18,8 @@ def test_no_reward_model_problem_is_an_rl_prompt_an_eval_problem_or_sft_data(par
     and the SFT mixture's arithmetic."""
     from chatpipe import runtime
     from chatpipe.data import preferences as prefs
+    from chatpipe.rl import problems as rl
     from chatpipe.settings import RewardModelSettings, RLSettings, load_section
-    from stages import rl
 
     cfg = load_section(RewardModelSettings, [])
     preference = questions(prefs.tiny_problems("train", cfg.tiny_prompts))

@@ -205,9 +205,9 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
     from types import SimpleNamespace
 
     from chatpipe import runtime
+    from chatpipe.rl import scoring as rl
     from chatpipe.rl.rollout import Rollouts
     from chatpipe.settings import RLSettings, load_section
-    from stages import rl
 
     rm = trained_head(tiny_gpt())
     rm.score_mean, rm.score_std = 0.3, 2.5
@@ -241,10 +241,10 @@ def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
     from types import SimpleNamespace
 
     from chatpipe import runtime
+    from chatpipe.rl import scoring as rl
     from chatpipe.rl.rewards import ensemble_rewards
     from chatpipe.rl.rollout import Rollouts
     from chatpipe.settings import RLSettings, load_section
-    from stages import rl
 
     first, second = trained_head(tiny_gpt()), trained_head(tiny_gpt(seed=3))
     first.score_std, second.score_std = 2.5, 0.5
@@ -449,6 +449,7 @@ def test_rl_on_reward_model_scores_with_role_dirs(project, monkeypatch):
     """PPO scored by the reward model: the critic starts from it, the reference from ref_dir, and the
     checkpoint inputs hold each role's hash."""
     from chatpipe import runtime
+    from chatpipe.rl.roles import load_models
     from chatpipe.settings import RLSettings, load_section
     from stages import reward_model as rm_stage
     from stages import rl
@@ -462,16 +463,14 @@ def test_rl_on_reward_model_scores_with_role_dirs(project, monkeypatch):
     args += ["--group_size=2", "--max_new_tokens=6", "--eval_problems=2", "--eval_samples=1", "--num_train_problems=4"]
     args += ["--device_batch_size=4", "--device=cpu", "--dtype=float32"]
 
-    models = rl.load_models(
-        load_section(RLSettings, args), runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    )
+    models = load_models(load_section(RLSettings, args), runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32))
     rm, _ = load_reward_model(project / "artifacts" / "reward_model")
     # torchtune's critic init, on the scale of the normalised scores RL trains on
     assert torch.equal(models.critic.head.weight, rm.head.weight / rm.score_std) and rm.score_std != 1.0
     assert torch.equal(models.reward_model.head.weight, rm.head.weight)
     ref, _ = load_model(project / "other" / "sft")
     assert all(torch.equal(a, b) for a, b in zip(models.ref.state_dict().values(), ref.state_dict().values()))
-    default = rl.load_models(
+    default = load_models(
         load_section(RLSettings, args[:1]), runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     )
     assert default.reward_model is None and not default.critic.head.weight.any()  # today's: zero head, policy copy
@@ -496,8 +495,8 @@ def test_report_card_shows_held_out_pair_accuracy_and_margins():
 
 def test_role_dirs_load_their_own_checkpoints_and_a_mismatch_names_the_key(project, monkeypatch):
     from chatpipe import runtime
+    from chatpipe.rl import roles as rl
     from chatpipe.settings import RLSettings, load_section
-    from stages import rl
 
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     make_artifacts(project / "other", seed=1, sequence_len=128)
@@ -527,8 +526,8 @@ def test_a_reward_model_of_another_tokenizer_or_a_shorter_context_is_refused_bef
     """Both checks run in load_models, before a rollout: the error names the reward model's dir and
     the policy's, and the two tokenizers' hashes or the two contexts."""
     from chatpipe import runtime
+    from chatpipe.rl import roles as rl
     from chatpipe.settings import RLSettings, load_section
-    from stages import rl
 
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     args = ["--algorithm=ppo", "--reward_source=model"]

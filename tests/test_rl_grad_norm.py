@@ -8,7 +8,7 @@ import math
 import pytest
 
 from chatpipe.rl.losses import KLController
-from chatpipe.rl.update import grpo_update, ppo_update
+from chatpipe.rl.update import GRPOConfig, grpo_update, ppo_update
 from tests.test_rl_update import ConstantCritic, Unigram, ppo_cfg, sgd, two_rows
 
 # the by-hand policy gradient of test_grpo_step_by_hand, (-1/4, +1/4)
@@ -19,7 +19,7 @@ BY_HAND_NORM = math.sqrt(2) / 4
 def test_grpo_reports_the_norm_before_clipping(grad_clip):
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
-    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, grad_clip=grad_clip)
+    stats = grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, grad_clip=grad_clip))
     assert stats["train/grad_norm"] == pytest.approx(BY_HAND_NORM, rel=1e-5)
     step = math.hypot(*model.w.tolist())  # SGD at lr 1: the step is the (clipped) gradient
     assert step == pytest.approx(min(BY_HAND_NORM, grad_clip or math.inf), rel=1e-4)

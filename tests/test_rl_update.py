@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from chatpipe.rl.losses import KLController, ValueNorm
 from chatpipe.rl.rollout import Rollouts
-from chatpipe.rl.update import PPOConfig, critic_values, grpo_update, micro_batches, ppo_targets, ppo_update
+from chatpipe.rl.update import GRPOConfig, PPOConfig, critic_values, grpo_update, micro_batches, ppo_targets, ppo_update
 
 
 class Unigram(torch.nn.Module):
@@ -76,7 +76,7 @@ def test_grpo_step_by_hand():
     # grad = -(1/2 (e0 - p) - 1/2 (e1 - p)) / 2 = (-1/4, +1/4)  ->  w = (1/4, -1/4)
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
-    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=16)
+    stats = grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=16))
     assert model.w.tolist() == pytest.approx([0.25, -0.25])
     assert stats["loss/policy"] == pytest.approx(0.0, abs=1e-7)
     assert stats["adv/abs_mean"] == pytest.approx(0.5)
@@ -87,7 +87,7 @@ def test_grpo_normalizes_by_every_informative_action_token_of_the_batch():
     # row 0: two action tokens (0, 0) and a masked third; row 1: one action token (1). N = 3.
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0, 0, 1], [1, 0, 0]], [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], [1.0, 0.0])
-    grpo_update(model, sgd(model), batch, batch.scores, group_size=2)
+    grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2))
     # e0 - p = (1/2, -1/2), e1 - p = (-1/2, 1/2)
     # sum adv * dlogp = 1/2 * 2 * (1/2, -1/2) - 1/2 * (-1/2, 1/2) = (3/4, -3/4); grad = -(3/4, -3/4)/3
     assert model.w.tolist() == pytest.approx([0.25, -0.25])
@@ -96,8 +96,8 @@ def test_grpo_normalizes_by_every_informative_action_token_of_the_batch():
 def test_grpo_micro_batches_accumulate_to_the_full_batch_gradient():
     batch = two_rows([[0, 1], [1, 1], [0, 0], [1, 0]], [[1, 1], [1, 0], [1, 1], [0, 1]], [1.0, 0.0, 1.0, 0.0])
     whole, split = Unigram([0.3, -0.1]), Unigram([0.3, -0.1])
-    grpo_update(whole, sgd(whole), batch, batch.scores, group_size=2, micro_batch=4)
-    grpo_update(split, sgd(split), batch, batch.scores, group_size=2, micro_batch=1)
+    grpo_update(whole, sgd(whole), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=4))
+    grpo_update(split, sgd(split), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=1))
     assert split.w.tolist() == pytest.approx(whole.w.tolist())
     assert whole.w.tolist() != pytest.approx([0.3, -0.1])
 
@@ -120,7 +120,7 @@ def test_grpo_leaves_solved_groups_out_of_the_passes_and_the_denominator():
     # tokens ((1/8, -1/8) when every action token counts), and group 1 is never forwarded.
     model = CountingUnigram([0.0, 0.0])
     batch = two_rows([[0], [1], [0], [0]], [[1.0], [1.0], [1.0], [1.0]], [1.0, 0.0, 1.0, 1.0])
-    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=16)
+    stats = grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=16))
     assert model.w.tolist() == pytest.approx([0.25, -0.25])
     assert model.rows_seen == [2]
     assert stats["adv/informative_frac"] == 0.5
@@ -136,8 +136,8 @@ class NoSyncUnigram(CountingUnigram):
 def test_grpo_under_ddp_runs_every_row_and_takes_the_same_step():
     batch = two_rows([[0], [1], [0], [0]], [[1.0], [1.0], [1.0], [1.0]], [1.0, 0.0, 1.0, 1.0])
     plain, ddp_like = CountingUnigram([0.0, 0.0]), NoSyncUnigram([0.0, 0.0])
-    grpo_update(plain, sgd(plain), batch, batch.scores, group_size=2, micro_batch=1)
-    grpo_update(ddp_like, sgd(ddp_like), batch, batch.scores, group_size=2, micro_batch=1)
+    grpo_update(plain, sgd(plain), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=1))
+    grpo_update(ddp_like, sgd(ddp_like), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=1))
     assert ddp_like.rows_seen == [1, 1, 1, 1] and plain.rows_seen == [1, 1]
     assert ddp_like.w.tolist() == plain.w.tolist() == pytest.approx([0.25, -0.25])
 
@@ -149,7 +149,7 @@ def test_grpo_on_a_batch_of_solved_groups_without_replay_does_not_step():
     momentum.step()  # a momentum buffer that a step on zero gradient would still move w by
     before = model.w.tolist()
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 1.0])
-    stats = grpo_update(model, [momentum], batch, batch.scores, group_size=2)
+    stats = grpo_update(model, [momentum], batch, batch.scores, GRPOConfig(group_size=2))
     assert model.w.tolist() == before and model.rows_seen == []
     assert stats["adv/informative_frac"] == 0.0 and stats["loss/policy"] == 0.0
 
@@ -164,7 +164,9 @@ def test_grpo_with_replay_steps_along_the_sum_of_both_gradients():
     # policy gradient (-1/4, +1/4) as above; replay 0.5 x -log p(0) has gradient 0.5 x -(e0 - p) = (-1/4, +1/4)
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
-    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=1, replay=replay_token_0(0.5))
+    stats = grpo_update(
+        model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=1), replay=replay_token_0(0.5)
+    )
     assert model.w.tolist() == pytest.approx([0.5, -0.5])
     assert stats["loss/replay"] == pytest.approx(0.5 * math.log(2))
 
@@ -189,7 +191,7 @@ def test_grpo_rejects_batch_not_made_of_groups():
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1], [0]], [[1.0], [1.0], [1.0]], [1.0, 0.0, 0.0])
     with pytest.raises(ValueError, match="group_size=2"):
-        grpo_update(model, sgd(model), batch, batch.scores, group_size=2)
+        grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2))
 
 
 def ppo_cfg(**kw) -> PPOConfig:
@@ -306,7 +308,7 @@ def test_grpo_log_probs_at_the_sampling_temperature():
     # test_grpo_step_by_hand doubles: w = (1/2, -1/2)
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
-    grpo_update(model, sgd(model), batch, batch.scores, group_size=2, temperature=0.5)
+    grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, temperature=0.5))
     assert model.w.tolist() == pytest.approx([0.5, -0.5])
 
 
@@ -329,7 +331,7 @@ def test_grad_clip_scales_the_step_to_the_clipped_norm():
     # the by-hand grad (-1/4, +1/4) has norm sqrt(2)/4; clipped to 0.1 the step is 0.1 along it
     model = Unigram([0.0, 0.0])
     batch = two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0])
-    grpo_update(model, sgd(model), batch, batch.scores, group_size=2, grad_clip=0.1)
+    grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, grad_clip=0.1))
     assert model.w.tolist() == pytest.approx([0.1 / math.sqrt(2), -0.1 / math.sqrt(2)], rel=1e-4)
 
 
@@ -379,12 +381,12 @@ def test_grpo_kl_loss_pulls_every_row_towards_the_reference_by_hand():
     # mean over the 2 action tokens: grad = coef * (-1/2) * (1/2, -1/2) = (-1/4, 1/4) at coef 1
     model, ref = Unigram([0.0, 0.0]), Unigram([math.log(3.0), 0.0])
     batch = two_rows([[0], [0]], [[1.0], [1.0]], [1.0, 1.0])
-    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, ref=ref, kl_loss_coef=1.0)
+    stats = grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, kl_loss_coef=1.0), ref=ref)
     assert model.w.tolist() == pytest.approx([0.25, -0.25])
     assert stats["kl/loss_mean"] == pytest.approx(0.5 - math.log(1.5))
     assert stats["adv/informative_frac"] == 0.0
     off = Unigram([0.0, 0.0])
-    grpo_update(off, sgd(off), batch, batch.scores, group_size=2, ref=ref, kl_loss_coef=0.0)
+    grpo_update(off, sgd(off), batch, batch.scores, GRPOConfig(group_size=2, kl_loss_coef=0.0), ref=ref)
     assert off.w.tolist() == [0.0, 0.0]  # no KL loss and no signal: no step
 
 
@@ -401,7 +403,7 @@ def test_grpo_on_stale_rollouts_weighs_each_token_by_proximal_over_behaviour():
     # and token 1 at 1/2 (weight 1): grad = -(2 x 1/2 (e0 - p) - 1 x 1/2 (e1 - p)) / 2 = (-3/8, +3/8)
     model = Unigram([0.0, 0.0])
     batch = stale(two_rows([[0], [1]], [[1.0], [1.0]], [1.0, 0.0]), [[0.25], [0.5]])
-    stats = grpo_update(model, sgd(model), batch, batch.scores, group_size=2, micro_batch=1)
+    stats = grpo_update(model, sgd(model), batch, batch.scores, GRPOConfig(group_size=2, micro_batch=1))
     assert model.w.tolist() == pytest.approx([0.375, -0.375])
     assert stats["stale/weight_mean"] == pytest.approx(1.5, abs=1e-6)
     assert stats["stale/weight_max"] == pytest.approx(2.0, abs=1e-6)
@@ -429,7 +431,7 @@ def test_rollouts_sampled_by_the_current_policy_update_exactly_as_today(algorith
     fresh, old = Unigram(w0), Unigram(w0)
     for model, b in ((fresh, batch), (old, dataclasses.replace(batch, behav_logp=behav))):
         if algorithm == "grpo":
-            grpo_update(model, sgd(model), b, b.scores, group_size=2, micro_batch=1)
+            grpo_update(model, sgd(model), b, b.scores, GRPOConfig(group_size=2, micro_batch=1))
         else:
             ppo_update(model, Unigram(w0), None, sgd(model), [], b, b.scores, KLController(0.1),
                        ppo_cfg(epochs=2, num_minibatches=2, micro_batch=1))  # fmt: skip

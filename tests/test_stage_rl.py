@@ -21,11 +21,14 @@ from chatpipe import runtime
 from chatpipe.io import sha256_file
 from chatpipe.model.files import save_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.rl.problems import Prompts, prompt_pool
+from chatpipe.rl.sampling import rollout_dtype
+from chatpipe.rl.step import loop_meta
+from chatpipe.rl.update import check_minibatches
 from chatpipe.settings import ParamsError, RLSettings, load_section
 from chatpipe.testing.project import SMALL_RL, dvc, make_project, project_env, run
 from chatpipe.tokenizer import Tokenizer
 from chatpipe.train.loop import LoopState
-from stages.rl import Prompts, check_minibatches, loop_meta, prompt_pool, rollout_dtype
 
 # replay on: its loader's cursor is part of what a resume must restore, and its loss the last backward DDP syncs
 REPLAY = {

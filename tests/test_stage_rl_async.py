@@ -142,7 +142,7 @@ def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
 
 
 def test_a_launch_clears_only_the_dirs_earlier_launches_left(tmp_path):
-    from stages.rl import clear_earlier_launches
+    from chatpipe.rl.async_role import clear_earlier_launches
 
     base = tmp_path / "shared"
     for d in ("0123456789ab", "default", "notes", "aaaaaaaaaaaa"):

@@ -75,81 +75,104 @@ def replay_backward(model, replay: Replay, autocast: Autocast = contextlib.nullc
     return loss.item()
 
 
+@dataclass
+class GRPOConfig:
+    """The knobs of :func:`grpo_update`, named as in the ``rl`` params section but for ``micro_batch``
+    (``device_batch_size``); the defaults are the plain update's (tests and benches build it by hand),
+    :meth:`from_settings` builds the stage's from its settings."""
+
+    group_size: int
+    normalize_std: bool = False
+    micro_batch: int = 16
+    temperature: float = 1.0
+    grad_clip: float = 0.0
+    kl_loss_coef: float = 0.0
+    behav_weight_cap: float = BEHAV_WEIGHT_CAP
+
+    @classmethod
+    def from_settings(cls, cfg: RLSettings) -> GRPOConfig:
+        """The GRPO knobs of the ``rl`` section's settings."""
+        renamed = {"micro_batch": cfg.device_batch_size}
+        return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(cfg, f.name) for f in fields(cls)})
+
+
 def grpo_update(
     model,
     optimizers: list,
     batch: Rollouts,
     scores: torch.Tensor,
+    cfg: GRPOConfig,
     *,
-    group_size: int,
-    normalize_std: bool = False,
-    micro_batch: int = 16,
     autocast: Autocast = contextlib.nullcontext,
     replay: Replay | None = None,
-    temperature: float = 1.0,
-    grad_clip: float = 0.0,
     ref: torch.nn.Module | None = None,
-    kl_loss_coef: float = 0.0,
-    behav_weight_cap: float = BEHAV_WEIGHT_CAP,
 ) -> dict[str, float]:
     """One policy-gradient step: advantage = score - group mean, loss over the batch's informative tokens.
 
-    Rows are consecutive groups of ``group_size`` samples of one prompt. A group whose samples all
+    Rows are consecutive groups of ``cfg.group_size`` samples of one prompt. A group whose samples all
     scored the same has advantage 0: it carries no gradient, so its rows are left out of the
     forward passes and of the loss's denominator. Dividing by the action tokens of the rows that
     do carry signal keeps the policy gradient's weight beside the replay loss the same however
     many groups are already solved (counting solved rows would shrink it as the policy improves).
-    The loss of every micro-batch is divided by that count for the *whole* batch, so accumulating
-    the micro-batches' gradients equals one pass over the rows. With ``replay`` the step also
-    follows one replay batch's loss (:func:`replay_backward`). Log-probs are taken at the sampling
-    ``temperature``; ``grad_clip`` > 0 clips the gradient norm before the step. With
-    ``kl_loss_coef`` > 0 every row also carries ``kl_loss_coef`` x the k3 estimate of KL(policy ||
-    ``ref``), a mean over all the batch's action tokens (verl's KL loss: it holds a policy trained on a
-    learned reward near the reference without touching the rewards). A batch that carries its
-    sampling policy's log-probs (``batch.behav_logp``: stale rollouts) weighs each token by
-    pi_prox / pi_behav, truncated at ``behav_weight_cap``; the proximal policy is the policy before
-    this step. Returns ``loss/policy`` (the summed loss), ``adv/abs_mean``, ``adv/informative_frac``
-    and, with replay, ``loss/replay``; with the KL loss ``kl/loss_mean``; with stale rollouts the
-    ``stale/*`` weight stats of the rows trained on.
+    With ``replay`` the step also follows one replay batch's loss (:func:`replay_backward`).
+    Log-probs are taken at the sampling ``cfg.temperature``; ``cfg.grad_clip`` > 0 clips the gradient
+    norm before the step. With ``cfg.kl_loss_coef`` > 0 every row also carries that weight x the k3
+    estimate of KL(policy || ``ref``), a mean over all the batch's action tokens (verl's KL loss: it
+    holds a policy trained on a learned reward near the reference without touching the rewards). A
+    batch that carries its sampling policy's log-probs (``batch.behav_logp``: stale rollouts) weighs
+    each token by pi_prox / pi_behav, truncated at ``cfg.behav_weight_cap``; the proximal policy is the
+    policy before this step. Returns ``loss/policy`` (the summed loss), ``adv/abs_mean``,
+    ``adv/informative_frac`` and, with replay, ``loss/replay``; with the KL loss ``kl/loss_mean``; with
+    stale rollouts the ``stale/*`` weight stats of the rows trained on.
     """
-    if len(scores) % group_size:
-        raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={group_size}")
-    adv = rl.group_advantages(scores.view(-1, group_size), normalize_std).flatten()
+    if len(scores) % cfg.group_size:
+        raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={cfg.group_size}")
+    adv = rl.group_advantages(scores.view(-1, cfg.group_size), cfg.normalize_std).flatten()
     informative = adv != 0
-    kl_on = kl_loss_coef > 0 and ref is not None
+    kl_ref = ref if cfg.kl_loss_coef > 0 else None
     # under DDP every rank runs every micro-batch (the same number of backward passes on each rank);
     # solved rows then add exact zeros. The KL loss reaches every row.
-    every_row = hasattr(model, "no_sync") or kl_on
+    every_row = hasattr(model, "no_sync") or kl_ref is not None
     rows_used = torch.arange(len(adv)) if every_row else informative.nonzero().flatten().cpu()
-    num_tokens = batch.mask[informative].sum().item()
-    chunks = [rows_used[s] for s in micro_batches(len(rows_used), micro_batch)]
-    total, kl_total = 0.0, 0.0
+    chunks = [rows_used[s] for s in micro_batches(len(rows_used), cfg.micro_batch)]
     stats = {"adv/informative_frac": informative.float().mean().item()}
-    stale = []
-    for i, rows in enumerate(chunks):
-        with _no_sync(model, i == len(chunks) - 1 and replay is None), autocast():
-            logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], temperature)
-            weights = None
-            if batch.behav_logp is not None:  # the policy before this step is the proximal one
-                weights, s = rl.behaviour_weights(
-                    logp.detach(), batch.behav_logp[rows], batch.mask[rows], behav_weight_cap
-                )
-                stale.append((s, batch.mask[rows].sum().item()))
-            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens, weights=weights)
-            if kl_on:
-                kl = kl_loss_term(ref, logp, batch.select(rows), temperature, batch.mask.sum().item())
-                kl_total += kl.item()
-                loss = loss + kl_loss_coef * kl
-        loss.backward()
-        total += loss.item()
-    if kl_on:
-        stats["kl/loss_mean"] = kl_total
-    stats |= merge_stale_stats(stale)
+    total, stats_pg = grpo_backward(model, batch, adv, chunks, cfg, autocast, replay is None, kl_ref)
+    stats |= stats_pg
     if replay is not None:
         stats["loss/replay"] = replay_backward(model, replay, autocast)
     if chunks or replay is not None:  # a batch of solved groups and no replay: nothing to step on
-        stats["train/grad_norm"] = _step(model, optimizers, grad_clip)
+        stats["train/grad_norm"] = _step(model, optimizers, cfg.grad_clip)
     return {"loss/policy": total, "adv/abs_mean": adv.abs().mean().item(), **stats}
+
+
+def grpo_backward(
+    model, batch: Rollouts, adv: torch.Tensor, chunks: list[torch.Tensor], cfg: GRPOConfig, autocast: Autocast,
+    sync_last: bool, ref: torch.nn.Module | None,
+) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """Accumulate the policy-gradient (and KL) loss's gradients over the micro-batches ``chunks`` of
+    rows. The loss of every micro-batch is divided by the informative action tokens of the *whole*
+    batch, so the accumulated gradient equals one pass over the rows. ``sync_last``: DDP syncs on the
+    last micro-batch's backward (no replay batch follows). Returns (summed loss, KL and stale stats)."""
+    num_tokens = batch.mask[adv != 0].sum().item()
+    total, kl_total, stale = 0.0, 0.0, []
+    for i, rows in enumerate(chunks):
+        with _no_sync(model, i == len(chunks) - 1 and sync_last), autocast():
+            logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], cfg.temperature)
+            weights = None
+            if batch.behav_logp is not None:  # the policy before this step is the proximal one
+                weights, s = rl.behaviour_weights(
+                    logp.detach(), batch.behav_logp[rows], batch.mask[rows], cfg.behav_weight_cap
+                )
+                stale.append((s, batch.mask[rows].sum().item()))
+            loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens, weights=weights)
+            if ref is not None:
+                kl = kl_loss_term(ref, logp, batch.select(rows), cfg.temperature, batch.mask.sum().item())
+                kl_total += kl.item()
+                loss = loss + cfg.kl_loss_coef * kl
+        loss.backward()
+        total += loss.item()
+    stats = {"kl/loss_mean": kl_total} if ref is not None else {}
+    return total, stats | merge_stale_stats(stale)
 
 
 def merge_stale_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -199,6 +222,7 @@ class PPOConfig:
     bootstrap: bool
     grad_clip: float
     seed: int
+    behav_weight_cap: float = BEHAV_WEIGHT_CAP  # stale rollouts only (the asynchronous role)
 
     @classmethod
     def from_settings(cls, cfg: RLSettings) -> PPOConfig:
@@ -423,3 +447,59 @@ def ppo_minibatch_step(
     stats["train/grad_norm"] += _step(model, optimizers[0], cfg.grad_clip, critic, optimizers[1])
     stats["ppo/updates"] += 1
     return False
+
+
+# --------------------------------------------------------------------------- the algorithm, decided here
+
+
+def uses_critic(cfg: RLSettings) -> bool:
+    """Whether the run trains a critic: PPO, unless ``disable_value`` makes it group-advantage PPO."""
+    return cfg.algorithm == "ppo" and not cfg.disable_value
+
+
+def uses_critic_init(cfg: RLSettings) -> bool:
+    """Whether ``critic_init_dir`` is read (and so fingerprinted for a resume): under PPO."""
+    return cfg.algorithm == "ppo"
+
+
+def check_minibatches(cfg: RLSettings, world_size: int) -> None:
+    """Each rank's rows per step must split into PPO's minibatches: checked before any rollout."""
+    rows = cfg.prompts_per_step // world_size * cfg.group_size
+    if cfg.algorithm == "ppo" and rows % cfg.num_minibatches:
+        raise ValueError(
+            f"rl: {cfg.prompts_per_step} prompts_per_step / {world_size} ranks x group_size {cfg.group_size} = "
+            f"{rows} rows per rank per step do not split into num_minibatches = {cfg.num_minibatches}"
+        )
+
+
+def algorithm_config(cfg: RLSettings) -> GRPOConfig | PPOConfig:
+    """The chosen algorithm's typed config (``rl.algorithm``): what :func:`policy_update` runs."""
+    return GRPOConfig.from_settings(cfg) if cfg.algorithm == "grpo" else PPOConfig.from_settings(cfg)
+
+
+@dataclass
+class Learners:
+    """What one update trains and reads: the (maybe DDP-wrapped) policy and critic, their optimizers,
+    the reference policy, PPO's KL controller and value-norm moments."""
+
+    policy: torch.nn.Module
+    ref: torch.nn.Module
+    critic: torch.nn.Module | None
+    policy_opts: list
+    critic_opts: list
+    kl_ctl: rl.KLController
+    value_norm: rl.ValueNorm | None = None
+
+
+def policy_update(
+    config: GRPOConfig | PPOConfig, learners: Learners, batch: Rollouts, scores: torch.Tensor, *, step: int,
+    autocast: Autocast = contextlib.nullcontext, replay: Replay | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """One update of ``config``'s algorithm (:func:`algorithm_config`) on ``batch`` with shaped ``scores``."""
+    m = learners
+    if isinstance(config, GRPOConfig):
+        return grpo_update(m.policy, m.policy_opts, batch, scores, config, autocast=autocast, replay=replay, ref=m.ref)
+    return ppo_update(
+        m.policy, m.ref, m.critic, m.policy_opts, m.critic_opts, batch, scores, m.kl_ctl, config,
+        step=step, autocast=autocast, replay=replay, value_norm=m.value_norm, behav_weight_cap=config.behav_weight_cap,
+    )  # fmt: skip

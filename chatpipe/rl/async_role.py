@@ -1,0 +1,148 @@
+"""Asynchronous RL's two roles, as the stage runs them (the shared directory itself:
+chatpipe/rl/exchange.py).
+
+    rollout_role(cfg, rt)                         # the second torchx role: samples ahead of the trainer
+    with rollout_exchange(run, start_step): ...   # the trainer: publishes weights, takes batches
+    batch, stats = take_rollouts(run, step, idx)
+
+The role samples with the settings, the step and the prompts the trainer would use
+(:func:`chatpipe.rl.sampling.sample_batch`), so a batch differs from a synchronous one only by the
+weights that drew it, and the trainer checks its prompts and staleness before training on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from chatpipe import runtime
+from chatpipe.inference.engine import Engine
+from chatpipe.model.files import load_model
+from chatpipe.paths import ARTIFACTS, WORK
+from chatpipe.rl.exchange import Exchange, run_rollout_role
+from chatpipe.rl.problems import Prompts, load_rl_problems, step_indices, user_verifier
+from chatpipe.rl.rollout import Rollouts
+from chatpipe.rl.sampling import rollout_dtype, sample_batch
+from chatpipe.settings import RL_EXCHANGE_ENV, RL_THREADS_AFTER_ENV
+from chatpipe.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from chatpipe.settings import RLSettings
+
+log = logging.getLogger("rl")
+
+LAUNCH_DIR = re.compile(r"[0-9a-f]{12}|default")  # the names exchange_dir gives a launch's dir
+
+
+def exchange_dir(cfg: RLSettings) -> Path:
+    """The roles' shared dir: ``exchange_dir``, else shared memory on this host; one dir per launch
+    (``CHATPIPE_RL_EXCHANGE_ID``, set by chatpipe.launch for both roles), under one per project."""
+    project = hashlib.sha256(str(Path.cwd().resolve()).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    if cfg.exchange_dir:
+        base = Path(cfg.exchange_dir)
+    elif shm.is_dir():
+        base = shm / f"chatpipe-rl-{project}"
+    else:  # no shared memory (macOS): the run's checkpoints dir
+        base = WORK / "rl" / "exchange"
+    return base / os.environ.get(RL_EXCHANGE_ENV, "default")
+
+
+@contextlib.contextmanager
+def rollout_exchange(run, step: int) -> Iterator[None]:
+    """With ``rollout_role``: open the roles' shared dir for a run starting at ``step`` (the policy's
+    weights published as version ``step``) and tell the rollout role to stop when the run ends, however
+    it ends. The dirs of earlier launches in this project go: only one RL run uses a project's
+    checkpoints at a time. ``run``: chatpipe.rl.step.RLRun; its ``exchange`` is set here."""
+    cfg, rt = run.cfg, run.rt
+    if not cfg.rollout_role:
+        yield
+        return
+    if rt.world_size > 1:
+        raise ValueError(f"rl.rollout_role samples for one trainer process; this run has {rt.world_size} ranks")
+    root = exchange_dir(cfg)
+    clear_earlier_launches(root)
+    run.exchange = Exchange(root, cfg.heartbeat_timeout_s)
+    run.exchange.start(step, run.models.policy.state_dict())
+    log.info("rollout role: exchange %s, max_staleness %d", root, cfg.max_staleness)
+    try:
+        with run.exchange.heartbeat("trainer"):
+            yield
+    finally:
+        run.exchange.stop()
+
+
+def clear_earlier_launches(root: Path) -> None:
+    """Remove the dirs earlier launches left beside ``root`` (a killed trainer cannot): only names
+    :func:`exchange_dir` gives, so nothing else in a user's ``exchange_dir`` is touched."""
+    for old in root.parent.glob("*") if root.parent.is_dir() else []:
+        if old != root and old.is_dir() and LAUNCH_DIR.fullmatch(old.name):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
+    """The rollout role: the policy (its weights the trainer's newest the bound allows), the engine
+    and the train prompts, sampling each step's batch as the trainer would (:func:`sample_batch`)."""
+    tok = Tokenizer.load(ARTIFACTS / "tokenizer")
+    policy, _ = load_model(cfg.init_dir, rt.device)
+    policy.eval()
+    engine = Engine(policy, tok)
+    train_problems, _ = load_rl_problems(cfg, rt, user_verifier(cfg))
+    matmul_dtype = rollout_dtype(cfg, rt)
+
+    def sample_step(step: int) -> dict:
+        idx = step_indices(cfg, Prompts(), len(train_problems), step, rank=0, world_size=1)
+        batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, 0, 1, matmul_dtype)
+        return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
+
+    ex = Exchange(exchange_dir(cfg), cfg.heartbeat_timeout_s)
+    log.info("rollout role: waiting for the trainer at %s", ex.root)
+    with ex.heartbeat("rollout"):
+        written = run_rollout_role(
+            ex,
+            policy,
+            sample_step,
+            max_steps=cfg.max_steps,
+            max_staleness=cfg.max_staleness,
+            timeout_s=cfg.rollout_timeout_s,
+        )
+    log.info("rollout role: done, %d batches", written)
+
+
+def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, float]]:
+    """Step ``step``'s batch from the rollout role, checked against the trainer's own prompt picks and
+    the staleness bound; its stats: staleness, the role's sampling and idle seconds, tokens/s."""
+    cfg, ex = run.cfg, run.exchange
+    t0 = time.perf_counter()
+    payload = ex.take_rollouts(step, cfg.rollout_timeout_s, alive=lambda: ex.check_alive("rollout") or True)
+    waited = time.perf_counter() - t0
+    staleness = step - int(payload["version"])
+    if payload["idx"] != idx or not 0 <= staleness <= cfg.max_staleness:
+        raise RuntimeError(
+            f"rollout role's batch for step {step} does not fit: prompts {payload['idx']} (want {idx}), "
+            f"sampled by version {payload['version']} (max_staleness {cfg.max_staleness})"
+        )
+    batch = Rollouts.from_dict(payload)
+    if step == cfg.max_steps - 1 and os.environ.get(RL_THREADS_AFTER_ENV):  # the role has no more to sample:
+        runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, after its last step")
+    if staleness == 0:  # sampled by the weights this step updates: the behaviour policy is the proximal one
+        batch = dataclasses.replace(batch, behav_logp=None)
+    run.engine.tool_stats = dict(payload["tools"])  # the role's running totals
+    gen, idle = float(payload["gen_seconds"]), float(payload["idle_seconds"])
+    stats = {
+        "async/staleness": float(staleness),
+        "async/trainer_wait_seconds": waited,
+        "async/rollout_gen_seconds": gen,
+        "async/rollout_idle": idle / max(idle + gen, 1e-9),
+        "rollout/tokens_per_s": batch.num_tokens / max(gen, 1e-9),
+    }
+    return batch, stats

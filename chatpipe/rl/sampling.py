@@ -1,0 +1,67 @@
+"""The rollout role's one job, shared by the trainer (synchronous RL) and the asynchronous rollout
+role: a step's prompts x ``group_size`` responses, seeded so either process draws the same ones.
+
+    dtype = rollout_dtype(cfg, rt)                              # once per process
+    batch = sample_batch(cfg, engine, problems, step, rank, world_size, dtype)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from chatpipe import runtime
+from chatpipe.inference.engine import Engine
+from chatpipe.rl.rollout import Problem, Rollouts, collect_rollouts
+
+if TYPE_CHECKING:
+    from chatpipe.settings import RLSettings
+
+log = logging.getLogger("rl")
+
+
+def rollout_dtype(cfg: RLSettings, rt: runtime.Runtime) -> torch.dtype:
+    """``rl.rollout_dtype``, logged; ``auto`` is the dtype the trainer trains in, in the rollout role too
+    (whose own runtime, not a training one, computes in float32 on CPU). Each role resolves it once."""
+    dtype = runtime.compute_dtype(
+        cfg.dtype if cfg.rollout_dtype == "auto" else cfg.rollout_dtype, rt.device.type == "cuda", training=True
+    )
+    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", dtype, cfg.rollout_dtype)
+    return dtype
+
+
+def model_ranked(cfg: RLSettings) -> bool:
+    """Best-of-n ranked by a learned reward: all ``generation_size`` samples come back, and the
+    ``group_size`` best are kept after scoring (the verifier ranks inside collect_rollouts)."""
+    return cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier"
+
+
+def sample_batch(
+    cfg: RLSettings,
+    engine: Engine,
+    problems: list[Problem],
+    step: int,
+    rank: int,
+    world_size: int,
+    matmul_dtype: torch.dtype | None = None,
+) -> Rollouts:
+    """``problems`` x ``group_size`` responses, seeded by (seed, step, rank), the linear layers in
+    ``matmul_dtype`` (:func:`rollout_dtype`). The rollout role keeps each token's sampling log-prob,
+    for the decoupled loss."""
+    per_rank = cfg.prompts_per_step // world_size
+    ranked = model_ranked(cfg)
+    return collect_rollouts(
+        engine,
+        problems,
+        group_size=cfg.generation_size if ranked else cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k or None,
+        device=next(engine.model.parameters()).device,
+        seed=((cfg.seed * 1_000_003 + step) * world_size + rank) * per_rank,
+        generation_size=0 if ranked else cfg.generation_size,
+        behaviour_logprobs=cfg.rollout_role,
+        matmul_dtype=matmul_dtype,
+    )

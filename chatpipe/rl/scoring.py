@@ -1,0 +1,75 @@
+"""The reward role: what a step's rollouts are trained on when a reward model scores them, the
+reward-hacking guard that watches it, and iterated RLHF's refresh of the reward model.
+
+    batch, stats = score_rollouts(run, batch)      # run: chatpipe.rl.step.RLRun (or anything with
+                                                   # cfg, rt, guard and models)
+
+The verifier's scores always stay in the stats, and held-out pass@k is always the verifier's, so a
+policy that learns to please the reward model and not the task shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from chatpipe import runtime
+from chatpipe.rl.guard import RewardGuard
+from chatpipe.rl.reward_model import refresh_loss, rollout_rows, rollout_scores
+from chatpipe.rl.rewards import combine_rewards, ensemble_rewards
+from chatpipe.rl.rollout import Rollouts
+from chatpipe.train.step import step_optimizers
+
+if TYPE_CHECKING:
+    from chatpipe.settings import RLSettings
+
+
+def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
+    """The reward-hacking guard of a run trained on the reward model's scores (None otherwise, or
+    with ``guard: off``), its windows where the checkpoint ``meta`` left them."""
+    if cfg.reward_source == "verifier" or cfg.guard == "off":
+        return None
+    guard = RewardGuard(cfg.guard_every, cfg.guard_drop, cfg.guard, cfg.guard_min_accuracy)
+    if meta.get("guard"):
+        guard.load(meta["guard"])
+    return guard
+
+
+def score_rollouts(run, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
+    """``batch`` with the scores ``reward_source`` trains on (the verifier's stay in the stats), and
+    the mean verifier and (normalised) reward-model scores of this rank's rows; the guard counts them."""
+    cfg, rm = run.cfg, run.models.reward_model
+    if rm is None:
+        return batch, {}
+    scorers = [rm, *run.models.ensemble]
+    with run.rt.autocast(), torch.no_grad():
+        each = [rollout_scores(m, batch.inputs, batch.targets, batch.mask, cfg.device_batch_size) for m in scorers]
+    stds = [m.score_std for m in scorers]
+    normalized = ensemble_rewards(each, stds, batch.groups, win_rate=False)
+    if run.guard is not None:
+        run.guard.add(normalized, batch.scores, batch.groups)
+    stats = {"reward/verifier_mean": batch.scores.mean().item(), "reward/model_mean": normalized.mean().item()}
+    if run.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
+        stats |= refresh_reward_model(run, batch)
+    # win rates from the scores read above; the guard above still reads the normalised scores
+    model = ensemble_rewards(each, stds, batch.groups) if cfg.reward_model_scores == "win_rate" else normalized
+    return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
+
+
+def refresh_reward_model(run, batch: Rollouts) -> dict[str, float]:
+    """Iterated RLHF: one optimizer step of the reward model on this step's replies, paired by the
+    verifier's scores (a right and a wrong reply to one prompt), gradients averaged over ranks. The
+    policy never sees the verifier: it trains on the model's scores alone, and the model keeps up
+    with what the policy now writes instead of being exploited where it was never trained."""
+    rm, rt = run.models.reward_model, run.rt
+    ids, last = rollout_rows(batch.inputs, batch.targets, batch.mask)
+    with rt.autocast():  # batch.scores are still the verifier's here
+        loss, stats = refresh_loss(rm, ids, last, batch.scores, batch.groups)
+    loss.backward()
+    for p in rm.parameters():
+        if p.grad is not None and rt.world_size > 1:
+            runtime.all_reduce_sum(p.grad).div_(rt.world_size)
+    step_optimizers(rm, run.models.reward_model_opts, run.cfg.grad_clip)
+    return stats
