@@ -54,7 +54,7 @@ def test_the_verifier_falling_while_the_model_falls_too_is_not_hacking():
 def test_stop_raises_naming_the_numbers_and_the_setting():
     guard = RewardGuard(every=2, drop=0.1, action="stop")
     feed(guard, model=0.0, verifier=0.9, steps=range(2))
-    with pytest.raises(RewardHacking, match=r"step 4: .*rose by 2\.000 .* fell by 0\.400.* rl\.guard_drop = 0\.1"):
+    with pytest.raises(RewardHacking, match=r"step 4: .*rose by 2\.000 .* fell by 0\.400.* rl\.guard\.drop = 0\.1"):
         feed(guard, model=2.0, verifier=0.5, steps=range(2, 4))
 
 

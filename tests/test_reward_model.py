@@ -622,8 +622,8 @@ def test_report_card_states_rl_beside_the_replay_only_control_and_the_guard():
 def test_a_reward_model_preferring_shorter_answers_trips_the_guard_in_its_first_window(project, monkeypatch, capfd):
     """The stage, end to end: a reward model trained on the policy's own replies to prefer the shorter
     ones, and a verifier that prefers longer ones (over the median length of those replies). RL on
-    the model's scores checks every two steps: with ``guard: stop`` the run stops at the end of the first window, naming
-    the reward model's accuracy and the setting; with ``guard: warn`` it logs that and finishes, and
+    the model's scores checks every two steps: with ``guard.mode: stop`` the run stops at the end of the first window, naming
+    the reward model's accuracy and the setting; with ``guard.mode: warn`` it logs that and finishes, and
     the summary counts the trips."""
     from chatpipe.inference.engine import Engine
     from chatpipe.rl import rewards
@@ -654,23 +654,23 @@ def test_a_reward_model_preferring_shorter_answers_trips_the_guard_in_its_first_
     rm_stage.main([*STAGE_ARGS, "--max_steps=100", "--eval_every=100"])
     monkeypatch.setitem(rewards.REWARDS, "longer_reply", lambda text, gold: float(len(text) > median))
     monkeypatch.setenv("CHATPIPE_RL__REPLAY", "[]")
-    args = ["--algorithm=grpo", "--reward_source=model", "--reward=longer_reply", "--max_steps=4", "--guard_every=2"]
-    args += ["--guard_min_accuracy=0.5", "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=8"]
+    args = ["--algorithm=grpo", "--reward_source=model", "--reward=longer_reply", "--max_steps=4", "--guard.every=2"]
+    args += ["--guard.min_accuracy=0.5", "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=8"]
     args += ["--eval_problems=2", "--eval_samples=1", "--num_train_problems=16", "--device_batch_size=8"]
     args += ["--device=cpu", "--dtype=float32"]
 
     with pytest.raises(RewardHacking, match=r"guard at step 2: the reward model ranks 0\.\d+ of the window's "
-                       r"verifier-ranked pairs right, below rl.guard_min_accuracy = 0.5 \(rl.guard: stop"):  # fmt: skip
-        rl.main([*args, "--guard=stop"])
+                       r"verifier-ranked pairs right, below rl.guard.min_accuracy = 0.5 \(rl.guard.mode: stop"):  # fmt: skip
+        rl.main([*args, "--guard.mode=stop"])
     assert not (project / "artifacts" / "rl").exists()  # stopped: no model written
     shutil.rmtree(project / "checkpoints" / "rl", ignore_errors=True)  # the warn run starts afresh too
 
     capfd.readouterr()
-    rl.main([*args, "--guard=warn"])
+    rl.main([*args, "--guard.mode=warn"])
     log = capfd.readouterr().out  # the stage logs to stdout
     summary = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())["summary"]
     assert summary["guard_trips"] >= 1 and summary["guard_first_accuracy"] < 0.5 and summary["steps"] == 4
-    assert "reward-hacking guard at step 2" in log and "rl.guard: warn, going on" in log
+    assert "reward-hacking guard at step 2" in log and "rl.guard.mode: warn, going on" in log
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ log = logging.getLogger("rl")
 
 
 class RewardHacking(RuntimeError):
-    """The guard tripped with ``guard: stop``."""
+    """The guard tripped with ``guard.mode: stop``."""
 
 
 def ranked_pair_accuracy(model: torch.Tensor, verifier: torch.Tensor, groups: torch.Tensor) -> tuple[float, int]:
@@ -104,8 +104,8 @@ class RewardGuard:
             self.tripped_at.append(step)
             message = f"reward-hacking guard at step {step}: " + "; ".join(reasons)
             if self.action == "stop":
-                raise RewardHacking(message + " (rl.guard: stop; set rl.guard: warn to go on)")
-            log.warning("%s (rl.guard: warn, going on)", message)
+                raise RewardHacking(message + " (rl.guard.mode: stop; set rl.guard.mode: warn to go on)")
+            log.warning("%s (rl.guard.mode: warn, going on)", message)
         return out
 
     def reasons(self, now: dict[str, float]) -> list[str]:
@@ -117,12 +117,12 @@ class RewardGuard:
             out.append(
                 f"the reward model's mean score rose by {rose:.3f} ({first['model_mean']:.3f} -> "
                 f"{now['model_mean']:.3f}) while the verifier's fell by {fell:.3f} ({first['verifier_mean']:.3f} -> "
-                f"{now['verifier_mean']:.3f}), at least rl.guard_drop = {self.drop}"
+                f"{now['verifier_mean']:.3f}), at least rl.guard.drop = {self.drop}"
             )
         if self.min_accuracy and now["accuracy"] == now["accuracy"] and now["accuracy"] < self.min_accuracy:
             out.append(
                 f"the reward model ranks {now['accuracy']:.3f} of the window's verifier-ranked pairs right, "
-                f"below rl.guard_min_accuracy = {self.min_accuracy}"
+                f"below rl.guard.min_accuracy = {self.min_accuracy}"
             )
         return out
 

@@ -28,10 +28,11 @@ if TYPE_CHECKING:
 
 def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
     """The reward-hacking guard of a run trained on the reward model's scores (None otherwise, or
-    with ``guard: off``), its windows where the checkpoint ``meta`` left them."""
-    if cfg.reward_source == "verifier" or cfg.guard == "off":
+    with ``guard.mode: off``), its windows where the checkpoint ``meta`` left them."""
+    g = cfg.guard
+    if cfg.reward_source == "verifier" or g.mode == "off":
         return None
-    guard = RewardGuard(cfg.guard_every, cfg.guard_drop, cfg.guard, cfg.guard_min_accuracy)
+    guard = RewardGuard(g.every, g.drop, g.mode, g.min_accuracy)
     if meta.get("guard"):
         guard.load(meta["guard"])
     return guard

@@ -96,6 +96,13 @@ class StrictScalars(BaseModel):
             raise ValueError(f"expected {want}, got {_described(value)}") from None
 
 
+class Subsection(StrictScalars):
+    """One concern's keys nested in a section (``rl.guard.every``): strict scalars, unknown keys refused.
+    Set on the command line as ``--guard.every=5`` and in the environment as ``CHATPIPE_RL__GUARD__EVERY=5``."""
+
+    model_config = {"extra": "forbid"}
+
+
 def snapshot(settings: BaseModel) -> dict[str, Any]:
     """Plain-JSON dict of resolved settings, for checkpoints and MLflow params."""
     return settings.model_dump(mode="json")

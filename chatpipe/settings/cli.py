@@ -11,8 +11,8 @@ from chatpipe.settings.base import StageSettings
 from chatpipe.settings.params import ParamsError, params_path, profile_overlay, profiles_path, read_profiles, read_yaml
 
 
-def parse_cli(args: list[str]) -> dict[str, str]:
-    """Turn ``--key=value``, ``--key value`` or ``key=value`` arguments into a dict."""
+def parse_cli(args: list[str]) -> dict[str, Any]:
+    """Turn ``--key=value``, ``--key value`` or ``key=value`` arguments into a dict (``--a.b=1``: ``{a: {b: 1}}``)."""
     out: dict[str, str] = {}
     i = 0
     while i < len(args):
@@ -22,7 +22,13 @@ def parse_cli(args: list[str]) -> dict[str, str]:
             if i + 1 >= len(args):
                 raise ParamsError(f"command line: {arg!r} has no value; use --key=value")
             value, i = args[i + 1], i + 1
-        out[key.replace("-", "_")] = value
+        *outer, last = key.replace("-", "_").split(".")  # --guard.every=5: a key of a nested section
+        into = out
+        for name in outer:
+            into = into.setdefault(name, {})
+            if not isinstance(into, dict):
+                raise ParamsError(f"command line: {arg!r} sets a key below {name}, which is set whole before")
+        into[last] = value
         i += 1
     return out
 
@@ -30,11 +36,14 @@ def parse_cli(args: list[str]) -> dict[str, str]:
 def _source(cls: type[StageSettings], key: str, overrides: dict[str, Any]) -> str:
     """Where the value of ``key`` came from: the command line, an env var, or the params file."""
     top = key.split(".")[0]
-    if top in overrides:
-        return f"command line --{top}"
-    env = f"CHATPIPE_{cls.section.upper()}__{top.upper()}"
-    if any(name.upper() == env for name in os.environ):
-        return f"environment variable {env}"
+    if top in overrides:  # a nested section's key (--guard.every) is named whole
+        return f"command line --{key if isinstance(overrides[top], dict) else top}"
+    for env in (
+        f"CHATPIPE_{cls.section.upper()}__{key.upper().replace('.', '__')}",
+        f"CHATPIPE_{cls.section.upper()}__{top.upper()}",
+    ):
+        if any(name.upper() == env for name in os.environ):
+            return f"environment variable {env}"
     return _profile_source(cls.section, top) or str(params_path())
 
 
@@ -55,6 +64,13 @@ def _profile_source(section: str, key: str) -> str | None:
     return f"{path if legacy else profiles_path(path)} (profile {chosen})"
 
 
+def _nested_keys(cls: type[StageSettings], loc: tuple) -> str:
+    """The allowed keys of the nested section a bad key sits in (``rl.guard.evry``), '' at the top."""
+    field = cls.model_fields.get(str(loc[0])) if len(loc) == 2 else None
+    fields = getattr(field.annotation, "model_fields", None) if field else None
+    return ", ".join(fields) if isinstance(fields, dict) else ""
+
+
 def format_error(cls: type[StageSettings], err: ValidationError, overrides: dict[str, Any] | None = None) -> str:
     """One line per bad key: section.key = value, where it came from unless the params file, and why."""
     lines = []
@@ -70,7 +86,8 @@ def format_error(cls: type[StageSettings], err: ValidationError, overrides: dict
             why = f"this key was removed: {cls.removed[key]}; allowed keys: {allowed}"
             lines.append(f"{cls.section}.{key} = {value!r}{where}: {why}")
         elif e["type"] == "extra_forbidden":
-            lines.append(f"{cls.section}.{key} = {value!r}{where}: unknown key; allowed keys: {allowed}")
+            keys = _nested_keys(cls, e["loc"]) or allowed
+            lines.append(f"{cls.section}.{key} = {value!r}{where}: unknown key; allowed keys: {keys}")
         else:
             lines.append(f"{cls.section}.{key} = {value!r}{where}: {e['msg'].removeprefix('Value error, ')}")
     head = sources.pop() if len(sources) == 1 else "settings"

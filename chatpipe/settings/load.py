@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from chatpipe.io import write_text_atomic
-from chatpipe.settings.base import FILE_VALUES_GIVEN, SECTIONS, StageSettings
+from chatpipe.settings.base import FILE_VALUES_GIVEN, SECTIONS, StageSettings, Subsection
 from chatpipe.settings.cli import format_error, parse_cli
 from chatpipe.settings.params import (
     ParamsError,
@@ -40,9 +40,10 @@ def check_env_sections() -> None:
 
 
 def _check_env(cls: type[StageSettings]) -> None:
-    """Every ``CHATPIPE_<SECTION>__...`` variable names a key of the section, one level deep: a deeper
-    name (``CHATPIPE_EVAL__CHATCORE_TASKS__MMLU``) is refused rather than read for some fields and
-    silently dropped for others; a list or mapping is set whole, as JSON."""
+    """Every ``CHATPIPE_<SECTION>__...`` variable names a key of the section, one level deep, or one key of
+    a nested section (``CHATPIPE_RL__GUARD__EVERY``): a deeper name (``CHATPIPE_EVAL__CHATCORE_TASKS__MMLU``)
+    is refused rather than read for some fields and silently dropped for others; a list or mapping is
+    set whole, as JSON."""
     prefix = f"CHATPIPE_{cls.section.upper()}__"
     for name in os.environ:
         key = name[len(prefix) :].lower() if name.upper().startswith(prefix) else None
@@ -53,11 +54,25 @@ def _check_env(cls: type[StageSettings]) -> None:
             raise ParamsError(
                 f"environment {name}: unknown key {cls.section}.{key}; allowed keys: {', '.join(cls.model_fields)}"
             )
-        if "__" in key:
+        nested = _subsection(cls, top)
+        if nested is not None and key.count("__") == 1:  # CHATPIPE_RL__GUARD__EVERY: one key of rl.guard
+            sub = key.split("__")[1]
+            if sub not in nested.model_fields:
+                raise ParamsError(
+                    f"environment {name}: unknown key {cls.section}.{top}.{sub}; allowed keys: "
+                    f"{', '.join(nested.model_fields)}"
+                )
+        elif "__" in key:
             raise ParamsError(
                 f"environment variable {name}: nested keys below {cls.section}.{top} are not read; set the "
                 f"whole value as JSON instead, e.g. {prefix}{top.upper()}='{{...}}' or '[...]'"
             )
+
+
+def _subsection(cls: type[StageSettings], key: str) -> type[Subsection] | None:
+    """The nested section model of field ``key`` (``rl.guard``), or None for a plain field."""
+    annotation = cls.model_fields[key].annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Subsection) else None
 
 
 def load_section(cls: type[StageSettings], cli: list[str] | dict[str, Any] | None = None) -> StageSettings:

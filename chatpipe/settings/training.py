@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
-from chatpipe.settings.base import MAX_SEED, StageSettings, StrictScalars, resume_neutral
+from chatpipe.settings.base import MAX_SEED, StageSettings, StrictScalars, Subsection, resume_neutral
 
 
 class RunSettings(StageSettings):
@@ -252,6 +252,33 @@ RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_EXCHANGE_ID"
 RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"
 
 
+class GuardSettings(Subsection):
+    """``rl.guard``: the reward-hacking guard (reward_source model|both), windows of rollouts scored by both
+    the reward model and the verifier."""
+
+    mode: Literal["off", "warn", "stop"] = Field(
+        "warn",
+        description="when the reward model's mean score rises while the verifier's falls by `drop` or more "
+        "since the first window: log a warning, or stop the run with an error",
+    )
+    every: int = Field(10, ge=1, description="guard window, in steps")
+    drop: float = Field(0.1, gt=0, description="verifier mean fall since the first window that trips the guard")
+    min_accuracy: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="also trip when the reward model ranks fewer than this share of a window's verifier-ranked "
+        "pairs right (0: off)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, v: Any) -> Any:
+        if isinstance(v, str):  # the flat `guard: warn` of before the nesting
+            raise ValueError(f"rl.guard is a section now: set guard.mode: {v} (and guard.every, .drop, .min_accuracy)")
+        return v
+
+
 class RLSettings(RunSettings):
     """RL on verifiable rewards (`rl` stage): GRPO-lite or PPO, chosen by `algorithm`."""
 
@@ -263,6 +290,7 @@ class RLSettings(RunSettings):
         "total_batch_size": "a step is prompts_per_step x group_size samples; rows per forward is device_batch_size",
         "eval_tokens": "RL evaluates pass@k: eval_problems x eval_samples",
         "compile": "RL runs eager (generation dominates and changes shape every step)",
+        **{f"guard_{k}": f"moved to rl.guard.{k}" for k in ("every", "drop", "min_accuracy")},
     }
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
@@ -398,20 +426,9 @@ class RLSettings(RunSettings):
         description="GRPO: weight of a KL(policy || reference) loss term (k3 estimator, per action token), as "
         "verl's use_kl_loss; PPO puts the KL in its rewards instead (kl_coef)",
     )
-    # the reward-hacking guard (reward_source model|both): windows of rollouts scored by both
-    guard: Literal["off", "warn", "stop"] = Field(
-        "warn",
-        description="when the reward model's mean score rises while the verifier's falls by guard_drop or more "
-        "since the first window: log a warning, or stop the run with an error",
-    )
-    guard_every: int = Field(10, ge=1, description="guard window, in steps")
-    guard_drop: float = Field(0.1, gt=0, description="verifier mean fall since the first window that trips the guard")
-    guard_min_accuracy: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="also trip when the reward model ranks fewer than this share of a window's verifier-ranked "
-        "pairs right (0: off)",
+    guard: GuardSettings = Field(
+        default_factory=lambda: GuardSettings(),
+        description="the reward-hacking guard (reward_source model|both): mode, every, drop, min_accuracy",
     )
     reward_model_lr_frac: float = Field(
         0.0,
