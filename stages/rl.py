@@ -30,13 +30,12 @@ from chatpipe import runtime
 from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
 from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.rl import losses
 from chatpipe.rl.async_role import rollout_exchange, rollout_role
 from chatpipe.rl.problems import Prompts, load_rl_problems, replay_rows, resumed_replay, user_verifier
 from chatpipe.rl.roles import load_models, role_inputs
 from chatpipe.rl.sampling import rollout_dtype
 from chatpipe.rl.scoring import reward_guard
-from chatpipe.rl.step import RLRun, distributed, loop_meta, pass_at_k, rl_state, rl_step, summary
+from chatpipe.rl.step import RLRun, distributed, loop_meta, pass_at_k, ppo_state, rl_state, rl_step, summary
 from chatpipe.rl.update import algorithm_config, check_minibatches
 from chatpipe.settings import RL_ROLE_ENV, RLSettings, snapshot
 from chatpipe.stage_metrics import Curves
@@ -66,9 +65,6 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     # their optimizers; the chosen algorithm's typed config
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
     models = load_models(cfg, rt)
-    kl_ctl = losses.KLController(
-        cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
-    )
     algorithm = algorithm_config(cfg)
 
     # --- data: RL prompts (scored by the verifier), and the chat-stage rows replayed with every optimizer step
@@ -84,11 +80,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
     meta = loop_meta(meta)
     state = LoopState.resumed(meta, cfg.max_steps)
-    value_norm = losses.ValueNorm(cfg.value_norm_beta) if cfg.value_norm and models.critic else None
-    if meta:
-        kl_ctl.value = meta["kl_coef"]
-        if value_norm is not None:
-            value_norm.load(meta["value_norm"])
+    kl_ctl, value_norm = ppo_state(cfg, models.critic, meta)  # where the checkpoint left them
     run = RLRun(
         cfg,
         rt,
@@ -103,9 +95,9 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         train_critic=distributed(models.critic, rt),
         value_norm=value_norm,
         prompts=Prompts.resumed(meta),
+        guard=reward_guard(cfg, meta),
+        rollout_dtype=rollout_dtype(cfg, rt),
     )
-    run.rollout_dtype = rollout_dtype(cfg, rt)
-    run.guard = reward_guard(cfg, meta)
 
     # --- loop: rl_step per step (sample -> score -> update -> publish), held-out pass@k every eval_every
     loop = Loop(
@@ -122,16 +114,10 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         stage_state=functools.partial(rl_state, run),
         headline="reward/mean",
     )
-    params = {
-        "rl": snapshot(cfg),
-        "model_config": models.policy.config.to_dict(),
-        "world_size": rt.world_size,
-        "init_lrs": models.init_lrs,
-    }
-    with tracked_run("rl", params, rt) as tracking, rollout_exchange(run, state.step):
-        metrics = Curves(
-            tracking, "rl", ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"], enabled=rt.is_main
-        )
+    params = {"rl": snapshot(cfg), "model_config": models.policy.config.to_dict(), "world_size": rt.world_size}
+    with tracked_run("rl", params | {"init_lrs": models.init_lrs}, rt) as tracking, rollout_exchange(run, state.step):
+        curves = ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"]
+        metrics = Curves(tracking, "rl", curves, enabled=rt.is_main)
         run_loop(loop, state, tracking, metrics)
 
         # --- save the final policy for eval and chat

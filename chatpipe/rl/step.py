@@ -175,6 +175,20 @@ def pass_at_k(run: RLRun) -> dict[str, float]:
 # --------------------------------------------------------------------------- what the loop saves and reports
 
 
+def ppo_state(cfg: RLSettings, critic, meta: dict) -> tuple[losses.KLController, losses.ValueNorm | None]:
+    """PPO's KL controller (``kl_ctl``, unused by GRPO) and the critic's value-norm moments (``value_norm``;
+    None without), both where the checkpoint ``meta`` left them (``{}``: fresh)."""
+    kl_ctl = losses.KLController(
+        cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
+    )
+    value_norm = losses.ValueNorm(cfg.value_norm_beta) if cfg.value_norm and critic else None
+    if meta:
+        kl_ctl.value = meta["kl_coef"]
+        if value_norm is not None:
+            value_norm.load(meta["value_norm"])
+    return kl_ctl, value_norm
+
+
 def rl_state(run: RLRun) -> dict:
     """What a checkpoint carries of RL beside the loop's state: the KL coefficient, the prompt log,
     the replay cursor, value_norm's moments and filter_solved's pool."""
