@@ -56,7 +56,7 @@ def last_step_means(log: str) -> tuple[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("rl_args", nargs="*", help="extra stages.rl flags, e.g. --max_steps=120 --kl_coef=0.05")
+    p.add_argument("rl_args", nargs="*", help="extra stages.rl flags, e.g. --max_steps=120 --ppo.kl_coef=0.05")
     args = p.parse_args()
     env = {**os.environ, "CHATPIPE_TRACKING__ENABLED": os.environ.get("CHATPIPE_TRACKING__ENABLED", "false")}
     if not (REPO / "artifacts" / "reward_model" / "meta.json").exists():

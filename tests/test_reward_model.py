@@ -500,7 +500,7 @@ def test_role_dirs_load_their_own_checkpoints_and_a_mismatch_names_the_key(proje
 
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
     make_artifacts(project / "other", seed=1, sequence_len=128)
-    models = rl.load_models(load_section(RLSettings, ["--algorithm=ppo", "--critic_init_dir=other/sft"]), rt)
+    models = rl.load_models(load_section(RLSettings, ["--algorithm=ppo", "--ppo.critic_init_dir=other/sft"]), rt)
     other, _ = load_model(project / "other" / "sft")
     assert torch.equal(models.critic.trunk.wte.weight, other.wte.weight)  # trunk from critic_init_dir
     assert not models.critic.head.weight.any()  # a GPT dir: zero head

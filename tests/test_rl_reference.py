@@ -51,6 +51,19 @@ class Replay:
         return ids[:, :-1], ids[:, 1:]
 
 
+def settings(cls, flat: dict):
+    """``flat`` keys as the settings model takes them: nested in ``ppo``/``grpo`` (0c53efd: flat)."""
+    if "ppo" not in cls.model_fields:  # 0c53efd
+        return cls.model_construct(**flat)
+    ppo, grpo = (cls.model_fields[k].annotation for k in ("ppo", "grpo"))
+    top = {k: v for k, v in flat.items() if k in cls.model_fields}
+    return cls.model_construct(
+        **top,
+        ppo=ppo(**{k: v for k, v in flat.items() if k in ppo.model_fields}),
+        grpo=grpo(**{k: v for k, v in flat.items() if k in grpo.model_fields}),
+    )
+
+
 def run_parts(algorithm: str):
     """The stage's per-run state as both trees' ``update(run, batch, step)`` read it."""
     from chatpipe import runtime
@@ -59,7 +72,7 @@ def run_parts(algorithm: str):
     from chatpipe.settings import RLSettings
     from tests.test_engine import random_model
 
-    cfg = RLSettings.model_construct(**SETTINGS[algorithm])
+    cfg = settings(RLSettings, SETTINGS[algorithm])
     policy = random_model(3)
     ref = copy.deepcopy(policy).requires_grad_(False)
     critic = ValueModel.from_policy(policy) if algorithm == "ppo" else None
@@ -69,7 +82,7 @@ def run_parts(algorithm: str):
         [torch.optim.SGD(critic.parameters(), lr=0.05)],
     )  # fmt: skip
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    kl_ctl = losses.KLController(cfg.kl_coef, adaptive=False, target=cfg.kl_target, horizon=cfg.kl_horizon)
+    kl_ctl = losses.KLController(0.1, adaptive=False, target=6.0, horizon=10000)  # RLSettings' defaults
     parts = SimpleNamespace(
         cfg=cfg, rt=rt, models=models, kl_ctl=kl_ctl, replay_loader=Replay(), train_policy=policy,
         train_critic=critic, value_norm=None,

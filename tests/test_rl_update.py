@@ -203,11 +203,12 @@ def ppo_cfg(**kw) -> PPOConfig:
 
 def test_ppo_config_from_settings_takes_every_knob_of_the_rl_section():
     from chatpipe.settings import RLSettings
+    from chatpipe.settings.training import PPOSettings
 
-    cfg = RLSettings.model_construct(ppo_epochs=3, device_batch_size=5)  # the other knobs: their defaults
+    cfg = RLSettings.model_construct(ppo=PPOSettings(epochs=3, clip_eps=0.3), device_batch_size=5)  # the rest: defaults
     config = PPOConfig.from_settings(cfg)
-    assert config.epochs == 3 and config.micro_batch == 5
-    assert config.clip_eps == cfg.clip_eps and config.whiten == cfg.whiten and config.seed == cfg.seed
+    assert config.epochs == 3 and config.micro_batch == 5 and config.clip_eps == 0.3
+    assert config.whiten == cfg.ppo.whiten and config.seed == cfg.seed and config.group_size == cfg.group_size
 
 
 def test_ppo_without_critic_first_step_equals_policy_gradient():

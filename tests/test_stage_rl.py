@@ -95,7 +95,7 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     project = setup_project(tmp_path, algorithm="ppo", max_steps=6, eval_every=0, checkpoint_every=2)
     # value_norm's running moments and filter_solved's pool are part of what a resume restores; best-of-n,
     # gradient clipping and a sampling temperature other than 1 run through the stage too
-    args = ("--kl_ctl=adaptive", "--value_norm=true", "--bootstrap=true", "--filter_solved=0.5")
+    args = ("--ppo.kl_ctl=adaptive", "--ppo.value_norm=true", "--ppo.bootstrap=true", "--filter_solved=0.5")
     args += ("--generation_size=6", "--grad_clip=1.0", "--temperature=0.8")
 
     # reference: one uninterrupted run
@@ -140,29 +140,40 @@ def test_replay_rows_longer_than_the_model_stop_before_anything_is_written(tmp_p
 
 
 def test_a_ppo_key_under_grpo_is_an_error_naming_it():
-    with pytest.raises(ParamsError, match=r"rl.kl_coef = 0.2.*PPO-only.*algorithm: grpo"):
-        load_section(RLSettings, {"algorithm": "grpo", "kl_coef": 0.2})
-    with pytest.raises(ParamsError, match=r"rl.value_norm = True.*PPO-only"):
-        load_section(RLSettings, {"algorithm": "grpo", "value_norm": True})
+    with pytest.raises(ParamsError, match=r"rl.ppo.kl_coef = 0.2.*PPO-only.*algorithm: grpo"):
+        load_section(RLSettings, ["--algorithm=grpo", "--ppo.kl_coef=0.2"])
+    with pytest.raises(ParamsError, match=r"rl.ppo.value_norm = True.*PPO-only"):
+        load_section(RLSettings, {"algorithm": "grpo", "ppo": {"value_norm": True}})
+    with pytest.raises(ParamsError, match=r"rl.grpo.kl_loss_coef = 0.1.*GRPO-only.*algorithm: ppo"):
+        load_section(RLSettings, ["--algorithm=ppo", "--grpo.kl_loss_coef=0.1"])
     # at its default (as params.yaml lists every key) it is not "set"; under PPO it is read
-    assert load_section(RLSettings, {"algorithm": "grpo", "kl_coef": 0.1}).kl_coef == 0.1
-    assert load_section(RLSettings, {"algorithm": "ppo", "kl_coef": 0.2}).kl_coef == 0.2
+    assert load_section(RLSettings, ["--algorithm=grpo", "--ppo.kl_coef=0.1"]).ppo.kl_coef == 0.1
+    assert load_section(RLSettings, ["--algorithm=ppo", "--ppo.kl_coef=0.2"]).ppo.kl_coef == 0.2
+    # the flat keys of before the nesting say where they went
+    with pytest.raises(ParamsError, match=r"rl.kl_coef = '0.2'.*removed: moved to rl.ppo.kl_coef"):
+        load_section(RLSettings, ["--kl_coef=0.2"])
+    with pytest.raises(ParamsError, match=r"rl.ppo.kl_cof = '0.2'.*unknown key; allowed keys: critic_init_dir, "):
+        load_section(RLSettings, ["--ppo.kl_cof=0.2"])
 
 
 def test_indivisible_minibatches_are_an_error_naming_the_numbers():
     with pytest.raises(ParamsError, match=r"8 x 8 = 64 rows per step do not split into 3 minibatches"):
-        load_section(RLSettings, {"algorithm": "ppo", "prompts_per_step": 8, "group_size": 8, "num_minibatches": 3})
+        load_section(
+            RLSettings, ["--algorithm=ppo", "--prompts_per_step=8", "--group_size=8", "--ppo.num_minibatches=3"]
+        )
     # per rank: 12 rows over all ranks split into 4, but 2 ranks hold 6 each
-    cfg = load_section(RLSettings, {"algorithm": "ppo", "prompts_per_step": 4, "group_size": 3, "num_minibatches": 4})
+    cfg = load_section(
+        RLSettings, ["--algorithm=ppo", "--prompts_per_step=4", "--group_size=3", "--ppo.num_minibatches=4"]
+    )
     check_minibatches(cfg, 1)
-    with pytest.raises(ValueError, match=r"6 rows per rank per step do not split into num_minibatches = 4"):
+    with pytest.raises(ValueError, match=r"6 rows per rank per step do not split into ppo.num_minibatches = 4"):
         check_minibatches(cfg, 2)
 
 
 @pytest.mark.slow
 def test_indivisible_minibatches_stop_the_stage_before_any_rollout(tmp_path):
     project = setup_project(tmp_path, algorithm="ppo")  # 2 prompts x 4 samples = 8 rows
-    proc = _stage(project, "--num_minibatches=3")
+    proc = _stage(project, "--ppo.num_minibatches=3")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "2 x 4 = 8 rows per step do not split into 3 minibatches" in out, out[-2000:]

@@ -92,7 +92,7 @@ def role_optimizers(cfg: RLSettings, policy: GPT, critic: ValueModel | None, lrs
     )
     if critic is None:
         return policy_opts, []
-    critic_lrs = {k: v * cfg.value_lr_frac for k, v in lrs.items()}
+    critic_lrs = {k: v * cfg.ppo.value_lr_frac for k, v in lrs.items()}
     return policy_opts, build_optimizers(critic, **critic_lrs, weight_decay=cfg.weight_decay)
 
 
@@ -117,10 +117,10 @@ def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, lrs: dict[s
 
 
 def critic_source(cfg: RLSettings) -> str:
-    """The dir PPO's critic starts from: ``critic_init_dir``, else the reward model when it scores
+    """The dir PPO's critic starts from: ``ppo.critic_init_dir``, else the reward model when it scores
     (torchtune's PPO starts its value model from the reward model), else the init model."""
-    if cfg.critic_init_dir:
-        return cfg.critic_init_dir
+    if cfg.ppo.critic_init_dir:
+        return cfg.ppo.critic_init_dir
     return cfg.reward_model_dir if reads_model(cfg) else cfg.init_dir
 
 
@@ -128,15 +128,15 @@ def load_critic(cfg: RLSettings, policy: GPT, rm: RewardModel | None, rt: runtim
     """PPO's critic from :func:`critic_source`: a reward model dir gives trunk and head, a GPT dir the
     trunk with a zero head (the init model's: today's critic)."""
     source = critic_source(cfg)
-    if source == cfg.init_dir and not cfg.critic_init_dir:
+    if source == cfg.init_dir and not cfg.ppo.critic_init_dir:
         return ValueModel.from_policy(policy)
     if rm is not None and source == cfg.reward_model_dir:
         return ValueModel.from_reward_model(rm)
     if is_reward_model_dir(source):
         other, _ = load_reward_model(Path(source), rt.device)
-        check_same_shape(other.trunk, policy, f"rl.critic_init_dir = {source}")
+        check_same_shape(other.trunk, policy, f"rl.ppo.critic_init_dir = {source}")
         return ValueModel.from_reward_model(other)
-    return ValueModel.from_policy(load_role(source, "critic_init_dir", policy, rt))
+    return ValueModel.from_policy(load_role(source, "ppo.critic_init_dir", policy, rt))
 
 
 def load_role(model_dir: str, key: str, policy: GPT, rt: runtime.Runtime) -> GPT:
@@ -180,7 +180,7 @@ def check_same_shape(model: GPT, policy: GPT, what: str) -> None:
 
 def role_inputs(cfg: RLSettings) -> dict[str, str]:
     """Hashes of the role models other than the policy, so a resume never mixes checkpoints of others."""
-    dirs = {"ref": cfg.ref_dir, "critic_init": cfg.critic_init_dir if uses_critic_init(cfg) else ""}
+    dirs = {"ref": cfg.ref_dir, "critic_init": cfg.ppo.critic_init_dir if uses_critic_init(cfg) else ""}
     if reads_model(cfg):
         dirs["reward_model"] = cfg.reward_model_dir
         dirs |= {f"reward_model_ensemble_{i}": d for i, d in enumerate(cfg.reward_model_ensemble)}

@@ -126,7 +126,7 @@ def sample_rollouts(run: RLRun, step: int) -> tuple[Rollouts, dict[str, float]]:
 
 def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
     """One update of the chosen algorithm on ``batch`` with shaped scores, with the replay's loss
-    beside it; then the reference moves towards the policy by ``ref_ema`` (0, a frozen reference,
+    beside it; then the reference moves towards the policy by ``ppo.ref_ema`` (0, a frozen reference,
     unless PPO sets it). Returns the update's stats."""
     cfg, models = run.cfg, run.models
     scores = losses.final_scores(batch.scores, batch.ended, batch.lengths, cfg)
@@ -143,7 +143,7 @@ def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
         run.value_norm,
     )
     stats = policy_update(run.algorithm, learners, batch, scores, step=step, autocast=run.rt.autocast, replay=replay)
-    losses.ema_update(models.ref, models.policy, cfg.ref_ema)
+    losses.ema_update(models.ref, models.policy, cfg.ppo.ref_ema)
     return stats
 
 
@@ -178,10 +178,11 @@ def pass_at_k(run: RLRun) -> dict[str, float]:
 def ppo_state(cfg: RLSettings, critic, meta: dict) -> tuple[losses.KLController, losses.ValueNorm | None]:
     """PPO's KL controller (``kl_ctl``, unused by GRPO) and the critic's value-norm moments (``value_norm``;
     None without), both where the checkpoint ``meta`` left them (``{}``: fresh)."""
+    ppo = cfg.ppo
     kl_ctl = losses.KLController(
-        cfg.kl_coef, adaptive=cfg.kl_ctl == "adaptive", target=cfg.kl_target, horizon=cfg.kl_horizon
+        ppo.kl_coef, adaptive=ppo.kl_ctl == "adaptive", target=ppo.kl_target, horizon=ppo.kl_horizon
     )
-    value_norm = losses.ValueNorm(cfg.value_norm_beta) if cfg.value_norm and critic else None
+    value_norm = losses.ValueNorm(ppo.value_norm_beta) if ppo.value_norm and critic else None
     if meta:
         kl_ctl.value = meta["kl_coef"]
         if value_norm is not None:

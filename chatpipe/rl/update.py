@@ -92,8 +92,8 @@ class GRPOConfig:
     @classmethod
     def from_settings(cls, cfg: RLSettings) -> GRPOConfig:
         """The GRPO knobs of the ``rl`` section's settings."""
-        renamed = {"micro_batch": cfg.device_batch_size}
-        return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(cfg, f.name) for f in fields(cls)})
+        own = {"micro_batch": cfg.device_batch_size, "kl_loss_coef": cfg.grpo.kl_loss_coef}
+        return cls(**{f.name: own[f.name] if f.name in own else getattr(cfg, f.name) for f in fields(cls)})
 
 
 def grpo_update(
@@ -197,8 +197,8 @@ def kl_loss_term(
 
 @dataclass
 class PPOConfig:
-    """The knobs of :func:`ppo_update`, named as in the ``rl`` params section but for ``epochs``
-    (``ppo_epochs``) and ``micro_batch`` (``device_batch_size``).
+    """The knobs of :func:`ppo_update`: the ``rl.ppo`` section's (``epochs``, ``clip_eps``, ...) and the
+    ones both algorithms share (``group_size``, ``temperature``, ...; ``micro_batch`` is ``device_batch_size``).
 
     No defaults here: :class:`chatpipe.settings.RLSettings` holds them (and documents and validates
     each), and :meth:`from_settings` builds the config from it.
@@ -226,9 +226,10 @@ class PPOConfig:
 
     @classmethod
     def from_settings(cls, cfg: RLSettings) -> PPOConfig:
-        """The PPO knobs of the ``rl`` section's settings."""
-        renamed = {"epochs": cfg.ppo_epochs, "micro_batch": cfg.device_batch_size}
-        return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(cfg, f.name) for f in fields(cls)})
+        """The PPO knobs of the ``rl`` section's settings: ``rl.ppo``'s, then the shared ones."""
+        ppo = cfg.ppo.model_dump()
+        own = {"micro_batch": cfg.device_batch_size}
+        return cls(**{f.name: own.get(f.name, ppo.get(f.name, getattr(cfg, f.name, None))) for f in fields(cls)})
 
 
 @dataclass
@@ -454,21 +455,21 @@ def ppo_minibatch_step(
 
 def uses_critic(cfg: RLSettings) -> bool:
     """Whether the run trains a critic: PPO, unless ``disable_value`` makes it group-advantage PPO."""
-    return cfg.algorithm == "ppo" and not cfg.disable_value
+    return cfg.algorithm == "ppo" and not cfg.ppo.disable_value
 
 
 def uses_critic_init(cfg: RLSettings) -> bool:
-    """Whether ``critic_init_dir`` is read (and so fingerprinted for a resume): under PPO."""
+    """Whether ``ppo.critic_init_dir`` is read (and so fingerprinted for a resume): under PPO."""
     return cfg.algorithm == "ppo"
 
 
 def check_minibatches(cfg: RLSettings, world_size: int) -> None:
     """Each rank's rows per step must split into PPO's minibatches: checked before any rollout."""
     rows = cfg.prompts_per_step // world_size * cfg.group_size
-    if cfg.algorithm == "ppo" and rows % cfg.num_minibatches:
+    if cfg.algorithm == "ppo" and rows % cfg.ppo.num_minibatches:
         raise ValueError(
             f"rl: {cfg.prompts_per_step} prompts_per_step / {world_size} ranks x group_size {cfg.group_size} = "
-            f"{rows} rows per rank per step do not split into num_minibatches = {cfg.num_minibatches}"
+            f"{rows} rows per rank per step do not split into ppo.num_minibatches = {cfg.ppo.num_minibatches}"
         )
 
 

@@ -279,6 +279,87 @@ class GuardSettings(Subsection):
         return v
 
 
+PPO_MOVED = (
+    "critic_init_dir",
+    "value_lr_frac",
+    "num_minibatches",
+    "clip_eps",
+    "value_clip",
+    "value_coef",
+    "gamma",
+    "lam",
+    "kl_ctl",
+    "kl_coef",
+    "kl_target",
+    "kl_horizon",
+    "kl_estimator",
+    "whiten",
+    "max_ratio",
+    "max_token_ratio",
+    "ref_ema",
+    "disable_value",
+    "value_norm",
+    "value_norm_beta",
+    "bootstrap",
+)  # fmt: skip  (the flat rl.<key> before the ppo section; a file that sets one is told where it went)
+
+
+class PPOSettings(Subsection):
+    """``rl.ppo``: the keys only PPO reads (the critic, GAE, the KL to the reference in the rewards, the
+    clipped epochs x minibatches); under ``algorithm: grpo`` a key set off its default is an error."""
+
+    critic_init_dir: str = Field(
+        "",
+        description="PPO critic's start: a reward model dir (trunk and head) or a GPT dir (zero head); '': "
+        "reward_model_dir when reward_source is model|both, else init_dir",
+    )
+    value_lr_frac: float = Field(1.0, gt=0, description="critic LR = value_lr_frac x the init model's LRs")
+    epochs: int = Field(2, ge=1, description="passes over each step's rows")
+    num_minibatches: int = Field(2, ge=1, description="minibatches per PPO epoch (each = one optimizer step)")
+    clip_eps: float = Field(0.2, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    value_coef: float = Field(0.1, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_ctl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.1, ge=0)
+    kl_target: float = Field(6.0, gt=0)
+    kl_horizon: int = Field(10000, ge=1)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    whiten: Literal["batch", "group", "none"] = "batch"
+    max_ratio: float = Field(
+        5.0, ge=0, description="skip a PPO minibatch whose mean importance ratio exceeds this (0: off)"
+    )
+    max_token_ratio: float = Field(
+        0.0, ge=0, description="stop the whole PPO update when one token's importance ratio exceeds this (0: off)"
+    )
+    ref_ema: float = Field(0.0, ge=0, le=1, description="reference <- (1-eta) ref + eta policy each step (0: frozen)")
+    disable_value: bool = Field(False, description="PPO without a critic: group-mean advantages (GRPO)")
+    value_norm: bool = Field(False, description="critic predicts returns normalised by their running mean and std")
+    value_norm_beta: float = Field(0.99995, gt=0, lt=1, description="EMA decay of value_norm's running moments")
+    bootstrap: bool = Field(
+        False, description="a response cut at max_new_tokens ends on the critic's value of its last state, not 0"
+    )
+
+    @model_validator(mode="after")
+    def _critic_keys_need_the_critic(self) -> PPOSettings:
+        for key in ("value_norm", "bootstrap"):
+            if getattr(self, key) and self.disable_value:
+                raise ValueError(f"ppo.{key} needs the critic; it cannot be on with ppo.disable_value: true")
+        return self
+
+
+class GRPOSettings(Subsection):
+    """``rl.grpo``: the keys only GRPO-lite reads; under ``algorithm: ppo`` one set off its default is an error."""
+
+    kl_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="GRPO: weight of a KL(policy || reference) loss term (k3 estimator, per action token), as "
+        "verl's use_kl_loss; PPO puts the KL in its rewards instead (kl_coef)",
+    )
+
+
 class RLSettings(RunSettings):
     """RL on verifiable rewards (`rl` stage): GRPO-lite or PPO, chosen by `algorithm`."""
 
@@ -291,6 +372,9 @@ class RLSettings(RunSettings):
         "eval_tokens": "RL evaluates pass@k: eval_problems x eval_samples",
         "compile": "RL runs eager (generation dominates and changes shape every step)",
         **{f"guard_{k}": f"moved to rl.guard.{k}" for k in ("every", "drop", "min_accuracy")},
+        **{k: f"moved to rl.ppo.{k}" for k in PPO_MOVED},
+        "ppo_epochs": "moved to rl.ppo.epochs",
+        "kl_loss_coef": "moved to rl.grpo.kl_loss_coef",
     }
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
@@ -320,11 +404,6 @@ class RLSettings(RunSettings):
         "for less",
     )
     ref_dir: str = Field("", description="frozen reference policy's model dir ('': a copy of init_dir)")
-    critic_init_dir: str = Field(
-        "",
-        description="PPO critic's start: a reward model dir (trunk and head) or a GPT dir (zero head); '': "
-        "reward_model_dir when reward_source is model|both, else init_dir",
-    )
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
     task_path: str = Field("", description="the task's own file or dir, e.g. task customjson: a problems JSONL")
     # reward: custom. The file is a DVC dependency of `rl` (dvc.yaml), so editing it makes `rl` stale;
@@ -371,41 +450,13 @@ class RLSettings(RunSettings):
         "embedding row RL's samples touch by about its LR each step, whatever the gradient's size, so the "
         "words RL's task shares with other skills drift",
     )
-    value_lr_frac: float = Field(1.0, gt=0, description="critic LR = value_lr_frac x the init model's LRs")
     normalize_std: bool = Field(False, description="GRPO: divide advantages by the group's std")
-    # PPO
-    ppo_epochs: int = Field(2, ge=1)
-    num_minibatches: int = Field(2, ge=1, description="minibatches per PPO epoch (each = one optimizer step)")
-    clip_eps: float = Field(0.2, gt=0)
-    value_clip: float = Field(0.2, gt=0)
-    value_coef: float = Field(0.1, ge=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    kl_ctl: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = Field(0.1, ge=0)
-    kl_target: float = Field(6.0, gt=0)
-    kl_horizon: int = Field(10000, ge=1)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    whiten: Literal["batch", "group", "none"] = "batch"
     reward_scale: float = Field(1.0, gt=0)
     reward_bias: float = 0.0
     reward_clip: float = Field(20.0, ge=0, description="0: no clipping")
     no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
     length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
     min_response_length: int = Field(0, ge=0)
-    max_ratio: float = Field(
-        5.0, ge=0, description="skip a PPO minibatch whose mean importance ratio exceeds this (0: off)"
-    )
-    max_token_ratio: float = Field(
-        0.0, ge=0, description="stop the whole PPO update when one token's importance ratio exceeds this (0: off)"
-    )
-    ref_ema: float = Field(0.0, ge=0, le=1, description="reference <- (1-eta) ref + eta policy each step (0: frozen)")
-    disable_value: bool = Field(False, description="PPO without a critic: group-mean advantages (GRPO)")
-    value_norm: bool = Field(False, description="critic predicts returns normalised by their running mean and std")
-    value_norm_beta: float = Field(0.99995, gt=0, lt=1, description="EMA decay of value_norm's running moments")
-    bootstrap: bool = Field(
-        False, description="a response cut at max_new_tokens ends on the critic's value of its last state, not 0"
-    )
     # both algorithms
     mask_too_long: bool = Field(False, description="responses cut at max_new_tokens leave the loss (scores kept)")
     generation_size: int = Field(
@@ -420,12 +471,8 @@ class RLSettings(RunSettings):
         description="with reward_source model: a response counts as solved (filter_solved) when its normalised "
         "reward-model score is at least this; verifier runs count the verifier's verdict",
     )
-    kl_loss_coef: float = Field(
-        0.0,
-        ge=0,
-        description="GRPO: weight of a KL(policy || reference) loss term (k3 estimator, per action token), as "
-        "verl's use_kl_loss; PPO puts the KL in its rewards instead (kl_coef)",
-    )
+    grpo: GRPOSettings = Field(default_factory=lambda: GRPOSettings(), description="GRPO-lite's own keys")
+    ppo: PPOSettings = Field(default_factory=lambda: PPOSettings(), description="PPO's own keys (critic, GAE, KL)")
     guard: GuardSettings = Field(
         default_factory=lambda: GuardSettings(),
         description="the reward-hacking guard (reward_source model|both): mode, every, drop, min_accuracy",
@@ -479,41 +526,31 @@ class RLSettings(RunSettings):
     eval_temperature: float = resume_neutral(1.0, ge=0)
     checkpoint_every: int = resume_neutral(10, ge=0)
 
-    # keys that only PPO reads: set under `algorithm: grpo` they would do nothing, so they are an error
-    PPO_ONLY: ClassVar[tuple[str, ...]] = (
-        "ppo_epochs", "num_minibatches", "clip_eps", "value_clip", "value_coef", "value_lr_frac", "gamma", "lam",
-        "kl_ctl", "kl_coef", "kl_target", "kl_horizon", "kl_estimator", "whiten", "max_ratio", "max_token_ratio",
-        "ref_ema", "disable_value", "value_norm", "value_norm_beta", "bootstrap",
-    )  # fmt: skip
-
-    @field_validator(*PPO_ONLY)
-    @classmethod
-    def _ppo_keys_need_ppo(cls, v: Any, info: ValidationInfo) -> Any:
-        """A PPO-only key whose value differs from its default is an error under GRPO (params.yaml lists
-        every key at its default, so being present in the file cannot count as set)."""
-        if info.data.get("algorithm") == "grpo" and v != cls.model_fields[info.field_name].default:
-            raise ValueError(f"{info.field_name} is PPO-only: under algorithm: grpo it would do nothing; "
-                             "set algorithm: ppo, or leave it at its default "
-                             f"{cls.model_fields[info.field_name].default!r}")  # fmt: skip
-        return v
-
-    @field_validator("kl_loss_coef")
-    @classmethod
-    def _kl_loss_is_grpo_only(cls, v: float, info: ValidationInfo) -> float:
-        if v and info.data.get("algorithm") == "ppo":
-            raise ValueError("kl_loss_coef is GRPO-only: PPO puts the KL to the reference in its rewards (kl_coef)")
-        return v
-
-    @field_validator("num_minibatches")
-    @classmethod
-    def _rows_split_into_minibatches(cls, v: int, info: ValidationInfo) -> int:
-        prompts, group = info.data.get("prompts_per_step"), info.data.get("group_size")
-        if info.data.get("algorithm") == "ppo" and prompts and group and (prompts * group) % v:
+    @model_validator(mode="after")
+    def _the_other_algorithms_keys_stay_default(self) -> RLSettings:
+        """A key of the algorithm not chosen does nothing, so one that differs from its default is an
+        error (params.yaml lists every key at its default, so being present in the file cannot count)."""
+        other = {"grpo": "ppo", "ppo": "grpo"}[self.algorithm]
+        section = getattr(self, other)
+        changed = [k for k, f in type(section).model_fields.items() if getattr(section, k) != f.default]
+        if changed:
+            key = changed[0]
             raise ValueError(
-                f"prompts_per_step x group_size = {prompts} x {group} = {prompts * group} rows per step do not "
-                f"split into {v} minibatches; pick a divisor of {prompts * group}"
+                f"rl.{other}.{key} = {getattr(section, key)!r}: {other}.{key} is {other.upper()}-only: under "
+                f"algorithm: {self.algorithm} it would do nothing; set algorithm: {other}, or leave it at its "
+                f"default {type(section).model_fields[key].default!r}"
             )
-        return v
+        return self
+
+    @model_validator(mode="after")
+    def _rows_split_into_minibatches(self) -> RLSettings:
+        rows, n = self.prompts_per_step * self.group_size, self.ppo.num_minibatches
+        if self.algorithm == "ppo" and rows % n:
+            raise ValueError(
+                f"rl.ppo.num_minibatches = {n}: prompts_per_step x group_size = {self.prompts_per_step} x "
+                f"{self.group_size} = {rows} rows per step do not split into {n} minibatches; pick a divisor of {rows}"
+            )
+        return self
 
     @field_validator("generation_size")
     @classmethod
@@ -566,13 +603,6 @@ class RLSettings(RunSettings):
                 "rollout_role samples each step's prompts ahead of the trainer, but filter_solved changes the pool "
                 "from the trainer's scores; set filter_solved: 0, or rollout_role: false"
             )
-        return v
-
-    @field_validator("value_norm", "bootstrap")
-    @classmethod
-    def _needs_the_critic(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("disable_value"):
-            raise ValueError(f"{info.field_name} needs the critic; it cannot be on with disable_value: true")
         return v
 
 
