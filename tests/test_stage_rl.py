@@ -223,3 +223,22 @@ def test_a_checkpoint_from_before_the_shared_loop_resumes_with_its_totals_and_fi
     new = {**old, "carried": {**old["carried"], "first_evals": {}}}
     del new["first_eval"]
     assert loop_meta(new) is new  # the shared loop's meta passes as it is
+
+
+def test_a_nested_key_is_read_from_the_environment_and_a_misspelt_one_named(monkeypatch):
+    """``CHATPIPE_RL__PPO__KL_COEF`` sets one key of ``rl.ppo``; a key the section lacks, or one below a
+    plain key, is refused naming it (and the section's keys)."""
+    monkeypatch.setenv("CHATPIPE_RL__ALGORITHM", "ppo")
+    monkeypatch.setenv("CHATPIPE_RL__PPO__KL_COEF", "0.25")
+    monkeypatch.setenv("CHATPIPE_RL__GUARD__EVERY", "3")
+    cfg = load_section(RLSettings, [])
+    assert cfg.ppo.kl_coef == 0.25 and cfg.ppo.clip_eps == 0.2 and cfg.guard.every == 3
+    monkeypatch.setenv("CHATPIPE_RL__PPO__KL_COFF", "0.25")
+    with pytest.raises(ParamsError, match=r"unknown key rl.ppo.kl_coff; allowed keys: critic_init_dir, value_lr_frac"):
+        load_section(RLSettings, [])
+    monkeypatch.delenv("CHATPIPE_RL__PPO__KL_COFF")
+    monkeypatch.setenv("CHATPIPE_RL__PPO__KL_COEF", "-1")
+    with pytest.raises(
+        ParamsError, match=r"rl.ppo.kl_coef = -1.0 \(from environment variable CHATPIPE_RL__PPO__KL_COEF\)"
+    ):
+        load_section(RLSettings, [])
