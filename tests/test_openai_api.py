@@ -102,6 +102,14 @@ def test_non_streamed_n_seed_stop_usage_and_models(client, ours):
     assert client.chat.completions.create(**kw).choices[0].message.content == (
         client.chat.completions.create(**kw).choices[0].message.content
     )
+    # min_tokens (an extension): no stop before that many tokens, so the choices run to max_tokens
+    r = client.chat.completions.create(
+        model="sft", messages=QUESTION, max_tokens=40, temperature=0, n=2, extra_body={"min_tokens": 40}
+    )
+    assert r.usage.completion_tokens == 2 * 40  # the stop itself: tests/test_scheduler.py
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    with pytest.raises(openai.BadRequestError, match="min_tokens=9 is over max_tokens=8"):
+        client.chat.completions.create(model="sft", messages=QUESTION, max_tokens=8, extra_body={"min_tokens": 9})
 
 
 @pytest.mark.slow

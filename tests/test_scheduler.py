@@ -329,3 +329,22 @@ def test_a_prefill_that_raises_leaves_its_requests_for_fail_all():
     assert sched.stats()["running"] == 3  # the running row and the two prefilling
     assert set(map(id, sched.fail_all())) == {id(running), *map(id, joining)}
     assert not sched.busy() and sched.stats()["running"] == 0
+
+
+@torch.no_grad()
+def test_min_tokens_holds_stop_tokens_back_until_that_many_tokens():
+    # a model that always wants to stop: without min_tokens every reply is its stop token alone
+    engine = Engine(ScriptedGPT({}, default=S["<|assistant_end|>"]), TOK)
+    prompt = [S["<|bos|>"], *TOK.encode("hi")]
+    sched = Scheduler(engine, rows=4, context=32)
+    eager, held, sampled = (
+        sched.submit(GenRequest(prompt, num_samples=2, max_tokens=8, min_tokens=m, temperature=t, seed=3))
+        for m, t in ((0, 0.0), (5, 0.0), (5, 1.0))
+    )
+    sched.run()
+    assert eager.seqs == [[S["<|assistant_end|>"]]] * 2 and eager.reasons == ["stop", "stop"]
+    for req in (held, sampled):  # five tokens that are not stops, then the stop the model wanted
+        assert [len(s) for s in req.seqs] == [6, 6] and req.reasons == ["stop", "stop"]
+        assert not {S["<|assistant_end|>"], S["<|bos|>"]} & {t for s in req.seqs for t in s[:5]}
+    with pytest.raises(ValueError, match="min_tokens must be in 0..max_tokens"):
+        sched.submit(GenRequest(prompt, max_tokens=4, min_tokens=5))

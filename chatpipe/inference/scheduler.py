@@ -64,6 +64,7 @@ class GenRequest:
     prompt: list[int]
     num_samples: int = 1
     max_tokens: int = 64
+    min_tokens: int = 0  # no stop token is sampled before this many tokens (vLLM's ``min_tokens``)
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
@@ -178,6 +179,8 @@ class Scheduler:
             raise ValueError("prompt_ids must hold at least one token (e.g. <|bos|>)")
         if why := self.fits(len(req.prompt), req.max_tokens, req.num_samples):
             raise ValueError(why)
+        if not 0 <= req.min_tokens <= req.max_tokens:
+            raise ValueError(f"min_tokens must be in 0..max_tokens ({req.max_tokens}), got {req.min_tokens}")
         req.seqs = [[] for _ in range(req.num_samples)]
         req.masks = [[] for _ in range(req.num_samples)]
         req.logps = [[] for _ in range(req.num_samples)] if req.logprobs else []
@@ -315,6 +318,7 @@ class Scheduler:
         generator (its live samples in sample order, one call a step), wherever its rows sit in the batch.
         With ``top_k`` the draw is over the k best tokens only (:func:`sampling_candidates`)."""
         tokens = [0] * len(self.live)
+        logits = self._stops_held()
         by_request: dict[int, list[int]] = {}
         greedy = []
         for i, row in enumerate(self.live):
@@ -323,7 +327,7 @@ class Scheduler:
             else:
                 by_request.setdefault(id(row.req), []).append(i)
         if greedy:
-            for i, t in zip(greedy, self.logits[greedy].argmax(dim=-1).tolist()):
+            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
                 tokens[i] = t
         settings: dict[tuple, list[list[int]]] = {}  # requests that sample alike: their probabilities together
         for idx in by_request.values():
@@ -332,13 +336,24 @@ class Scheduler:
             settings.setdefault((r.temperature, r.top_k, r.top_p), []).append(idx)
         for (temperature, top_k, top_p), groups in settings.items():
             flat = [i for idx in groups for i in idx]
-            probs, ids = sampling_candidates(self.logits[flat], temperature, top_k, top_p)
+            probs, ids = sampling_candidates(logits[flat], temperature, top_k, top_p)
             drawn = draw(probs, [(len(idx), self.live[idx[0]].req.rng) for idx in groups])
             if ids is not None:  # a top-k candidate's index -> its token
                 drawn = ids.gather(1, drawn[:, None]).squeeze(1)
             for i, t in zip(flat, drawn.tolist()):
                 tokens[i] = t
         return tokens
+
+    def _stops_held(self) -> torch.Tensor:
+        """The live rows' logits, with their stop tokens at -inf in rows still short of their request's
+        ``min_tokens`` (a copy then; the log-probs a client reads stay the model's own)."""
+        short = [i for i, row in enumerate(self.live) if row.state.count < row.req.min_tokens]
+        if not short:
+            return self.logits
+        logits = self.logits.clone()  # may be an expanded view (a request's samples share one row)
+        for i in short:
+            logits[i, list(self.live[i].state.stops)] = float("-inf")
+        return logits
 
     def _record(self, tokens: list[int]) -> None:
         """Apply each live row's sampled token through its row rules; record it (and its log-probs)."""

@@ -9,8 +9,8 @@ Endpoints (mounted by chatpipe/serve/app.py):
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model this server serves (its id is the
   name it was loaded by: ``sft``, ``models:/chatpipe/3``, a directory name).
 - ``POST /v1/chat/completions``: ``messages`` rendered by the chat format the model was trained on;
-  ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an
-  extension), ``stop`` (up to ``serve.max_stops`` strings), ``n``, ``seed``, ``logprobs`` and
+  ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` and
+  ``min_tokens`` (extensions, as vLLM's: no stop token before ``min_tokens`` tokens), ``stop`` (up to ``serve.max_stops`` strings), ``n``, ``seed``, ``logprobs`` and
   ``top_logprobs`` (0..20), ``stream`` (server-sent events, ``stream_options.include_usage`` adds a
   last chunk with ``usage``). Answers carry ``usage``.
 - ``POST /v1/completions``: plain text continuation (meant for base models): ``prompt`` (a string
@@ -127,6 +127,7 @@ class _Sampling(StrictRequest):
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="an extension: 0 disables top-k")
+    min_tokens: int = Field(0, ge=0, description="an extension (vLLM's): no stop token before this many tokens")
     stop: Text | list[Text] | None = Field(
         None, description="up to serve.max_stops strings of 1..serve.max_stop_chars characters"
     )
@@ -239,8 +240,12 @@ def check_sampling(req: _Sampling, model_name: str, cfg: Any) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", "stream_options")
     top_k = cfg.top_k if req.top_k is None else req.top_k
+    max_tokens = max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit)
+    if req.min_tokens > max_tokens:
+        raise OpenAIError(400, f"min_tokens={req.min_tokens} is over max_tokens={max_tokens}", "min_tokens")
     return dict(
-        max_tokens=max_tokens or min(cfg.max_tokens, cfg.max_tokens_limit),
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
         temperature=cfg.temperature if req.temperature is None else req.temperature,
         top_k=top_k or None,
         top_p=req.top_p,
