@@ -99,13 +99,14 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     rl = load_section(RLSettings, stage_args) if stage == "rl" else None
     rollout = rollout_role_threads(rl, launch, nnodes * nproc) if rl is not None else None
     if rollout:
-        env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
+        from chatpipe.rl.exchange import launch_dir  # here: the launcher imports no torch otherwise
+
+        # a dir of this launch's own; beyond local_cwd the roles may land on two nodes, whose shared
+        # memory is not shared (launch_dir then picks the project's checkpoints dir, which is)
+        root = launch_dir(rl.exchange_dir, secrets.token_hex(6), one_host=launch.scheduler == "local_cwd")
+        env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: str(root)}
         if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
             env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
-        if launch.scheduler != "local_cwd" and not rl.exchange_dir:
-            # the roles may land on two nodes, whose shared memory is not shared: the project's
-            # checkpoints dir is, as resuming needs it to be
-            env["CHATPIPE_RL__EXCHANGE_DIR"] = "checkpoints/rl/exchange"
     if nnodes * nproc == 1:
         app = python(
             *stage_args,

@@ -246,9 +246,9 @@ _RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearl
 
 
 # asynchronous RL's second role (rl.rollout_role), set by chatpipe.launch: which role a stages.rl
-# process is, the id of both roles' shared dir (fresh per launch, so no file of an earlier launch is
-# ever read), and the trainer's threads once the role is done
-RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_EXCHANGE_ID"
+# process is, both roles' shared dir (chatpipe.rl.exchange.launch_dir: fresh per launch, so no file of
+# an earlier launch is ever read), and the trainer's threads once the role is done
+RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_LAUNCH_DIR"
 RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"
 
 
