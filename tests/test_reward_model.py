@@ -233,6 +233,49 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
     )
 
 
+def test_filter_solved_fires_under_win_rate_on_the_normalised_scores():
+    """Under the default ``reward_model_scores: win_rate`` a group's win rates average 0.5, so the
+    check before (``scores >= solved_score``, 1.0) could never call a reply solved. A reply now counts as
+    solved when its normalised reward-model score reaches ``solved_score``: a model that scores every
+    reply of the batch 2 std above its reference mean solves every group; one that scores them all
+    below solves none."""
+    from types import SimpleNamespace
+
+    from chatpipe import runtime
+    from chatpipe.rl import losses
+    from chatpipe.rl import scoring as rl
+    from chatpipe.rl.rollout import Rollouts
+    from chatpipe.rl.step import solved_threshold
+    from chatpipe.settings import RLSettings, load_section
+
+    torch.manual_seed(1)
+    ids = torch.randint(1, 64, (4, 7))
+    mask = torch.tensor([[0.0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    groups = torch.tensor([0, 0, 1, 1])
+    batch = Rollouts(
+        ids[:, :-1], ids[:, 1:], mask, torch.zeros(4), torch.ones(4, dtype=torch.bool), mask.sum(1).long(), groups
+    )
+    batch.correct = torch.zeros(4, dtype=torch.bool)  # the verifier's verdict, which a model-scored run ignores
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    cfg = load_section(RLSettings, ["--reward_source=model", "--filter_solved=1.0", "--device_batch_size=4"])
+    assert cfg.reward_model_scores == "win_rate" and cfg.solved_score == 1.0  # the defaults
+    rm = trained_head(tiny_gpt())
+    with torch.no_grad():
+        raw = rollout_scores(rm, batch.inputs, batch.targets, batch.mask)
+    rates = {}
+    # every reply at least 2 std above the reference mean, then at least 2 below
+    for where, mean in (("above", raw.min().item() - 2.0), ("below", raw.max().item() + 2.0)):
+        rm.score_mean, rm.score_std = mean, 1.0
+        spec = SimpleNamespace(reward_model=rm, reward_model_opts=[], ensemble=[])
+        scored, _ = rl.score_rollouts(SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=spec), batch)
+        assert not (scored.scores >= cfg.solved_score).any()  # win rates: what the old check compared
+        rates[where] = losses.group_solve_rates(scored.solved(solved_threshold(cfg)), groups)
+        assert scored.select(torch.tensor([1, 2])).model_scores.tolist() == scored.model_scores[1:3].tolist()
+    assert rates["above"] == {0: 1.0, 1: 1.0} and rates["below"] == {0: 0.0, 1: 0.0}
+    verifier_run = load_section(RLSettings, ["--filter_solved=1.0"])
+    assert torch.equal(batch.solved(solved_threshold(verifier_run)), batch.correct)  # the verdict decides
+
+
 def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
     """score_rollouts with ``reward_model_ensemble``: each row's reward is the mean over the models of
     its win rate in its group (each at its own score_std); the step logs the mean normalised score.

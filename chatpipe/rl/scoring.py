@@ -56,7 +56,8 @@ def score_rollouts(run, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         stats |= refresh_reward_model(run, batch)
     # win rates from the scores read above; the guard above still reads the normalised scores
     model = ensemble_rewards(each, stds, batch.groups) if cfg.reward_model_scores == "win_rate" else normalized
-    return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
+    scored = combine_rewards(cfg.reward_source, batch.scores, model)
+    return dataclasses.replace(batch, scores=scored, model_scores=normalized), stats
 
 
 def refresh_reward_model(run, batch: Rollouts) -> dict[str, float]:

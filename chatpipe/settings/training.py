@@ -469,7 +469,8 @@ class RLSettings(RunSettings):
     solved_score: float = Field(
         1.0,
         description="with reward_source model: a response counts as solved (filter_solved) when its normalised "
-        "reward-model score is at least this; verifier runs count the verifier's verdict",
+        "reward-model score is at least this (also under win_rate, whose rates average 0.5 in a group); "
+        "verifier runs count the verifier's verdict",
     )
     grpo: GRPOSettings = Field(default_factory=lambda: GRPOSettings(), description="GRPO-lite's own keys")
     ppo: PPOSettings = Field(default_factory=lambda: PPOSettings(), description="PPO's own keys (critic, GAE, KL)")
