@@ -92,6 +92,36 @@ def test_a_refreshed_reward_model_needs_reward_source_model():
     assert load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.2"]).reward_model_lr_frac == 0.2
 
 
+def test_iterated_rlhf_says_at_start_and_in_its_summary_that_its_reward_carries_the_verifier(caplog):
+    """With reward_model_lr_frac > 0 the reward model learns from verifier-ranked pairs during RL, so the
+    policy's reward is not verifier-free: turning it on logs a warning saying so, and the stage's summary
+    says it (``reward_carries_verifier`` 1); a frozen reward model's run says 0, a verifier run nothing."""
+    import logging
+
+    from chatpipe.rl.roles import reward_model_optimizers
+    from chatpipe.rl.step import summary
+    from chatpipe.settings import RLSettings, load_section
+    from chatpipe.train.loop import LoopState
+    from chatpipe.train.optim import init_lrs
+
+    iterated = load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.5"])
+    frozen = load_section(RLSettings, ["--reward_source=model"])
+    state = LoopState(step=0, total_steps=1)
+    with caplog.at_level(logging.WARNING, logger="rl"):
+        assert reward_model_optimizers(iterated, trained_head(tiny_gpt()), init_lrs({}))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "iterated RLHF uses the verifier" in warning and "rl.reward_model_lr_frac = 0.5" in warning
+    assert "not verifier-free" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl"):
+        assert reward_model_optimizers(frozen, trained_head(tiny_gpt()), init_lrs({})) == []
+    assert not caplog.records
+    assert summary(state, cfg=iterated)["reward_carries_verifier"] == 1.0
+    assert summary(state, cfg=frozen)["reward_carries_verifier"] == 0.0
+    assert summary(state, cfg=load_section(RLSettings, ["--reward_source=both"]))["reward_carries_verifier"] == 1.0
+    assert "reward_carries_verifier" not in summary(state, cfg=load_section(RLSettings))
+
+
 def test_a_row_is_scored_at_its_last_token_whatever_the_padding():
     rm = trained_head(tiny_gpt())
     rows = [[1, 5, 6, 7], [1, 8, 9, 10, 11, 12, 13]]

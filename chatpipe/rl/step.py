@@ -30,7 +30,7 @@ from chatpipe.rl.problems import Prompts, step_indices
 from chatpipe.rl.roles import Models
 from chatpipe.rl.rollout import Problem, Rollouts, evaluate_problems, keep_best
 from chatpipe.rl.sampling import model_ranked, sample_batch
-from chatpipe.rl.scoring import score_rollouts
+from chatpipe.rl.scoring import score_rollouts, verifier_summary
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import GRPOConfig, Learners, PPOConfig, policy_update
 from chatpipe.rl.verifier import Verifier
@@ -222,12 +222,16 @@ def loop_meta(meta: dict) -> dict:
     return {**meta, "carried": carried}
 
 
-def summary(state: LoopState, guard: RewardGuard | None = None, verifier: Verifier | None = None) -> dict[str, float]:
+def summary(
+    state: LoopState, guard: RewardGuard | None = None, verifier: Verifier | None = None, cfg: RLSettings | None = None
+) -> dict[str, float]:
     """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k, the
-    reward-hacking guard's trips and its first and last windows (the report card shows them), and the
-    user's verifier's calls and failures (this rank's)."""
+    reward-hacking guard's trips and its first and last windows (the report card shows them), the
+    user's verifier's calls and failures (this rank's), and for a model-scored run whether its reward
+    carried the verifier (:func:`chatpipe.rl.scoring.verifier_summary`)."""
     gen_seconds = state.total("gen_seconds")
     return {
+        **(verifier_summary(cfg) if cfg is not None else {}),
         **(guard.summary() if guard else {}),
         **(verifier.summary() if verifier else {}),
         "steps": state.step,

@@ -483,8 +483,9 @@ class RLSettings(RunSettings):
         ge=0,
         description="iterated RLHF (reward_source model|both): after each step's scoring, one optimizer step of the "
         "reward model's Bradley-Terry loss on the step's pairs the verifier ranks (a right and a wrong reply to one "
-        "prompt), at this fraction of the init model's LRs; the policy still trains on the model's scores alone. "
-        "0: the reward model stays frozen",
+        "prompt), at this fraction of the init model's LRs; the policy still reads the model's scores alone, but "
+        "they then carry the verifier's verdicts (not verifier-free: a warning, and reward_carries_verifier in the "
+        "summary). 0: the reward model stays frozen",
     )
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
