@@ -613,6 +613,12 @@ class RewardModelSettings(RunSettings):
     Bradley-Terry loss; held-out pair accuracy and score margins at the end."""
 
     section: ClassVar[str] = "reward_model"
+    train_when: Literal["read", "always"] = Field(
+        "read",
+        description="read: the stage (dvc.yaml's `--if-read`) trains only when RL reads a reward model "
+        "(rl.reward_source model|both), else writes artifacts/reward_model/not_read.json saying why; always: "
+        "it trains whatever RL reads (a model for later runs)",
+    )
     init_dir: str = Field("artifacts/sft", description="model dir whose trunk (and LRs) the reward model starts from")
     source: Literal["tiny", "local", "hf"] = Field(
         "tiny",
