@@ -1,7 +1,8 @@
 """What RL adds: RL's arms against the replay-only control, on one SFT model, over seeds.
 
-Run after the tiny pipeline has made ``artifacts/sft`` and ``artifacts/reward_model`` (the flow, or
-``dvc repro reward_model``), from the repo root:
+Run after the tiny pipeline has made ``artifacts/sft`` and ``artifacts/reward_model`` (the default
+pipeline trains no reward model, RL reading none: ``python -m chatpipe.launch reward_model``), from
+the repo root:
 
     python bench/rl_controls.py --seeds 1 2 3                 # every arm, 3 seeds: about 15 RL runs
     python bench/rl_controls.py --seeds 1 --arms replay_only rm_ppo_no_replay --parallel 2

@@ -4,6 +4,7 @@
     python -m chatpipe.launch pretrain -- --max_steps=20  # overrides go to the stage
     python -m chatpipe.launch pretrain --dryrun           # print the scheduler request only
     python -m chatpipe.launch pretrain --scheduler slurm --dryrun
+    python -m chatpipe.launch reward_model --if-read      # dvc.yaml's: a marker when RL reads no reward model
 
 Every scheduler (``local_cwd``, ``slurm``, ``kubernetes``) runs the same
 ``torchrun -m stages.<stage>`` command (plain ``python -m`` for a single process); only the
@@ -17,13 +18,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
+from chatpipe.io import write_text_atomic
+from chatpipe.paths import ARTIFACTS, REWARD_MODEL_NOT_READ
 from chatpipe.procs import die_with_parent, parent_gone, process_start
 from chatpipe.settings import (
     RL_EXCHANGE_ENV,
@@ -31,11 +36,15 @@ from chatpipe.settings import (
     RL_THREADS_AFTER_ENV,
     LaunchSettings,
     ParamsError,
+    RewardModelSettings,
     RLSettings,
+    check_env_keeps_stages,
     load_section,
     pipeline_stages,
+    reward_model_unread,
     validate_all,
 )
+from chatpipe.stage_metrics import write_metrics
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
@@ -99,13 +108,14 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     rl = load_section(RLSettings, stage_args) if stage == "rl" else None
     rollout = rollout_role_threads(rl, launch, nnodes * nproc) if rl is not None else None
     if rollout:
-        env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
+        from chatpipe.rl.exchange import launch_dir  # here: the launcher imports no torch otherwise
+
+        # a dir of this launch's own; beyond local_cwd the roles may land on two nodes, whose shared
+        # memory is not shared (launch_dir then picks the project's checkpoints dir, which is)
+        root = launch_dir(rl.exchange_dir, secrets.token_hex(6), one_host=launch.scheduler == "local_cwd")
+        env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: str(root)}
         if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
             env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
-        if launch.scheduler != "local_cwd" and not rl.exchange_dir:
-            # the roles may land on two nodes, whose shared memory is not shared: the project's
-            # checkpoints dir is, as resuming needs it to be
-            env["CHATPIPE_RL__EXCHANGE_DIR"] = "checkpoints/rl/exchange"
     if nnodes * nproc == 1:
         app = python(
             *stage_args,
@@ -370,6 +380,20 @@ def run_slurm_stage(runner, app, cfg: dict[str, object], stage: str, launch: Lau
     return slurm.run(runner, app, cfg, stage, Path(launch.log_dir))
 
 
+def write_not_read(why: str) -> Path:
+    """The reward_model stage's outputs when RL reads no reward model (``--if-read``): in place of the
+    model a marker saying why, and the metrics file and plots dir DVC expects of the stage. Returns the
+    marker's path."""
+    out = ARTIFACTS / "reward_model"
+    shutil.rmtree(out, ignore_errors=True)  # DVC removed it already; by hand, an older model would mislead
+    out.mkdir(parents=True)
+    marker = out / REWARD_MODEL_NOT_READ
+    write_text_atomic(marker, json.dumps({"trained": False, "why": why}, indent=2) + "\n")
+    write_metrics("reward_model", {"trained": 0})
+    Path("plots", "reward_model").mkdir(parents=True, exist_ok=True)
+    return marker
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: validate all params, then launch one stage."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -383,9 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler", choices=["local_cwd", "slurm", "kubernetes"])
     p.add_argument("--nnodes", type=int)
     p.add_argument("--nproc_per_node", type=int)
+    p.add_argument(
+        "--if-read",
+        action="store_true",
+        help="reward_model only: train it only when RL reads a reward model, else write a marker saying why",
+    )
     args = p.parse_args(argv)
+    if args.if_read and args.stage != "reward_model":
+        p.error(f"--if-read is for the reward_model stage (RL may read it or not), not {args.stage}")
     try:
         validate_all()  # a bad value anywhere stops here, before any stage writes anything
+        check_env_keeps_stages()  # ...and so does a variable that would change what DVC's record says ran
+        why = reward_model_unread(load_section(RLSettings), load_section(RewardModelSettings)) if args.if_read else ""
         overrides = {
             k: v for k, v in vars(args).items() if k in ("scheduler", "nnodes", "nproc_per_node") and v is not None
         }  # 0 is a value to validate (and reject), not "not given"
@@ -393,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if why:  # the same test the flow goes by (chatpipe.settings.reward_model_unread)
+        done = "would write a marker" if args.dryrun else f"wrote {write_not_read(why)}"
+        print(f"[launch] reward_model: not trained ({why}); {done}", flush=True)
+        return 0
     return run_stage(args.stage, stage_args, dryrun=args.dryrun, launch=launch)
 
 

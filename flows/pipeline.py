@@ -36,11 +36,14 @@ from chatpipe.owndata import check_user_files
 from chatpipe.settings import (
     PROFILE_STAGE,  # writes profile/<section>.yaml, which every other stage depends on
     ParamsError,
+    RewardModelSettings,
     RLSettings,
     TrackingSettings,
     active_profile,
+    check_env_keeps_stages,
     dvc_stages,
     load_section,
+    reward_model_unread,
     validate_all,
     write_profile,
 )
@@ -272,19 +275,24 @@ def log_headline_numbers(client, parent_id: str, stages: list[str]) -> None:
     client.log_batch(parent_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
 
 
-UNREAD_WHY = (
-    "rl.reward_source = verifier reads no reward model; name it (--stages reward_model) or set "
-    "rl.reward_source: model | both to run it"
-)
-
-
-def unread_stages(named: list[str]) -> list[str]:
-    """Stages whose output no later stage reads under the current settings, unless ``named``: the
-    reward model while RL trains on the verifier (its default). It is the second-longest stage of
-    the tiny run, and nothing else reads it (docs/reward-model.md)."""
-    if "reward_model" in named or load_section(RLSettings).reward_source != "verifier":
-        return []
-    return ["reward_model"]
+def flow_stages(stages: list[str] | None = None, resume_from: str | None = None) -> list[str]:
+    """The stages the flow runs, in order: dvc.yaml's (``profile`` first, always), or those named, from
+    ``resume_from`` on. With none named, exactly what ``dvc repro`` runs: whether the reward model trains
+    is its own stage command's call (``--if-read``), never a stage the flow leaves out."""
+    every = list(dvc_stages())  # dvc.yaml's, `profile` included: the flow runs what `dvc repro` runs
+    unknown = set(stages or []) - set(every)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(every)}")
+    if resume_from and resume_from not in every:
+        raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(every)}")
+    selected = [
+        s
+        for s in every
+        if (not stages or s in stages) and (not resume_from or every.index(s) >= every.index(resume_from))
+    ]
+    if PROFILE_STAGE in every and PROFILE_STAGE not in selected:
+        selected.insert(0, PROFILE_STAGE)  # the others depend on its files: keep them current
+    return selected
 
 
 @flow(name="chatpipe", log_prints=True)
@@ -299,28 +307,18 @@ def pipeline(
     ``commit_lock_file``: after a successful run, git-commit dvc.lock, profile/, metrics/ and plots/
     (only those paths), so the next ``dvc metrics diff`` / ``dvc exp show`` compares against it.
     """
-    every = list(dvc_stages())  # dvc.yaml's, `profile` included: the flow runs what `dvc repro` runs
-    unknown = set(stages or []) - set(every)
-    if unknown:
-        raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(every)}")
-    if resume_from and resume_from not in every:
-        raise ValueError(f"resume_from = {resume_from!r}; allowed: {', '.join(every)}")
-    selected = [
-        s
-        for s in every
-        if (not stages or s in stages) and (not resume_from or every.index(s) >= every.index(resume_from))
-    ]
-    if PROFILE_STAGE in every and PROFILE_STAGE not in selected:
-        selected.insert(0, PROFILE_STAGE)  # the others depend on its files: keep them current
+    selected = flow_stages(stages, resume_from)
     logger = get_run_logger()
     if profile:
         write_profile(profile)
     settings = validate_all()  # bad params stop the flow before any stage writes anything
+    check_env_keeps_stages()  # ...and so does a variable that would change which stages train
     check_user_files(settings)  # ...and so does a bad file of the user's (docs/own-data.md)
-    for stage in unread_stages(stages or []):
-        if stage in selected:
-            selected.remove(stage)
-            logger.info("stage %s: not needed (%s)", stage, UNREAD_WHY)
+    # every stage runs as `dvc repro` runs it: the reward_model stage's own command decides, by the same
+    # test, to write a marker instead of a model when RL reads none (rl depends on either in dvc.yaml)
+    unread = reward_model_unread(load_section(RLSettings), load_section(RewardModelSettings))
+    if unread and "reward_model" in selected:
+        logger.info("stage reward_model: a marker, not a model (%s)", unread)
 
     track = load_section(TrackingSettings)
     parent_id = None
@@ -394,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["CHATPIPE_PROFILE"] = args.profile
     try:  # fail fast, before the Prefect server starts or any stage writes anything
         check_user_files(validate_all())
+        check_env_keeps_stages()
     except (ParamsError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

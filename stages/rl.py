@@ -125,7 +125,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
             ARTIFACTS / "rl",
             models.policy,
             loop.meta(state),
-            summary(state, run.guard, verifier),
+            summary(state, run.guard, verifier, cfg),
             step=state.step,
             run=tracking,
             metrics=metrics,

@@ -123,3 +123,76 @@ def test_the_rollout_role_begins_again_when_the_trainer_restarts(tmp_path):
     ex.stop()
     role.join(timeout=10)
     assert [(g["step"], g["version"]) for g in got] == [(2, 2), (3, 3)] and not role.is_alive()
+
+
+def test_a_launch_reaps_only_the_dirs_of_trainers_that_are_provably_dead(tmp_path):
+    """Two trainers' launch dirs under one parent, one owner alive and one dead: starting a third launch
+    removes only the dead one's (and one whose pid now belongs to a later process), never a live one's,
+    one on another host, one with no owner record, nor a user's own dir. Before, every 12-hex sibling
+    was removed, so two launches sharing a parent deleted each other's exchange."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from chatpipe.procs import process_start
+    from chatpipe.rl.exchange import OWNER, claim, reap_dead_launches
+
+    host = socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        owners = {
+            "aaaaaaaaaaaa": {"host": host, "pid": live.pid, "start": process_start(live.pid)},
+            "bbbbbbbbbbbb": {"host": host, "pid": dead.pid, "start": "12.00"},
+            "cccccccccccc": {"host": host, "pid": live.pid, "start": "12.00"},  # its pid, reused by another
+            "dddddddddddd": {"host": host + "-other-node", "pid": dead.pid, "start": "12.00"},
+        }
+        base = tmp_path / "shared"
+        for name, owner in owners.items():
+            (base / name).mkdir(parents=True)
+            (base / name / OWNER).write_text(json.dumps(owner))
+            (base / name / "weights.pt").write_bytes(b"w")
+        (base / "eeeeeeeeeeee").mkdir()  # a role beat before its trainer claimed the dir: not provably dead
+        (base / "notes").mkdir()
+        mine = base / "ffffffffffff"
+        claim(mine)
+        removed = reap_dead_launches(mine)
+        assert sorted(p.name for p in removed) == ["bbbbbbbbbbbb", "cccccccccccc"]
+        assert sorted(p.name for p in base.iterdir()) == [
+            "aaaaaaaaaaaa",
+            "dddddddddddd",
+            "eeeeeeeeeeee",
+            "ffffffffffff",
+            "notes",
+        ]
+        assert (base / "aaaaaaaaaaaa" / "weights.pt").exists()
+        # the live trainer's own dir cannot be claimed by another trainer
+        with pytest.raises(RuntimeError, match=rf"belongs to another RL trainer \(pid {live.pid} on {host}\)"):
+            claim(base / "aaaaaaaaaaaa")
+        # a start keeps the owner record it clears the rest around
+        ex = Exchange(mine)
+        ex.start(0, {"w": torch.ones(1)})
+        assert json.loads((mine / OWNER).read_text())["pid"] == os.getpid()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_the_launch_dir_is_decided_in_one_place(tmp_path, monkeypatch):
+    """launch_dir: rl.exchange_dir when set; else shared memory on one host; else the checkpoints dir
+    (roles on two nodes, or a host without /dev/shm); one dir per launch id under it."""
+    from pathlib import Path
+
+    from chatpipe.rl.exchange import launch_dir
+
+    assert launch_dir(str(tmp_path), "0123456789ab") == tmp_path / "0123456789ab"
+    assert launch_dir("", "0123456789ab", one_host=False) == Path("checkpoints/rl/exchange/0123456789ab")
+    if Path("/dev/shm").is_dir():
+        monkeypatch.chdir(tmp_path)
+        shm = launch_dir("")
+        assert shm.parent.parent == Path("/dev/shm") and shm.name == "default"
+        monkeypatch.chdir(tmp_path.parent)
+        assert launch_dir("").parent != shm.parent  # one dir per project

@@ -115,7 +115,7 @@ def test_editing_the_verifier_file_makes_rl_stale(project):
     shutil.copy(project / "verifiers" / "exact_answer.py", mine)
     set_params(project, {"rl": {"reward": "custom", "verifier_file": "mine.py"}})
     run(project, "python", "-m", "chatpipe.settings", "rl")  # profile/rl.yaml, a dep of rl
-    for d in ("artifacts/tokenizer", "artifacts/sft", "artifacts/rl", "plots/rl"):
+    for d in ("artifacts/tokenizer", "artifacts/sft", "artifacts/reward_model", "artifacts/rl", "plots/rl"):
         (project / d).mkdir(parents=True, exist_ok=True)
         (project / d / "x").write_text(d)
     (project / "metrics").mkdir(exist_ok=True)

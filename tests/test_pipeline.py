@@ -257,15 +257,24 @@ def test_the_flows_read_dvc_yaml_when_asked_not_at_import():
     assert "invalid choice: 'no_such_stage'" in out.stderr
 
 
-def test_the_reward_model_runs_only_when_rl_reads_it_or_it_is_named(params_file, monkeypatch):
-    """The default RL trains on the verifier: the flow leaves the reward model out (its cost, with
-    nothing reading it); a model-scored RL, or naming the stage, runs it."""
-    from flows.pipeline import unread_stages
+def test_the_reward_model_trains_only_when_rl_reads_it_by_one_test(params_file):
+    """The default RL trains on the verifier: the one test both entry points go by (the flow, and the
+    stage's `--if-read` command that `dvc repro` runs) says the stage has nothing to train, and why; a
+    model-scored RL set in params.yaml, or reward_model.train_when: always, trains it. The flow itself
+    leaves no stage out (tests/test_pipeline_definition.py runs DVC on it)."""
+    import yaml
 
-    assert unread_stages([]) == ["reward_model"]
-    assert unread_stages(["reward_model", "rl"]) == []
-    monkeypatch.setenv("CHATPIPE_RL__REWARD_SOURCE", "model")
-    assert unread_stages([]) == []
+    from chatpipe.settings import RewardModelSettings, RLSettings, load_section, reward_model_unread
+
+    def unread() -> str:
+        return reward_model_unread(load_section(RLSettings), load_section(RewardModelSettings))
+
+    assert "rl.reward_source = verifier reads no reward model" in unread()
+    raw = yaml.safe_load(params_file.read_text())
+    for section, key, value in (("rl", "reward_source", "model"), ("reward_model", "train_when", "always")):
+        changed = {**raw, section: {**raw[section], key: value}}
+        params_file.write_text(yaml.safe_dump(changed))
+        assert unread() == "", (section, key)
 
 
 def test_dvc_push_then_pull_restores_outputs(finished):

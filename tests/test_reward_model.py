@@ -92,6 +92,36 @@ def test_a_refreshed_reward_model_needs_reward_source_model():
     assert load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.2"]).reward_model_lr_frac == 0.2
 
 
+def test_iterated_rlhf_says_at_start_and_in_its_summary_that_its_reward_carries_the_verifier(caplog):
+    """With reward_model_lr_frac > 0 the reward model learns from verifier-ranked pairs during RL, so the
+    policy's reward is not verifier-free: turning it on logs a warning saying so, and the stage's summary
+    says it (``reward_carries_verifier`` 1); a frozen reward model's run says 0, a verifier run nothing."""
+    import logging
+
+    from chatpipe.rl.roles import reward_model_optimizers
+    from chatpipe.rl.step import summary
+    from chatpipe.settings import RLSettings, load_section
+    from chatpipe.train.loop import LoopState
+    from chatpipe.train.optim import init_lrs
+
+    iterated = load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.5"])
+    frozen = load_section(RLSettings, ["--reward_source=model"])
+    state = LoopState(step=0, total_steps=1)
+    with caplog.at_level(logging.WARNING, logger="rl"):
+        assert reward_model_optimizers(iterated, trained_head(tiny_gpt()), init_lrs({}))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "iterated RLHF uses the verifier" in warning and "rl.reward_model_lr_frac = 0.5" in warning
+    assert "not verifier-free" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl"):
+        assert reward_model_optimizers(frozen, trained_head(tiny_gpt()), init_lrs({})) == []
+    assert not caplog.records
+    assert summary(state, cfg=iterated)["reward_carries_verifier"] == 1.0
+    assert summary(state, cfg=frozen)["reward_carries_verifier"] == 0.0
+    assert summary(state, cfg=load_section(RLSettings, ["--reward_source=both"]))["reward_carries_verifier"] == 1.0
+    assert "reward_carries_verifier" not in summary(state, cfg=load_section(RLSettings))
+
+
 def test_a_row_is_scored_at_its_last_token_whatever_the_padding():
     rm = trained_head(tiny_gpt())
     rows = [[1, 5, 6, 7], [1, 8, 9, 10, 11, 12, 13]]
@@ -233,6 +263,49 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
     )
 
 
+def test_filter_solved_fires_under_win_rate_on_the_normalised_scores():
+    """Under the default ``reward_model_scores: win_rate`` a group's win rates average 0.5, so the
+    check before (``scores >= solved_score``, 1.0) could never call a reply solved. A reply now counts as
+    solved when its normalised reward-model score reaches ``solved_score``: a model that scores every
+    reply of the batch 2 std above its reference mean solves every group; one that scores them all
+    below solves none."""
+    from types import SimpleNamespace
+
+    from chatpipe import runtime
+    from chatpipe.rl import losses
+    from chatpipe.rl import scoring as rl
+    from chatpipe.rl.rollout import Rollouts
+    from chatpipe.rl.step import solved_threshold
+    from chatpipe.settings import RLSettings, load_section
+
+    torch.manual_seed(1)
+    ids = torch.randint(1, 64, (4, 7))
+    mask = torch.tensor([[0.0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    groups = torch.tensor([0, 0, 1, 1])
+    batch = Rollouts(
+        ids[:, :-1], ids[:, 1:], mask, torch.zeros(4), torch.ones(4, dtype=torch.bool), mask.sum(1).long(), groups
+    )
+    batch.correct = torch.zeros(4, dtype=torch.bool)  # the verifier's verdict, which a model-scored run ignores
+    rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
+    cfg = load_section(RLSettings, ["--reward_source=model", "--filter_solved=1.0", "--device_batch_size=4"])
+    assert cfg.reward_model_scores == "win_rate" and cfg.solved_score == 1.0  # the defaults
+    rm = trained_head(tiny_gpt())
+    with torch.no_grad():
+        raw = rollout_scores(rm, batch.inputs, batch.targets, batch.mask)
+    rates = {}
+    # every reply at least 2 std above the reference mean, then at least 2 below
+    for where, mean in (("above", raw.min().item() - 2.0), ("below", raw.max().item() + 2.0)):
+        rm.score_mean, rm.score_std = mean, 1.0
+        spec = SimpleNamespace(reward_model=rm, reward_model_opts=[], ensemble=[])
+        scored, _ = rl.score_rollouts(SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=spec), batch)
+        assert not (scored.scores >= cfg.solved_score).any()  # win rates: what the old check compared
+        rates[where] = losses.group_solve_rates(scored.solved(solved_threshold(cfg)), groups)
+        assert scored.select(torch.tensor([1, 2])).model_scores.tolist() == scored.model_scores[1:3].tolist()
+    assert rates["above"] == {0: 1.0, 1: 1.0} and rates["below"] == {0: 0.0, 1: 0.0}
+    verifier_run = load_section(RLSettings, ["--filter_solved=1.0"])
+    assert torch.equal(batch.solved(solved_threshold(verifier_run)), batch.correct)  # the verdict decides
+
+
 def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
     """score_rollouts with ``reward_model_ensemble``: each row's reward is the mean over the models of
     its win rate in its group (each at its own score_std); the step logs the mean normalised score.
@@ -348,7 +421,10 @@ def test_stage_trains_held_out_accuracy_and_resumes_to_the_same_weights(project)
     step3 = json.loads((project / "checkpoints" / "reward_model" / "step_000003" / "meta.json").read_text())
     assert step3["total_steps"] == 6 and step3["step"] == 3 and step3["kind"] == "reward_model"
     assert step3["carried"]["train_seconds"] > 0 and step3["carried"]["first_evals"] == {}  # eval_every 0: none yet
-    assert meta["carried"]["first_evals"]["val/pair_accuracy"] <= 1.0
+    # eval_every 0: the one held-out eval is the final one, so it is also the first on record; these pairs
+    # are separable (the chosen reply says yes, the rejected one no), so every held-out one ranks right,
+    # where chance ranks half and the zero-initialised head ties them all (none right)
+    assert meta["carried"]["first_evals"]["val/pair_accuracy"] == meta["summary"]["val_pair_accuracy"] == 1.0
 
     # lose the final checkpoint and the output: the rerun resumes from step 3 and ends on the same weights
     shutil.rmtree(project / "checkpoints" / "reward_model" / "step_000006")

@@ -48,6 +48,8 @@ def setup_project(tmp_path: Path, **rl_overrides) -> Path:
     model = GPT(config)
     model.init_weights()
     save_model_dir(project / "init_model", model, {"model_config": config.to_dict(), "settings": {}})
+    (project / "artifacts" / "reward_model").mkdir(parents=True)  # what rl depends on in dvc.yaml: RL reads
+    (project / "artifacts" / "reward_model" / "not_read.json").write_text('{"trained": false}')  # none here
     return project
 
 

@@ -136,20 +136,13 @@ def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
     assert trainer.env["OMP_NUM_THREADS"] == "3" and role.env["OMP_NUM_THREADS"] == "1"
     assert role.env["CHATPIPE_RL_ROLE"] == "rollout" and "CHATPIPE_RL_ROLE" not in trainer.env
     assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "4"  # the final eval gets the role's core back
-    assert trainer.env["CHATPIPE_RL_EXCHANGE_ID"] == role.env["CHATPIPE_RL_EXCHANGE_ID"]
+    # one dir of this launch's own, chosen once by the launcher (chatpipe.rl.exchange.launch_dir)
+    shared = trainer.env["CHATPIPE_RL_LAUNCH_DIR"]
+    assert shared == role.env["CHATPIPE_RL_LAUNCH_DIR"] and re.fullmatch(r"[0-9a-f]{12}", Path(shared).name)
+    again = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_threads=1"])
+    assert again.roles[0].env["CHATPIPE_RL_LAUNCH_DIR"] != shared  # the next launch's is another
     assert role.args[-2:] == trainer.args[-2:]  # the same stage settings
     assert len(build_app("rl", load_section(LaunchSettings), []).roles) == 1
-
-
-def test_a_launch_clears_only_the_dirs_earlier_launches_left(tmp_path):
-    from chatpipe.rl.async_role import clear_earlier_launches
-
-    base = tmp_path / "shared"
-    for d in ("0123456789ab", "default", "notes", "aaaaaaaaaaaa"):
-        (base / d).mkdir(parents=True)
-    (base / "mine.txt").write_text("a user's file")
-    clear_earlier_launches(base / "aaaaaaaaaaaa")
-    assert sorted(p.name for p in base.iterdir()) == ["aaaaaaaaaaaa", "mine.txt", "notes"]
 
 
 def test_bad_async_settings_fail_before_any_work_naming_the_setting(monkeypatch):

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
-import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +24,8 @@ from typing import TYPE_CHECKING
 from chatpipe import runtime
 from chatpipe.inference.engine import Engine
 from chatpipe.model.files import load_model
-from chatpipe.paths import ARTIFACTS, WORK
-from chatpipe.rl.exchange import Exchange, run_rollout_role
+from chatpipe.paths import ARTIFACTS
+from chatpipe.rl.exchange import Exchange, claim, launch_dir, reap_dead_launches, run_rollout_role
 from chatpipe.rl.problems import Prompts, load_rl_problems, step_indices, user_verifier
 from chatpipe.rl.rollout import Rollouts
 from chatpipe.rl.sampling import rollout_dtype, sample_batch
@@ -40,29 +37,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rl")
 
-LAUNCH_DIR = re.compile(r"[0-9a-f]{12}|default")  # the names exchange_dir gives a launch's dir
-
 
 def exchange_dir(cfg: RLSettings) -> Path:
-    """The roles' shared dir: ``exchange_dir``, else shared memory on this host; one dir per launch
-    (``CHATPIPE_RL_EXCHANGE_ID``, set by chatpipe.launch for both roles), under one per project."""
-    project = hashlib.sha256(str(Path.cwd().resolve()).encode()).hexdigest()[:12]
-    shm = Path("/dev/shm")
-    if cfg.exchange_dir:
-        base = Path(cfg.exchange_dir)
-    elif shm.is_dir():
-        base = shm / f"chatpipe-rl-{project}"
-    else:  # no shared memory (macOS): the run's checkpoints dir
-        base = WORK / "rl" / "exchange"
-    return base / os.environ.get(RL_EXCHANGE_ENV, "default")
+    """The roles' shared dir: the one chatpipe.launch chose for both roles (``CHATPIPE_RL_LAUNCH_DIR``),
+    else, for a stage run without the launcher, :func:`launch_dir`'s ``default`` one for this project."""
+    given = os.environ.get(RL_EXCHANGE_ENV)
+    return Path(given) if given else launch_dir(cfg.exchange_dir)
 
 
 @contextlib.contextmanager
 def rollout_exchange(run, step: int) -> Iterator[None]:
     """With ``rollout_role``: open the roles' shared dir for a run starting at ``step`` (the policy's
     weights published as version ``step``) and tell the rollout role to stop when the run ends, however
-    it ends. The dirs of earlier launches in this project go: only one RL run uses a project's
-    checkpoints at a time. ``run``: chatpipe.rl.step.RLRun; its ``exchange`` is set here."""
+    it ends. The dir is claimed for this trainer first (its owner record), and the dirs beside it whose
+    trainer is provably dead go (:func:`reap_dead_launches`); a live launch's never does.
+    ``run``: chatpipe.rl.step.RLRun; its ``exchange`` is set here."""
     cfg, rt = run.cfg, run.rt
     if not cfg.rollout_role:
         yield
@@ -70,7 +59,9 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
     if rt.world_size > 1:
         raise ValueError(f"rl.rollout_role samples for one trainer process; this run has {rt.world_size} ranks")
     root = exchange_dir(cfg)
-    clear_earlier_launches(root)
+    claim(root)
+    for old in reap_dead_launches(root):
+        log.info("rollout role: removed %s, left by a trainer that is gone", old)
     run.exchange = Exchange(root, cfg.heartbeat_timeout_s)
     run.exchange.start(step, run.models.policy.state_dict())
     log.info("rollout role: exchange %s, max_staleness %d", root, cfg.max_staleness)
@@ -79,14 +70,6 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
             yield
     finally:
         run.exchange.stop()
-
-
-def clear_earlier_launches(root: Path) -> None:
-    """Remove the dirs earlier launches left beside ``root`` (a killed trainer cannot): only names
-    :func:`exchange_dir` gives, so nothing else in a user's ``exchange_dir`` is touched."""
-    for old in root.parent.glob("*") if root.parent.is_dir() else []:
-        if old != root and old.is_dir() and LAUNCH_DIR.fullmatch(old.name):
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:

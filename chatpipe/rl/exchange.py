@@ -23,9 +23,13 @@ Slurm nodes it must be on the filesystem both share.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
+import re
 import secrets
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +39,8 @@ from typing import Any
 import torch
 
 from chatpipe.io import atomic_write
+from chatpipe.paths import WORK
+from chatpipe.procs import process_start
 
 POLL_S = 0.005  # how often a waiting role looks again: small beside a decode step
 
@@ -52,6 +58,84 @@ class RoleGone(RuntimeError):
 
 
 HEARTBEAT_S = 1.0  # how often each role says it is alive (a thread: generation or an update may take long)
+
+LAUNCH_DIR = re.compile(r"[0-9a-f]{12}|default")  # the names launch_dir gives a launch's dir
+OWNER = "owner.json"  # the trainer that owns a launch's dir: host, pid and the pid's start time
+
+
+# ---------------------------------------------------------------------- which dir, and whose
+
+
+def launch_dir(setting: str, launch_id: str = "default", *, one_host: bool = True) -> Path:
+    """The one place a launch's shared dir is decided: ``<base>/<launch_id>``. The base is ``setting``
+    (``rl.exchange_dir``) when given; else shared memory on this host (``/dev/shm``, one dir per project)
+    when both roles run on it (``one_host``); else the project's checkpoints dir, which every node sees
+    (resuming needs it to) and which stands in where a host has no shared memory (macOS)."""
+    shm = Path("/dev/shm")
+    if setting:
+        base = Path(setting)
+    elif one_host and shm.is_dir():
+        project = hashlib.sha256(str(Path.cwd().resolve()).encode()).hexdigest()[:12]
+        base = shm / f"chatpipe-rl-{project}"
+    else:
+        base = WORK / "rl" / "exchange"
+    return base / launch_id
+
+
+def this_process() -> dict[str, Any]:
+    """Who this process is, in a form another process can check later: host, pid, the pid's start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid())}
+
+
+def owner_alive(owner: dict[str, Any]) -> bool:
+    """False only when ``owner`` (:func:`this_process` of a trainer) is provably gone: on this host,
+    with its pid unused or used by a process that started at another time. Another host's owner cannot
+    be checked from here, so it counts as alive."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    started = process_start(int(owner["pid"]))
+    return started is not None and started == owner.get("start")
+
+
+def read_owner(root: Path) -> dict[str, Any] | None:
+    """The owner record of the launch dir ``root``, or None when it has none (yet) or it is unreadable."""
+    try:
+        owner = json.loads((root / OWNER).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and {"host", "pid", "start"} <= owner.keys() else None
+
+
+def claim(root: Path) -> None:
+    """Make ``root`` this trainer's launch dir: refused while another live trainer owns it (two runs of
+    one project without the launcher both use ``default``), else its owner record is this process."""
+    owner = read_owner(root)
+    me = this_process()
+    if owner is not None and owner_alive(owner) and owner["pid"] != me["pid"]:
+        raise RuntimeError(
+            f"{root} belongs to another RL trainer (pid {owner['pid']} on {owner['host']}), still running: "
+            "launch each run with `python -m chatpipe.launch rl` (a dir per launch), or give it its own "
+            "rl.exchange_dir"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    with atomic_write(root / OWNER, fsync=False) as f:
+        json.dump(me, f)
+
+
+def reap_dead_launches(root: Path) -> list[Path]:
+    """Remove the launch dirs beside ``root`` whose trainer is provably dead (:func:`owner_alive`): a
+    killed trainer cannot remove its own, and its weights would stay in shared memory. A dir with no
+    owner record, a live owner or one on another host stays, and so does anything not named as
+    :func:`launch_dir` names them. Returns the dirs removed."""
+    removed = []
+    for old in sorted(root.parent.iterdir()) if root.parent.is_dir() else []:
+        if old == root or not old.is_dir() or not LAUNCH_DIR.fullmatch(old.name):
+            continue
+        owner = read_owner(old)
+        if owner is not None and not owner_alive(owner):
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+    return removed
 
 
 class Exchange:
@@ -108,6 +192,8 @@ class Exchange:
         # or "not empty"); a file the role writes meanwhile is harmless: batches carry the start's id
         self.root.mkdir(parents=True, exist_ok=True)
         for entry in self.root.iterdir():
+            if entry.name == OWNER:  # the trainer's claim on the dir (claim) outlives a restart
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

@@ -21,6 +21,7 @@ same whichever reward model is plugged in.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from chatpipe.model.files import read_meta, save_model_dir, verify_model_dir
 from chatpipe.model.gpt import GPT, GPTConfig
+from chatpipe.paths import REWARD_MODEL_NOT_READ
 
 MODEL_KIND = "reward_model"  # meta.json "kind" of a reward model dir (a GPT dir has none)
 MARGIN_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -200,6 +202,13 @@ def is_reward_model_dir(model_dir: Path | str) -> bool:
 def load_reward_model(model_dir: Path | str, device: str | torch.device = "cpu") -> tuple[RewardModel, dict]:
     """The reward model saved in ``model_dir`` (checksums verified) and its meta, in eval mode."""
     model_dir = Path(model_dir)
+    marker = model_dir / REWARD_MODEL_NOT_READ
+    if marker.is_file():  # the stage ran while RL read none: a profile switched reward_source since
+        why = json.loads(marker.read_text()).get("why", "")
+        raise ValueError(
+            f"{model_dir} holds no reward model: the reward_model stage wrote {marker} instead ({why}); "
+            "train it (dvc repro --force reward_model, with rl.reward_source: model | both in params.yaml)"
+        )
     meta = read_meta(model_dir)
     if meta.get("kind") != MODEL_KIND:
         raise ValueError(

@@ -12,6 +12,7 @@ tests/test_reward_model.py.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,12 +25,15 @@ from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS
 from chatpipe.rl.reward_model import RewardModel, is_reward_model_dir, load_reward_model
+from chatpipe.rl.scoring import verifier_in_reward
 from chatpipe.rl.update import uses_critic, uses_critic_init
 from chatpipe.rl.value import ValueModel
 from chatpipe.train.optim import build_optimizers, init_lrs
 
 if TYPE_CHECKING:
     from chatpipe.settings import RLSettings
+
+log = logging.getLogger("rl")
 
 
 @dataclass
@@ -110,6 +114,7 @@ def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, lrs: dict[s
     the init model's LRs ``lrs``, decayed with the policy's by the loop; none when it stays frozen."""
     if rm is None or cfg.reward_model_lr_frac <= 0:
         return []
+    log.warning("iterated RLHF uses the verifier: %s", verifier_in_reward(cfg))
     rm.requires_grad_(True)
     rm.trunk.lm_head.requires_grad_(False)  # unused by a reward model
     frac = cfg.reward_model_lr_frac

@@ -167,6 +167,10 @@ class Rollouts:
     # [B, T] the sampling policy's log-probs of the targets, where an older policy than the trainer's
     # sampled the batch (asynchronous RL): the updates then weigh each token (losses.behaviour_weights)
     behav_logp: torch.Tensor | None = None
+    # [B] the reward model's normalised scores (reward_source model|both; chatpipe.rl.scoring), kept
+    # beside ``scores``, which under win_rate hold win rates: a group's win rates average 0.5, so no
+    # threshold on them can say a reply is good, where its normalised score can
+    model_scores: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -196,7 +200,18 @@ class Rollouts:
             picked,
             None if self.correct is None else self.correct[rows],
             None if self.behav_logp is None else self.behav_logp[rows],
+            None if self.model_scores is None else self.model_scores[rows],
         )
+
+    def solved(self, solved_score: float | None = None) -> torch.Tensor:
+        """[B] bool, the responses ``filter_solved`` counts as solved: with ``solved_score`` (a run the
+        reward model alone trains), those whose normalised reward-model score reaches it, whatever
+        ``rl.reward_model_scores`` trains on; else the task's verdict."""
+        if solved_score is None:
+            return self.correct
+        if self.model_scores is None:
+            raise ValueError("solved_score counts reward-model scores, but no reward model scored this batch")
+        return self.model_scores >= solved_score
 
     def without_unfinished(self) -> Rollouts:
         """The batch with the action mask of every response cut at max_new_tokens set to 0 (``mask_too_long``):

@@ -26,6 +26,27 @@ if TYPE_CHECKING:
     from chatpipe.settings import RLSettings
 
 
+def verifier_in_reward(cfg: RLSettings) -> str:
+    """How the verifier reaches the reward a model-scored policy trains on ("" when it does not, and
+    for a verifier-trained run, whose reward is the verifier's): ``both`` adds its scores, and
+    iterated RLHF trains the reward model on the pairs it ranks, so the model's scores carry it."""
+    if cfg.reward_source == "both":
+        return "rl.reward_source = both adds the verifier's scores to the reward model's"
+    if cfg.reward_source == "model" and cfg.reward_model_lr_frac > 0:
+        return (
+            f"rl.reward_model_lr_frac = {cfg.reward_model_lr_frac} (iterated RLHF) trains the reward model "
+            "during RL on pairs the verifier ranks, so the scores the policy trains on carry the verifier's "
+            "verdicts: this run is not verifier-free (rl.reward_model_lr_frac: 0 keeps it so)"
+        )
+    return ""
+
+
+def verifier_summary(cfg: RLSettings) -> dict[str, float]:
+    """The summary's word on whether a model-scored run's reward carried the verifier
+    (``reward_carries_verifier`` 1 or 0; nothing for a verifier-trained run, where it is the reward)."""
+    return {} if cfg.reward_source == "verifier" else {"reward_carries_verifier": float(bool(verifier_in_reward(cfg)))}
+
+
 def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
     """The reward-hacking guard of a run trained on the reward model's scores (None otherwise, or
     with ``guard.mode: off``), its windows where the checkpoint ``meta`` left them."""
@@ -56,14 +77,16 @@ def score_rollouts(run, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
         stats |= refresh_reward_model(run, batch)
     # win rates from the scores read above; the guard above still reads the normalised scores
     model = ensemble_rewards(each, stds, batch.groups) if cfg.reward_model_scores == "win_rate" else normalized
-    return dataclasses.replace(batch, scores=combine_rewards(cfg.reward_source, batch.scores, model)), stats
+    scored = combine_rewards(cfg.reward_source, batch.scores, model)
+    return dataclasses.replace(batch, scores=scored, model_scores=normalized), stats
 
 
 def refresh_reward_model(run, batch: Rollouts) -> dict[str, float]:
     """Iterated RLHF: one optimizer step of the reward model on this step's replies, paired by the
     verifier's scores (a right and a wrong reply to one prompt), gradients averaged over ranks. The
-    policy never sees the verifier: it trains on the model's scores alone, and the model keeps up
-    with what the policy now writes instead of being exploited where it was never trained."""
+    policy reads the model's scores alone, but those now carry the verifier's verdicts
+    (:func:`verifier_in_reward`); the model keeps up with what the policy writes instead of being
+    exploited where it was never trained."""
     rm, rt = run.models.reward_model, run.rt
     ids, last = rollout_rows(batch.inputs, batch.targets, batch.mask)
     with rt.autocast():  # batch.scores are still the verifier's here

@@ -30,7 +30,7 @@ from chatpipe.rl.problems import Prompts, step_indices
 from chatpipe.rl.roles import Models
 from chatpipe.rl.rollout import Problem, Rollouts, evaluate_problems, keep_best
 from chatpipe.rl.sampling import model_ranked, sample_batch
-from chatpipe.rl.scoring import score_rollouts
+from chatpipe.rl.scoring import score_rollouts, verifier_summary
 from chatpipe.rl.totals import RolloutTotals
 from chatpipe.rl.update import GRPOConfig, Learners, PPOConfig, policy_update
 from chatpipe.rl.verifier import Verifier
@@ -100,8 +100,8 @@ def sample_rollouts(run: RLRun, step: int) -> tuple[Rollouts, dict[str, float]]:
     ``rollout_role`` the role's batch), scored by :func:`score_rollouts`; every rank records who
     sampled what in ``run.prompts.log`` (tests check no overlap). With ``generation_size`` and a
     learned reward, the ``group_size`` best by that reward are kept here; filter_solved counts a
-    response solved by the verifier's verdict, or with ``reward_source: model`` by its reward-model
-    score reaching ``solved_score``."""
+    response solved by the verifier's verdict, or with ``reward_source: model`` by its normalised
+    reward-model score reaching ``solved_score`` (:meth:`Rollouts.solved`)."""
     cfg, rt, prompts = run.cfg, run.rt, run.prompts
     idx = step_indices(cfg, prompts, len(run.train_problems), step, rt.rank, rt.world_size)
     prompts.log.append(gather(idx, rt))
@@ -117,11 +117,16 @@ def sample_rollouts(run: RLRun, step: int) -> tuple[Rollouts, dict[str, float]]:
     if model_ranked(cfg):
         batch = keep_best(batch, cfg.group_size)
     if cfg.filter_solved > 0:
-        solved_rows = batch.scores >= cfg.solved_score if cfg.reward_source == "model" else batch.correct
-        rates = losses.group_solve_rates(solved_rows, batch.groups)
+        rates = losses.group_solve_rates(batch.solved(solved_threshold(cfg)), batch.groups)
         solved = [idx[g] for g, rate in rates.items() if rate >= cfg.filter_solved]
         prompts.solved = sorted(set(prompts.solved).union(*gather(solved, rt)))
     return batch, reward_stats | async_stats
+
+
+def solved_threshold(cfg: RLSettings) -> float | None:
+    """``solved_score`` where the reward model alone trains the policy (it then decides what is solved:
+    the verifier never decides what a model-scored run trains on); None: the task's verdict."""
+    return cfg.solved_score if cfg.reward_source == "model" else None
 
 
 def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
@@ -217,12 +222,16 @@ def loop_meta(meta: dict) -> dict:
     return {**meta, "carried": carried}
 
 
-def summary(state: LoopState, guard: RewardGuard | None = None, verifier: Verifier | None = None) -> dict[str, float]:
+def summary(
+    state: LoopState, guard: RewardGuard | None = None, verifier: Verifier | None = None, cfg: RLSettings | None = None
+) -> dict[str, float]:
     """The final ``summary`` of ``meta.json``: steps, time and throughput, first and final pass@k, the
-    reward-hacking guard's trips and its first and last windows (the report card shows them), and the
-    user's verifier's calls and failures (this rank's)."""
+    reward-hacking guard's trips and its first and last windows (the report card shows them), the
+    user's verifier's calls and failures (this rank's), and for a model-scored run whether its reward
+    carried the verifier (:func:`chatpipe.rl.scoring.verifier_summary`)."""
     gen_seconds = state.total("gen_seconds")
     return {
+        **(verifier_summary(cfg) if cfg is not None else {}),
         **(guard.summary() if guard else {}),
         **(verifier.summary() if verifier else {}),
         "steps": state.step,

@@ -55,7 +55,14 @@ from chatpipe.settings.params import (
     read_profiles,
     resolve_params,
 )
-from chatpipe.settings.pipeline import PROFILE_STAGE, dvc_stages, pipeline_stages, stages_before
+from chatpipe.settings.pipeline import (
+    PROFILE_STAGE,
+    check_env_keeps_stages,
+    dvc_stages,
+    pipeline_stages,
+    reward_model_unread,
+    stages_before,
+)
 from chatpipe.settings.sections import (
     ChatSettings,
     DataSettings,
@@ -86,6 +93,8 @@ from chatpipe.settings.yamlfile import read_settings_yaml
 
 __all__ = [
     "PROFILE_STAGE",
+    "check_env_keeps_stages",
+    "reward_model_unread",
     "dvc_stages",
     "pipeline_stages",
     "stages_before",

@@ -246,9 +246,9 @@ _RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearl
 
 
 # asynchronous RL's second role (rl.rollout_role), set by chatpipe.launch: which role a stages.rl
-# process is, the id of both roles' shared dir (fresh per launch, so no file of an earlier launch is
-# ever read), and the trainer's threads once the role is done
-RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_EXCHANGE_ID"
+# process is, both roles' shared dir (chatpipe.rl.exchange.launch_dir: fresh per launch, so no file of
+# an earlier launch is ever read), and the trainer's threads once the role is done
+RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_LAUNCH_DIR"
 RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"
 
 
@@ -469,7 +469,8 @@ class RLSettings(RunSettings):
     solved_score: float = Field(
         1.0,
         description="with reward_source model: a response counts as solved (filter_solved) when its normalised "
-        "reward-model score is at least this; verifier runs count the verifier's verdict",
+        "reward-model score is at least this (also under win_rate, whose rates average 0.5 in a group); "
+        "verifier runs count the verifier's verdict",
     )
     grpo: GRPOSettings = Field(default_factory=lambda: GRPOSettings(), description="GRPO-lite's own keys")
     ppo: PPOSettings = Field(default_factory=lambda: PPOSettings(), description="PPO's own keys (critic, GAE, KL)")
@@ -482,8 +483,9 @@ class RLSettings(RunSettings):
         ge=0,
         description="iterated RLHF (reward_source model|both): after each step's scoring, one optimizer step of the "
         "reward model's Bradley-Terry loss on the step's pairs the verifier ranks (a right and a wrong reply to one "
-        "prompt), at this fraction of the init model's LRs; the policy still trains on the model's scores alone. "
-        "0: the reward model stays frozen",
+        "prompt), at this fraction of the init model's LRs; the policy still reads the model's scores alone, but "
+        "they then carry the verifier's verdicts (not verifier-free: a warning, and reward_carries_verifier in the "
+        "summary). 0: the reward model stays frozen",
     )
     rollout_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -611,6 +613,12 @@ class RewardModelSettings(RunSettings):
     Bradley-Terry loss; held-out pair accuracy and score margins at the end."""
 
     section: ClassVar[str] = "reward_model"
+    train_when: Literal["read", "always"] = Field(
+        "read",
+        description="read: the stage (dvc.yaml's `--if-read`) trains only when RL reads a reward model "
+        "(rl.reward_source model|both), else writes artifacts/reward_model/not_read.json saying why; always: "
+        "it trains whatever RL reads (a model for later runs)",
+    )
     init_dir: str = Field("artifacts/sft", description="model dir whose trunk (and LRs) the reward model starts from")
     source: Literal["tiny", "local", "hf"] = Field(
         "tiny",
