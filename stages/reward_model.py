@@ -8,7 +8,8 @@ Pairs come from ``source`` (:mod:`chatpipe.data.preferences`): ``tiny`` makes th
 tiny world's arithmetic problems of the train split's ``preferences`` part, which no other stage
 reads (so never one RL prompts with): the init model's own samples ranked by the verifier (what PPO
 will show the reward model), plus synthetic contrasts of each gold answer; the held-out pairs are
-made the same way from the val split's problems. ``local`` reads a ``{prompt, chosen, rejected}``
+made the same way from other problems of that part (never RL's val or test problems, which its
+pass@k is measured on). ``local`` reads a ``{prompt, chosen, rejected}``
 JSONL file, ``hf`` a hub dataset in the chosen/rejected format. Every pair is read and checked
 before the model loads. Each step takes ``device_batch_size`` pairs per rank and follows
 -log sigmoid(r_chosen - r_rejected - margin), each response scored at its last token. At the end

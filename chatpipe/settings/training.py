@@ -648,8 +648,9 @@ class RewardModelSettings(RunSettings):
     tiny_val_problems: int = Field(
         600,
         ge=1,
-        description="tiny: held-out val-split problems, each sampled: all their sampled pairs are held out, "
-        "then their contrasts up to val_pairs",
+        description="tiny: held-out problems (the train split's `preferences` part, none of the train ones "
+        "and none RL evaluates on), each sampled: all their sampled pairs are held out, then their contrasts "
+        "up to val_pairs",
     )
     pool: Literal["last", "mean"] = Field(
         "mean",
