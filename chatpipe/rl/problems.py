@@ -2,6 +2,7 @@
 each step (filter_solved's pool), and the chat-stage rows replayed beside every optimizer step.
 
     train, held_out = load_rl_problems(cfg, rt, user_verifier(cfg))
+    test = load_test_problems(cfg, rt, user_verifier(cfg))    # the split nothing was tuned on
     idx = step_indices(cfg, prompts, len(train), step, rt.rank, rt.world_size)
 
 The picks are a function of the settings, the step and the pool only, so the asynchronous rollout
@@ -64,6 +65,24 @@ def load_rl_problems(
         cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
     )
     return train_problems, eval_problems[rt.rank :: rt.world_size]
+
+
+def load_test_problems(cfg: RLSettings, rt: runtime.Runtime, verifier: Verifier | None = None) -> list[Problem]:
+    """This rank's share of the ``test_split`` problems (as many as ``eval_problems``), the split
+    no setting was tuned on; none when ``test_split`` is ``none``. A task with no problems in that
+    split stops the stage here, naming the key."""
+    if cfg.test_split == "none":
+        return []
+    task_kw = {"verifier": verifier, "path": cfg.task_path or None}
+    problems = load_problems(
+        cfg.task, cfg.test_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+    )
+    if not problems:
+        raise ValueError(
+            f"rl.test_split = {cfg.test_split!r}: task {cfg.task!r} has no problems in that split; "
+            "pick another of val, test, or none"
+        )
+    return problems[rt.rank :: rt.world_size]
 
 
 def user_verifier(cfg: RLSettings) -> Verifier | None:
