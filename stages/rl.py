@@ -34,6 +34,7 @@ from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.rl.async_role import rollout_exchange, rollout_role
 from chatpipe.rl.problems import (
     Prompts,
+    eval_identity,
     load_rl_problems,
     load_test_problems,
     replay_rows,
@@ -80,11 +81,13 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     test_problems = load_test_problems(cfg, rt, verifier)  # held out: nothing is tuned on its pass@k
     replay_seq_len, replay_pack = replay_rows(cfg, tok, models.policy)
 
-    # --- resume from the newest checkpoint made with the same settings, init model and role models
+    # --- resume from the newest checkpoint made with the same settings, init model and role models,
+    # and the same evals: a run's first and final pass@k are always measured alike
     inputs = {
         "init": sha256_file(init_dir / "model.pt"),
         "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
         **role_inputs(cfg),
+        "evals": eval_identity(cfg),
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
     meta = loop_meta(meta)

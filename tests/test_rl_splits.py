@@ -116,3 +116,23 @@ def test_a_task_with_no_problems_in_the_test_split_stops_naming_the_key(monkeypa
     monkeypatch.setattr(rl_problems, "load_problems", lambda *a, **k: [])
     with pytest.raises(ValueError, match=r"rl.test_split = 'test': task 'tinyworld_arith' has no problems"):
         rl_problems.load_test_problems(load_section(RLSettings, []), RT)
+
+
+@pytest.mark.slow
+def test_a_rerun_with_other_eval_settings_measures_first_and_final_alike(tmp_path):
+    """A rerun in a reused workdir used to resume from the old run's final checkpoint whenever only
+    eval settings changed (they are resume-neutral), and so reported the old run's first_eval (old
+    split, old problems) beside a final_eval measured with the new settings. The eval settings now
+    identify the run: such a rerun starts at step 0; one that changes only eval_every still resumes."""
+    project = setup_project(tmp_path, eval_every=0, max_steps=2, checkpoint_every=2)
+    stage(project)
+    first_meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+
+    out = stage(project, "--eval_problems=2")
+    meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+    assert "resuming from" not in out, "resumed the run whose first_eval used 4 problems"
+    assert meta["settings"]["eval_problems"] == 2 and meta["fingerprint"] != first_meta["fingerprint"]
+    assert {"first_eval/pass_at_1", "final_eval/pass_at_1", "first_eval_test/pass_at_1"} <= set(meta["summary"])
+
+    out = stage(project, "--eval_problems=2", "--eval_every=1")  # when, not what, is measured: resumes
+    assert "resuming from" in out

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from chatpipe import runtime
 from chatpipe.data.packing import ConversationLoader, pack
 from chatpipe.data.tasks import build_mixture
+from chatpipe.io import fingerprint
 from chatpipe.model.gpt import GPT
 from chatpipe.rl.rollout import Problem, load_problems, rank_indices
 from chatpipe.rl.verifier import Verifier
@@ -83,6 +84,15 @@ def load_test_problems(cfg: RLSettings, rt: runtime.Runtime, verifier: Verifier 
             "pick another of val, test, or none"
         )
     return problems[rt.rank :: rt.world_size]
+
+
+def eval_identity(cfg: RLSettings) -> str:
+    """A hash of what the stage's pass@k measures: splits, problems, samples, temperature. The stage
+    keeps it among the run's inputs, so a rerun that changes any of them starts at step 0 rather than
+    resuming a run whose first pass@k was measured otherwise (it would report the old run's first
+    figure beside a new final one). When it is measured (``eval_every``) stays resume-neutral."""
+    keys = ("eval_split", "test_split", "eval_problems", "eval_samples", "eval_temperature")
+    return fingerprint({k: getattr(cfg, k) for k in keys})
 
 
 def user_verifier(cfg: RLSettings) -> Verifier | None:
