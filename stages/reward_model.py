@@ -209,8 +209,8 @@ def sampler(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> prefs.Samp
     if not cfg.tiny_samples:
         return None
 
-    def sample(split: str, convs: list[dict]) -> list[tuple[list[int], list[list[int]], list[float]]]:
-        task = build_task("tinyworld_arith", split, limit=1)  # the verifier
+    def sample(name: str, convs: list[dict]) -> list[tuple[list[int], list[list[int]], list[float]]]:
+        task = build_task("tinyworld_arith", "train", limit=1)  # the verifier: the same for every split
         problems = [Problem(c, lambda text, c=c: float(task.reward(c, text))) for c in convs]
         with torch.no_grad():
             sampled = sample_problems(
@@ -221,7 +221,7 @@ def sampler(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> prefs.Samp
                 temperature=cfg.tiny_temperature,
                 top_k=50,
                 seed=cfg.seed,
-                desc=f"reward_model {split} pairs: sampling",
+                desc=f"reward_model {name} pairs: sampling",
             )
         return [(s.prompt, s.seqs, [p.score(x) for x in s.texts]) for p, s in zip(problems, sampled)]
 

@@ -311,7 +311,8 @@ def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: 
 
 SAMPLED = "sampled"  # the origin of a pair of the init model's own samples, ranked by the verifier
 FROM_FILE = "file"  # the origin of every pair read from a user's file or the hub: it names no mistake
-# per problem: its prompt ids, its sampled sequences (prompt included) and the verifier's score of each
+# per problem: its prompt ids, its sampled sequences (prompt included) and the verifier's score of each;
+# called with the set's name ("train", "held-out") and its problems
 Samples = Callable[[str, list[dict[str, Any]]], list[tuple[list[int], list[list[int]], list[float]]]]
 
 
@@ -356,7 +357,7 @@ def tiny_pairs(cfg: RewardModelSettings, tok: Any, sample: Samples | None) -> Pa
     in all. ``sample`` samples and scores replies to a split's problems (None: contrasts only)."""
     train_convs, held_convs = tiny_problem_sets(cfg.tiny_prompts, cfg.tiny_val_problems)
     train = tiny_split(cfg, tok, sample, "train", train_convs, cfg.tiny_sample_prompts)
-    val = tiny_split(cfg, tok, sample, "train", held_convs, len(held_convs), label="train held-out")
+    val = tiny_split(cfg, tok, sample, "train", held_convs, len(held_convs), label="held-out")
     random.Random(cfg.seed).shuffle(val)
     sampled = [po for po in val if po[1] == SAMPLED]
     val = sampled + [po for po in val if po[1] != SAMPLED][: max(cfg.val_pairs - len(sampled), 0)]
@@ -382,7 +383,7 @@ def tiny_split(
     out = [(p, f"contrast_{p.mistake}") for p in made]  # contrast_miscopied, ...
     convs = convs[:n_sampled]  # sampling costs far more than a contrast
     if sample is not None and convs:
-        for i, (prompt, seqs, scores) in enumerate(sample(split, convs)):
+        for i, (prompt, seqs, scores) in enumerate(sample(label, convs)):
             where = f"tinyworld_arith/{label} problem {i}"
             out += [(p, SAMPLED) for p in ranked_pairs(prompt, seqs, scores, where)]
     return fitting(out, cfg.max_seq_len, label)
