@@ -89,12 +89,16 @@ def test_test_split_is_evaluated_beside_val_and_moves_neither_val_nor_training(t
 def test_test_split_settings_name_the_key_and_the_allowed_values():
     assert load_section(RLSettings, []).test_split == "test"
     assert load_section(RLSettings, []).eval_split == "val"
-    with pytest.raises(ParamsError, match=r"rl.test_split = 'val' is rl.eval_split too.*val, test, or none"):
-        load_section(RLSettings, ["--test_split=val"])
-    with pytest.raises(ParamsError, match=r"test_split.*'test'.*'none'"):
+    with pytest.raises(
+        ParamsError, match=r"rl.test_split = 'holdout' \(from command line --test_split\).*'val', 'test' or 'none'"
+    ):
         load_section(RLSettings, ["--test_split=holdout"])
-    assert load_section(RLSettings, ["--eval_split=test", "--test_split=val"]).test_split == "val"
-    assert rl_problems.load_test_problems(load_section(RLSettings, ["--test_split=none"]), RT) == []
+    both = load_section(RLSettings, ["--eval_split=test", "--test_split=val"])
+    assert rl_problems.evaluates_test_split(both) and len(rl_problems.load_test_problems(both, RT)) == 256
+    # none, or the tuning split itself (the speedrun profile evaluates test only): no second evaluation
+    for flags in (["--test_split=none"], ["--eval_split=test"], ["--test_split=val"]):
+        cfg = load_section(RLSettings, flags)
+        assert not rl_problems.evaluates_test_split(cfg) and rl_problems.load_test_problems(cfg, RT) == []
 
 
 def test_the_default_task_has_test_problems_disjoint_from_val_and_train():

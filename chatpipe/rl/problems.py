@@ -68,11 +68,18 @@ def load_rl_problems(
     return train_problems, eval_problems[rt.rank :: rt.world_size]
 
 
+def evaluates_test_split(cfg: RLSettings) -> bool:
+    """Whether the stage measures pass@k on ``test_split`` beside ``eval_split``: not when it is
+    ``none``, nor when it is ``eval_split`` itself (the speedrun profile's ``test``: measured once,
+    under ``eval/``). The same on every rank, so every rank joins the same evaluations."""
+    return cfg.test_split not in ("none", cfg.eval_split)
+
+
 def load_test_problems(cfg: RLSettings, rt: runtime.Runtime, verifier: Verifier | None = None) -> list[Problem]:
     """This rank's share of the ``test_split`` problems (as many as ``eval_problems``), the split
-    no setting was tuned on; none when ``test_split`` is ``none``. A task with no problems in that
-    split stops the stage here, naming the key."""
-    if cfg.test_split == "none":
+    no setting was tuned on; none when it is not measured apart (:func:`evaluates_test_split`). A
+    task with no problems in that split stops the stage here, naming the key."""
+    if not evaluates_test_split(cfg):
         return []
     task_kw = {"verifier": verifier, "path": cfg.task_path or None}
     problems = load_problems(

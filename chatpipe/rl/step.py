@@ -26,7 +26,7 @@ from chatpipe.rl import losses
 from chatpipe.rl.async_role import take_rollouts
 from chatpipe.rl.exchange import Exchange
 from chatpipe.rl.guard import RewardGuard
-from chatpipe.rl.problems import Prompts, step_indices
+from chatpipe.rl.problems import Prompts, evaluates_test_split, step_indices
 from chatpipe.rl.roles import Models
 from chatpipe.rl.rollout import Problem, Rollouts, evaluate_problems, keep_best
 from chatpipe.rl.sampling import model_ranked, sample_batch
@@ -150,11 +150,11 @@ def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
 
 def pass_at_k(run: RLRun) -> dict[str, float]:
     """pass@1 and pass@eval_samples over every rank's share of the ``eval_split`` problems (the tuning
-    split: ``eval/``) and, unless ``test_split`` is none, of the ``test_split`` ones (held out:
-    ``eval_test/``). Each evaluation seeds its own sampling, so the test one moves neither the val
+    split: ``eval/``) and, unless ``test_split`` is none or the same split, of the ``test_split``
+    ones (held out: ``eval_test/``). Each evaluation seeds its own sampling, so the test one moves neither the val
     figures nor the training's random streams."""
     found = split_pass_at_k(run, run.eval_problems, "eval")
-    if run.cfg.test_split != "none":
+    if evaluates_test_split(run.cfg):
         found |= split_pass_at_k(run, run.test_problems, "eval_test")
     return found
 

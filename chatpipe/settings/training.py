@@ -526,7 +526,7 @@ class RLSettings(RunSettings):
     test_split: Literal["val", "test", "none"] = resume_neutral(
         "test",
         description="the held-out split: pass@k at the same points as eval_split's, on a split nothing was tuned "
-        "on (the figure to report); none: skip it",
+        "on (the figure to report); none, or eval_split's own: no second evaluation",
     )
     eval_problems: int = resume_neutral(64, ge=1, description="held-out problems for pass@k")
     eval_samples: int = resume_neutral(4, ge=1, description="samples per held-out problem")
@@ -546,15 +546,6 @@ class RLSettings(RunSettings):
                 f"rl.{other}.{key} = {getattr(section, key)!r}: {other}.{key} is {other.upper()}-only: under "
                 f"algorithm: {self.algorithm} it would do nothing; set algorithm: {other}, or leave it at its "
                 f"default {type(section).model_fields[key].default!r}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _test_split_is_another_split(self) -> RLSettings:
-        if self.test_split == self.eval_split:
-            raise ValueError(
-                f"rl.test_split = {self.test_split!r} is rl.eval_split too: the held-out figure must come from a "
-                f"split the settings were not tuned on; set test_split to another of val, test, or none"
             )
         return self
 
