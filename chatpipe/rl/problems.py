@@ -98,8 +98,9 @@ def eval_identity(cfg: RLSettings) -> str:
     keeps it among the run's inputs, so a rerun that changes any of them starts at step 0 rather than
     resuming a run whose first pass@k was measured otherwise (it would report the old run's first
     figure beside a new final one). When it is measured (``eval_every``) stays resume-neutral."""
-    keys = ("eval_split", "test_split", "eval_problems", "eval_samples", "eval_temperature")
-    return fingerprint({k: getattr(cfg, k) for k in keys})
+    keys = ("eval_split", "eval_problems", "eval_samples", "eval_temperature")
+    measured = {k: getattr(cfg, k) for k in keys}
+    return fingerprint(measured | {"test_split": cfg.test_split if evaluates_test_split(cfg) else "none"})
 
 
 def user_verifier(cfg: RLSettings) -> Verifier | None:

@@ -149,10 +149,10 @@ def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
 
 
 def pass_at_k(run: RLRun) -> dict[str, float]:
-    """pass@1 and pass@eval_samples over every rank's share of the ``eval_split`` problems (the tuning
-    split: ``eval/``) and, unless ``test_split`` is none or the same split, of the ``test_split``
-    ones (held out: ``eval_test/``). Each evaluation seeds its own sampling, so the test one moves neither the val
-    figures nor the training's random streams."""
+    """pass@1 and pass@eval_samples over every rank's share of the ``eval_split`` problems (the
+    tuning split: ``eval/``) and, unless ``test_split`` is none or the same split, of the
+    ``test_split`` ones (held out: ``eval_test/``). Each evaluation seeds its own sampling, so the
+    test one moves neither the val figures nor the training's random streams."""
     found = split_pass_at_k(run, run.eval_problems, "eval")
     if evaluates_test_split(run.cfg):
         found |= split_pass_at_k(run, run.test_problems, "eval_test")
