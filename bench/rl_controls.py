@@ -1,12 +1,13 @@
-"""What RL adds: RL's arms against the replay-only control, on one SFT model, over seeds.
+"""What RL adds: RL's arms against the replay-only control, on one SFT model, over seeds, on test.
 
-Run after the tiny pipeline has made ``artifacts/sft`` and ``artifacts/reward_model`` (the default
-pipeline trains no reward model, RL reading none: ``python -m chatpipe.launch reward_model``), from
-the repo root:
+Run after the tiny pipeline has made ``artifacts/sft`` (the flow, or ``dvc repro sft``), from the
+repo root:
 
-    python bench/rl_controls.py --seeds 1 2 3                 # every arm, 3 seeds: about 15 RL runs
+    python bench/rl_controls.py --seeds 1 2 3                 # every arm, 3 seeds: 3 reward models, 15 RL runs
     python bench/rl_controls.py --seeds 1 --arms replay_only rm_ppo_no_replay --parallel 2
     python bench/rl_controls.py --arms rm_ppo_no_replay --rm-steps 160   # the reward-model arms run longer
+    python bench/rl_controls.py --plan                        # what would run (arms, flags, dirs, counts), as JSON
+    python bench/rl_controls.py --results DIR/results.json    # the tables of an earlier run again
 
 The arms (each ``python -m stages.rl`` with RL's defaults and these flags, nothing else changed):
 
@@ -16,12 +17,24 @@ The arms (each ``python -m stages.rl`` with RL's defaults and these flags, nothi
 - ``rm_ppo`` and ``rm_ppo_no_replay``: PPO on the reward model's scores alone
   (``algorithm: ppo``, ``reward_source: model``), the verifier only measuring.
 
-Each run gets its own project dir under ``--workdir`` (links to the repo's artifacts, its own
-checkpoints), so arms can run side by side (``--parallel``; each then gets ``2 / parallel`` threads
-on 2 cores). It prints one markdown row per run: the SFT model's held-out pass@1 (RL's step-0
-eval), the final one, the change, the change over the replay-only control of the same seed, the
-reward model's mean score and the verifier's mean on the rollouts (first window -> last, where
-the guard ran), the guard's trips and the wall time; then one row per arm, the mean over seeds.
+Equal in steps: every arm takes one optimizer step and (with the replay on) one replay batch per RL
+step. PPO runs at ``ppo.epochs: 1``, ``ppo.num_minibatches: 1``; at its defaults (2 x 2) it would
+take 4 of each, and "over the replay-only control" would credit RL with 4x the replay. The bench
+counts both per arm from its settings, refuses arms that differ, and prints the counts (and the
+replay batches the run's replay cursor says it took).
+
+Each seed trains its own reward model (``python -m stages.reward_model --seed=S``, extra flags from
+``--rm-args``) for the reward-model arms. Every bench run makes a new dir under ``--workdir``, and
+every run in it its own project dir (links to the repo's tokenizer and SFT model, nothing else), so
+no run resumes another's checkpoints. Arms can run side by side (``--parallel``; each then gets
+``2 / parallel`` threads on 2 cores).
+
+Figures: pass@1 on **test**, the split no setting was tuned on (``rl.test_split``); val, the tuning
+split, is printed beside it, labelled. One markdown row per run: the SFT model's test pass@1 (RL's
+step-0 eval), the final one, the change, the change over the replay-only control of the same seed,
+val's change, the reward model's mean score and the verifier's mean on the rollouts (first window ->
+last, where the guard ran), the guard's trips and the wall time; then one row per arm, the mean over
+seeds. ``metrics/rl_controls.json`` keeps each arm's mean test change (``split: test``) for the report.
 """
 
 from __future__ import annotations
@@ -36,49 +49,100 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the library, for the settings the counts are read from
+
+# PPO at one epoch of one minibatch: one optimizer step and one replay batch per RL step, as GRPO takes
+EQUAL_PPO = ["--algorithm=ppo", "--ppo.epochs=1", "--ppo.num_minibatches=1"]
 ARMS = {
     "replay_only": ["--reward_scale=1e-9"],
     "verifier": [],
     "verifier_no_replay": [],
-    "rm_ppo": ["--algorithm=ppo", "--reward_source=model"],
-    "rm_ppo_no_replay": ["--algorithm=ppo", "--reward_source=model"],
+    "rm_ppo": [*EQUAL_PPO, "--reward_source=model"],
+    "rm_ppo_no_replay": [*EQUAL_PPO, "--reward_source=model"],
 }
 NO_REPLAY = {"CHATPIPE_RL__REPLAY": "[]"}  # a list setting is set through the environment
-LINKED = ("tokenizer", "sft", "reward_model")
+LINKED = ("tokenizer", "sft")
+TEST, VAL = "eval_test/pass_at_1", "eval/pass_at_1"  # RL's pass@1 on test (held out) and val (tuning)
 
 
-def project_dir(workdir: Path, name: str) -> Path:
-    """A fresh project dir for one run: the repo's input artifacts linked in, nothing else."""
-    project = workdir / name
-    (project / "artifacts").mkdir(parents=True, exist_ok=True)
+def uses_reward_model(arm: str) -> bool:
+    return arm.startswith("rm_")
+
+
+def step_counts(arm: str, rl_args: list[str]) -> dict[str, int]:
+    """Optimizer steps and replay batches per RL step of ``arm``, from the settings it runs with:
+    GRPO steps once; PPO once per minibatch of every epoch, a replay batch beside each step."""
+    from chatpipe.settings import RLSettings, load_section
+
+    os.environ["CHATPIPE_PARAMS"] = str(REPO / "params.yaml")  # as every run reads it
+    cfg = load_section(RLSettings, [*ARMS[arm], *rl_args])
+    steps = 1 if cfg.algorithm == "grpo" else cfg.ppo.epochs * cfg.ppo.num_minibatches
+    replay_on = bool(cfg.replay) and cfg.replay_coef > 0 and not arm.endswith("no_replay")
+    return {"optimizer_steps": steps, "replay_batches": steps if replay_on else 0}
+
+
+def check_equal(counts: dict[str, dict[str, int]]) -> None:
+    """Every arm takes as many optimizer steps per RL step, and every arm with the replay as many replay batches."""
+    steps = {c["optimizer_steps"] for c in counts.values()}
+    replays = {c["replay_batches"] for c in counts.values()} - {0}
+    if len(steps) > 1 or len(replays) > 1:
+        table = ", ".join(f"{a}: {c['optimizer_steps']} steps, {c['replay_batches']} replay" for a, c in counts.items())
+        sys.exit(f"arms differ in optimizer steps or replay batches per RL step ({table}); make them equal")
+
+
+def plan(args: argparse.Namespace, bench_dir: Path) -> list[dict]:
+    """Every run of this bench, in order: one reward model per seed (when a reward-model arm runs),
+    then each arm x seed, each in its own project dir under ``bench_dir``."""
+    rl_args = [f"--eval_problems={args.eval_problems}", f"--eval_samples={args.eval_samples}", *args.rl_args]
+    counts = {arm: step_counts(arm, rl_args) for arm in args.arms}
+    check_equal(counts)
+    runs = []
+    if any(uses_reward_model(a) for a in args.arms):
+        for seed in args.seeds:
+            cmd = [sys.executable, "-m", "stages.reward_model", f"--seed={seed}", *args.rm_args]
+            runs.append(
+                {"kind": "reward_model", "seed": seed, "dir": str(bench_dir / f"reward_model_seed{seed}"), "cmd": cmd}
+            )
+    for seed in args.seeds:
+        for arm in args.arms:
+            extra = [f"--max_steps={args.rm_steps}"] if args.rm_steps > 0 and uses_reward_model(arm) else []
+            cmd = [sys.executable, "-m", "stages.rl", f"--seed={seed}", "--log_every=5", *ARMS[arm], *rl_args, *extra]
+            run = {"kind": "rl", "arm": arm, "seed": seed, "dir": str(bench_dir / f"{arm}_seed{seed}"), "cmd": cmd}
+            run["env"] = NO_REPLAY if arm.endswith("no_replay") else {}
+            run["reward_model"] = str(bench_dir / f"reward_model_seed{seed}") if uses_reward_model(arm) else None
+            runs.append(run | counts[arm])
+    return runs
+
+
+def project_dir(run: dict) -> Path:
+    """A fresh project dir for one run: the repo's tokenizer and SFT model linked in, and for the
+    reward-model arms the seed's own reward model; nothing else, and never a dir that exists."""
+    project = Path(run["dir"])
+    (project / "artifacts").mkdir(parents=True, exist_ok=False)
     for art in LINKED:
-        link = project / "artifacts" / art
-        if not link.exists():
-            link.symlink_to(REPO / "artifacts" / art)
+        (project / "artifacts" / art).symlink_to(REPO / "artifacts" / art)
+    if run.get("reward_model"):
+        (project / "artifacts" / "reward_model").symlink_to(Path(run["reward_model"]) / "artifacts" / "reward_model")
     return project
 
 
-def run_arm(workdir: Path, arm: str, seed: int, threads: int, extra: list[str], rm_steps: int = 0) -> dict:
-    """One RL run (a reward-model arm for ``rm_steps`` steps when > 0); its log in the run's dir, its
-    summary and guard windows read back."""
-    name = f"{arm}_seed{seed}"
-    if rm_steps > 0 and arm.startswith("rm_"):
-        extra = [*extra, f"--max_steps={rm_steps}"]
-    project = project_dir(workdir, name)
+def execute(run: dict, threads: int) -> dict:
+    """One run (its log in its dir); an RL run's summary, guard windows and replay cursor read back."""
+    project = project_dir(run)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
-    env |= {"CHATPIPE_TRACKING__ENABLED": "false", "OMP_NUM_THREADS": str(threads)}
-    env |= NO_REPLAY if arm.endswith("no_replay") else {}
-    cmd = [sys.executable, "-m", "stages.rl", f"--seed={seed}", "--log_every=5", *ARMS[arm], *extra]
+    env |= {"CHATPIPE_TRACKING__ENABLED": "false", "OMP_NUM_THREADS": str(threads), **run.get("env", {})}
     t0 = time.perf_counter()
-    with (project / "rl.log").open("w") as log:
-        code = subprocess.run(cmd, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
+    with (project / "run.log").open("w") as log:
+        code = subprocess.run(run["cmd"], cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    out = {k: v for k, v in run.items() if k not in ("cmd", "env")} | {"wall": time.perf_counter() - t0}
     if code:
-        tail = (project / "rl.log").read_text()[-3000:]
-        return {"arm": arm, "seed": seed, "error": f"exit {code}: {tail}"}
+        return out | {"error": f"exit {code}: {(project / 'run.log').read_text()[-3000:]}"}
+    if run["kind"] == "reward_model":
+        return out
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
-    windows = guard_windows((project / "rl.log").read_text())
-    return {"arm": arm, "seed": seed, "summary": meta["summary"], "windows": windows, "wall": wall}
+    rows = (meta.get("replay") or {}).get("row", 0) / max(meta["settings"]["replay_rows"], 1)
+    out["replay_batches_measured"] = rows / max(meta["step"], 1)  # the replay cursor: batches taken per RL step
+    return out | {"summary": meta["summary"], "windows": guard_windows((project / "run.log").read_text())}
 
 
 def guard_windows(log: str) -> list[dict[str, float]]:
@@ -92,33 +156,62 @@ def guard_windows(log: str) -> list[dict[str, float]]:
     return out
 
 
+def change(summary: dict, key: str) -> float:
+    return summary[f"final_{key}"] - summary[f"first_{key}"]
+
+
 def row(result: dict, control: dict[int, float]) -> str:
-    """A markdown row for one run."""
+    """A markdown row for one RL run: test figures, val's change beside."""
     if "error" in result:
         return f"| {result['arm']} | {result['seed']} | failed: {result['error'][-200:]!r} |"
-    s = result["summary"]
-    first, final = s["first_eval/pass_at_1"], s["final_eval/pass_at_1"]
-    over = f"{final - control[result['seed']]:+.4f}" if result["seed"] in control else "n/a"
+    s, seed = result["summary"], result["seed"]
+    first, final = s[f"first_{TEST}"], s[f"final_{TEST}"]
+    over = f"{final - control[seed]:+.4f}" if seed in control else "n/a"
     w = result["windows"]
     model = f"{w[0]['guard/model_mean']:.2f} -> {w[-1]['guard/model_mean']:.2f}" if w else "-"
     verifier = f"{w[0]['guard/verifier_mean']:.2f} -> {w[-1]['guard/verifier_mean']:.2f}" if w else "-"
     trips = int(sum(x.get("guard/tripped", 0) for x in w))
-    cells = [result["arm"], result["seed"], f"{first:.4f}", f"{final:.4f}", f"{final - first:+.4f}", over]
-    return "| " + " | ".join(map(str, [*cells, model, verifier, trips, f"{result['wall']:.0f}"])) + " |"
+    steps = f"{result['optimizer_steps']} / {result['replay_batches']} ({result['replay_batches_measured']:g})"
+    cells = [result["arm"], seed, steps, f"{first:.4f}", f"{final:.4f}", f"{final - first:+.4f}", over]
+    cells += [f"{change(s, VAL):+.4f}", model, verifier, trips, f"{result['wall']:.0f}"]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def means(results: list[dict], control: dict[int, float]) -> list[str]:
-    """One row per arm: mean change over SFT and over the control, over the seeds that finished."""
+    """One row per arm: mean test change over SFT and over the control, and val's, over the seeds that finished."""
     lines = []
     for arm in dict.fromkeys(r["arm"] for r in results):
         done = [r for r in results if r["arm"] == arm and "error" not in r]
         if not done:
             continue
-        change = [r["summary"]["final_eval/pass_at_1"] - r["summary"]["first_eval/pass_at_1"] for r in done]
-        over = [r["summary"]["final_eval/pass_at_1"] - control[r["seed"]] for r in done if r["seed"] in control]
+        test = [change(r["summary"], TEST) for r in done]
+        val = [change(r["summary"], VAL) for r in done]
+        over = [r["summary"][f"final_{TEST}"] - control[r["seed"]] for r in done if r["seed"] in control]
         mean_over = f"{sum(over) / len(over):+.4f}" if over else "n/a"
-        lines.append(f"| {arm} | {len(done)} seeds | mean change {sum(change) / len(change):+.4f} | {mean_over} |")
+        cells = [arm, f"{len(done)} seeds", f"{sum(test) / len(test):+.4f}", mean_over, f"{sum(val) / len(val):+.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def report(results: list[dict]) -> None:
+    """Print the per-run and per-arm tables: pass@1 on test (held out), val (tuning) beside."""
+    results = [r for r in results if r.get("kind", "rl") == "rl"]
+    control = {
+        r["seed"]: r["summary"][f"final_{TEST}"] for r in results if r["arm"] == "replay_only" and "error" not in r
+    }
+    print("pass@1 on `test` (held out: nothing was tuned on it); `val` is the tuning split, its change beside.")
+    print(
+        "| arm | seed | optimizer steps / replay batches per RL step (replay measured) | test SFT pass@1 "
+        "| test final pass@1 | test change | test over replay-only | val change (tuning) | RM score | "
+        "verifier mean | trips | s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(row(r, control))
+    print(
+        "\n| arm | runs | test change over SFT | test over replay-only | val change (tuning) |\n|---|---|---|---|---|"
+    )
+    print("\n".join(means(results, control)))
 
 
 def main() -> None:
@@ -128,50 +221,52 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=1, help="runs at once (threads each: 2 / parallel, at least 1)")
     p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_controls")
     p.add_argument("--rm-steps", type=int, default=0, help="steps of the reward-model arms (0: RL's max_steps)")
+    p.add_argument("--rm-args", nargs="*", default=[], help="extra stages.reward_model flags, e.g. --max_steps=200")
     # RL's own eval (256 problems x 2 samples) is about +-0.05 at 95% for one run: too coarse to tell
-    # arms +0.03 apart. 1024 x 4 (about +-0.02) costs each run about a minute more.
-    p.add_argument("--eval-problems", type=int, default=1024, help="held-out problems of each run's pass@1")
-    p.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem")
+    # arms +0.03 apart. 1024 x 4 (about +-0.02) costs each run about a minute more (twice: val and test).
+    p.add_argument("--eval-problems", type=int, default=1024, help="problems of each run's pass@1, on val and on test")
+    p.add_argument("--eval-samples", type=int, default=4, help="samples per problem")
+    p.add_argument("--plan", action="store_true", help="print the runs as JSON and run nothing")
+    p.add_argument("--results", type=Path, help="print the tables of an earlier run's results.json and run nothing")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every arm, e.g. --max_steps=40")
     args = p.parse_args()
+    if args.results:
+        return report(json.loads(args.results.read_text()))
+    bench_dir = args.workdir / time.strftime("%Y%m%d-%H%M%S")  # a new dir: no run resumes an older one's
+    runs = plan(args, bench_dir)
+    if args.plan:
+        return print(json.dumps(runs, indent=1))
     missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
     if missing:
         sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
+    bench_dir.mkdir(parents=True, exist_ok=False)
     threads = max(1, (os.cpu_count() or 2) // args.parallel)
-    jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
-    rl_args = [f"--eval_problems={args.eval_problems}", f"--eval_samples={args.eval_samples}", *args.rl_args]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda j: run_arm(args.workdir, *j, threads, rl_args, args.rm_steps), jobs))
-    control = {
-        r["seed"]: r["summary"]["final_eval/pass_at_1"]
-        for r in results
-        if r["arm"] == "replay_only" and "error" not in r
-    }
-    print(
-        "| arm | seed | SFT pass@1 | final pass@1 | change | over replay-only | RM score | verifier mean | trips | s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(row(r, control))
-    print("\n| arm | runs | change over SFT | over replay-only |\n|---|---|---|---|")
-    print("\n".join(means(results, control)))
-    (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
+    with ThreadPoolExecutor(args.parallel) as pool:  # every seed's reward model before any RL run reads it
+        results = list(pool.map(lambda r: execute(r, threads), [r for r in runs if r["kind"] == "reward_model"]))
+        results += list(pool.map(lambda r: execute(r, threads), [r for r in runs if r["kind"] == "rl"]))
+    (bench_dir / "results.json").write_text(json.dumps(results, indent=1))
+    failed = [r for r in results if r["kind"] == "reward_model" and "error" in r]
+    for r in failed:
+        print(f"reward model of seed {r['seed']} failed: {r['error'][-500:]}")
+    report(results)
     write_controls(results)
 
 
 def write_controls(results: list[dict]) -> None:
-    """``metrics/rl_controls.json``: each arm's mean change over SFT, keyed by the SFT model's hash, so
-    the report card states RL's gain beside the replay-only control measured on the same model."""
+    """``metrics/rl_controls.json``: each arm's mean change over SFT on test (``split``), val's beside,
+    keyed by the SFT model's hash, so the report card states RL's gain beside the replay-only control
+    measured on the same model and split."""
     from chatpipe.io import sha256_file, write_json_atomic
 
     arms = {}
-    for arm in dict.fromkeys(r["arm"] for r in results):
-        done = [r["summary"] for r in results if r["arm"] == arm and "error" not in r]
+    for arm in dict.fromkeys(r["arm"] for r in results if r["kind"] == "rl"):
+        done = [r["summary"] for r in results if r["kind"] == "rl" and r["arm"] == arm and "error" not in r]
         if done:
-            change = [s["final_eval/pass_at_1"] - s["first_eval/pass_at_1"] for s in done]
-            arms[arm] = {"mean_change": sum(change) / len(change), "runs": len(done), "changes": change}
+            test, val = [change(s, TEST) for s in done], [change(s, VAL) for s in done]
+            arms[arm] = {"mean_change": sum(test) / len(test), "runs": len(done), "changes": test}
+            arms[arm] |= {"val_mean_change": sum(val) / len(val), "val_changes": val}
     init = sha256_file(REPO / "artifacts" / "sft" / "model.pt")
-    write_json_atomic(REPO / "metrics" / "rl_controls.json", {"init": init, "arms": arms})
+    write_json_atomic(REPO / "metrics" / "rl_controls.json", {"init": init, "split": "test", "arms": arms})
 
 
 if __name__ == "__main__":

@@ -405,49 +405,80 @@ def _skipped(results: dict) -> list[str]:
     return out
 
 
-def rl_section(meta: dict, controls: dict | None = None) -> list[str]:
-    """Markdown lines for the RL stage's own held-out pass@1 before and after training (from
-    ``artifacts/rl/meta.json``), each with its 95% interval over the held-out problems; what trained
-    it; the replay-only control of ``controls`` (``bench/rl_controls.py``'s ``metrics/rl_controls.json``)
-    when it was measured on the same SFT model; and the reward-hacking guard's windows."""
-    summary, settings = meta.get("summary") or {}, meta.get("settings") or {}
-    before, after = summary.get("first_eval/pass_at_1"), summary.get("final_eval/pass_at_1")
-    n = int(settings.get("eval_problems") or 0)
-    if before is None or after is None or n < 1:
-        return []
-    cells = accuracy_cell(before, n), accuracy_cell(after, n, (before, n))
-    replay = "on" if settings.get("replay") and settings.get("replay_coef") else "off"
+# what each split of RL's pass@k is for: settings may be chosen on val; test is the figure to report
+SPLIT_ROLES = {"val": "tuning", "test": "held out", "train": "trained on"}
+SPLIT_NOTES = {
+    "val": "tuning: settings may be chosen on it",
+    "test": "held out: no setting was tuned on it; the figure to report",
+    "train": "the split RL trains on",
+}
+
+
+def rl_splits(settings: dict, summary: dict) -> list[tuple[str, str]]:
+    """(split, metric prefix) of each split the RL run measured pass@1 on before and after: its
+    ``eval_split`` (``eval``) and, where set, its ``test_split`` (``eval_test``)."""
+    named = [(settings.get("eval_split") or "val", "eval"), (settings.get("test_split") or "none", "eval_test")]
     return [
-        "## RL held-out pass@1",
+        (split, prefix)
+        for split, prefix in named
+        if split != "none" and f"first_{prefix}/pass_at_1" in summary and f"final_{prefix}/pass_at_1" in summary
+    ]
+
+
+def rl_section(meta: dict, controls: dict | None = None) -> list[str]:
+    """Markdown lines for the RL stage's own pass@1 before and after training (from
+    ``artifacts/rl/meta.json``) on each split it measured, each labelled with what it is for (val:
+    tuning; test: held out), with its 95% interval over the problems; what trained it; the
+    replay-only control of ``controls`` (``bench/rl_controls.py``'s ``metrics/rl_controls.json``)
+    when it was measured on the same SFT model, on the same split; and the reward-hacking guard's windows."""
+    summary, settings = meta.get("summary") or {}, meta.get("settings") or {}
+    n = int(settings.get("eval_problems") or 0)
+    splits = rl_splits(settings, summary)
+    if not splits or n < 1:
+        return []
+    first = {split: summary[f"first_{prefix}/pass_at_1"] for split, prefix in splits}
+    final = {split: summary[f"final_{prefix}/pass_at_1"] for split, prefix in splits}
+    replay = "on" if settings.get("replay") and settings.get("replay_coef") else "off"
+    named = " and ".join(f"`{split}` ({SPLIT_NOTES.get(split, split)})" for split in first)
+    return [
+        "## RL pass@1",
         "",
-        f"Task `{settings.get('task')}`, split `{settings.get('eval_split')}`, {n} problems x "
+        f"Task `{settings.get('task')}`, {named}, {n} problems each x "
         f"{settings.get('eval_samples')} samples at temperature {settings.get('eval_temperature')}; "
         f"{summary.get('steps')} RL steps of `{settings.get('algorithm')}` on the `{settings.get('reward_source')}` "
         f"reward, chat replay {replay}. Interval: 95% Wilson over problems.",
         "",
-        "| | pass@1 |",
-        "|---|---|",
-        f"| before RL (sft) | {cells[0]} |",
-        f"| after RL | {cells[1]} |",
-        f"| change | {after - before:+.3f} |",
-        *control_rows(meta, controls, after - before),
+        "| | " + " | ".join(f"`{split}` pass@1 ({SPLIT_ROLES.get(split, split)})" for split in first) + " |",
+        "|---|" + "---|" * len(first),
+        md_row("before RL (sft)", *(accuracy_cell(first[s], n) for s in first)),
+        md_row("after RL", *(accuracy_cell(final[s], n, (first[s], n)) for s in first)),
+        md_row("change", *(f"{final[s] - first[s]:+.3f}" for s in first)),
+        *control_rows(meta, controls, {s: final[s] - first[s] for s in first}),
         "",
         *guard_lines(summary),
     ]
 
 
-def control_rows(meta: dict, controls: dict | None, change: float) -> list[str]:
+def md_row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def control_rows(meta: dict, controls: dict | None, change: dict[str, float]) -> list[str]:
     """The replay-only control's change (supervised steps on the replay mixture, no reward) and RL's
-    gain over it, when ``controls`` were measured on this run's SFT model; else a row saying how."""
+    gain over it on the split the control was measured on (``controls["split"]``; before it was
+    recorded, val), when ``controls`` were measured on this run's SFT model; else a row saying how."""
     init = (meta.get("inputs") or {}).get("init")
     arms = (controls or {}).get("arms") or {}
     if not controls or controls.get("init") != init or "replay_only" not in arms:
         return ["| replay-only control | not measured on this SFT model (`python bench/rl_controls.py`) |"]
+    split = controls.get("split") or "val"
+    if split not in change:
+        return [f"| replay-only control | measured on `{split}`, which this run did not evaluate |"]
     control = arms["replay_only"]["mean_change"]
     runs = arms["replay_only"]["runs"]
     return [
-        f"| replay-only control (mean of {runs} seeds) | {control:+.3f} |",
-        f"| RL over the control | {change - control:+.3f} |",
+        f"| replay-only control on `{split}` (mean of {runs} seeds) | {control:+.3f} |",
+        f"| RL over the control on `{split}` | {change[split] - control:+.3f} |",
     ]
 
 

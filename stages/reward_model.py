@@ -8,7 +8,8 @@ Pairs come from ``source`` (:mod:`chatpipe.data.preferences`): ``tiny`` makes th
 tiny world's arithmetic problems of the train split's ``preferences`` part, which no other stage
 reads (so never one RL prompts with): the init model's own samples ranked by the verifier (what PPO
 will show the reward model), plus synthetic contrasts of each gold answer; the held-out pairs are
-made the same way from the val split's problems. ``local`` reads a ``{prompt, chosen, rejected}``
+made the same way from other problems of that part (never RL's val or test problems, which its
+pass@k is measured on). ``local`` reads a ``{prompt, chosen, rejected}``
 JSONL file, ``hf`` a hub dataset in the chosen/rejected format. Every pair is read and checked
 before the model loads. Each step takes ``device_batch_size`` pairs per rank and follows
 -log sigmoid(r_chosen - r_rejected - margin), each response scored at its last token. At the end
@@ -208,8 +209,8 @@ def sampler(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> prefs.Samp
     if not cfg.tiny_samples:
         return None
 
-    def sample(split: str, convs: list[dict]) -> list[tuple[list[int], list[list[int]], list[float]]]:
-        task = build_task("tinyworld_arith", split, limit=1)  # the verifier
+    def sample(name: str, convs: list[dict]) -> list[tuple[list[int], list[list[int]], list[float]]]:
+        task = build_task("tinyworld_arith", "train", limit=1)  # the verifier: the same for every split
         problems = [Problem(c, lambda text, c=c: float(task.reward(c, text))) for c in convs]
         with torch.no_grad():
             sampled = sample_problems(
@@ -220,7 +221,7 @@ def sampler(cfg: RewardModelSettings, tok: Tokenizer, policy: GPT) -> prefs.Samp
                 temperature=cfg.tiny_temperature,
                 top_k=50,
                 seed=cfg.seed,
-                desc=f"reward_model {split} pairs: sampling",
+                desc=f"reward_model {name} pairs: sampling",
             )
         return [(s.prompt, s.seqs, [p.score(x) for x in s.texts]) for p, s in zip(problems, sampled)]
 

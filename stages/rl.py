@@ -11,7 +11,8 @@ tool use on), scores them (verifier, reward model or both) and takes one update 
 algorithm: GRPO-lite (advantage = score - group mean) or PPO (a frozen reference, a critic, GAE,
 clipped epochs x minibatches). With ``replay`` set, each optimizer step also follows the
 assistant-only LM loss of a few packed chat-stage rows, so what RL does not reward is not worn away.
-Held-out pass@k (the task's own verdict, not the reward) every ``eval_every`` steps; resumable
+pass@k (the task's own verdict, not the reward) every ``eval_every`` steps on ``eval_split`` (val: the
+split settings are tuned on) and ``test_split`` (test: held out, the figure to report); resumable
 checkpoints in ``checkpoints/rl/``; the final policy goes to ``artifacts/rl/``.
 
 Where each part lives (chatpipe/rl/): the roles (policy, reference, critic, reward models) in
@@ -31,7 +32,15 @@ from chatpipe.inference.engine import Engine
 from chatpipe.io import sha256_file
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.rl.async_role import rollout_exchange, rollout_role
-from chatpipe.rl.problems import Prompts, load_rl_problems, replay_rows, resumed_replay, user_verifier
+from chatpipe.rl.problems import (
+    Prompts,
+    eval_identity,
+    load_rl_problems,
+    load_test_problems,
+    replay_rows,
+    resumed_replay,
+    user_verifier,
+)
 from chatpipe.rl.roles import load_models, role_inputs
 from chatpipe.rl.sampling import rollout_dtype
 from chatpipe.rl.scoring import reward_guard
@@ -69,13 +78,16 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     # --- data: RL prompts (scored by the verifier), and the chat-stage rows replayed with every optimizer step
     train_problems, eval_problems = load_rl_problems(cfg, rt, verifier := user_verifier(cfg))
+    test_problems = load_test_problems(cfg, rt, verifier)  # held out: nothing is tuned on its pass@k
     replay_seq_len, replay_pack = replay_rows(cfg, tok, models.policy)
 
-    # --- resume from the newest checkpoint made with the same settings, init model and role models
+    # --- resume from the newest checkpoint made with the same settings, init model and role models,
+    # and the same evals: a run's first and final pass@k are always measured alike
     inputs = {
         "init": sha256_file(init_dir / "model.pt"),
         "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
         **role_inputs(cfg),
+        "evals": eval_identity(cfg),
     }
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
     meta = loop_meta(meta)
@@ -97,9 +109,11 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         prompts=Prompts.resumed(meta),
         guard=reward_guard(cfg, meta),
         rollout_dtype=rollout_dtype(cfg, rt),
+        test_problems=test_problems,
     )
 
-    # --- loop: rl_step per step (sample -> score -> update -> publish), held-out pass@k every eval_every
+    # --- loop: rl_step per step (sample -> score -> update -> publish), pass@k on val (the tuning split)
+    # and test (held out) every eval_every
     loop = Loop(
         "rl",
         cfg,
@@ -116,7 +130,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     )
     params = {"rl": snapshot(cfg), "model_config": models.policy.config.to_dict(), "world_size": rt.world_size}
     with tracked_run("rl", params | {"init_lrs": models.init_lrs}, rt) as tracking, rollout_exchange(run, state.step):
-        curves = ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1"]
+        curves = ["reward/mean", "response/length", "kl/mean", "eval/pass_at_1", "eval_test/pass_at_1"]
         metrics = Curves(tracking, "rl", curves, enabled=rt.is_main)
         run_loop(loop, state, tracking, metrics)
 

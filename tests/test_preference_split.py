@@ -45,3 +45,34 @@ def test_the_preference_part_is_a_quarter_of_the_train_questions_and_only_of_tra
     assert 0.23 < share < 0.27
     with pytest.raises(ValueError, match="'preferences' is a part of the train split"):
         synthetic.tool_conversations(0, 10, "val", part="preferences")
+
+
+class QuestionTok:
+    """A stand-in tokenizer: a conversation renders as one id, its question's, so a pair names its problem."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def render_conversation(self, conv, max_tokens):
+        self.texts.append(conv["messages"][0]["content"])
+        return [len(self.texts) - 1], []
+
+
+def test_the_reward_models_held_out_problems_are_not_rls_eval_problems(params_file):
+    """With the default settings, the reward model's held-out pairs (made by the stage's own
+    tiny_pairs) share no problem with RL's val or test problems, nor with its own train pairs. Before
+    this, held-out pairs came from the val split: 139 of the 256 RL eval problems were among them."""
+    from chatpipe.data import preferences as prefs
+    from chatpipe.rl.rollout import load_problems
+    from chatpipe.settings import RewardModelSettings, RLSettings, load_section
+
+    cfg, rl = load_section(RewardModelSettings, []), load_section(RLSettings, [])
+    tok = QuestionTok()
+    pairs = prefs.tiny_pairs(cfg, tok, None)  # contrasts only: sampling needs a model, the problems do not
+    held = {tok.texts[p.chosen[0]] for p in pairs.val}
+    trained = {tok.texts[p.chosen[0]] for p in pairs.train}
+    assert len(held) >= cfg.val_pairs // 4 and not held & trained  # 3 contrasts a problem, some left out
+    for split in ("val", "test"):
+        evaluated = questions(p.conversation for p in load_problems(rl.task, split, rl.eval_problems, rl.seed))
+        assert len(evaluated) == rl.eval_problems
+        assert not held & evaluated, f"{len(held & evaluated)} RL {split} problems are reward-model held-out ones"

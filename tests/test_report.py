@@ -228,6 +228,29 @@ def test_rl_section_shows_pass_at_1_before_and_after_with_intervals() -> None:
     assert rl_section({"summary": {}}) == []
 
 
+def test_rl_section_labels_val_as_tuning_and_test_as_held_out_and_compares_controls_on_one_split() -> None:
+    from chatpipe.report import rl_section
+
+    settings = {"task": "tinyworld_arith", "eval_split": "val", "test_split": "test", "eval_problems": 256}
+    summary = {"steps": 20, "first_eval/pass_at_1": 0.30, "final_eval/pass_at_1": 0.45}
+    summary |= {"first_eval_test/pass_at_1": 0.32, "final_eval_test/pass_at_1": 0.40}
+    meta = {"inputs": {"init": "abc"}, "settings": settings, "summary": summary}
+    md = "\n".join(rl_section(meta))
+    assert "| | `val` pass@1 (tuning) | `test` pass@1 (held out) |" in md
+    assert "| after RL | 0.450 [0.39, 0.51] n=256 | 0.400 [0.34, 0.46] n=256 (≈) |" in md  # +0.08: within noise
+    assert "| change | +0.150 | +0.080 |" in md
+    assert "`test` (held out: no setting was tuned on it; the figure to report)" in md
+    # the bench's controls are compared on their own split: test here, so RL's test change
+    controls = {"init": "abc", "split": "test", "arms": {"replay_only": {"mean_change": 0.05, "runs": 3}}}
+    md = "\n".join(rl_section(meta, controls))
+    assert "| replay-only control on `test` (mean of 3 seeds) | +0.050 |" in md
+    assert "| RL over the control on `test` | +0.030 |" in md
+    # controls of before (no split: they were measured on val) against a run without that split
+    only_test = {**meta, "settings": {**settings, "eval_split": "train"}}
+    md = "\n".join(rl_section(only_test, {**controls, "split": None}))
+    assert "| replay-only control | measured on `val`, which this run did not evaluate |" in md
+
+
 def test_report_credits_only_the_runs_that_produced_the_artifacts(tmp_path: Path, monkeypatch) -> None:
     """issue 15 item 4: a newer FAILED or killed (RUNNING) run never stands in for the producing one."""
     import json

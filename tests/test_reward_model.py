@@ -687,8 +687,8 @@ def test_report_card_states_rl_beside_the_replay_only_control_and_the_guard():
     meta["summary"] |= {"guard_first_model_mean": 0.1, "guard_last_model_mean": 0.4, "guard_last_verifier_mean": 0.6}
     controls = {"init": "abc", "arms": {"replay_only": {"mean_change": 0.06, "runs": 3}}}
     text = "\n".join(rl_section(meta, controls))
-    assert "| replay-only control (mean of 3 seeds) | +0.060 |" in text
-    assert "| RL over the control | +0.040 |" in text
+    assert "| replay-only control on `val` (mean of 3 seeds) | +0.060 |" in text
+    assert "| RL over the control on `val` | +0.040 |" in text
     assert "chat replay off" in text and "**tripped 1 times**" in text and "0.100 -> 0.400" in text
     other = "\n".join(rl_section(meta, {**controls, "init": "another sft model"}))
     assert "not measured on this SFT model" in other and "RL over the control" not in other

@@ -311,7 +311,8 @@ def contrast_pairs(convs: Sequence[dict[str, Any]], tok: Any, seed: int, where: 
 
 SAMPLED = "sampled"  # the origin of a pair of the init model's own samples, ranked by the verifier
 FROM_FILE = "file"  # the origin of every pair read from a user's file or the hub: it names no mistake
-# per problem: its prompt ids, its sampled sequences (prompt included) and the verifier's score of each
+# per problem: its prompt ids, its sampled sequences (prompt included) and the verifier's score of each;
+# called with the set's name ("train", "held-out") and its problems
 Samples = Callable[[str, list[dict[str, Any]]], list[tuple[list[int], list[list[int]], list[float]]]]
 
 
@@ -335,13 +336,28 @@ def tiny_problems(split: str, n: int) -> list[dict]:
     return [task[i] for i in range(min(n, len(task)))]
 
 
+def tiny_problem_sets(n_train: int, n_held_out: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) problems of the reward model, both from the train split's ``preferences``
+    part and disjoint by question text. Held-out problems used to come from the val split, which RL
+    evaluates on: its pass@k and the reward model's accuracy then shared their problems, and the
+    reward model's held-out accuracy was measured on the split the RL settings were tuned on. The
+    train problems are the same draw as before, so the trained weights do not move; the held-out
+    ones are the first ``n_held_out`` of a larger draw that the train set does not hold."""
+    train = tiny_problems("train", n_train)
+    seen = {c["messages"][0]["content"] for c in train}
+    wider = tiny_problems("train", n_train + n_held_out)  # holds at least n_held_out outside ``train``
+    held_out = [c for c in wider if c["messages"][0]["content"] not in seen][:n_held_out]
+    return train, held_out
+
+
 def tiny_pairs(cfg: RewardModelSettings, tok: Any, sample: Samples | None) -> PairSet:
-    """Tiny-world pairs: the train split's ``preferences`` problems make the train pairs, the val
-    split's the held-out ones: every sampled pair of ``tiny_val_problems`` problems (the kind PPO
-    needs ranked), then their contrasts up to ``val_pairs`` in all. ``sample`` samples and scores
-    replies to a split's problems (None: contrasts only)."""
-    train = tiny_split(cfg, tok, sample, "train", cfg.tiny_prompts, cfg.tiny_sample_prompts)
-    val = tiny_split(cfg, tok, sample, "val", cfg.tiny_val_problems, cfg.tiny_val_problems)
+    """Tiny-world pairs, from the train split's ``preferences`` problems (:func:`tiny_problem_sets`):
+    ``tiny_prompts`` problems make the train pairs, ``tiny_val_problems`` others the held-out ones:
+    every sampled pair of those (the kind PPO needs ranked), then their contrasts up to ``val_pairs``
+    in all. ``sample`` samples and scores replies to a split's problems (None: contrasts only)."""
+    train_convs, held_convs = tiny_problem_sets(cfg.tiny_prompts, cfg.tiny_val_problems)
+    train = tiny_split(cfg, tok, sample, "train", train_convs, cfg.tiny_sample_prompts)
+    val = tiny_split(cfg, tok, sample, "train", held_convs, len(held_convs), label="held-out")
     random.Random(cfg.seed).shuffle(val)
     sampled = [po for po in val if po[1] == SAMPLED]
     val = sampled + [po for po in val if po[1] != SAMPLED][: max(cfg.val_pairs - len(sampled), 0)]
@@ -349,20 +365,28 @@ def tiny_pairs(cfg: RewardModelSettings, tok: Any, sample: Samples | None) -> Pa
 
 
 def tiny_split(
-    cfg: RewardModelSettings, tok: Any, sample: Samples | None, split: str, n: int, n_sampled: int
+    cfg: RewardModelSettings,
+    tok: Any,
+    sample: Samples | None,
+    split: str,
+    convs: int | list[dict],
+    n_sampled: int,
+    label: str = "",
 ) -> list[tuple[Pair, str]]:
-    """(pair, origin) for ``n`` arithmetic problems of ``split``: synthetic contrasts, then the model's
-    samples on the first ``n_sampled`` ranked by the task's verifier (a right answer over a wrong or
-    unfinished one), the pairs longer than ``max_seq_len`` left out (:func:`fitting`)."""
-    convs = tiny_problems(split, n)
-    made = contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{split} contrast")
+    """(pair, origin) for the arithmetic problems ``convs`` of ``split`` (an int: that many, from
+    :func:`tiny_problems`): synthetic contrasts, then the model's samples on the first ``n_sampled``
+    ranked by the task's verifier (a right answer over a wrong or unfinished one), the pairs longer
+    than ``max_seq_len`` left out (:func:`fitting`). ``label`` names them in ``where`` (default: the split)."""
+    label = label or split
+    convs = tiny_problems(split, convs) if isinstance(convs, int) else convs
+    made = contrast_pairs(convs, tok, cfg.seed, f"tinyworld_arith/{label} contrast")
     out = [(p, f"contrast_{p.mistake}") for p in made]  # contrast_miscopied, ...
     convs = convs[:n_sampled]  # sampling costs far more than a contrast
     if sample is not None and convs:
-        for i, (prompt, seqs, scores) in enumerate(sample(split, convs)):
-            where = f"tinyworld_arith/{split} problem {i}"
+        for i, (prompt, seqs, scores) in enumerate(sample(label, convs)):
+            where = f"tinyworld_arith/{label} problem {i}"
             out += [(p, SAMPLED) for p in ranked_pairs(prompt, seqs, scores, where)]
-    return fitting(out, cfg.max_seq_len, split)
+    return fitting(out, cfg.max_seq_len, label)
 
 
 def fitting(pairs: list[tuple[Pair, str]], max_len: int, split: str) -> list[tuple[Pair, str]]:

@@ -2,6 +2,7 @@
 each step (filter_solved's pool), and the chat-stage rows replayed beside every optimizer step.
 
     train, held_out = load_rl_problems(cfg, rt, user_verifier(cfg))
+    test = load_test_problems(cfg, rt, user_verifier(cfg))    # the split nothing was tuned on
     idx = step_indices(cfg, prompts, len(train), step, rt.rank, rt.world_size)
 
 The picks are a function of the settings, the step and the pool only, so the asynchronous rollout
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from chatpipe import runtime
 from chatpipe.data.packing import ConversationLoader, pack
 from chatpipe.data.tasks import build_mixture
+from chatpipe.io import fingerprint
 from chatpipe.model.gpt import GPT
 from chatpipe.rl.rollout import Problem, load_problems, rank_indices
 from chatpipe.rl.verifier import Verifier
@@ -64,6 +66,41 @@ def load_rl_problems(
         cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
     )
     return train_problems, eval_problems[rt.rank :: rt.world_size]
+
+
+def evaluates_test_split(cfg: RLSettings) -> bool:
+    """Whether the stage measures pass@k on ``test_split`` beside ``eval_split``: not when it is
+    ``none``, nor when it is ``eval_split`` itself (the speedrun profile's ``test``: measured once,
+    under ``eval/``). The same on every rank, so every rank joins the same evaluations."""
+    return cfg.test_split not in ("none", cfg.eval_split)
+
+
+def load_test_problems(cfg: RLSettings, rt: runtime.Runtime, verifier: Verifier | None = None) -> list[Problem]:
+    """This rank's share of the ``test_split`` problems (as many as ``eval_problems``), the split
+    no setting was tuned on; none when it is not measured apart (:func:`evaluates_test_split`). A
+    task with no problems in that split stops the stage here, naming the key."""
+    if not evaluates_test_split(cfg):
+        return []
+    task_kw = {"verifier": verifier, "path": cfg.task_path or None}
+    problems = load_problems(
+        cfg.task, cfg.test_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+    )
+    if not problems:
+        raise ValueError(
+            f"rl.test_split = {cfg.test_split!r}: task {cfg.task!r} has no problems in that split; "
+            "pick another of val, test, or none"
+        )
+    return problems[rt.rank :: rt.world_size]
+
+
+def eval_identity(cfg: RLSettings) -> str:
+    """A hash of what the stage's pass@k measures: splits, problems, samples, temperature. The stage
+    keeps it among the run's inputs, so a rerun that changes any of them starts at step 0 rather than
+    resuming a run whose first pass@k was measured otherwise (it would report the old run's first
+    figure beside a new final one). When it is measured (``eval_every``) stays resume-neutral."""
+    keys = ("eval_split", "eval_problems", "eval_samples", "eval_temperature")
+    measured = {k: getattr(cfg, k) for k in keys}
+    return fingerprint(measured | {"test_split": cfg.test_split if evaluates_test_split(cfg) else "none"})
 
 
 def user_verifier(cfg: RLSettings) -> Verifier | None:

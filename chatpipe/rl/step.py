@@ -3,7 +3,7 @@ batch) -> score -> update -> publish the weights; and what the loop around it sa
 
     run = RLRun(cfg, rt, models, engine, train_problems, eval_problems, kl_ctl, replay_loader, ...)
     out = rl_step(run, step)        # the loop's step function: a StepOut with the step's metrics
-    pass_at_k(run)                  # held-out pass@k, every eval_every steps
+    pass_at_k(run)                  # pass@k on val (tuning) and test (held out), every eval_every steps
 
 Each part is a plain function over :class:`RLRun`, the stage's state built before the loop starts.
 """
@@ -26,7 +26,7 @@ from chatpipe.rl import losses
 from chatpipe.rl.async_role import take_rollouts
 from chatpipe.rl.exchange import Exchange
 from chatpipe.rl.guard import RewardGuard
-from chatpipe.rl.problems import Prompts, step_indices
+from chatpipe.rl.problems import Prompts, evaluates_test_split, step_indices
 from chatpipe.rl.roles import Models
 from chatpipe.rl.rollout import Problem, Rollouts, evaluate_problems, keep_best
 from chatpipe.rl.sampling import model_ranked, sample_batch
@@ -61,6 +61,7 @@ class RLRun:
     guard: RewardGuard | None = None  # reward_source model|both: the reward-hacking guard
     exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
     rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout_dtype, resolved once)
+    test_problems: list[Problem] = field(default_factory=list)  # rl.test_split's: held out, nothing tuned on them
 
 
 def rl_step(run: RLRun, step: int) -> StepOut:
@@ -153,12 +154,23 @@ def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
 
 
 def pass_at_k(run: RLRun) -> dict[str, float]:
-    """Held-out pass@1 and pass@eval_samples over every rank's share of the eval problems."""
+    """pass@1 and pass@eval_samples over every rank's share of the ``eval_split`` problems (the
+    tuning split: ``eval/``) and, unless ``test_split`` is none or the same split, of the
+    ``test_split`` ones (held out: ``eval_test/``). Each evaluation seeds its own sampling, so the
+    test one moves neither the val figures nor the training's random streams."""
+    found = split_pass_at_k(run, run.eval_problems, "eval")
+    if evaluates_test_split(run.cfg):
+        found |= split_pass_at_k(run, run.test_problems, "eval_test")
+    return found
+
+
+def split_pass_at_k(run: RLRun, problems: list[Problem], prefix: str) -> dict[str, float]:
+    """``<prefix>/pass_at_<k>`` of the policy on this rank's ``problems``, summed over every rank."""
     cfg, rt, policy = run.cfg, run.rt, run.models.policy
     policy.eval()
     correct = evaluate_problems(
         run.engine,
-        run.eval_problems,
+        problems,
         num_samples=cfg.eval_samples,
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.eval_temperature,
@@ -174,7 +186,7 @@ def pass_at_k(run: RLRun) -> dict[str, float]:
         device=rt.device,
     )
     runtime.all_reduce_sum(sums)
-    return {f"eval/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
+    return {f"{prefix}/pass_at_{k}": (sums[i + 1] / sums[0].clamp(min=1)).item() for i, k in enumerate(ks)}
 
 
 # --------------------------------------------------------------------------- what the loop saves and reports

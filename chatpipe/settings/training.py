@@ -522,7 +522,14 @@ class RLSettings(RunSettings):
     )
     # eval
     eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
-    eval_split: Literal["train", "val", "test"] = resume_neutral("val", description="held-out split for pass@k")
+    eval_split: Literal["train", "val", "test"] = resume_neutral(
+        "val", description="the tuning split: pass@k that settings may be chosen on"
+    )
+    test_split: Literal["val", "test", "none"] = resume_neutral(
+        "test",
+        description="the held-out split: pass@k at the same points as eval_split's, on a split nothing was tuned "
+        "on (the figure to report); none, or eval_split's own: no second evaluation",
+    )
     eval_problems: int = resume_neutral(64, ge=1, description="held-out problems for pass@k")
     eval_samples: int = resume_neutral(4, ge=1, description="samples per held-out problem")
     eval_temperature: float = resume_neutral(1.0, ge=0)
@@ -656,8 +663,9 @@ class RewardModelSettings(RunSettings):
     tiny_val_problems: int = Field(
         600,
         ge=1,
-        description="tiny: held-out val-split problems, each sampled: all their sampled pairs are held out, "
-        "then their contrasts up to val_pairs",
+        description="tiny: held-out problems (the train split's `preferences` part, none of the train ones "
+        "and none RL evaluates on), each sampled: all their sampled pairs are held out, then their contrasts "
+        "up to val_pairs",
     )
     pool: Literal["last", "mean"] = Field(
         "mean",
