@@ -35,12 +35,15 @@ def rollout_dtype(cfg: RLSettings, rt: runtime.Runtime) -> torch.dtype:
 
 def sampler_is_trainer(cfg: RLSettings, sampler: torch.dtype, trainer: torch.dtype) -> bool:
     """Whether the rollouts come from the trainer's own numerics: the trainer's process samples them
-    (no ``rollout_role``, another process and engine) with its linear layers in the dtype it trains in.
-    Then the sampler's log-probs differ from the trainer's by rounding only (the engine's KV cache and
-    batch shapes), and the update only measures the gap; elsewhere it also weighs each token by the
-    truncated pi_trainer / pi_sampler (:func:`chatpipe.rl.update.behaviour_terms`). The float32 run
-    stays bit for bit what it was before the gap was measured."""
-    return not cfg.rollout_role and sampler == trainer
+    (no ``rollout_role``, another process and engine) and both compute in float32. Then the sampler's
+    log-probs differ from the trainer's by rounding only (the engine's KV cache and batch shapes: a
+    mean |gap| of 3e-7 on the tiny run), and the update only measures the gap, so the float32 run stays
+    bit for bit what it was. Elsewhere it also weighs each token by the truncated pi_trainer /
+    pi_sampler (:func:`chatpipe.rl.update.behaviour_terms`). A bf16 trainer with bf16 rollouts is not
+    the same numerics either: autocast rounds every matmul, the rollouts only the wide linear layers
+    (chatpipe.inference.precision), and the tiny run's gap is then 2e-3, as with float32 training
+    under bf16 rollouts (docs/async-rl.md)."""
+    return not cfg.rollout_role and sampler == trainer == torch.float32
 
 
 def model_ranked(cfg: RLSettings) -> bool:

@@ -509,9 +509,9 @@ class RLSettings(RunSettings):
     behav_weight_cap: float = Field(
         5.0,
         gt=0,
-        description="truncate each token's pi_proximal / pi_behaviour weight here: stale rollouts, and rollouts "
-        "sampled in another dtype (rollout_dtype) or by the rollout role (the sampler-trainer gap; TRL and verl "
-        "cap at 2)",
+        description="truncate each token's pi_proximal / pi_behaviour weight here: stale rollouts, and every "
+        "rollout not sampled by the trainer's own float32 numerics (bf16 training or rollouts, the rollout role: "
+        "the sampler-trainer gap; TRL and verl cap at 2)",
     )
     exchange_dir: str = Field(
         "", description="the two roles' shared dir (weights, rollouts); '': shared memory on one host (/dev/shm)"
