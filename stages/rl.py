@@ -42,7 +42,7 @@ from chatpipe.rl.problems import (
     user_verifier,
 )
 from chatpipe.rl.roles import load_models, role_inputs
-from chatpipe.rl.sampling import rollout_dtype
+from chatpipe.rl.sampling import rollout_dtype, sampler_is_trainer
 from chatpipe.rl.scoring import reward_guard
 from chatpipe.rl.step import RLRun, distributed, loop_meta, pass_at_k, ppo_state, rl_state, rl_step, summary
 from chatpipe.rl.update import algorithm_config, check_minibatches
@@ -74,7 +74,9 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     # their optimizers; the chosen algorithm's typed config
     tok = Tokenizer.load(ARTIFACTS / "tokenizer")
     models = load_models(cfg, rt)
-    algorithm = algorithm_config(cfg)
+    sampler_dtype = rollout_dtype(cfg, rt)
+    # the rollouts' log-probs weigh the update only where the sampler is not the trainer's own numerics
+    algorithm = algorithm_config(cfg, weigh_behaviour=not sampler_is_trainer(cfg, sampler_dtype, rt.dtype))
 
     # --- data: RL prompts (scored by the verifier), and the chat-stage rows replayed with every optimizer step
     train_problems, eval_problems = load_rl_problems(cfg, rt, verifier := user_verifier(cfg))
@@ -108,7 +110,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
         value_norm=value_norm,
         prompts=Prompts.resumed(meta),
         guard=reward_guard(cfg, meta),
-        rollout_dtype=rollout_dtype(cfg, rt),
+        rollout_dtype=sampler_dtype,
         test_problems=test_problems,
     )
 

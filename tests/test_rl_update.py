@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatpipe.rl.losses import KLController, ValueNorm
+from chatpipe.rl.losses import KLController, ValueNorm, behaviour_weights, sampler_gap
 from chatpipe.rl.rollout import Rollouts
 from chatpipe.rl.update import GRPOConfig, PPOConfig, critic_values, grpo_update, micro_batches, ppo_targets, ppo_update
 
@@ -437,3 +437,93 @@ def test_rollouts_sampled_by_the_current_policy_update_exactly_as_today(algorith
             ppo_update(model, Unigram(w0), None, sgd(model), [], b, b.scores, KLController(0.1),
                        ppo_cfg(epochs=2, num_minibatches=2, micro_batch=1))  # fmt: skip
     assert torch.equal(fresh.w, old.w)
+
+
+# --------------------------------------------------------------------------- the sampler-trainer gap
+
+
+def test_sampler_gap_by_hand():
+    # trainer p = (1/2, 1/4) and sampler q = (1/4, 1/2) on two action tokens; the third is masked out.
+    # |ln p - ln q| = ln 2 on both; k3 with r = p / q: r - 1 - ln r = 1 - ln 2 (r = 2), ln 2 - 1/2 (r = 1/2)
+    trainer = torch.tensor([[0.5, 0.25, 0.9]]).log()
+    sampler = torch.tensor([[0.25, 0.5, 0.1]]).log()
+    gap = sampler_gap(trainer, sampler, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert gap["gap/logp_abs"] == pytest.approx(math.log(2.0))
+    assert gap["gap/kl"] == pytest.approx(0.25)
+    assert sampler_gap(trainer, trainer, torch.ones(1, 3)) == {"gap/logp_abs": 0.0, "gap/kl": 0.0}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_the_trainers_own_sampler_is_measured_not_weighed(algorithm):
+    """weigh_behaviour off (the sampler is the trainer's own numerics): a batch with the sampler's
+    log-probs steps exactly as one without, and reports their gap to the trainer's; on, it is weighed."""
+    batch = two_rows([[0, 1], [1, 1], [0, 0], [1, 0]], [[1, 1], [1, 0], [1, 1], [0, 1]], [1.0, 0.0, 1.0, 0.0])
+    w0 = [0.3, -0.1]
+    sampler = torch.log_softmax(torch.tensor(w0) / 1.3, 0)[batch.targets]  # another numerics than the trainer's
+    runs = {}
+    for name, b, weigh in (("none", batch, True), ("off", dataclasses.replace(batch, behav_logp=sampler), False),
+                           ("on", dataclasses.replace(batch, behav_logp=sampler), True)):  # fmt: skip
+        model = Unigram(w0)
+        if algorithm == "grpo":
+            cfg = GRPOConfig(group_size=2, micro_batch=1, weigh_behaviour=weigh)
+            stats = grpo_update(model, sgd(model), b, b.scores, cfg)
+        else:
+            cfg = ppo_cfg(epochs=2, num_minibatches=2, micro_batch=1, weigh_behaviour=weigh)
+            stats = ppo_update(model, Unigram(w0), None, sgd(model), [], b, b.scores, KLController(0.1), cfg)
+        runs[name] = model.w.detach(), stats
+    assert torch.equal(runs["off"][0], runs["none"][0])
+    assert not torch.equal(runs["on"][0], runs["none"][0])
+    trainer = torch.log_softmax(torch.tensor(w0), 0)[batch.targets]
+    on = batch.mask > 0
+    want = (trainer - sampler)[on].abs().mean().item()  # every row is forwarded: each group has signal
+    for name in ("off", "on"):
+        assert runs[name][1]["gap/logp_abs"] == pytest.approx(want, rel=1e-5)
+        assert runs[name][1]["gap/kl"] > 0
+    assert "gap/kl" not in runs["none"][1] and "stale/weight_mean" not in runs["off"][1]
+    assert "stale/weight_mean" in runs["on"][1]
+
+
+PLANTED = dict(logits=[1.0, 0.5, 0.0, -1.0], reward=[1.0, 0.0, 0.5, -1.0], sampler_temperature=1.3, n=40_000)
+
+
+def planted_samples(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's policy p = softmax(logits) (T = 1), a sampler at T = 1.3 (flatter: it draws the
+    likely tokens too rarely), and ``n`` single-token draws from the sampler: (p, q, tokens)."""
+    w = torch.tensor(PLANTED["logits"])
+    p, q = torch.softmax(w, 0), torch.softmax(w / PLANTED["sampler_temperature"], 0)
+    tokens = torch.multinomial(q, PLANTED["n"], replacement=True, generator=torch.Generator().manual_seed(seed))
+    return p, q, tokens
+
+
+def test_truncated_weights_give_the_trainers_expectation_from_another_samplers_draws():
+    """E_p[reward] from draws of q: the draws weighed by pi_trainer / pi_sampler (truncated at 2, as
+    TRL and verl do; here p / q <= 1.12, so the cap costs no bias) land within 0.02 of it; unweighted,
+    the draws' mean is E_q[reward], 0.066 lower."""
+    p, q, x = planted_samples()
+    r = torch.tensor(PLANTED["reward"])
+    exact = (p * r).sum().item()
+    mask = torch.ones(len(x), 1)
+    weights, stats = behaviour_weights(p[x].log()[:, None], q[x].log()[:, None], mask, cap=2.0)
+    tol = 0.02  # ~4 standard errors of the weighted mean at n = 40,000
+    assert abs((weights[:, 0] * r[x]).mean().item() - exact) < tol
+    assert abs(r[x].mean().item() - exact) > 2 * tol
+    assert stats["stale/clipped_frac"] == 0.0
+
+
+def test_the_update_on_another_samplers_draws_follows_the_trainers_gradient():
+    """GRPO on single-token rollouts drawn at T = 1.3 from a unigram policy trained at T = 1: one SGD
+    step (lr 1) is the mean of adv x weight x grad log p, which the truncated weights make the gradient
+    of E_p[reward], p (r - E_p[r]), within 0.01 per logit; without them it is q (r - E_q[r]), off by 0.034."""
+    p, q, x = planted_samples(seed=1)
+    r = torch.tensor(PLANTED["reward"])
+    exact = p * (r - (p * r).sum())
+    batch = two_rows(x[:, None].tolist(), [[1.0]] * len(x), r[x].tolist())
+    steps = {}
+    for name, behav in (("weighed", q[x].log()[:, None]), ("plain", None)):
+        model = Unigram(PLANTED["logits"])
+        b = dataclasses.replace(batch, behav_logp=behav)
+        grpo_update(model, sgd(model), b, b.scores, GRPOConfig(group_size=len(x), micro_batch=0, behav_weight_cap=2.0))
+        steps[name] = model.w.detach() - torch.tensor(PLANTED["logits"])
+    tol = 0.01
+    assert (steps["weighed"] - exact).abs().max().item() < tol
+    assert (steps["plain"] - exact).abs().max().item() > 2 * tol

@@ -102,8 +102,10 @@ def test_without_the_role_rl_is_bitwise_the_code_before_it(tmp_path, algorithm):
     machine, at one thread, the same step metrics and the same final weights, bit for bit. (The random
     model never scores, so GRPO's weights move by the replay alone; PPO's move with every sampled token:
     a changed top_k fails this test.)"""
-    rl = {"max_steps": 3, "eval_every": 0, "algorithm": algorithm}
-    # float32 rollouts, as then (rl.rollout_dtype came later; auto is bf16 where the CPU multiplies it)
+    # float32 training and rollouts: the sampler is the trainer's own numerics, so the update only
+    # measures the gap (gap/*) and is the one of then (rl.rollout_dtype came later; auto is bf16 where
+    # the CPU multiplies it, and a bf16 trainer under float32 rollouts now weighs by the gap)
+    rl = {"max_steps": 3, "eval_every": 0, "algorithm": algorithm, "dtype": "float32"}
     now = setup_project(tmp_path / "now", **rl, rollout_dtype="float32")
     before = code_at(BEFORE_THE_ROLE, tmp_path / "before")
     set_params(before, deep_merge(SMALL_PARAMS, {"rl": {**RL_PARAMS, **rl}}))  # its own params.yaml, the same overrides

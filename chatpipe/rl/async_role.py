@@ -13,7 +13,6 @@ weights that drew it, and the trainer checks its prompts and staleness before tr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -117,8 +116,8 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
     batch = Rollouts.from_dict(payload)
     if step == cfg.max_steps - 1 and os.environ.get(RL_THREADS_AFTER_ENV):  # the role has no more to sample:
         runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, after its last step")
-    if staleness == 0:  # sampled by the weights this step updates: the behaviour policy is the proximal one
-        batch = dataclasses.replace(batch, behav_logp=None)
+    # at staleness 0 too the sampler's log-probs stay: the role's engine and dtype are not the trainer's,
+    # so the update measures and corrects the gap (chatpipe.rl.sampling.sampler_is_trainer)
     run.engine.tool_stats = dict(payload["tools"])  # the role's running totals
     gen, idle = float(payload["gen_seconds"]), float(payload["idle_seconds"])
     stats = {

@@ -197,6 +197,22 @@ def behaviour_weights(
     return weights, stats
 
 
+def sampler_gap(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's log-probs of its own tokens are from the trainer's, over the action tokens:
+    ``gap/logp_abs``, the mean |log pi_trainer - log pi_sampler|, and ``gap/kl``, the mean k3 estimate of
+    KL(pi_sampler || pi_trainer). The tokens are the sampler's draws, so k3 = r - 1 - log r with
+    r = pi_trainer / pi_sampler is an unbiased, never negative estimate of that direction's KL.
+
+    Another dtype (bf16 rollouts) or another engine (the rollout role) gives a gap the trainer would
+    otherwise never see; the same numerics in float32 give one at rounding level."""
+    with torch.no_grad():
+        trainer, sampler = trainer_logp.float(), sampler_logp.float()
+        return {
+            "gap/logp_abs": masked_mean((trainer - sampler).abs(), mask).item(),
+            "gap/kl": masked_mean(kl_estimate(sampler, trainer, "k3"), mask).item(),
+        }
+
+
 def token_mean(per_token: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
     """Sum over the masked (action) tokens divided by ``num_tokens``, by default the mask's count."""
     denom = mask.sum() if num_tokens is None else num_tokens

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from chatpipe.settings import RLSettings
 
 Autocast = Callable[[], AbstractContextManager]
-# stale rollouts: pi_prox / pi_behav is truncated here (losses.behaviour_weights)
+# rollouts from another policy, dtype or engine: pi_prox / pi_behav is truncated here (losses.behaviour_weights)
 BEHAV_WEIGHT_CAP = 5.0
 # model -> the (weighted) replay loss of one batch of chat-stage rows; see :func:`replay_backward`
 Replay = Callable[[torch.nn.Module], torch.Tensor]
@@ -88,11 +88,15 @@ class GRPOConfig:
     grad_clip: float = 0.0
     kl_loss_coef: float = 0.0
     behav_weight_cap: float = BEHAV_WEIGHT_CAP
+    # False: the batch's sampler computes as the trainer does, so its behav_logp is only measured
+    # against the trainer's (the gap/* stats), not weighed by (see sampling.sampler_is_trainer)
+    weigh_behaviour: bool = True
 
     @classmethod
-    def from_settings(cls, cfg: RLSettings) -> GRPOConfig:
+    def from_settings(cls, cfg: RLSettings, weigh_behaviour: bool = True) -> GRPOConfig:
         """The GRPO knobs of the ``rl`` section's settings."""
         own = {"micro_batch": cfg.device_batch_size, "kl_loss_coef": cfg.grpo.kl_loss_coef}
+        own["weigh_behaviour"] = weigh_behaviour
         return cls(**{f.name: own[f.name] if f.name in own else getattr(cfg, f.name) for f in fields(cls)})
 
 
@@ -119,11 +123,13 @@ def grpo_update(
     norm before the step. With ``cfg.kl_loss_coef`` > 0 every row also carries that weight x the k3
     estimate of KL(policy || ``ref``), a mean over all the batch's action tokens (verl's KL loss: it
     holds a policy trained on a learned reward near the reference without touching the rewards). A
-    batch that carries its sampling policy's log-probs (``batch.behav_logp``: stale rollouts) weighs
-    each token by pi_prox / pi_behav, truncated at ``cfg.behav_weight_cap``; the proximal policy is the
-    policy before this step. Returns ``loss/policy`` (the summed loss), ``adv/abs_mean``,
-    ``adv/informative_frac`` and, with replay, ``loss/replay``; with the KL loss ``kl/loss_mean``; with
-    stale rollouts the ``stale/*`` weight stats of the rows trained on.
+    batch that carries its sampler's log-probs (``batch.behav_logp``) gets the sampler-trainer gap
+    (``gap/*``, :func:`chatpipe.rl.losses.sampler_gap`) of the rows forwarded here, and, unless
+    ``cfg.weigh_behaviour`` is off (the sampler is the trainer's own numerics), weighs each token by
+    pi_prox / pi_behav, truncated at ``cfg.behav_weight_cap``; the proximal policy is the policy before
+    this step. Returns ``loss/policy`` (the summed loss), ``adv/abs_mean``, ``adv/informative_frac``
+    and, with replay, ``loss/replay``; with the KL loss ``kl/loss_mean``; with weights their
+    ``stale/*`` stats of the rows trained on.
     """
     if len(scores) % cfg.group_size:
         raise ValueError(f"{len(scores)} rollouts do not split into groups of group_size={cfg.group_size}")
@@ -160,9 +166,7 @@ def grpo_backward(
             logp = sampled_logprobs(model, batch.inputs[rows], batch.targets[rows], cfg.temperature)
             weights = None
             if batch.behav_logp is not None:  # the policy before this step is the proximal one
-                weights, s = rl.behaviour_weights(
-                    logp.detach(), batch.behav_logp[rows], batch.mask[rows], cfg.behav_weight_cap
-                )
+                weights, s = behaviour_terms(logp.detach(), batch.behav_logp[rows], batch.mask[rows], cfg)
                 stale.append((s, batch.mask[rows].sum().item()))
             loss = rl.policy_gradient_loss(logp, adv[rows], batch.mask[rows], num_tokens=num_tokens, weights=weights)
             if ref is not None:
@@ -172,17 +176,33 @@ def grpo_backward(
         loss.backward()
         total += loss.item()
     stats = {"kl/loss_mean": kl_total} if ref is not None else {}
-    return total, stats | merge_stale_stats(stale)
+    return total, stats | merge_token_stats(stale)
 
 
-def merge_stale_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
-    """The ``stale/*`` stats of micro-batches (each with its action tokens) as one batch's: means
-    weighted by tokens, the largest weight over all; none without stale rollouts."""
+def behaviour_terms(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig | PPOConfig
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """What a batch sampled with its own log-probs brings to an update: the sampler-trainer gap's
+    stats (:func:`chatpipe.rl.losses.sampler_gap`), and with ``cfg.weigh_behaviour`` each token's
+    weight pi_prox / pi_behav truncated at ``cfg.behav_weight_cap`` (AReaL's decoupled loss; TRL and
+    verl's truncated importance sampling is this with the trainer's own policy as the proximal one)
+    with its ``stale/*`` stats. Without, the weights are None: the loss is the plain one."""
+    gap = rl.sampler_gap(prox_logp, behav_logp, mask)
+    if not cfg.weigh_behaviour:
+        return None, gap
+    weights, stale = rl.behaviour_weights(prox_logp, behav_logp, mask, cfg.behav_weight_cap)
+    return weights, gap | stale
+
+
+def merge_token_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """The ``gap/*`` and ``stale/*`` stats of micro-batches (each with its action tokens) as one
+    batch's: means weighted by tokens, the largest (``*_max``) over all; none without such rollouts."""
     tokens = sum(n for _, n in parts)
     if not parts or tokens <= 0:
         return {}
-    out = {k: sum(s[k] * n for s, n in parts) / tokens for k in ("stale/weight_mean", "stale/clipped_frac")}
-    return out | {"stale/weight_max": max(s["stale/weight_max"] for s, _ in parts)}
+    keys = parts[0][0]
+    out = {k: sum(s[k] * n for s, n in parts) / tokens for k in keys if not k.endswith("_max")}
+    return out | {k: max(s[k] for s, _ in parts) for k in keys if k.endswith("_max")}
 
 
 def kl_loss_term(
@@ -222,13 +242,14 @@ class PPOConfig:
     bootstrap: bool
     grad_clip: float
     seed: int
-    behav_weight_cap: float = BEHAV_WEIGHT_CAP  # stale rollouts only (the asynchronous role)
+    behav_weight_cap: float = BEHAV_WEIGHT_CAP  # rollouts with behav_logp (GRPOConfig's)
+    weigh_behaviour: bool = True  # as GRPOConfig's
 
     @classmethod
-    def from_settings(cls, cfg: RLSettings) -> PPOConfig:
+    def from_settings(cls, cfg: RLSettings, weigh_behaviour: bool = True) -> PPOConfig:
         """The PPO knobs of the ``rl`` section's settings: ``rl.ppo``'s, then the shared ones."""
         ppo = cfg.ppo.model_dump()
-        own = {"micro_batch": cfg.device_batch_size}
+        own = {"micro_batch": cfg.device_batch_size, "weigh_behaviour": weigh_behaviour}
         return cls(**{f.name: own.get(f.name, ppo.get(f.name, getattr(cfg, f.name, None))) for f in fields(cls)})
 
 
@@ -241,8 +262,8 @@ class PPOTargets:
     adv: torch.Tensor  # [B, T] advantages, zero off the action tokens
     returns: torch.Tensor | None  # [B, T] value targets (None without a critic)
     kl: torch.Tensor  # [B, T] per-token KL to the reference policy
-    weights: torch.Tensor | None = None  # [B, T] pi_prox / pi_behav of stale rollouts (None: fresh ones)
-    stale: dict[str, float] = field(default_factory=dict)  # their stats (losses.behaviour_weights)
+    weights: torch.Tensor | None = None  # [B, T] pi_prox / pi_behav (None: not weighed, update.behaviour_terms)
+    stale: dict[str, float] = field(default_factory=dict)  # their stats and the gap's (behaviour_terms)
 
 
 def ppo_targets(
@@ -252,8 +273,9 @@ def ppo_targets(
     """KL-penalised token rewards turned into advantages: GAE with a critic, else group advantages.
 
     The log-probs computed here before the epochs are the proximal policy's. A batch with
-    ``behav_logp`` (stale rollouts) also gets each token's weight pi_prox / pi_behav, truncated at
-    ``behav_weight_cap`` (:func:`chatpipe.rl.losses.behaviour_weights`).
+    ``behav_logp`` (the sampler's log-probs) also gets the sampler-trainer gap's stats and, with
+    ``cfg.weigh_behaviour``, each token's weight pi_prox / pi_behav, truncated at
+    ``behav_weight_cap`` (:func:`behaviour_terms`).
 
     Log-probs are those of the sampling distribution (logits / ``cfg.temperature``). With
     ``value_norm`` the critic works in normalised units: its values are de-normalised for GAE, the
@@ -280,9 +302,10 @@ def ppo_targets(
         adv = rl.whiten(adv, batch.mask, groups=batch.groups if cfg.whiten == "group" else None)
     if batch.behav_logp is None:
         return PPOTargets(old_logp, old_values, adv, returns, kl)
-    # stale rollouts: old_logp is the proximal policy's, the clip is taken against it (decoupled PPO)
-    weights, stale = rl.behaviour_weights(old_logp, batch.behav_logp, batch.mask, behav_weight_cap)
-    return PPOTargets(old_logp, old_values, adv, returns, kl, weights, stale)
+    # old_logp is the proximal policy's, the clip is taken against it (decoupled PPO)
+    capped = replace(cfg, behav_weight_cap=behav_weight_cap)
+    weights, stats = behaviour_terms(old_logp, batch.behav_logp, batch.mask, capped)
+    return PPOTargets(old_logp, old_values, adv, returns, kl, weights, stats)
 
 
 def critic_values(critic, batch: Rollouts, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -393,9 +416,10 @@ def ppo_update(
     exceeds ``cfg.max_token_ratio`` the update stops. The KL controller is moved by the batch's
     mean sequence KL. Returns mean losses, clip fraction, approximate KL and importance ratio per
     minibatch, the largest ratio, ``ppo/updates``, ``ppo/skipped``, ``ppo/early_stop`` and
-    ``kl_sum`` (summed sequence KL of this rank's rows). A batch with ``behav_logp`` (stale rollouts)
-    trains on AReaL's decoupled objective: each token's clipped term weighed by pi_prox / pi_behav,
-    truncated at ``behav_weight_cap``; its ``stale/*`` stats are returned too.
+    ``kl_sum`` (summed sequence KL of this rank's rows). A batch with ``behav_logp`` (the sampler's
+    log-probs) returns the sampler-trainer gap (``gap/*``) and, with ``cfg.weigh_behaviour``, trains on
+    AReaL's decoupled objective: each token's clipped term weighed by pi_prox / pi_behav, truncated
+    at ``behav_weight_cap``, its ``stale/*`` stats returned too.
     """
     n = len(scores)
     if n % cfg.num_minibatches:
@@ -473,9 +497,12 @@ def check_minibatches(cfg: RLSettings, world_size: int) -> None:
         )
 
 
-def algorithm_config(cfg: RLSettings) -> GRPOConfig | PPOConfig:
-    """The chosen algorithm's typed config (``rl.algorithm``): what :func:`policy_update` runs."""
-    return GRPOConfig.from_settings(cfg) if cfg.algorithm == "grpo" else PPOConfig.from_settings(cfg)
+def algorithm_config(cfg: RLSettings, weigh_behaviour: bool = True) -> GRPOConfig | PPOConfig:
+    """The chosen algorithm's typed config (``rl.algorithm``): what :func:`policy_update` runs.
+    ``weigh_behaviour``: False where the rollouts' sampler is the trainer's own numerics
+    (:func:`chatpipe.rl.sampling.sampler_is_trainer`): their log-probs are then measured, not weighed by."""
+    config = GRPOConfig if cfg.algorithm == "grpo" else PPOConfig
+    return config.from_settings(cfg, weigh_behaviour)
 
 
 @dataclass

@@ -509,7 +509,11 @@ class RLSettings(RunSettings):
         "max_head_offpolicyness); 0: synchronous, each step's rollouts come from the weights it updates",
     )
     behav_weight_cap: float = Field(
-        5.0, gt=0, description="stale rollouts: truncate each token's pi_proximal / pi_behaviour weight here"
+        5.0,
+        gt=0,
+        description="truncate each token's pi_proximal / pi_behaviour weight here: stale rollouts, and every "
+        "rollout not sampled by the trainer's own float32 numerics (bf16 training or rollouts, the rollout role: "
+        "the sampler-trainer gap; TRL and verl cap at 2)",
     )
     exchange_dir: str = Field(
         "", description="the two roles' shared dir (weights, rollouts); '': shared memory on one host (/dev/shm)"
