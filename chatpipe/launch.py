@@ -28,7 +28,9 @@ from chatpipe.procs import die_with_parent, parent_gone, process_start
 from chatpipe.settings import (
     RL_EXCHANGE_ENV,
     RL_ROLE_ENV,
+    RL_STORE_ENV,
     RL_THREADS_AFTER_ENV,
+    RL_WORKER_ENV,
     LaunchSettings,
     ParamsError,
     RLSettings,
@@ -39,6 +41,8 @@ from chatpipe.settings import (
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
+# a role whose replicas may share nodes with the other roles (chatpipe/slurm.py then asks for no whole node)
+SHARES_NODES = "chatpipe/shares_nodes"
 # what a stage reads and writes beside the code (relative to the repo): stage outputs, in-progress
 # checkpoints, the MLflow store. On Kubernetes they must outlive the pod, so each gets a volume.
 PERSISTENT_DIRS = ("artifacts", "checkpoints", "mlruns")
@@ -87,6 +91,7 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     """
     from torchx.components.dist import ddp
     from torchx.components.utils import python
+    from torchx.specs import macros
 
     if stage not in pipeline_stages():
         raise ParamsError(f"unknown stage {stage!r}; allowed: {', '.join(pipeline_stages())}")
@@ -100,8 +105,12 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     rollout = rollout_role_threads(rl, launch, nnodes * nproc) if rl is not None else None
     if rollout:
         env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
-        if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
-            env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
+        if launch.nnodes == 1 and (rl.rollout_workers == 1 or launch.scheduler == "local_cwd"):
+            # once the role has sampled the last step, its cores are the trainer's (on Slurm with several
+            # workers only the trainer's own are in its allocation)
+            env[RL_THREADS_AFTER_ENV] = str(rollout[0] + rollout[1] * rl.rollout_workers)
+        if rl.rollout_workers > 1:  # weights over torch.distributed: the trainer's TCPStore, on its host
+            env[RL_STORE_ENV] = f"{macros.rank0_env}:{free_port()}"
         if launch.scheduler != "local_cwd" and not rl.exchange_dir:
             # the roles may land on two nodes, whose shared memory is not shared: the project's
             # checkpoints dir is, as resuming needs it to be
@@ -120,7 +129,7 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         app.roles[0].max_retries = launch.max_retries
         app.roles[0].mounts = volume_mounts(launch)
         if rollout:
-            app.roles.append(rollout_role(app.roles[0], rollout[1]))
+            app.roles.append(rollout_role(app.roles[0], rollout[1], rl.rollout_workers, launch))
         return app
     app = ddp(
         *stage_args,
@@ -141,8 +150,10 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
 
 
 def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -> tuple[int, int] | None:
-    """(trainer threads, rollout-role threads) when the RL stage runs its rollout role (``rl.rollout_role``),
-    the node's cores split between them; None otherwise. Refused before any work when the role would
+    """(trainer threads, threads of each rollout worker) when the RL stage runs its rollout role
+    (``rl.rollout_role``), the node's cores split between them; None otherwise. Locally the trainer
+    shares its node with every worker; on Slurm with ``rl.rollout_workers`` > 1 each is a component of
+    its own and the trainer shares its node with one. Refused before any work when the workers would
     leave the trainer no core, or the trainer has more than one process."""
     if not rl.rollout_role:
         return None
@@ -151,23 +162,48 @@ def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -
     cores, why = worker_threads(launch, 1)
     if why in ("OMP_NUM_THREADS", "launch.threads"):  # the user chose the trainer's count
         return cores, rl.rollout_threads
-    if launch.nnodes == 1 and cores - rl.rollout_threads < 1:
+    beside = rl.rollout_threads * (rl.rollout_workers if launch.scheduler == "local_cwd" else 1)
+    if launch.nnodes == 1 and cores - beside < 1:
+        if rl.rollout_workers == 1:
+            raise ParamsError(
+                f"rl.rollout_threads = {rl.rollout_threads} leaves the trainer none of this node's {cores} cores; "
+                f"set it to at most {cores - 1}"
+            )
         raise ParamsError(
-            f"rl.rollout_threads = {rl.rollout_threads} leaves the trainer none of this node's {cores} cores; "
-            f"set it to at most {cores - 1}"
+            f"rl.rollout_workers = {rl.rollout_workers} x rl.rollout_threads = {rl.rollout_threads} leaves the "
+            f"trainer none of this node's {cores} cores; ask for at most {cores - 1} threads in all"
         )
-    return max(1, cores - rl.rollout_threads), rl.rollout_threads
+    return max(1, cores - beside), rl.rollout_threads
 
 
-def rollout_role(trainer, threads: int):
-    """The RL stage's second role: the trainer's command and mounts, one process, marked as the rollout
-    role, with ``threads`` intra-op threads; Slurm may place it on another node."""
+def rollout_role(trainer, threads: int, replicas: int = 1, launch: LaunchSettings | None = None):
+    """The RL stage's second role: the trainer's command and mounts, ``replicas`` processes, marked as the
+    rollout role, with ``threads`` intra-op threads each; Slurm may place them on other nodes. With several,
+    each knows its replica id, and on a cluster each asks for its own cores and may share a node (the
+    trainer then asks for its own share too, not a whole node)."""
     role = copy.deepcopy(trainer)
     role.name = "rl_rollout"
     role.env |= {"OMP_NUM_THREADS": str(threads), RL_ROLE_ENV: "rollout"}
     role.env.pop(RL_THREADS_AFTER_ENV, None)
-    role.num_replicas = 1
+    role.num_replicas = replicas
+    if replicas > 1:
+        from torchx.specs import macros
+
+        role.env[RL_WORKER_ENV] = macros.replica_id
+        if launch is not None and launch.scheduler != "local_cwd":
+            role.resource.cpu = threads
+            trainer.resource.cpu = int(trainer.env["OMP_NUM_THREADS"])
+            role.metadata[SHARES_NODES] = trainer.metadata[SHARES_NODES] = True
     return role
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for the trainer's TCPStore; on a cluster, likely free on its node)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def threads_note(launch: LaunchSettings, stage: str) -> str:
