@@ -19,6 +19,7 @@ import contextlib
 import copy
 import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ from chatpipe.settings import (
     RL_STORE_ENV,
     RL_THREADS_AFTER_ENV,
     RL_WORKER_ENV,
+    RL_WORKER_OFFSET_ENV,
     LaunchSettings,
     ParamsError,
     RLSettings,
@@ -41,8 +43,6 @@ from chatpipe.settings import (
 
 # Stages whose work is inherently one process (data prep, tokenizer training, the report, the export).
 SINGLE_WORKER_STAGES = frozenset({"data", "tokenizer", "report", "export"})
-# a role whose replicas may share nodes with the other roles (chatpipe/slurm.py then asks for no whole node)
-SHARES_NODES = "chatpipe/shares_nodes"
 # what a stage reads and writes beside the code (relative to the repo): stage outputs, in-progress
 # checkpoints, the MLflow store. On Kubernetes they must outlive the pod, so each gets a volume.
 PERSISTENT_DIRS = ("artifacts", "checkpoints", "mlruns")
@@ -105,10 +105,9 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     rollout = rollout_role_threads(rl, launch, nnodes * nproc) if rl is not None else None
     if rollout:
         env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: secrets.token_hex(6)}
-        if launch.nnodes == 1 and (rl.rollout_workers == 1 or launch.scheduler == "local_cwd"):
-            # once the role has sampled the last step, its cores are the trainer's (on Slurm with several
-            # workers only the trainer's own are in its allocation)
-            env[RL_THREADS_AFTER_ENV] = str(rollout[0] + rollout[1] * rl.rollout_workers)
+        if launch.nnodes == 1:  # once the workers beside it have sampled the last step, their cores are the trainer's
+            beside = rl.rollout_workers if launch.scheduler == "local_cwd" else 1
+            env[RL_THREADS_AFTER_ENV] = str(rollout[0] + rollout[1] * beside)
         if rl.rollout_workers > 1:  # weights over torch.distributed: the trainer's TCPStore, on its host
             env[RL_STORE_ENV] = f"{macros.rank0_env}:{free_port()}"
         if launch.scheduler != "local_cwd" and not rl.exchange_dir:
@@ -152,8 +151,8 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
 def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -> tuple[int, int] | None:
     """(trainer threads, threads of each rollout worker) when the RL stage runs its rollout role
     (``rl.rollout_role``), the node's cores split between them; None otherwise. Locally the trainer
-    shares its node with every worker; on Slurm with ``rl.rollout_workers`` > 1 each is a component of
-    its own and the trainer shares its node with one. Refused before any work when the workers would
+    shares its node with every worker; on a cluster with one (worker 0, in its component; the others
+    have a node each). Refused before any work when the workers would
     leave the trainer no core, or the trainer has more than one process."""
     if not rl.rollout_role:
         return None
@@ -179,8 +178,9 @@ def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -
 def rollout_role(trainer, threads: int, replicas: int = 1, launch: LaunchSettings | None = None):
     """The RL stage's second role: the trainer's command and mounts, ``replicas`` processes, marked as the
     rollout role, with ``threads`` intra-op threads each; Slurm may place them on other nodes. With several,
-    each knows its replica id, and on a cluster each asks for its own cores and may share a node (the
-    trainer then asks for its own share too, not a whole node)."""
+    each knows its replica id. On a cluster worker 0 runs beside the trainer, in its component
+    (:func:`with_worker_beside`): a heterogeneous job's components never share a node, so the role's
+    replicas are workers 1 to N-1, a node each."""
     role = copy.deepcopy(trainer)
     role.name = "rl_rollout"
     role.env |= {"OMP_NUM_THREADS": str(threads), RL_ROLE_ENV: "rollout"}
@@ -191,10 +191,24 @@ def rollout_role(trainer, threads: int, replicas: int = 1, launch: LaunchSetting
 
         role.env[RL_WORKER_ENV] = macros.replica_id
         if launch is not None and launch.scheduler != "local_cwd":
-            role.resource.cpu = threads
-            trainer.resource.cpu = int(trainer.env["OMP_NUM_THREADS"])
-            role.metadata[SHARES_NODES] = trainer.metadata[SHARES_NODES] = True
+            with_worker_beside(trainer, threads)
+            role.env[RL_WORKER_OFFSET_ENV] = "1"
+            role.num_replicas = replicas - 1
     return role
+
+
+def with_worker_beside(trainer, threads: int) -> None:
+    """Make ``trainer``'s command also start rollout worker 0 on its node, in the background: the
+    component fails with the first of the two that fails (a failed trainer stops the worker)."""
+    stage = shlex.join([trainer.entrypoint, *trainer.args])
+    worker = f"{RL_ROLE_ENV}=rollout {RL_WORKER_ENV}=0 OMP_NUM_THREADS={threads} {stage}"
+    trainer.entrypoint = "bash"
+    trainer.args = [
+        "-c",
+        # in braces: chatpipe/slurm.py puts "cd <repo> && " in front, which must cover both processes
+        f"{{ {worker} & worker=$!; {stage}; rc=$?; if [ $rc -ne 0 ]; then kill $worker 2>/dev/null; fi; "
+        "wait $worker; wrc=$?; exit $(( rc ? rc : wrc )); }",
+    ]
 
 
 def free_port() -> int:

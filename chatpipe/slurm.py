@@ -154,8 +154,6 @@ def prepare(runner, app, cfg: dict, stage: str, log_dir: Path, repo: Path):
     for role in app.roles:  # one-process stages run torchx's utils.python, whose role is "python"
         if role.name == "python":
             role.name = stage  # job names (sacct, squeue) and log names then say which stage
-    # the RL stage's rollout workers share nodes with its trainer (chatpipe.launch.SHARES_NODES)
-    whole_nodes = not any(role.metadata.get("chatpipe/shares_nodes") for role in app.roles)
     info = runner.dryrun(app, "slurm", cfg=cfg)
     req = info.request
     log_dir = log_dir.resolve() / "slurm"
@@ -169,7 +167,7 @@ def prepare(runner, app, cfg: dict, stage: str, log_dir: Path, repo: Path):
         out, err = (f"{log_dir}/{stage}-{macros.app_id}-{name}.{ext}" for ext in ("out", "err"))
         r.srun_opts.update(output=out, error=err)
         logs.append((out, err))
-        if len(names) > 1 and whole_nodes:
+        if len(names) > 1:
             r.sbatch_opts["exclusive"] = None  # whole nodes: the components cannot share one
         inner = r.args[1] if r.entrypoint == "bash" and r.args[:1] == ["-c"] else shlex.join([r.entrypoint, *r.args])
         r.entrypoint, r.args = "bash", ["-c", guard + inner]

@@ -229,8 +229,6 @@ def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, v
 
 
 def test_the_launch_starts_rollout_workers_as_replicas_that_find_the_trainers_store(monkeypatch):
-    from chatpipe.launch import SHARES_NODES
-
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("CHATPIPE_CORES", "4")
     app = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_workers=2"])
@@ -240,7 +238,7 @@ def test_the_launch_starts_rollout_workers_as_replicas_that_find_the_trainers_st
     assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "4"
     assert re.fullmatch(r"\$\{rank0_env\}:\d+", trainer.env["CHATPIPE_RL_STORE"])  # torchx names the trainer's host
     assert role.env["CHATPIPE_RL_STORE"] == trainer.env["CHATPIPE_RL_STORE"]
-    assert not role.metadata.get(SHARES_NODES)  # locally there is one node anyway
+    assert trainer.entrypoint != "bash"  # locally every worker is a replica of the role
     with pytest.raises(ParamsError, match=r"rl.rollout_workers = 4 x rl.rollout_threads = 1 leaves the trainer none"):
         build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_workers=4"])
     with pytest.raises(ParamsError, match=r"rollout_workers = 2 needs rollout_role: true"):
@@ -249,17 +247,30 @@ def test_the_launch_starts_rollout_workers_as_replicas_that_find_the_trainers_st
     assert one.roles[1].num_replicas == 1 and "CHATPIPE_RL_STORE" not in one.roles[0].env  # as before
 
 
-def test_on_slurm_each_worker_asks_for_its_own_cores_and_may_share_the_trainers_node(monkeypatch):
-    from chatpipe.launch import SHARES_NODES
-
+def test_on_slurm_worker_0_runs_in_the_trainers_component_and_the_others_a_node_each(monkeypatch):
+    """A heterogeneous job's components never share a node, so worker 0 starts beside the trainer."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     launch = load_section(LaunchSettings, {"scheduler": "slurm", "cpus_per_node": 2})
-    app = build_app("rl", launch, ["--rollout_role=true", "--rollout_workers=2"])
+    app = build_app("rl", launch, ["--rollout_role=true", "--rollout_workers=3"])
     trainer, role = app.roles
-    assert (trainer.resource.cpu, role.resource.cpu) == (1, 1)  # trainer and worker 0 fill a 2-core node
-    assert trainer.metadata[SHARES_NODES] and role.metadata[SHARES_NODES]
-    assert "CHATPIPE_RL_THREADS_AFTER_ROLE" not in trainer.env  # its allocation holds its own cores only
+    assert role.num_replicas == 2 and role.env["CHATPIPE_RL_WORKER_OFFSET"] == "1"  # workers 1 and 2
+    assert trainer.entrypoint == "bash" and trainer.env["OMP_NUM_THREADS"] == "1"  # 2 cores: 1 + worker 0's 1
+    script = trainer.args[1]
+    assert script.startswith("{ CHATPIPE_RL_ROLE=rollout CHATPIPE_RL_WORKER=0 OMP_NUM_THREADS=1 python -m stages.rl")
+    assert script.count("python -m stages.rl --rollout_role=true --rollout_workers=3") == 2
+    assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "2"  # worker 0's core back for the final eval
     assert trainer.env["CHATPIPE_RL__EXCHANGE_DIR"] == "checkpoints/rl/exchange"  # not /dev/shm: two nodes
+    # the component fails with whichever of the two fails first, and a failed trainer stops its worker
+    for trainer_rc, worker_rc, want in ((0, 0, 0), (1, 0, 1), (0, 9, 9)):
+        fake = script.replace(
+            "CHATPIPE_RL_ROLE=rollout CHATPIPE_RL_WORKER=0 OMP_NUM_THREADS=1 python -m stages.rl",
+            f"sh -c 'exit {worker_rc}'",
+            1,
+        )
+        fake = fake.replace(
+            "python -m stages.rl --rollout_role=true --rollout_workers=3", f"sh -c 'exit {trainer_rc}'", 1
+        )
+        assert subprocess.run(["bash", "-c", fake]).returncode == want, fake
 
 
 def worker_processes(project: Path) -> dict[int, psutil.Process]:

@@ -33,7 +33,7 @@ from chatpipe.rl.problems import Prompts, load_rl_problems, step_indices, user_v
 from chatpipe.rl.rollout import Rollouts
 from chatpipe.rl.sampling import rollout_dtype, sample_batch
 from chatpipe.rl.workers import rollout_worker, trainer_exchange
-from chatpipe.settings import RL_EXCHANGE_ENV, RL_THREADS_AFTER_ENV, RL_WORKER_ENV
+from chatpipe.settings import RL_EXCHANGE_ENV, RL_THREADS_AFTER_ENV, RL_WORKER_ENV, RL_WORKER_OFFSET_ENV
 from chatpipe.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
         return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
 
     if cfg.rollout_workers > 1:  # one of several replicas: weights come over torch.distributed
-        worker = int(os.environ.get(RL_WORKER_ENV, "0"))
+        worker = int(os.environ.get(RL_WORKER_ENV, "0")) + int(os.environ.get(RL_WORKER_OFFSET_ENV, "0"))
         written = rollout_worker(cfg, exchange_dir(cfg), policy, sample_step, rt.device, worker)
         log.info("rollout worker %d: done, %d batches", worker, written)
         return

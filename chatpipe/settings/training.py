@@ -254,6 +254,7 @@ RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"
 # where the trainer's TCPStore listens, "<name of the variable holding its host>:<port>" (the host is
 # only known on the node: torchx's rank0_env, e.g. Slurm's SLURM_JOB_NODELIST_HET_GROUP_0)
 RL_WORKER_ENV, RL_STORE_ENV = "CHATPIPE_RL_WORKER", "CHATPIPE_RL_STORE"
+RL_WORKER_OFFSET_ENV = "CHATPIPE_RL_WORKER_OFFSET"  # added to the replica id (on Slurm worker 0 is the trainer's)
 
 
 class GuardSettings(Subsection):
