@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -33,7 +34,10 @@ from chatpipe.procs import die_with_parent, parent_gone, process_start
 from chatpipe.settings import (
     RL_EXCHANGE_ENV,
     RL_ROLE_ENV,
+    RL_STORE_ENV,
     RL_THREADS_AFTER_ENV,
+    RL_WORKER_ENV,
+    RL_WORKER_OFFSET_ENV,
     LaunchSettings,
     ParamsError,
     RewardModelSettings,
@@ -96,6 +100,7 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
     """
     from torchx.components.dist import ddp
     from torchx.components.utils import python
+    from torchx.specs import macros
 
     if stage not in pipeline_stages():
         raise ParamsError(f"unknown stage {stage!r}; allowed: {', '.join(pipeline_stages())}")
@@ -114,8 +119,11 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         # memory is not shared (launch_dir then picks the project's checkpoints dir, which is)
         root = launch_dir(rl.exchange_dir, secrets.token_hex(6), one_host=launch.scheduler == "local_cwd")
         env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: str(root)}
-        if launch.nnodes == 1:  # once the role has sampled the last step, its cores are the trainer's
-            env[RL_THREADS_AFTER_ENV] = str(sum(rollout))
+        if launch.nnodes == 1:  # once the workers beside it have sampled the last step, their cores are the trainer's
+            beside = rl.rollout_workers if launch.scheduler == "local_cwd" else 1
+            env[RL_THREADS_AFTER_ENV] = str(rollout[0] + rollout[1] * beside)
+        if rl.rollout_workers > 1:  # weights over torch.distributed: the trainer's TCPStore, on its host
+            env[RL_STORE_ENV] = f"{macros.rank0_env}:{free_port()}"
     if nnodes * nproc == 1:
         app = python(
             *stage_args,
@@ -130,7 +138,7 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         app.roles[0].max_retries = launch.max_retries
         app.roles[0].mounts = volume_mounts(launch)
         if rollout:
-            app.roles.append(rollout_role(app.roles[0], rollout[1]))
+            app.roles.append(rollout_role(app.roles[0], rollout[1], rl.rollout_workers, launch))
         return app
     app = ddp(
         *stage_args,
@@ -151,8 +159,10 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
 
 
 def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -> tuple[int, int] | None:
-    """(trainer threads, rollout-role threads) when the RL stage runs its rollout role (``rl.rollout_role``),
-    the node's cores split between them; None otherwise. Refused before any work when the role would
+    """(trainer threads, threads of each rollout worker) when the RL stage runs its rollout role
+    (``rl.rollout_role``), the node's cores split between them; None otherwise. Locally the trainer
+    shares its node with every worker; on a cluster with one (worker 0, in its component; the others
+    have a node each). Refused before any work when the workers would
     leave the trainer no core, or the trainer has more than one process."""
     if not rl.rollout_role:
         return None
@@ -161,23 +171,63 @@ def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -
     cores, why = worker_threads(launch, 1)
     if why in ("OMP_NUM_THREADS", "launch.threads"):  # the user chose the trainer's count
         return cores, rl.rollout_threads
-    if launch.nnodes == 1 and cores - rl.rollout_threads < 1:
+    beside = rl.rollout_threads * (rl.rollout_workers if launch.scheduler == "local_cwd" else 1)
+    if launch.nnodes == 1 and cores - beside < 1:
+        if rl.rollout_workers == 1:
+            raise ParamsError(
+                f"rl.rollout_threads = {rl.rollout_threads} leaves the trainer none of this node's {cores} cores; "
+                f"set it to at most {cores - 1}"
+            )
         raise ParamsError(
-            f"rl.rollout_threads = {rl.rollout_threads} leaves the trainer none of this node's {cores} cores; "
-            f"set it to at most {cores - 1}"
+            f"rl.rollout_workers = {rl.rollout_workers} x rl.rollout_threads = {rl.rollout_threads} leaves the "
+            f"trainer none of this node's {cores} cores; ask for at most {cores - 1} threads in all"
         )
-    return max(1, cores - rl.rollout_threads), rl.rollout_threads
+    return max(1, cores - beside), rl.rollout_threads
 
 
-def rollout_role(trainer, threads: int):
-    """The RL stage's second role: the trainer's command and mounts, one process, marked as the rollout
-    role, with ``threads`` intra-op threads; Slurm may place it on another node."""
+def rollout_role(trainer, threads: int, replicas: int = 1, launch: LaunchSettings | None = None):
+    """The RL stage's second role: the trainer's command and mounts, ``replicas`` processes, marked as the
+    rollout role, with ``threads`` intra-op threads each; Slurm may place them on other nodes. With several,
+    each knows its replica id. On a cluster worker 0 runs beside the trainer, in its component
+    (:func:`with_worker_beside`): a heterogeneous job's components never share a node, so the role's
+    replicas are workers 1 to N-1, a node each."""
     role = copy.deepcopy(trainer)
     role.name = "rl_rollout"
     role.env |= {"OMP_NUM_THREADS": str(threads), RL_ROLE_ENV: "rollout"}
     role.env.pop(RL_THREADS_AFTER_ENV, None)
-    role.num_replicas = 1
+    role.num_replicas = replicas
+    if replicas > 1:
+        from torchx.specs import macros
+
+        role.env[RL_WORKER_ENV] = macros.replica_id
+        if launch is not None and launch.scheduler != "local_cwd":
+            with_worker_beside(trainer, threads)
+            role.env[RL_WORKER_OFFSET_ENV] = "1"
+            role.num_replicas = replicas - 1
     return role
+
+
+def with_worker_beside(trainer, threads: int) -> None:
+    """Make ``trainer``'s command also start rollout worker 0 on its node, in the background: the
+    component fails with the first of the two that fails (a failed trainer stops the worker)."""
+    stage = shlex.join([trainer.entrypoint, *trainer.args])
+    worker = f"{RL_ROLE_ENV}=rollout {RL_WORKER_ENV}=0 OMP_NUM_THREADS={threads} {stage}"
+    trainer.entrypoint = "bash"
+    trainer.args = [
+        "-c",
+        # in braces: chatpipe/slurm.py puts "cd <repo> && " in front, which must cover both processes
+        f"{{ {worker} & worker=$!; {stage}; rc=$?; if [ $rc -ne 0 ]; then kill $worker 2>/dev/null; fi; "
+        "wait $worker; wrc=$?; exit $(( rc ? rc : wrc )); }",
+    ]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for the trainer's TCPStore; on a cluster, likely free on its node)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def threads_note(launch: LaunchSettings, stage: str) -> str:

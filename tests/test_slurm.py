@@ -500,3 +500,71 @@ def test_async_rl_puts_the_trainer_and_the_rollout_role_on_two_nodes(slurm_clust
     nodes = {job["name"]: job["nodes"] for job in project_jobs(project)}
     assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes  # trainer and role, a node each
     assert not (project / "checkpoints" / "rl" / "exchange" / "weights.pt").exists()
+
+
+# --------------------------------------------------------------------------- several rollout workers
+
+
+def tiny_sft_project(tmp_path: Path) -> Path:
+    """A project with the tiny profile's SFT model (what RL starts from), trained here one stage at a time,
+    or copied from ``CHATPIPE_TRAINED_PROJECT`` (a tiny-profile project that has run through sft)."""
+    project = make_project(tmp_path / "tiny", {"tracking": {"enabled": False}}, small=False)
+    given = os.environ.get("CHATPIPE_TRAINED_PROJECT")
+    if given:
+        if not (Path(given) / "artifacts" / "sft" / "model.pt").is_file():
+            pytest.fail(f"CHATPIPE_TRAINED_PROJECT={given}: no artifacts/sft/model.pt there")
+        for name in ("tokenizer", "sft"):  # what the RL stage reads
+            shutil.copytree(Path(given) / "artifacts" / name, project / "artifacts" / name, dirs_exist_ok=True)
+        return project
+    for stage in ("data", "tokenizer", "pretrain", "midtrain", "sft"):
+        run(project, "python", "-m", f"stages.{stage}", CHATPIPE_TRACKING__ENABLED="false")
+    return project
+
+
+def weight_files_seen(root: Path, done: threading.Event, seen: list[str]) -> None:
+    """Every file whose name says weights that appears under ``root`` until ``done``."""
+    while not done.wait(0.05):
+        seen.extend(str(p) for p in root.rglob("*weight*") if str(p) not in seen)
+
+
+def node_of(log: Path, pattern: str) -> str:
+    """The node a process of the job said it ran on, from its log (``log``: the .out; the .err beside it too)."""
+    text = log.read_text() + log.with_suffix(".err").read_text()
+    found = re.findall(pattern + r" on node (\S+)", text)
+    assert found, f"{log} does not say its node: {text[-2000:]}"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_on_two_slurm_nodes_get_weights_over_torch_distributed(slurm_cluster, tmp_path):
+    """rl.rollout_workers: 2 as one Slurm job: the trainer and worker 0 in one component (a heterogeneous job's
+    components never share a node), worker 1 in the other, on the other node;
+    the weights go over torch.distributed (no weights file under the exchange dir, which is in the project's
+    checkpoints, not /dev/shm), every batch within max_staleness, and RL lifts the tiny SFT model's pass@1."""
+    project = tiny_sft_project(tmp_path)
+    stage = ["--", "--rollout_role=true", "--rollout_workers=2", "--max_staleness=1", "--log_every=1"]
+    launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]
+    env = slurm_env(project, CHATPIPE_LAUNCH__CPUS_PER_NODE="2")  # the trainer's node: 1 core each for it and worker 0
+    done, seen = threading.Event(), []
+    watcher = threading.Thread(target=weight_files_seen, args=(project / "checkpoints" / "rl", done, seen))
+    watcher.start()
+    try:
+        out = run(project, "python", "-m", "chatpipe.launch", "rl", *launch, *stage, **env)
+    finally:
+        done.set()
+        watcher.join()
+    assert "SUCCEEDED" in out.stdout, out.stdout[-3000:]
+    assert not seen, f"weights went through files: {seen}"
+    job = re.search(r"slurm job (\d+)", out.stdout).group(1)
+    logs = project / "logs" / "slurm"
+    trainer = node_of(logs / f"rl-{job}-rl-0.out", "trainer")
+    workers = [node_of(logs / f"rl-{job}-rl-0.out", "rollout worker 0 of 2")]
+    workers.append(node_of(logs / f"rl-{job}-rl_rollout-0.out", "rollout worker 1 of 2"))
+    assert trainer == workers[0] and set(workers) == {"n1", "n2"}, (trainer, workers)  # a worker on each node
+    nodes = {j["name"]: j["nodes"] for j in project_jobs(project)}
+    assert nodes == {"rl-0": trainer, "rl_rollout-0": workers[1]}, nodes  # as Slurm accounted them
+    meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
+    staleness = [float(v) for v in re.findall(r"async/staleness ([-0-9.e]+)", out.stdout)]
+    assert len(staleness) == meta["step"] == 80 and 0 <= min(staleness) and max(staleness) <= 1, staleness
+    first, final = meta["summary"]["first_eval/pass_at_1"], meta["summary"]["final_eval/pass_at_1"]
+    assert final >= first + 0.03, (first, final)

@@ -218,3 +218,94 @@ def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, v
     assert "resuming from" in log
     assert meta["step"] == 24 and meta["prompt_indices"] == want  # none trained twice, none skipped
     assert not processes_in(project)
+
+
+# --------------------------------------------------------------------------- several rollout workers
+
+
+def test_the_launch_starts_rollout_workers_as_replicas_that_find_the_trainers_store(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("CHATPIPE_CORES", "4")
+    app = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_workers=2"])
+    trainer, role = app.roles
+    assert role.num_replicas == 2 and role.env["CHATPIPE_RL_WORKER"] == "${replica_id}"
+    assert trainer.env["OMP_NUM_THREADS"] == "2" and role.env["OMP_NUM_THREADS"] == "1"  # 4 cores: 2 + 1 + 1
+    assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "4"
+    assert re.fullmatch(r"\$\{rank0_env\}:\d+", trainer.env["CHATPIPE_RL_STORE"])  # torchx names the trainer's host
+    assert role.env["CHATPIPE_RL_STORE"] == trainer.env["CHATPIPE_RL_STORE"]
+    assert trainer.entrypoint != "bash"  # locally every worker is a replica of the role
+    with pytest.raises(ParamsError, match=r"rl.rollout_workers = 4 x rl.rollout_threads = 1 leaves the trainer none"):
+        build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_workers=4"])
+    with pytest.raises(ParamsError, match=r"rollout_workers = 2 needs rollout_role: true"):
+        load_section(RLSettings, {"rollout_workers": 2})
+    one = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true"])
+    assert one.roles[1].num_replicas == 1 and "CHATPIPE_RL_STORE" not in one.roles[0].env  # as before
+
+
+def test_on_slurm_worker_0_runs_in_the_trainers_component_and_the_others_a_node_each(monkeypatch):
+    """A heterogeneous job's components never share a node, so worker 0 starts beside the trainer."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    launch = load_section(LaunchSettings, {"scheduler": "slurm", "cpus_per_node": 2})
+    app = build_app("rl", launch, ["--rollout_role=true", "--rollout_workers=3"])
+    trainer, role = app.roles
+    assert role.num_replicas == 2 and role.env["CHATPIPE_RL_WORKER_OFFSET"] == "1"  # workers 1 and 2
+    assert trainer.entrypoint == "bash" and trainer.env["OMP_NUM_THREADS"] == "1"  # 2 cores: 1 + worker 0's 1
+    script = trainer.args[1]
+    assert script.startswith("{ CHATPIPE_RL_ROLE=rollout CHATPIPE_RL_WORKER=0 OMP_NUM_THREADS=1 python -m stages.rl")
+    assert script.count("python -m stages.rl --rollout_role=true --rollout_workers=3") == 2
+    assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "2"  # worker 0's core back for the final eval
+    assert trainer.env["CHATPIPE_RL__EXCHANGE_DIR"] == "checkpoints/rl/exchange"  # not /dev/shm: two nodes
+    # the component fails with whichever of the two fails first, and a failed trainer stops its worker
+    for trainer_rc, worker_rc, want in ((0, 0, 0), (1, 0, 1), (0, 9, 9)):
+        fake = script.replace(
+            "CHATPIPE_RL_ROLE=rollout CHATPIPE_RL_WORKER=0 OMP_NUM_THREADS=1 python -m stages.rl",
+            f"sh -c 'exit {worker_rc}'",
+            1,
+        )
+        fake = fake.replace(
+            "python -m stages.rl --rollout_role=true --rollout_workers=3", f"sh -c 'exit {trainer_rc}'", 1
+        )
+        assert subprocess.run(["bash", "-c", fake]).returncode == want, fake
+
+
+def worker_processes(project: Path) -> dict[int, psutil.Process]:
+    """The project's rollout workers by replica id."""
+    found = {}
+    for proc, cmd in processes_in(project):
+        if "stages.rl" in cmd:
+            with contextlib.suppress(psutil.Error):
+                env = proc.environ()
+                if env.get("CHATPIPE_RL_ROLE") == "rollout":
+                    found[int(env["CHATPIPE_RL_WORKER"])] = proc
+    return found
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_at_staleness_0_are_synchronous_rl(tmp_path):
+    project = setup_project(tmp_path, max_steps=6, eval_every=0, checkpoint_every=3)
+    sync_meta, sync_w, _ = launch_rl(project)
+    # each worker samples every other step whole, with the weights that step updates: the synchronous batches
+    meta, w, log = launch_rl(project, "--rollout_role=true", "--rollout_workers=2")
+    assert meta["prompt_indices"] == sync_meta["prompt_indices"]
+    assert logged(log, "async/staleness") == [0.0] * 6
+    for name, want in sync_w.items():
+        torch.testing.assert_close(w[name], want, rtol=0, atol=1e-6, msg=f"{name} differs from synchronous RL")
+    assert "weights over torch.distributed" in log
+    assert not processes_in(project), "the trainer and both workers are gone"
+
+
+@pytest.mark.slow
+def test_kill9_of_one_of_two_workers_ends_the_run_within_60s_naming_it(tmp_path):
+    project = setup_project(tmp_path, max_steps=400, eval_every=0, checkpoint_every=2)
+    launch = start_async_launch(project, "--max_staleness=1", "--rollout_workers=2")
+    victim = worker_processes(project)[1]
+    pid, killed = victim.pid, time.monotonic()
+    victim.kill()  # kill -9, mid-run
+    out, _ = launch.communicate(timeout=90)
+    assert time.monotonic() - killed < 60, "the run outlived its dead worker by a minute"
+    assert launch.returncode != 0, out[-2000:]
+    assert re.search(rf"rollout worker 1 \(replica 1, node \S+, pid {pid}\)", out), out[-3000:]
+    deadline = time.time() + 30
+    while processes_in(project) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not processes_in(project), "the trainer and the other worker end with the run"

@@ -28,7 +28,8 @@ from chatpipe.rl.exchange import Exchange, claim, launch_dir, reap_dead_launches
 from chatpipe.rl.problems import Prompts, load_rl_problems, step_indices, user_verifier
 from chatpipe.rl.rollout import Rollouts
 from chatpipe.rl.sampling import rollout_dtype, sample_batch
-from chatpipe.settings import RL_EXCHANGE_ENV, RL_THREADS_AFTER_ENV
+from chatpipe.rl.workers import rollout_worker, trainer_exchange
+from chatpipe.settings import RL_EXCHANGE_ENV, RL_THREADS_AFTER_ENV, RL_WORKER_ENV, RL_WORKER_OFFSET_ENV
 from chatpipe.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
     claim(root)
     for old in reap_dead_launches(root):
         log.info("rollout role: removed %s, left by a trainer that is gone", old)
-    run.exchange = Exchange(root, cfg.heartbeat_timeout_s)
+    run.exchange = trainer_exchange(cfg, root, rt.device)  # with several workers, weights go over torch.distributed
     run.exchange.start(step, run.models.policy.state_dict())
     log.info("rollout role: exchange %s, max_staleness %d", root, cfg.max_staleness)
     try:
@@ -86,6 +87,11 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
         batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, 0, 1, matmul_dtype)
         return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
 
+    if cfg.rollout_workers > 1:  # one of several replicas: weights come over torch.distributed
+        worker = int(os.environ.get(RL_WORKER_ENV, "0")) + int(os.environ.get(RL_WORKER_OFFSET_ENV, "0"))
+        written = rollout_worker(cfg, exchange_dir(cfg), policy, sample_step, rt.device, worker)
+        log.info("rollout worker %d: done, %d batches", worker, written)
+        return
     ex = Exchange(exchange_dir(cfg), cfg.heartbeat_timeout_s)
     log.info("rollout role: waiting for the trainer at %s", ex.root)
     with ex.heartbeat("rollout"):

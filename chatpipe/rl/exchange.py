@@ -150,8 +150,9 @@ class Exchange:
     # ------------------------------------------------------------------ heartbeats
 
     @contextlib.contextmanager
-    def heartbeat(self, role: str) -> Iterator[None]:
-        """Say ``role`` is alive every :data:`HEARTBEAT_S` seconds from a thread, while the block runs."""
+    def heartbeat(self, role: str, info: dict | None = None) -> Iterator[None]:
+        """Say ``role`` is alive every :data:`HEARTBEAT_S` seconds from a thread, while the block runs;
+        ``info`` (its node, its pid) goes into every beat, for whoever names it when it stops."""
         done = threading.Event()
 
         def beat() -> None:
@@ -159,7 +160,7 @@ class Exchange:
             while not done.wait(HEARTBEAT_S if count else 0):
                 count += 1
                 with contextlib.suppress(OSError):  # the trainer may be clearing the dir to start again
-                    self._write_json(f"{role}.beat", {"beat": count, "id": secrets.token_hex(4)})
+                    self._write_json(f"{role}.beat", {"beat": count, "id": secrets.token_hex(4), **(info or {})})
 
         thread = threading.Thread(target=beat, name=f"{role}-heartbeat", daemon=True)
         thread.start()

@@ -250,6 +250,11 @@ _RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearl
 # an earlier launch is ever read), and the trainer's threads once the role is done
 RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_LAUNCH_DIR"
 RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"
+# several rollout workers (rl.rollout_workers > 1), set by chatpipe.launch: a worker's replica id, and
+# where the trainer's TCPStore listens, "<name of the variable holding its host>:<port>" (the host is
+# only known on the node: torchx's rank0_env, e.g. Slurm's SLURM_JOB_NODELIST_HET_GROUP_0)
+RL_WORKER_ENV, RL_STORE_ENV = "CHATPIPE_RL_WORKER", "CHATPIPE_RL_STORE"
+RL_WORKER_OFFSET_ENV = "CHATPIPE_RL_WORKER_OFFSET"  # added to the replica id (on Slurm worker 0 is the trainer's)
 
 
 class GuardSettings(Subsection):
@@ -502,6 +507,12 @@ class RLSettings(RunSettings):
     rollout_threads: int = Field(
         1, ge=1, description="intra-op threads (cores) of the rollout role; the trainer gets the rest"
     )
+    rollout_workers: int = Field(
+        1,
+        ge=1,
+        description="replicas of the rollout role; worker w samples the steps s with s % rollout_workers == w. "
+        "1: weights reach the role through exchange_dir; more: over torch.distributed, in memory",
+    )
     max_staleness: int = Field(
         0,
         ge=0,
@@ -605,6 +616,16 @@ class RLSettings(RunSettings):
             raise ValueError(
                 f"max_staleness = {v} needs rollout_role: true; without the role every step samples with its "
                 "own weights, so leave it at 0"
+            )
+        return v
+
+    @field_validator("rollout_workers")
+    @classmethod
+    def _workers_need_the_role(cls, v: int, info: ValidationInfo) -> int:
+        if v > 1 and not info.data.get("rollout_role"):
+            raise ValueError(
+                f"rollout_workers = {v} needs rollout_role: true; without the role the trainer samples every "
+                "step itself, so leave it at 1"
             )
         return v
 
