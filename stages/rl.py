@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 from chatpipe import runtime
 from chatpipe.inference.engine import Engine
-from chatpipe.io import sha256_file
 from chatpipe.paths import ARTIFACTS, WORK
 from chatpipe.rl.async_role import rollout_exchange, rollout_role
 from chatpipe.rl.problems import (
     Prompts,
-    eval_identity,
     load_rl_problems,
     load_test_problems,
     replay_rows,
     resumed_replay,
     user_verifier,
 )
-from chatpipe.rl.roles import load_models, role_inputs
+from chatpipe.rl.roles import load_models, run_inputs
 from chatpipe.rl.sampling import rollout_dtype, sampler_is_trainer
 from chatpipe.rl.scoring import reward_guard
 from chatpipe.rl.step import RLRun, distributed, loop_meta, pass_at_k, ppo_state, rl_state, rl_step, summary
@@ -63,11 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
     # --- settings: what only the world size can check, before any model loads
-    work, init_dir = WORK / "rl", Path(cfg.init_dir)
-    if cfg.prompts_per_step % rt.world_size:
-        raise ValueError(
-            f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the {rt.world_size} ranks"
-        )
+    work = WORK / "rl"
     check_minibatches(cfg, rt.world_size)
 
     # --- roles: policy from the init stage, its frozen reference, PPO's critic, the reward model(s);
@@ -85,12 +78,7 @@ def train(cfg: RLSettings, rt: runtime.Runtime) -> None:
 
     # --- resume from the newest checkpoint made with the same settings, init model and role models,
     # and the same evals: a run's first and final pass@k are always measured alike
-    inputs = {
-        "init": sha256_file(init_dir / "model.pt"),
-        "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
-        **role_inputs(cfg),
-        "evals": eval_identity(cfg),
-    }
+    inputs = run_inputs(cfg)
     run_fp, meta = resume_or_fresh(work, cfg, inputs, model=models.state, optimizers=models.optimizers, rt=rt)
     meta = loop_meta(meta)
     state = LoopState.resumed(meta, cfg.max_steps)

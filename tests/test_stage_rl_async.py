@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from chatpipe.launch import build_app
+from chatpipe.paths import WORK
 from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, deep_merge, load_section
 from chatpipe.testing.project import SMALL_PARAMS, processes_in, project_env, run, set_params
 from tests.conftest import REPO
@@ -254,7 +255,8 @@ def test_on_slurm_worker_0_runs_in_the_trainers_component_and_the_others_a_node_
     assert script.startswith("{ CHATPIPE_RL_ROLE=rollout CHATPIPE_RL_WORKER=0 OMP_NUM_THREADS=1 python -m stages.rl")
     assert script.count("python -m stages.rl --rollout_role=true --rollout_workers=3") == 2
     assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "2"  # worker 0's core back for the final eval
-    assert trainer.env["CHATPIPE_RL__EXCHANGE_DIR"] == "checkpoints/rl/exchange"  # not /dev/shm: two nodes
+    exchange = Path(trainer.env["CHATPIPE_RL_LAUNCH_DIR"])  # not /dev/shm: two nodes; this launch's own dir
+    assert exchange.parent == WORK / "rl" / "exchange" and role.env["CHATPIPE_RL_LAUNCH_DIR"] == str(exchange)
     # the component fails with whichever of the two fails first, and a failed trainer stops its worker
     for trainer_rc, worker_rc, want in ((0, 0, 0), (1, 0, 1), (0, 9, 9)):
         fake = script.replace(

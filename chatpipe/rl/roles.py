@@ -24,6 +24,7 @@ from chatpipe.io import sha256_file
 from chatpipe.model.files import load_model
 from chatpipe.model.gpt import GPT
 from chatpipe.paths import ARTIFACTS
+from chatpipe.rl.problems import eval_identity
 from chatpipe.rl.reward_model import RewardModel, is_reward_model_dir, load_reward_model
 from chatpipe.rl.scoring import verifier_in_reward
 from chatpipe.rl.update import uses_critic, uses_critic_init
@@ -181,6 +182,18 @@ def check_same_shape(model: GPT, policy: GPT, what: str) -> None:
             f"{what}: vocab_size {a.vocab_size} / sequence_len {a.sequence_len} differ from the policy's "
             f"{b.vocab_size} / {b.sequence_len} (rl.init_dir); every role must share the policy's tokenizer and context"
         )
+
+
+def run_inputs(cfg: RLSettings) -> dict[str, str]:
+    """Hashes of what a run starts from, which a checkpoint must share to be resumed: the init model,
+    the tokenizer, the other role models, and the evals (so a run's first and final pass@k are always
+    measured alike)."""
+    return {
+        "init": sha256_file(Path(cfg.init_dir) / "model.pt"),
+        "tokenizer": sha256_file(ARTIFACTS / "tokenizer" / "tokenizer.json"),
+        **role_inputs(cfg),
+        "evals": eval_identity(cfg),
+    }
 
 
 def role_inputs(cfg: RLSettings) -> dict[str, str]:

@@ -488,7 +488,10 @@ def uses_critic_init(cfg: RLSettings) -> bool:
 
 
 def check_minibatches(cfg: RLSettings, world_size: int) -> None:
-    """Each rank's rows per step must split into PPO's minibatches: checked before any rollout."""
+    """Each rank's prompts per step, and its rows into PPO's minibatches, must split evenly: checked
+    before any model loads."""
+    if cfg.prompts_per_step % world_size:
+        raise ValueError(f"rl.prompts_per_step = {cfg.prompts_per_step} must be a multiple of the {world_size} ranks")
     rows = cfg.prompts_per_step // world_size * cfg.group_size
     if cfg.algorithm == "ppo" and rows % cfg.ppo.num_minibatches:
         raise ValueError(
