@@ -12,7 +12,8 @@ load, ``--repeats`` times (these VMs change speed from one minute to the next):
 
 Then, against this checkout's server only: ``n: 4`` against ``n: 1`` (``/v1/chat/completions``, the
 same requests, median seconds of ``--repeats`` x 4 each), and the served tokens/s of the single-turn
-load against the engine's own offline decode of the same rows and lengths in this process.
+load against the engine's own offline decode of the same rows and lengths in this process (after an
+untimed warm-up round).
 
 The clients are asyncio tasks of one thread sharing a connection pool.
 
@@ -152,9 +153,10 @@ def report(name: str, load: str, r: dict) -> None:
 
 
 async def n_choices(url: str, n: int, max_tokens: int, seed: int) -> float:
-    """Seconds of one ``/v1/chat/completions`` request for ``n`` choices."""
+    """Seconds of one ``/v1/chat/completions`` request for ``n`` choices, each exactly ``max_tokens``
+    long (``min_tokens``): otherwise ``n: 4`` waits for the longest of four draws and ``n: 1`` for one."""
     body = {"messages": [{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}], "n": n}
-    body |= {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
+    body |= {"max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 1.0, "seed": seed}
     async with httpx.AsyncClient(timeout=600) as client:
         body["model"] = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         t0 = time.perf_counter()
@@ -179,10 +181,12 @@ def offline_tps(args: argparse.Namespace) -> float:
     prompts = [tok.render_for_completion({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]})
                for p in PROMPTS]  # fmt: skip
     sched = engine.scheduler(args.batch_rows, model.config.sequence_len)
-    total, t0 = 0, time.perf_counter()
-    for r in range(args.rounds):
+    total, t0 = 0, 0.0
+    for r in range(-1, args.rounds):  # round -1 warms up untimed, as the servers' warm-up request does
+        if r == 0:
+            total, t0 = 0, time.perf_counter()
         reqs = [sched.submit(GenRequest(prompts[(c + r) % len(prompts)], max_tokens=args.max_tokens, temperature=0.8,
-                                        top_k=50, seed=c * 100 + r)) for c in range(args.clients)]  # fmt: skip
+                                        top_k=50, seed=c * 100 + max(r, 0))) for c in range(args.clients)]  # fmt: skip
         sched.run()
         total += sum(len(q.seqs[0]) for q in reqs)
     return total / (time.perf_counter() - t0)

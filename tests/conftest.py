@@ -32,6 +32,17 @@ def params_file(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sft(tmp_path_factory) -> Path:
+    """The tiny profile's project trained through sft, once for the whole session (every xdist worker
+    sees the same one: :func:`chatpipe.testing.project.tiny_sft_project`). Copy from it; never write to it."""
+    from chatpipe.testing.project import tiny_sft_project
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common dir
+    return tiny_sft_project(shared / "shared-artifacts")
+
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory) -> Iterator[str]:
     """The API URL of one Prefect server for this test process (started on first use, stopped at the end).
 

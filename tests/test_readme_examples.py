@@ -6,7 +6,8 @@ tool on); at least 9 must end with the right number.
 
 The model comes from ``CHATPIPE_TRAINED_PROJECT`` (a project dir whose ``artifacts/`` holds
 ``tokenizer`` and ``rl``, e.g. a scratch copy where ``python -m flows.pipeline`` ran) or, without
-it, from a default-params pipeline run here (data -> rl stages, ~6-8 minutes on 2 cores).
+it, from the session's tiny SFT run (shared with the other slow tests that start from it) taken
+through the default RL stage here.
 
     CHATPIPE_TRAINED_PROJECT=/tmp/proj python -m pytest tests/test_readme_examples.py -q
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,6 @@ QUESTIONS = [
     ("What is 9 - 2?", 7),
     ("What is 14 times 5?", 70),
 ]
-STAGES = ["data", "tokenizer", "pretrain", "midtrain", "sft", "rl"]
 
 
 def final_number(reply: str) -> int | None:
@@ -45,7 +46,9 @@ def final_number(reply: str) -> int | None:
     return int(nums[-1]) if nums else None
 
 
-def trained_project(tmp_path: Path) -> Path:
+def trained_project(tmp_path: Path, tiny_sft: Path) -> Path:
+    """``CHATPIPE_TRAINED_PROJECT`` when it holds the RL model; else the session's tiny SFT run
+    (:func:`chatpipe.testing.project.tiny_sft_project`) taken through the RL stage here."""
     given = os.environ.get("CHATPIPE_TRAINED_PROJECT")
     if given:
         project = Path(given)
@@ -53,19 +56,20 @@ def trained_project(tmp_path: Path) -> Path:
             pytest.fail(f"CHATPIPE_TRAINED_PROJECT={given}: no artifacts/rl/model.pt there")
         return project
     project = make_project(tmp_path / "p", small=False)
-    for stage in STAGES:
-        run(project, "python", "-m", f"stages.{stage}", CHATPIPE_TRACKING__ENABLED="false")
+    for name in ("tokenizer", "sft"):  # what the RL stage reads
+        shutil.copytree(tiny_sft / "artifacts" / name, project / "artifacts" / name)
+    run(project, "python", "-m", "stages.rl", CHATPIPE_TRACKING__ENABLED="false")
     return project
 
 
 @pytest.mark.slow
-def test_rl_model_answers_readme_style_arithmetic(tmp_path: Path) -> None:
+def test_rl_model_answers_readme_style_arithmetic(tmp_path: Path, tiny_sft: Path) -> None:
     from chatpipe.inference.engine import Engine
     from chatpipe.model.files import load_model
     from chatpipe.serve.chat import prompt_for
     from chatpipe.tokenizer import Tokenizer
 
-    project = trained_project(tmp_path)
+    project = trained_project(tmp_path, tiny_sft)
     tok = Tokenizer.load(project / "artifacts" / "tokenizer")
     model, _ = load_model(project / "artifacts" / "rl", "cpu")
     model.eval()

@@ -13,30 +13,20 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from chatpipe import runtime
 from chatpipe.io import sha256_file
-from chatpipe.model.files import save_model_dir
-from chatpipe.model.gpt import GPT, GPTConfig
 from chatpipe.rl import problems as rl_problems
 from chatpipe.settings import ParamsError, RLSettings, load_section
-from chatpipe.testing.project import SMALL_RL, make_project, plotted_curve, project_env
-from chatpipe.tokenizer import Tokenizer
+from chatpipe.testing.project import SMALL_RL, plotted_curve, project_env
+from tests.test_stage_rl import setup_project as rl_project
 
 RT = runtime.Runtime(0, 0, 1, None, None)
 
 
 def setup_project(tmp_path: Path, **rl_overrides) -> Path:
-    project = make_project(tmp_path / "proj", {"rl": {"init_dir": "init_model", **SMALL_RL, **rl_overrides}})
-    tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})
-    tok.save(project / "artifacts" / "tokenizer")
-    torch.manual_seed(0)
-    config = GPTConfig(sequence_len=64, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
-    model = GPT(config)
-    model.init_weights()
-    save_model_dir(project / "init_model", model, {"model_config": config.to_dict(), "settings": {}})
-    return project
+    """The RL stage tests' project, without the replay."""
+    return rl_project(tmp_path, {"init_dir": "init_model", **SMALL_RL}, **rl_overrides)
 
 
 def stage(project: Path, *args: str) -> str:

@@ -161,8 +161,9 @@ def test_metrics_are_prometheus_text_and_move_with_requests(server):
                 for s in f.samples}  # fmt: skip
 
     before = scrape()
-    for _ in range(3):
-        post(url, "/v1/chat/completions", CHAT)
+    # unseeded, a random model may end a reply early: min_tokens holds each one to 8 tokens
+    replies = [post(url, "/v1/chat/completions", {**CHAT, "min_tokens": 8}) for _ in range(3)]
+    assert [r["usage"]["completion_tokens"] for r in replies] == [8, 8, 8]
     assert wait_until(lambda: app.state.pool.inflight == 0)
     after = scrape()
     for name in ("time_to_first_token", "queue_time", "e2e_request_latency"):

@@ -505,19 +505,11 @@ def test_async_rl_puts_the_trainer_and_the_rollout_role_on_two_nodes(slurm_clust
 # --------------------------------------------------------------------------- several rollout workers
 
 
-def tiny_sft_project(tmp_path: Path) -> Path:
-    """A project with the tiny profile's SFT model (what RL starts from), trained here one stage at a time,
-    or copied from ``CHATPIPE_TRAINED_PROJECT`` (a tiny-profile project that has run through sft)."""
+def rl_project(tmp_path: Path, tiny_sft: Path) -> Path:
+    """A tiny-profile project holding what the RL stage reads of the session's tiny SFT run."""
     project = make_project(tmp_path / "tiny", {"tracking": {"enabled": False}}, small=False)
-    given = os.environ.get("CHATPIPE_TRAINED_PROJECT")
-    if given:
-        if not (Path(given) / "artifacts" / "sft" / "model.pt").is_file():
-            pytest.fail(f"CHATPIPE_TRAINED_PROJECT={given}: no artifacts/sft/model.pt there")
-        for name in ("tokenizer", "sft"):  # what the RL stage reads
-            shutil.copytree(Path(given) / "artifacts" / name, project / "artifacts" / name, dirs_exist_ok=True)
-        return project
-    for stage in ("data", "tokenizer", "pretrain", "midtrain", "sft"):
-        run(project, "python", "-m", f"stages.{stage}", CHATPIPE_TRACKING__ENABLED="false")
+    for name in ("tokenizer", "sft"):
+        shutil.copytree(tiny_sft / "artifacts" / name, project / "artifacts" / name, dirs_exist_ok=True)
     return project
 
 
@@ -536,12 +528,12 @@ def node_of(log: Path, pattern: str) -> str:
 
 
 @pytest.mark.slow
-def test_two_rollout_workers_on_two_slurm_nodes_get_weights_over_torch_distributed(slurm_cluster, tmp_path):
+def test_two_rollout_workers_on_two_slurm_nodes_get_weights_over_torch_distributed(slurm_cluster, tiny_sft, tmp_path):
     """rl.rollout_workers: 2 as one Slurm job: the trainer and worker 0 in one component (a heterogeneous job's
     components never share a node), worker 1 in the other, on the other node;
     the weights go over torch.distributed (no weights file under the exchange dir, which is in the project's
     checkpoints, not /dev/shm), every batch within max_staleness, and RL lifts the tiny SFT model's pass@1."""
-    project = tiny_sft_project(tmp_path)
+    project = rl_project(tmp_path, tiny_sft)
     stage = ["--", "--rollout_role=true", "--rollout_workers=2", "--max_staleness=1", "--log_every=1"]
     launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]
     env = slurm_env(project, CHATPIPE_LAUNCH__CPUS_PER_NODE="2")  # the trainer's node: 1 core each for it and worker 0

@@ -39,8 +39,10 @@ REPLAY = {
 RL_PARAMS = {"init_dir": "init_model", **SMALL_RL, **REPLAY}
 
 
-def setup_project(tmp_path: Path, **rl_overrides) -> Path:
-    project = make_project(tmp_path / "proj", {"rl": {**RL_PARAMS, **rl_overrides}})
+def setup_project(tmp_path: Path, params: dict = RL_PARAMS, **rl_overrides) -> Path:
+    """A project with a byte tokenizer and a random 1-layer init model; its ``rl`` section ``params``
+    with ``rl_overrides``."""
+    project = make_project(tmp_path / "proj", {"rl": {**params, **rl_overrides}})
     tok = Tokenizer.from_ranks({bytes([i]): i for i in range(256)})
     tok.save(project / "artifacts" / "tokenizer")
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import compileall
 import contextlib
 import csv
+import fcntl
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import httpx
 import psutil
 import yaml
 
+from chatpipe.io import move_into_place
 from chatpipe.settings import deep_merge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,6 +207,35 @@ def run(project: Path, *cmd: str, check: bool = True, **env: str) -> subprocess.
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+TINY_SFT_STAGES = ("data", "tokenizer", "pretrain", "midtrain", "sft")
+
+
+def tiny_sft_project(shared: Path) -> Path:
+    """A project of the tiny profile trained data -> sft, under ``shared`` (a dir every test process of
+    a session sees): the first caller trains it, under a file lock, while the others wait for it, so
+    the slow tests that start from the tiny SFT model (the README's RL answers, RL on Slurm) train it
+    once between them, not once each. Callers copy what they run from (``artifacts/``); it is never
+    written to after it is complete. ``CHATPIPE_TRAINED_PROJECT`` (such a project, made earlier) skips
+    the training."""
+    given = os.environ.get("CHATPIPE_TRAINED_PROJECT")
+    if given:
+        if not (Path(given) / "artifacts" / "sft" / "model.pt").is_file():
+            raise FileNotFoundError(f"CHATPIPE_TRAINED_PROJECT={given}: no artifacts/sft/model.pt there")
+        return Path(given)
+    done = shared / "tiny-sft"
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / "tiny-sft.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not done.is_dir():
+            partial = shared / "tiny-sft.partial"
+            shutil.rmtree(partial, ignore_errors=True)  # a caller that died half-way
+            project = make_project(partial, {"tracking": {"enabled": False}}, small=False)
+            for stage in TINY_SFT_STAGES:
+                run(project, "python", "-m", f"stages.{stage}", CHATPIPE_TRACKING__ENABLED="false")
+            move_into_place(partial, done)
+    return done
 
 
 def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
