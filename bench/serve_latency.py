@@ -13,7 +13,7 @@ load, ``--repeats`` times (these VMs change speed from one minute to the next):
 Then, against this checkout's server only: ``n: 4`` against ``n: 1`` (``/v1/chat/completions``, the
 same requests, median seconds of ``--repeats`` x 4 each), and the served tokens/s of the single-turn
 load against the engine's own offline decode of the same rows and lengths in this process (after an
-untimed warm-up round).
+untimed warm-up round), at the intra-op threads the server gives its batch process.
 
 The clients are asyncio tasks of one thread sharing a connection pool.
 
@@ -100,10 +100,12 @@ async def stream_reply(client: httpx.AsyncClient, url: str, messages: list[dict]
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens, "".join(text)
 
 
-async def run_load(url: str, args: argparse.Namespace, turns: int) -> dict:
+async def run_load(url: str, args: argparse.Namespace, turns: int, repeat: int = 0) -> dict:
     """Every client runs ``turns``-turn chats (``--rounds`` of them when ``turns`` is 1); returns
-    the first-token times of every reply and of the last turns, tokens/s in total and failures."""
+    the first-token times of every reply and of the last turns, tokens/s in total and failures.
+    Each ``repeat`` draws other seeds, so no repeat finds an earlier one's replies in a prefix cache."""
     ttfts, last, total, failed = [], [], 0, 0
+    seed = 100_000 * repeat
 
     async def client(c: int, pool: httpx.AsyncClient) -> None:
         nonlocal total, failed
@@ -113,7 +115,9 @@ async def run_load(url: str, args: argparse.Namespace, turns: int) -> dict:
                 question = PROMPTS[(c + r) % len(PROMPTS)] if t == 0 else FOLLOW_UPS[(c + t) % len(FOLLOW_UPS)]
                 messages.append({"role": "user", "content": question})
                 try:
-                    ttft, tokens, text = await stream_reply(pool, url, messages, c * 100 + r * 10 + t, args.max_tokens)
+                    ttft, tokens, text = await stream_reply(
+                        pool, url, messages, seed + c * 100 + r * 10 + t, args.max_tokens
+                    )
                 except (httpx.HTTPError, RuntimeError):
                     failed += 1
                     break
@@ -166,15 +170,20 @@ async def n_choices(url: str, n: int, max_tokens: int, seed: int) -> float:
         return time.perf_counter() - t0
 
 
-def offline_tps(args: argparse.Namespace) -> float:
-    """Tokens/s of the engine's own decode, in this process: ``--clients`` rows, the single-turn prompts."""
+def offline_tps(args: argparse.Namespace) -> tuple[float, int]:
+    """Tokens/s of the engine's own decode, in this process: ``--clients`` rows, the single-turn
+    prompts, at the intra-op threads the server gives its batch process (``chatpipe serve``'s
+    ``share_cores(2)``: on 2 cores, 1; the other core is the event loop's and the clients'), and
+    those threads."""
     import torch
 
     from chatpipe.inference.engine import Engine
     from chatpipe.inference.scheduler import GenRequest
     from chatpipe.model.files import load_model
+    from chatpipe.runtime import share_cores
     from chatpipe.tokenizer import Tokenizer
 
+    threads = share_cores(2)
     model, _ = load_model(args.model, torch.device("cpu"))
     tok = Tokenizer.load(str(Path(args.model).parent / "tokenizer"))
     engine = Engine(model.eval(), tok)
@@ -189,7 +198,7 @@ def offline_tps(args: argparse.Namespace) -> float:
                                         top_k=50, seed=c * 100 + max(r, 0))) for c in range(args.clients)]  # fmt: skip
         sched.run()
         total += sum(len(q.seqs[0]) for q in reqs)
-    return total / (time.perf_counter() - t0)
+    return total / (time.perf_counter() - t0), threads
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -203,10 +212,10 @@ def measure(args: argparse.Namespace) -> dict:
             asyncio.run(
                 stream_reply(httpx.AsyncClient(timeout=60), servers[name][1], [{"role": "user", "content": "hi"}], 0, 8)
             )
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for load, turns in (("single turn", 1), ("multi-turn", args.turns)):
                 for name, (_, url) in servers.items():
-                    r = asyncio.run(run_load(url, args, turns))
+                    r = asyncio.run(run_load(url, args, turns, repeat))
                     report(name, load, r)
                     results.setdefault((name, load), []).append(r)
         url = servers["this checkout"][1]
@@ -245,7 +254,11 @@ def main() -> None:
             print(f"{load}, this / baseline: tokens/s x{b['tps'] / a['tps']:.2f}, first-token p99 x{p99:.2f}")
     print(f"n: 4 / n: 1, median seconds: x{results[('n', 4)] / results[('n', 1)]:.2f}")
     served = statistics.median(r["tps"] for r in results[(this, "single turn")])
-    print(f"served / offline decode tokens/s ({args.clients} rows): x{served / results['offline']:.2f}")
+    offline, threads = results["offline"]
+    print(
+        f"served {served:.1f} / offline decode {offline:.1f} tokens/s ({args.clients} rows, the batch's "
+        f"{threads} intra-op thread(s) both): x{served / offline:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -348,3 +348,20 @@ def test_min_tokens_holds_stop_tokens_back_until_that_many_tokens():
         assert not {S["<|assistant_end|>"], S["<|bos|>"]} & {t for s in req.seqs for t in s[:5]}
     with pytest.raises(ValueError, match="min_tokens must be in 0..max_tokens"):
         sched.submit(GenRequest(prompt, max_tokens=4, min_tokens=5))
+
+
+def test_a_steps_tokens_are_handed_on_before_its_decode_forward():
+    # before: a server sent a step's tokens after Scheduler.step returned, so a new request's first
+    # token also waited for the decode forward that only prepares the next step's logits
+    engine = Engine(quiet_model(), TOK)
+    sched = Scheduler(engine, rows=4, context=64)
+    forwards, seen, handed = [0], [], []
+    engine.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    req = GenRequest([S["<|bos|>"], *TOK.encode("ab")], max_tokens=3, on_token=lambda j, t, m: seen.append(t))
+    sched.submit(req)
+    while sched.busy():
+        sched.step(sampled=lambda: handed.append((len(seen), forwards[0])))
+    # step 1: prefill (1 forward), first token drawn, handed on before its decode (forward 2)
+    assert handed[0] == (1, 1), handed
+    assert [n for n, _ in handed] == [1, 2, 3] and [f for _, f in handed] == [1, 2, 3], handed
+    assert req.seqs[0] == seen and len(seen) == 3

@@ -535,6 +535,7 @@ def test_two_rollout_workers_on_two_slurm_nodes_get_weights_over_torch_distribut
     checkpoints, not /dev/shm), every batch within max_staleness, and RL lifts the tiny SFT model's pass@1."""
     project = rl_project(tmp_path, tiny_sft)
     stage = ["--", "--rollout_role=true", "--rollout_workers=2", "--max_staleness=1", "--log_every=1"]
+    stage += ["--eval_every=0", "--test_split=none"]  # pass@1 on val before and after is what this test reads
     launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]
     env = slurm_env(project, CHATPIPE_LAUNCH__CPUS_PER_NODE="2")  # the trainer's node: 1 core each for it and worker 0
     done, seen = threading.Event(), []

@@ -201,9 +201,11 @@ class Scheduler:
     # ------------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def step(self) -> int:
+    def step(self, sampled: Callable[[], None] | None = None) -> int:
         """Admit, prefill a chunk, sample a token per live row, evict the finished, decode the rest;
-        returns the live rows."""
+        returns the live rows. ``sampled`` is called once the step's tokens are drawn and reported
+        (``on_token`` / ``on_done``), before the decode forward: a server sends them on from there,
+        so a token does not wait for the forward that prepares the next one."""
         self._drop_cancelled()
         self._admit()
         self._prefill()
@@ -211,11 +213,13 @@ class Scheduler:
             tokens = self._sample()
             self._record(tokens)
             self._evict()
+        self.steps += 1
+        if sampled is not None:
+            sampled()
         if self.live:
             self._decode()
         else:
             self.logits = None
-        self.steps += 1
         return len(self.live)
 
     def _rows_of(self, p: _Prefill) -> int:

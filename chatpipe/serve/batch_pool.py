@@ -29,6 +29,7 @@ each try logged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -70,8 +71,9 @@ class Admission:
 def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, kv: dict | None = None) -> None:
     """The batch process: step a :class:`Scheduler` over the requests ``conn`` brings.
 
-    In: ``("submit", id, prompt, settings)``, ``("cancel", id)``, ``("stop",)``. Out, after every
-    step: ``(events, (live rows, requests in the batch, steps), stats)``; an event is ``(id, sample,
+    In: ``("submit", id, prompt, settings)``, ``("cancel", id)``, ``("stop",)``. Out, once a step's
+    tokens are drawn (before its decode forward, which only prepares the next step's logits; and
+    again if the step then fails): ``(events, (live rows, requests in the batch, steps), stats)``; an event is ``(id, sample,
     token, mask)`` (``(id, sample, token, mask, top)`` with ``top_logprobs``: see
     :attr:`GenRequest.tops`), or ``(id, sample, None, reason)`` when a sample ends; ``stats`` is
     :meth:`Scheduler.stats` with ``queue_times``, the seconds each request admitted in the step
@@ -88,21 +90,31 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, 
     conn.send("ready")
     try:
         while take_messages(conn, sched, reqs, events, arrived, block=not sched.busy()):
-            started = time.monotonic()
-            if sched.busy():
-                try:
-                    sched.step()
-                except Exception as e:  # reported to every request the batch holds; the batch carries on
-                    log.exception("batch step failed")
-                    for req in sched.fail_all():
-                        for j in range(req.num_samples):
-                            req.on_done(j, f"error: {e}")
-            stats = {**sched.stats(), "queue_times": admitted_since(arrived, reqs, started)}
-            active = len({id(row.req) for row in sched.live})
-            conn.send((events, (len(sched.live), active, sched.steps), stats))
-            events.clear()
+            # the step's tokens go as soon as they are drawn, before its decode forward
+            send = functools.partial(send_step, conn, sched, reqs, events, arrived, time.monotonic())
+            if not sched.busy():
+                send()
+                continue
+            try:
+                sched.step(sampled=send)
+            except Exception as e:  # reported to every request the batch holds; the batch carries on
+                log.exception("batch step failed")
+                for req in sched.fail_all():
+                    for j in range(req.num_samples):
+                        req.on_done(j, f"error: {e}")
+                send()
     except (EOFError, OSError, KeyboardInterrupt):  # the server is gone
         pass
+
+
+def send_step(
+    conn: Any, sched: Scheduler, reqs: dict[int, GenRequest], events: list, arrived: dict[int, float], started: float
+) -> None:
+    """Send the events so far, the batch's load and its stats (the step begun at ``started``)."""
+    stats = {**sched.stats(), "queue_times": admitted_since(arrived, reqs, started)}
+    active = len({id(row.req) for row in sched.live})
+    conn.send((events, (len(sched.live), active, sched.steps), stats))
+    events.clear()
 
 
 def admitted_since(arrived: dict[int, float], reqs: dict[int, GenRequest], started: float) -> list[float]:
