@@ -4,9 +4,10 @@ Runs the RL stage through ``python -m chatpipe.launch rl`` (as DVC does) on the 
 SFT model, once synchronously (one process, every core) and once per ``--staleness`` with the
 rollout role (``rl.rollout_role``: the role on ``rollout_threads`` cores, the trainer on the rest),
 each seed in turn, one run at a time. Prints one markdown row per run: the stage's wall time and its
-ratio to the synchronous run of the same seed, the first and final held-out pass@1, and where each
-role spent its time (the trainer's share waiting for rollouts, the role's share waiting for weights),
-then the mean ratio and pass@1 change per setting.
+ratio to the synchronous run of the same seed, the first and final pass@1 on ``test`` (held out;
+``val``'s change, the tuning split, beside it), and where each role spent its time (the trainer's
+share waiting for rollouts, the role's share waiting for weights), then the mean ratio and test
+pass@1 change per setting. Every run starts in a new dir under ``--workdir``.
 
     python bench/rl_async.py --seeds 1 2 3 --staleness 1 2
     python bench/rl_async.py --seeds 1 --staleness 1 -- --max_steps=20     # extra stages.rl flags
@@ -33,6 +34,7 @@ from pathlib import Path
 from rl_controls import project_dir  # the same fresh project dir a run, the repo's artifacts linked in
 
 REPO = Path(__file__).resolve().parents[1]
+TEST = "eval_test"  # the stage's held-out split (rl.test_split, default test): the pass@1 this bench reports
 LINKED = ("tokenizer", "sft")  # what these runs read (the reward model's link is left dangling if absent)
 
 
@@ -40,7 +42,7 @@ def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threa
     """One RL stage run (``staleness`` None: synchronous; ``threads`` > 0: that many intra-op threads,
     else the launcher's split of the cores); its wall time, summary and async means."""
     name = f"seed{seed}_" + ("sync" if staleness is None else f"async{staleness}") + (f"_{threads}t" if threads else "")
-    project = project_dir(workdir, name)
+    project = project_dir({"dir": str(workdir / name)})  # a fresh dir: no run resumes another's checkpoint
     flags = [f"--seed={seed}", "--log_every=1", *extra]
     if staleness is not None:
         flags += ["--rollout_role=true", f"--max_staleness={staleness}"]
@@ -68,10 +70,19 @@ def row(r: dict, sync_wall: float | None) -> str:
     if "error" in r:
         return f"| {r['name']} | failed: {r['error'][-300:]!r} |"
     s = r["summary"]
-    first, final = s["first_eval/pass_at_1"], s["final_eval/pass_at_1"]
+    first, final = s[f"first_{TEST}/pass_at_1"], s[f"final_{TEST}/pass_at_1"]
+    val = s["final_eval/pass_at_1"] - s["first_eval/pass_at_1"]
     ratio = f"{r['wall'] / sync_wall:.2f}" if sync_wall else "-"
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    cells = [r["name"], f"{r['wall']:.0f}", ratio, f"{first:.4f}", f"{final:.4f}", f"{final - first:+.4f}"]
+    cells = [
+        r["name"],
+        f"{r['wall']:.0f}",
+        ratio,
+        f"{first:.4f}",
+        f"{final:.4f}",
+        f"{final - first:+.4f}",
+        f"{val:+.4f}",
+    ]
     cells += [fmt(r["async/staleness"]), fmt(r["async/trainer_idle"]), fmt(r["async/rollout_idle"])]
     return "| " + " | ".join(cells) + " |"
 
@@ -101,11 +112,13 @@ def main() -> None:
     p.add_argument("--bound", action="store_true", help="also a one-thread synchronous run per seed, and the bound")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every run, e.g. --max_steps=40")
     args = p.parse_args()
+    args.workdir = args.workdir / time.strftime("%Y%m%d-%H%M%S")  # this invocation's runs, each in a new dir
     missing = [a for a in LINKED if not (REPO / "artifacts" / a).is_dir()]
     if missing:
         sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
-    print("| run | wall s | / sync | first pass@1 | final pass@1 | change | staleness | trainer waits | role waits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | wall s | / sync | test pass@1, first | test, final | test, change | val (tuning) change "
+          "| staleness | trainer waits | role waits |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     results, bounds = [], []
     for seed in args.seeds:
         sync = run(args.workdir, seed, None, args.rl_args)
@@ -123,12 +136,12 @@ def main() -> None:
         done = [r for r in results if r["staleness"] == k and "error" not in r]
         syncs = {r["seed"]: r for r in results if r["staleness"] is None and "error" not in r}
         ratios = [r["wall"] / syncs[r["seed"]]["wall"] for r in done if r["seed"] in syncs]
-        change = [r["summary"]["final_eval/pass_at_1"] - r["summary"]["first_eval/pass_at_1"] for r in done]
+        change = [r["summary"][f"final_{TEST}/pass_at_1"] - r["summary"][f"first_{TEST}/pass_at_1"] for r in done]
         label = "synchronous" if k is None else f"max_staleness {k}"
         if done:
             print(
                 f"{label}: {len(done)} seeds, wall / sync {sum(ratios) / len(ratios):.2f}, "
-                f"mean pass@1 change {sum(change) / len(change):+.4f}"
+                f"mean test pass@1 change {sum(change) / len(change):+.4f}"
             )
 
 

@@ -271,3 +271,49 @@ def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_p
         errors = {rid: reason for rid, _, tok, reason in events if tok is None and rid in (1, 2)}
         assert "bogus" in errors[1] and "64 KV positions" in errors[2], errors
         assert len([tok for rid, _, tok, _ in events if rid == 3 and tok is not None]) == 4
+
+
+class _Recording:
+    """A pipe end that notes, for every message the batch loop sends, how many forwards had run."""
+
+    def __init__(self, conn, forwards: list) -> None:
+        self.conn, self.forwards, self.sent = conn, forwards, []
+
+    def send(self, message) -> None:
+        if message != "ready":  # the loop clears its events list once sent: keep a copy
+            self.sent.append((len(self.forwards), list(message[0])))
+        self.conn.send(message)
+
+    def poll(self, timeout=0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def recv(self):
+        return self.conn.recv()
+
+
+def test_the_batch_loop_sends_a_steps_tokens_before_its_decode_forward(tmp_path):
+    # before: the loop sent a step's tokens after Scheduler.step returned, so a reply's first token
+    # also waited for the decode forward that only prepares the next step's logits
+    import multiprocessing
+
+    from chatpipe.inference.engine import Engine
+    from chatpipe.serve.batch_pool import run_batch
+
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    forwards: list[int] = []
+    loaded.model.register_forward_pre_hook(lambda _, inputs: forwards.append(inputs[0].shape[1]))
+    conn, child = multiprocessing.Pipe()
+    child = _Recording(child, forwards)
+    loop = threading.Thread(target=run_batch, args=(Engine(loaded.model, loaded.tokenizer), 2, 64, 1, child))
+    loop.start()
+    assert conn.recv() == "ready"
+    conn.send(("submit", 1, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}))
+    events = []
+    while not any(e[2] is None for e in events):
+        assert conn.poll(10), f"the batch loop stopped answering; events so far {events}"
+        events += conn.recv()[0]
+    conn.send(("stop",))
+    loop.join(10)
+    with_tokens = [(n, sent) for n, sent in child.sent if any(e[2] is not None for e in sent)]
+    assert with_tokens[0][0] == 1 and forwards[0] == 3, (with_tokens, forwards)  # the prefill's forward only
+    assert [n for n, _ in with_tokens] == [1, 2, 3, 4], with_tokens  # each step's token before its decode
