@@ -4,6 +4,7 @@ stage tests run it as its own torchx role."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -196,3 +197,12 @@ def test_the_launch_dir_is_decided_in_one_place(tmp_path, monkeypatch):
         assert shm.parent.parent == Path("/dev/shm") and shm.name == "default"
         monkeypatch.chdir(tmp_path.parent)
         assert launch_dir("").parent != shm.parent  # one dir per project
+
+
+def test_a_heartbeat_names_its_node_and_pid_before_the_block_runs(tmp_path):
+    # CI once killed a rollout worker after it had connected but before its heartbeat thread first wrote:
+    # the trainer's error said "no heartbeat yet" instead of the worker's node and pid
+    ex = Exchange(tmp_path / "x")
+    with ex.heartbeat("rollout-1", {"node": "n2", "pid": 4242}):
+        beat = json.loads((tmp_path / "x" / "rollout-1.beat").read_text())
+        assert (beat["node"], beat["pid"], beat["beat"]) == ("n2", 4242, 1)

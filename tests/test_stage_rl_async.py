@@ -22,6 +22,7 @@ import torch
 
 from chatpipe.launch import build_app
 from chatpipe.paths import WORK
+from chatpipe.rl.exchange import launch_dir
 from chatpipe.settings import LaunchSettings, ParamsError, RLSettings, deep_merge, load_section
 from chatpipe.testing.project import SMALL_PARAMS, processes_in, project_env, run, set_params
 from tests.conftest import REPO
@@ -300,6 +301,12 @@ def test_two_rollout_workers_at_staleness_0_are_synchronous_rl(tmp_path):
 def test_kill9_of_one_of_two_workers_ends_the_run_within_60s_naming_it(tmp_path):
     project = setup_project(tmp_path, max_steps=400, eval_every=0, checkpoint_every=2)
     launch = start_async_launch(project, "--max_staleness=1", "--rollout_workers=2")
+    with contextlib.chdir(project):  # where this project's launches meet (/dev/shm here)
+        exchanges = launch_dir("", "any").parent.resolve()
+    deadline = time.time() + 60  # mid-run: once worker 1 says where it runs (killed before, it could not)
+    while not list(exchanges.glob("*/rollout-1.beat")):
+        assert launch.poll() is None and time.time() < deadline, "worker 1 never started its heartbeat"
+        time.sleep(0.02)
     victim = worker_processes(project)[1]
     pid, killed = victim.pid, time.monotonic()
     victim.kill()  # kill -9, mid-run

@@ -155,13 +155,17 @@ class Exchange:
         ``info`` (its node, its pid) goes into every beat, for whoever names it when it stops."""
         done = threading.Event()
 
-        def beat() -> None:
-            count = 0
-            while not done.wait(HEARTBEAT_S if count else 0):
-                count += 1
-                with contextlib.suppress(OSError):  # the trainer may be clearing the dir to start again
-                    self._write_json(f"{role}.beat", {"beat": count, "id": secrets.token_hex(4), **(info or {})})
+        def write(count: int) -> None:
+            with contextlib.suppress(OSError):  # the trainer may be clearing the dir to start again
+                self._write_json(f"{role}.beat", {"beat": count, "id": secrets.token_hex(4), **(info or {})})
 
+        def beat() -> None:
+            count = 1
+            while not done.wait(HEARTBEAT_S):
+                count += 1
+                write(count)
+
+        write(1)  # before the block runs: whoever names this role when it stops finds its node and pid
         thread = threading.Thread(target=beat, name=f"{role}-heartbeat", daemon=True)
         thread.start()
         try:

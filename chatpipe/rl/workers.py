@@ -346,8 +346,9 @@ def rollout_worker(cfg, root, policy: torch.nn.Module, sample_step, device: torc
     ex = Exchange(root, cfg.heartbeat_timeout_s)
     node = node_name()
     log.info("rollout worker %d of %d on node %s (pid %d)", worker, cfg.rollout_workers, node, os.getpid())
-    client = WeightClient(store_address(), worker, device, cfg.rollout_timeout_s)
+    # the heartbeat (node, pid) first: the trainer names this worker by it if it dies while connecting
     with ex.heartbeat(f"rollout-{worker}", {"node": node, "pid": os.getpid()}):
+        client = WeightClient(store_address(), worker, device, cfg.rollout_timeout_s)
         with contextlib.suppress(RunMoved):  # the trainer ended first (it failed): its log says why
             return run_rollout_worker(
                 ex,
