@@ -31,10 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from rl_controls import project_dir  # the same fresh project dir a run, the repo's artifacts linked in
+from rl_controls import TEST, VAL, project_dir  # pass@1's summary keys; a fresh project dir a run, artifacts linked
 
 REPO = Path(__file__).resolve().parents[1]
-TEST = "eval_test"  # the stage's held-out split (rl.test_split, default test): the pass@1 this bench reports
 LINKED = ("tokenizer", "sft")  # what these runs read (the reward model's link is left dangling if absent)
 
 
@@ -70,19 +69,12 @@ def row(r: dict, sync_wall: float | None) -> str:
     if "error" in r:
         return f"| {r['name']} | failed: {r['error'][-300:]!r} |"
     s = r["summary"]
-    first, final = s[f"first_{TEST}/pass_at_1"], s[f"final_{TEST}/pass_at_1"]
-    val = s["final_eval/pass_at_1"] - s["first_eval/pass_at_1"]
+    first, final = s[f"first_{TEST}"], s[f"final_{TEST}"]
+    val_change = s[f"final_{VAL}"] - s[f"first_{VAL}"]
     ratio = f"{r['wall'] / sync_wall:.2f}" if sync_wall else "-"
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    cells = [
-        r["name"],
-        f"{r['wall']:.0f}",
-        ratio,
-        f"{first:.4f}",
-        f"{final:.4f}",
-        f"{final - first:+.4f}",
-        f"{val:+.4f}",
-    ]
+    cells = [r["name"], f"{r['wall']:.0f}", ratio, f"{first:.4f}", f"{final:.4f}", f"{final - first:+.4f}"]
+    cells.append(f"{val_change:+.4f}")
     cells += [fmt(r["async/staleness"]), fmt(r["async/trainer_idle"]), fmt(r["async/rollout_idle"])]
     return "| " + " | ".join(cells) + " |"
 
@@ -136,7 +128,7 @@ def main() -> None:
         done = [r for r in results if r["staleness"] == k and "error" not in r]
         syncs = {r["seed"]: r for r in results if r["staleness"] is None and "error" not in r}
         ratios = [r["wall"] / syncs[r["seed"]]["wall"] for r in done if r["seed"] in syncs]
-        change = [r["summary"][f"final_{TEST}/pass_at_1"] - r["summary"][f"first_{TEST}/pass_at_1"] for r in done]
+        change = [r["summary"][f"final_{TEST}"] - r["summary"][f"first_{TEST}"] for r in done]
         label = "synchronous" if k is None else f"max_staleness {k}"
         if done:
             print(
