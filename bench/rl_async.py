@@ -2,7 +2,7 @@
 
 Runs the RL stage through ``python -m chatpipe.launch rl`` (as DVC does) on the default pipeline's
 SFT model, once synchronously (one process, every core) and once per ``--staleness`` with the
-rollout role (``rl.rollout_role``: the role on ``rollout_threads`` cores, the trainer on the rest),
+rollout role (``rl.rollout.role``: the role on ``rollout_threads`` cores, the trainer on the rest),
 each seed in turn, one run at a time. Prints one markdown row per run: the stage's wall time and its
 ratio to the synchronous run of the same seed, the first and final pass@1 on ``test`` (held out;
 ``val``'s change, the tuning split, beside it), and where each role spent its time (the trainer's
@@ -44,7 +44,7 @@ def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threa
     project = project_dir({"dir": str(workdir / name)})  # a fresh dir: no run resumes another's checkpoint
     flags = [f"--seed={seed}", "--log_every=1", *extra]
     if staleness is not None:
-        flags += ["--rollout_role=true", f"--max_staleness={staleness}"]
+        flags += ["--rollout.role=true", f"--rollout.max_staleness={staleness}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
     env |= {"CHATPIPE_TRACKING__ENABLED": "false"} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     t0 = time.perf_counter()

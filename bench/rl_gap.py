@@ -43,7 +43,7 @@ def run(workdir: Path, artifacts: Path, trainer: str, rollouts: str, extra: list
         (project / "artifacts" / art).symlink_to(artifacts.resolve() / art)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
     env |= {"CHATPIPE_TRACKING__ENABLED": "false"}
-    cmd = [sys.executable, "-m", "stages.rl", *FLAGS, f"--dtype={trainer}", f"--rollout_dtype={rollouts}", *extra]
+    cmd = [sys.executable, "-m", "stages.rl", *FLAGS, f"--dtype={trainer}", f"--rollout.dtype={rollouts}", *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
     log = proc.stdout + proc.stderr

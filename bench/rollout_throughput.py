@@ -5,7 +5,7 @@ the RL stage's defaults (8 prompts x 8 samples, 48 new tokens, temperature 1, to
 model with this checkout's engine and with ``--baseline``'s (its tree unpacked with ``git archive``,
 run in a process of its own). The arms take turns, a step at a time, so load on a shared machine
 falls on both alike. A third arm samples with this checkout's engine and the linear layers in the
-RL stage's ``rl.rollout_dtype`` (``--rollout-dtype``, default ``auto``: bf16 where the CPU multiplies
+RL stage's ``rl.rollout.dtype`` (``--rollout-dtype``, default ``auto``: bf16 where the CPU multiplies
 bf16 natively); it runs only where that is not float32. Prints per arm the generated tokens
 (sampled + forced), seconds, tokens/s and the mean score; then ``rollout tokens/s, <arm> / baseline: x<ratio>``.
 
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--max-rows", type=int, default=128, help="rows of a batch, both engines")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--rollout-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rl.rollout_dtype")
+    p.add_argument("--rollout-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="rl.rollout.dtype")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--step", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--lowp", action="store_true", help=argparse.SUPPRESS)

@@ -117,12 +117,12 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
 
         # a dir of this launch's own; beyond local_cwd the roles may land on two nodes, whose shared
         # memory is not shared (launch_dir then picks the project's checkpoints dir, which is)
-        root = launch_dir(rl.exchange_dir, secrets.token_hex(6), one_host=launch.scheduler == "local_cwd")
+        root = launch_dir(rl.rollout.exchange_dir, secrets.token_hex(6), one_host=launch.scheduler == "local_cwd")
         env |= {"OMP_NUM_THREADS": str(rollout[0]), RL_EXCHANGE_ENV: str(root)}
         if launch.nnodes == 1:  # once the workers beside it have sampled the last step, their cores are the trainer's
-            beside = rl.rollout_workers if launch.scheduler == "local_cwd" else 1
+            beside = rl.rollout.workers if launch.scheduler == "local_cwd" else 1
             env[RL_THREADS_AFTER_ENV] = str(rollout[0] + rollout[1] * beside)
-        if rl.rollout_workers > 1:  # weights over torch.distributed: the trainer's TCPStore, on its host
+        if rl.rollout.workers > 1:  # weights over torch.distributed: the trainer's TCPStore, on its host
             env[RL_STORE_ENV] = f"{macros.rank0_env}:{free_port()}"
     if nnodes * nproc == 1:
         app = python(
@@ -138,7 +138,7 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
         app.roles[0].max_retries = launch.max_retries
         app.roles[0].mounts = volume_mounts(launch)
         if rollout:
-            app.roles.append(rollout_role(app.roles[0], rollout[1], rl.rollout_workers, launch))
+            app.roles.append(rollout_role(app.roles[0], rollout[1], rl.rollout.workers, launch))
         return app
     app = ddp(
         *stage_args,
@@ -160,29 +160,29 @@ def build_app(stage: str, launch: LaunchSettings, stage_args: list[str], env: di
 
 def rollout_role_threads(rl: RLSettings, launch: LaunchSettings, workers: int) -> tuple[int, int] | None:
     """(trainer threads, threads of each rollout worker) when the RL stage runs its rollout role
-    (``rl.rollout_role``), the node's cores split between them; None otherwise. Locally the trainer
+    (``rl.rollout.role``), the node's cores split between them; None otherwise. Locally the trainer
     shares its node with every worker; on a cluster with one (worker 0, in its component; the others
     have a node each). Refused before any work when the workers would
     leave the trainer no core, or the trainer has more than one process."""
-    if not rl.rollout_role:
+    if not rl.rollout.role:
         return None
     if workers > 1:
-        raise ParamsError(f"rl.rollout_role samples for one trainer process; launch asks for {workers}")
+        raise ParamsError(f"rl.rollout.role samples for one trainer process; launch asks for {workers}")
     cores, why = worker_threads(launch, 1)
     if why in ("OMP_NUM_THREADS", "launch.threads"):  # the user chose the trainer's count
-        return cores, rl.rollout_threads
-    beside = rl.rollout_threads * (rl.rollout_workers if launch.scheduler == "local_cwd" else 1)
+        return cores, rl.rollout.threads
+    beside = rl.rollout.threads * (rl.rollout.workers if launch.scheduler == "local_cwd" else 1)
     if launch.nnodes == 1 and cores - beside < 1:
-        if rl.rollout_workers == 1:
+        if rl.rollout.workers == 1:
             raise ParamsError(
-                f"rl.rollout_threads = {rl.rollout_threads} leaves the trainer none of this node's {cores} cores; "
+                f"rl.rollout.threads = {rl.rollout.threads} leaves the trainer none of this node's {cores} cores; "
                 f"set it to at most {cores - 1}"
             )
         raise ParamsError(
-            f"rl.rollout_workers = {rl.rollout_workers} x rl.rollout_threads = {rl.rollout_threads} leaves the "
+            f"rl.rollout.workers = {rl.rollout.workers} x rl.rollout.threads = {rl.rollout.threads} leaves the "
             f"trainer none of this node's {cores} cores; ask for at most {cores - 1} threads in all"
         )
-    return max(1, cores - beside), rl.rollout_threads
+    return max(1, cores - beside), rl.rollout.threads
 
 
 def rollout_role(trainer, threads: int, replicas: int = 1, launch: LaunchSettings | None = None):

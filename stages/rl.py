@@ -52,7 +52,7 @@ from chatpipe.train.stage import finish_stage, resume_or_fresh, run_meta
 
 
 def main(argv: list[str] | None = None) -> None:
-    if os.environ.get(RL_ROLE_ENV) == "rollout":  # the second torchx role of asynchronous RL (rl.rollout_role)
+    if os.environ.get(RL_ROLE_ENV) == "rollout":  # the second torchx role of asynchronous RL (rl.rollout.role)
         runtime.run_stage(RLSettings, rollout_role, argv)
     else:
         runtime.run_stage(RLSettings, train, argv, training=True)

@@ -1,7 +1,7 @@
 """Settings values the docs quote stay equal to params.yaml (the default profile's file).
 
 A doc quotes a setting's current value in one of two ways, and only these are read (a span such as
-``rl.rollout_role: true`` elsewhere shows how to set a key, not what params.yaml holds):
+``rl.rollout.role: true`` elsewhere shows how to set a key, not what params.yaml holds):
 
 - the words "params.yaml has" and then a code span ``section.key: value``
   (params.yaml has ``reward_model.max_steps: 1400``), the path dotted from a top-level section down
@@ -85,7 +85,7 @@ def test_a_planted_wrong_value_or_a_gone_key_is_caught_and_other_spans_are_not_r
     doc.write_text(
         "Train as params.yaml has `reward_model.max_steps: 1400`.\n"
         f"{table}| `rl.reward_model_dir` | `artifacts/reward_model` | the reward model |\n\n"
-        "Not quotes: set `rl.rollout_role: true`; `chatpipe.settings.load: x`, `max_steps` alone.\n"
+        "Not quotes: set `rl.rollout.role: true`; `chatpipe.settings.load: x`, `max_steps` alone.\n"
         "| key | role |\n|---|---|\n| `rl.ref_dir` | `the reference` |\n"
     )
     assert stale_quotes([doc], params()) == []

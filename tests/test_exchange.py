@@ -67,7 +67,7 @@ def test_start_survives_the_role_beating_into_the_directory_while_it_clears_it(t
 def test_waiting_for_a_batch_that_never_comes_names_the_setting(tmp_path):
     ex = Exchange(tmp_path / "x")
     ex.start(0, {"w": torch.ones(1)})
-    with pytest.raises(ExchangeTimeout, match=r"no rollouts of step 0 .* after 0 s \(rl.rollout_timeout_s\)"):
+    with pytest.raises(ExchangeTimeout, match=r"no rollouts of step 0 .* after 0 s \(rl.rollout.timeout_s\)"):
         ex.take_rollouts(0, timeout_s=0.05)
 
 
@@ -183,7 +183,7 @@ def test_a_launch_reaps_only_the_dirs_of_trainers_that_are_provably_dead(tmp_pat
 
 
 def test_the_launch_dir_is_decided_in_one_place(tmp_path, monkeypatch):
-    """launch_dir: rl.exchange_dir when set; else shared memory on one host; else the checkpoints dir
+    """launch_dir: rl.rollout.exchange_dir when set; else shared memory on one host; else the checkpoints dir
     (roles on two nodes, or a host without /dev/shm); one dir per launch id under it."""
     from pathlib import Path
 

@@ -56,7 +56,7 @@ def test_the_synchronous_sampler_keeps_its_logprobs_and_bf16_rollouts_show_a_gap
 
 
 def test_the_update_weighs_where_the_sampler_is_another_dtype_or_engine():
-    plain, role = load_section(RLSettings, {}), load_section(RLSettings, {"rollout_role": True})
+    plain, role = load_section(RLSettings, {}), load_section(RLSettings, {"rollout": {"role": True}})
     f32, bf16 = torch.float32, torch.bfloat16
     assert sampler_is_trainer(plain, f32, f32)
     assert not sampler_is_trainer(plain, bf16, f32) and not sampler_is_trainer(plain, f32, bf16)
@@ -67,13 +67,13 @@ def test_the_update_weighs_where_the_sampler_is_another_dtype_or_engine():
         config = algorithm_config(cfg, weigh_behaviour=False)
         assert isinstance(config, GRPOConfig | PPOConfig) and config.weigh_behaviour is False
         assert algorithm_config(cfg).weigh_behaviour is True
-        assert config.behav_weight_cap == cfg.behav_weight_cap
+        assert config.behav_weight_cap == cfg.rollout.behav_weight_cap
 
 
 def test_a_batch_at_staleness_0_keeps_the_rollout_roles_logprobs():
     """Failed before: at staleness 0 take_rollouts dropped them (behav_logp=None), as if the role's
     engine computed as the trainer does; the gap then went neither measured nor corrected."""
-    cfg = load_section(RLSettings, {"rollout_role": True})
+    cfg = load_section(RLSettings, {"rollout": {"role": True}})
     behav = torch.tensor([[0.0, -0.5, -1.5], [0.0, -0.25, -2.0]])
     batch = Rollouts(
         inputs=torch.zeros(2, 3, dtype=torch.long),

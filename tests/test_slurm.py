@@ -485,12 +485,12 @@ def test_sweep_runs_its_points_as_slurm_jobs_two_at_a_time(slurm_cluster, prefec
 
 @pytest.mark.slow
 def test_async_rl_puts_the_trainer_and_the_rollout_role_on_two_nodes(slurm_cluster, tmp_path):
-    """rl.rollout_role as a Slurm heterogeneous job: one component a node, meeting in the project's
+    """rl.rollout.role as a Slurm heterogeneous job: one component a node, meeting in the project's
     checkpoints dir (the launcher's choice off local_cwd); the stage finishes and trains every step."""
     from tests.test_stage_rl import setup_project
 
     project = setup_project(tmp_path, max_steps=4, eval_every=0, checkpoint_every=2)
-    stage = ["--", "--rollout_role=true", "--max_staleness=1", "--log_every=1"]
+    stage = ["--", "--rollout.role=true", "--rollout.max_staleness=1", "--log_every=1"]
     launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]
     env = slurm_env(project, CHATPIPE_TRACKING__ENABLED="false")
     out = run(project, "python", "-m", "chatpipe.launch", "rl", *launch, *stage, **env)
@@ -529,12 +529,12 @@ def node_of(log: Path, pattern: str) -> str:
 
 @pytest.mark.slow
 def test_two_rollout_workers_on_two_slurm_nodes_get_weights_over_torch_distributed(slurm_cluster, tiny_sft, tmp_path):
-    """rl.rollout_workers: 2 as one Slurm job: the trainer and worker 0 in one component (a heterogeneous job's
+    """rl.rollout.workers: 2 as one Slurm job: the trainer and worker 0 in one component (a heterogeneous job's
     components never share a node), worker 1 in the other, on the other node;
     the weights go over torch.distributed (no weights file under the exchange dir, which is in the project's
     checkpoints, not /dev/shm), every batch within max_staleness, and RL lifts the tiny SFT model's pass@1."""
     project = rl_project(tmp_path, tiny_sft)
-    stage = ["--", "--rollout_role=true", "--rollout_workers=2", "--max_staleness=1", "--log_every=1"]
+    stage = ["--", "--rollout.role=true", "--rollout.workers=2", "--rollout.max_staleness=1", "--log_every=1"]
     stage += ["--eval_every=0", "--test_split=none"]  # pass@1 on val before and after is what this test reads
     launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]
     env = slurm_env(project, CHATPIPE_LAUNCH__CPUS_PER_NODE="2")  # the trainer's node: 1 core each for it and worker 0

@@ -192,10 +192,10 @@ def test_rollout_dtype_auto_is_the_dtype_the_trainer_trains_in(monkeypatch):
         monkeypatch.setattr(runtime, "cpu_multiplies_bf16", lambda native=native_bf16: native)
         assert rollout_dtype(load_section(RLSettings, {}), role_rt) == want
         assert rollout_dtype(load_section(RLSettings, {"dtype": "float32"}), role_rt) == torch.float32
-        assert rollout_dtype(load_section(RLSettings, {"rollout_dtype": "float32"}), role_rt) == torch.float32
-        assert rollout_dtype(load_section(RLSettings, {"rollout_dtype": "bfloat16"}), role_rt) == torch.bfloat16
-    with pytest.raises(ParamsError, match="rollout_dtype"):
-        load_section(RLSettings, {"rollout_dtype": "float16"})
+        assert rollout_dtype(load_section(RLSettings, {"rollout": {"dtype": "float32"}}), role_rt) == torch.float32
+        assert rollout_dtype(load_section(RLSettings, {"rollout": {"dtype": "bfloat16"}}), role_rt) == torch.bfloat16
+    with pytest.raises(ParamsError, match="rl.rollout.dtype"):
+        load_section(RLSettings, {"rollout": {"dtype": "float16"}})
 
 
 def test_filter_solved_drops_solved_prompts_at_the_end_of_the_pools_epoch():

@@ -1,4 +1,4 @@
-"""Asynchronous RL end to end (rl.rollout_role): the rollout role as the RL stage's second torchx
+"""Asynchronous RL end to end (rl.rollout.role): the rollout role as the RL stage's second torchx
 role, sampling ahead of the trainer by up to max_staleness weight versions, in a throwaway project
 with a tiny random init model (tests/test_stage_rl.py's), launched as DVC launches it."""
 
@@ -56,7 +56,7 @@ def test_rollout_role_at_staleness_0_is_synchronous_rl_and_1_runs_ahead(tmp_path
     # max_staleness 0: the role samples each step with the weights that step updates, so the batches,
     # and so the updates, are the synchronous run's. Both processes compute with 1 thread, as the
     # synchronous trainer did: the same kernels, so the weights agree to float32 rounding (1e-6).
-    meta, w, log = launch_rl(project, "--rollout_role=true")
+    meta, w, log = launch_rl(project, "--rollout.role=true")
     assert meta["prompt_indices"] == sync_meta["prompt_indices"]
     assert logged(log, "async/staleness") == [0.0] * 6
     for name, want in sync_w.items():
@@ -66,7 +66,7 @@ def test_rollout_role_at_staleness_0_is_synchronous_rl_and_1_runs_ahead(tmp_path
     # max_staleness 1: the role samples step s + 1 while the trainer updates step s; the same prompts
     # are trained on, each once, and no batch is older than the bound. (PPO: its update weighs every
     # row, where GRPO skips the groups that all scored 0, all of them with this random model.)
-    meta, _, log = launch_rl(project, "--rollout_role=true", "--max_staleness=1", "--algorithm=ppo")
+    meta, _, log = launch_rl(project, "--rollout.role=true", "--rollout.max_staleness=1", "--algorithm=ppo")
     assert meta["prompt_indices"] == sync_meta["prompt_indices"]
     staleness = logged(log, "async/staleness")
     assert len(staleness) == 6 and max(staleness) == 1.0 and min(staleness) >= 0.0
@@ -105,10 +105,10 @@ def test_without_the_role_rl_is_bitwise_the_code_before_it(tmp_path, algorithm):
     model never scores, so GRPO's weights move by the replay alone; PPO's move with every sampled token:
     a changed top_k fails this test.)"""
     # float32 training and rollouts: the sampler is the trainer's own numerics, so the update only
-    # measures the gap (gap/*) and is the one of then (rl.rollout_dtype came later; auto is bf16 where
+    # measures the gap (gap/*) and is the one of then (rl.rollout.dtype came later; auto is bf16 where
     # the CPU multiplies it, and a bf16 trainer under float32 rollouts now weighs by the gap)
     rl = {"max_steps": 3, "eval_every": 0, "algorithm": algorithm, "dtype": "float32"}
-    now = setup_project(tmp_path / "now", **rl, rollout_dtype="float32")
+    now = setup_project(tmp_path / "now", **rl, rollout={"dtype": "float32"})
     before = code_at(BEFORE_THE_ROLE, tmp_path / "before")
     set_params(before, deep_merge(SMALL_PARAMS, {"rl": {**RL_PARAMS, **rl}}))  # its own params.yaml, the same overrides
     for inputs in ("artifacts", "init_model"):  # the same tokenizer and init model
@@ -135,7 +135,7 @@ def test_without_the_role_rl_is_bitwise_the_code_before_it(tmp_path, algorithm):
 def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's count would win over the split
     monkeypatch.setenv("CHATPIPE_CORES", "4")
-    app = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_threads=1"])
+    app = build_app("rl", load_section(LaunchSettings), ["--rollout.role=true", "--rollout.threads=1"])
     trainer, role = app.roles
     assert trainer.env["OMP_NUM_THREADS"] == "3" and role.env["OMP_NUM_THREADS"] == "1"
     assert role.env["CHATPIPE_RL_ROLE"] == "rollout" and "CHATPIPE_RL_ROLE" not in trainer.env
@@ -143,25 +143,27 @@ def test_the_launch_gives_the_rollout_role_its_own_cores(monkeypatch):
     # one dir of this launch's own, chosen once by the launcher (chatpipe.rl.exchange.launch_dir)
     shared = trainer.env["CHATPIPE_RL_LAUNCH_DIR"]
     assert shared == role.env["CHATPIPE_RL_LAUNCH_DIR"] and re.fullmatch(r"[0-9a-f]{12}", Path(shared).name)
-    again = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_threads=1"])
+    again = build_app("rl", load_section(LaunchSettings), ["--rollout.role=true", "--rollout.threads=1"])
     assert again.roles[0].env["CHATPIPE_RL_LAUNCH_DIR"] != shared  # the next launch's is another
     assert role.args[-2:] == trainer.args[-2:]  # the same stage settings
     assert len(build_app("rl", load_section(LaunchSettings), []).roles) == 1
 
 
 def test_bad_async_settings_fail_before_any_work_naming_the_setting(monkeypatch):
-    with pytest.raises(ParamsError, match=r"rl.max_staleness"):
-        load_section(RLSettings, {"rollout_role": True, "max_staleness": -1})
-    with pytest.raises(ParamsError, match=r"rl.rollout_threads"):
-        load_section(RLSettings, {"rollout_role": True, "rollout_threads": 0})
-    with pytest.raises(ParamsError, match=r"max_staleness = 2 needs rollout_role: true"):
-        load_section(RLSettings, {"max_staleness": 2})
+    with pytest.raises(ParamsError, match=r"rl.rollout.max_staleness"):
+        load_section(RLSettings, {"rollout": {"role": True, "max_staleness": -1}})
+    with pytest.raises(ParamsError, match=r"rl.rollout.threads"):
+        load_section(RLSettings, {"rollout": {"role": True, "threads": 0}})
+    with pytest.raises(ParamsError, match=r"rl.rollout.max_staleness = 2 .*needs rollout.role: true"):
+        load_section(RLSettings, {"rollout": {"max_staleness": 2}})
     with pytest.raises(ParamsError, match=r"filter_solved"):
-        load_section(RLSettings, {"filter_solved": 0.5, "rollout_role": True})
+        load_section(RLSettings, {"filter_solved": 0.5, "rollout": {"role": True}})
+    with pytest.raises(ParamsError, match=r"rl.rollout_role = True .*moved to rl.rollout.role"):
+        load_section(RLSettings, {"rollout_role": True})  # the flat key of before the rollout section
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("CHATPIPE_CORES", "2")
-    with pytest.raises(ParamsError, match=r"rl.rollout_threads = 2 leaves the trainer none of this node's 2 cores"):
-        build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_threads=2"])
+    with pytest.raises(ParamsError, match=r"rl.rollout.threads = 2 leaves the trainer none of this node's 2 cores"):
+        build_app("rl", load_section(LaunchSettings), ["--rollout.role=true", "--rollout.threads=2"])
 
 
 def role_processes(project: Path) -> dict[str, psutil.Process]:
@@ -176,7 +178,7 @@ def role_processes(project: Path) -> dict[str, psutil.Process]:
 
 def start_async_launch(project: Path, *args: str) -> subprocess.Popen:
     """``python -m chatpipe.launch rl`` with the rollout role, returned once the first checkpoint exists."""
-    cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", "--rollout_role=true", *args]
+    cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", "--rollout.role=true", *args]
     launch = subprocess.Popen(cmd, cwd=project, env=project_env(project, **ONE_THREAD), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 120
@@ -189,7 +191,7 @@ def start_async_launch(project: Path, *args: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_sigterm_stops_both_roles(tmp_path):
     project = setup_project(tmp_path, max_steps=200, eval_every=0, checkpoint_every=2)
-    launch = start_async_launch(project, "--max_staleness=1")
+    launch = start_async_launch(project, "--rollout.max_staleness=1")
     assert set(role_processes(project)) == {"trainer", "rollout"}
     launch.send_signal(signal.SIGTERM)  # what DVC or Prefect cancellation sends
     out, _ = launch.communicate(timeout=60)
@@ -204,7 +206,7 @@ def test_sigterm_stops_both_roles(tmp_path):
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])
 def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, victim):
     project = setup_project(tmp_path, max_steps=24, eval_every=0, checkpoint_every=4)
-    args = ("--rollout_role=true", "--max_staleness=1", "--heartbeat_timeout_s=5")
+    args = ("--rollout.role=true", "--rollout.max_staleness=1", "--rollout.heartbeat_timeout_s=5")
     want = launch_rl(project)[0]["prompt_indices"]  # an uninterrupted synchronous run's
 
     launch = start_async_launch(project, *args[1:])
@@ -228,7 +230,7 @@ def test_kill9_of_either_role_resumes_with_every_prompt_trained_once(tmp_path, v
 def test_the_launch_starts_rollout_workers_as_replicas_that_find_the_trainers_store(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("CHATPIPE_CORES", "4")
-    app = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_workers=2"])
+    app = build_app("rl", load_section(LaunchSettings), ["--rollout.role=true", "--rollout.workers=2"])
     trainer, role = app.roles
     assert role.num_replicas == 2 and role.env["CHATPIPE_RL_WORKER"] == "${replica_id}"
     assert trainer.env["OMP_NUM_THREADS"] == "2" and role.env["OMP_NUM_THREADS"] == "1"  # 4 cores: 2 + 1 + 1
@@ -236,11 +238,11 @@ def test_the_launch_starts_rollout_workers_as_replicas_that_find_the_trainers_st
     assert re.fullmatch(r"\$\{rank0_env\}:\d+", trainer.env["CHATPIPE_RL_STORE"])  # torchx names the trainer's host
     assert role.env["CHATPIPE_RL_STORE"] == trainer.env["CHATPIPE_RL_STORE"]
     assert trainer.entrypoint != "bash"  # locally every worker is a replica of the role
-    with pytest.raises(ParamsError, match=r"rl.rollout_workers = 4 x rl.rollout_threads = 1 leaves the trainer none"):
-        build_app("rl", load_section(LaunchSettings), ["--rollout_role=true", "--rollout_workers=4"])
-    with pytest.raises(ParamsError, match=r"rollout_workers = 2 needs rollout_role: true"):
-        load_section(RLSettings, {"rollout_workers": 2})
-    one = build_app("rl", load_section(LaunchSettings), ["--rollout_role=true"])
+    with pytest.raises(ParamsError, match=r"rl.rollout.workers = 4 x rl.rollout.threads = 1 leaves the trainer none"):
+        build_app("rl", load_section(LaunchSettings), ["--rollout.role=true", "--rollout.workers=4"])
+    with pytest.raises(ParamsError, match=r"rl.rollout.workers = 2 .*needs rollout.role: true"):
+        load_section(RLSettings, {"rollout": {"workers": 2}})
+    one = build_app("rl", load_section(LaunchSettings), ["--rollout.role=true"])
     assert one.roles[1].num_replicas == 1 and "CHATPIPE_RL_STORE" not in one.roles[0].env  # as before
 
 
@@ -248,13 +250,13 @@ def test_on_slurm_worker_0_runs_in_the_trainers_component_and_the_others_a_node_
     """A heterogeneous job's components never share a node, so worker 0 starts beside the trainer."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     launch = load_section(LaunchSettings, {"scheduler": "slurm", "cpus_per_node": 2})
-    app = build_app("rl", launch, ["--rollout_role=true", "--rollout_workers=3"])
+    app = build_app("rl", launch, ["--rollout.role=true", "--rollout.workers=3"])
     trainer, role = app.roles
     assert role.num_replicas == 2 and role.env["CHATPIPE_RL_WORKER_OFFSET"] == "1"  # workers 1 and 2
     assert trainer.entrypoint == "bash" and trainer.env["OMP_NUM_THREADS"] == "1"  # 2 cores: 1 + worker 0's 1
     script = trainer.args[1]
     assert script.startswith("{ CHATPIPE_RL_ROLE=rollout CHATPIPE_RL_WORKER=0 OMP_NUM_THREADS=1 python -m stages.rl")
-    assert script.count("python -m stages.rl --rollout_role=true --rollout_workers=3") == 2
+    assert script.count("python -m stages.rl --rollout.role=true --rollout.workers=3") == 2
     assert trainer.env["CHATPIPE_RL_THREADS_AFTER_ROLE"] == "2"  # worker 0's core back for the final eval
     exchange = Path(trainer.env["CHATPIPE_RL_LAUNCH_DIR"])  # not /dev/shm: two nodes; this launch's own dir
     assert exchange.parent == WORK / "rl" / "exchange" and role.env["CHATPIPE_RL_LAUNCH_DIR"] == str(exchange)
@@ -266,7 +268,7 @@ def test_on_slurm_worker_0_runs_in_the_trainers_component_and_the_others_a_node_
             1,
         )
         fake = fake.replace(
-            "python -m stages.rl --rollout_role=true --rollout_workers=3", f"sh -c 'exit {trainer_rc}'", 1
+            "python -m stages.rl --rollout.role=true --rollout.workers=3", f"sh -c 'exit {trainer_rc}'", 1
         )
         assert subprocess.run(["bash", "-c", fake]).returncode == want, fake
 
@@ -288,7 +290,7 @@ def test_two_rollout_workers_at_staleness_0_are_synchronous_rl(tmp_path):
     project = setup_project(tmp_path, max_steps=6, eval_every=0, checkpoint_every=3)
     sync_meta, sync_w, _ = launch_rl(project)
     # each worker samples every other step whole, with the weights that step updates: the synchronous batches
-    meta, w, log = launch_rl(project, "--rollout_role=true", "--rollout_workers=2")
+    meta, w, log = launch_rl(project, "--rollout.role=true", "--rollout.workers=2")
     assert meta["prompt_indices"] == sync_meta["prompt_indices"]
     assert logged(log, "async/staleness") == [0.0] * 6
     for name, want in sync_w.items():
@@ -300,7 +302,7 @@ def test_two_rollout_workers_at_staleness_0_are_synchronous_rl(tmp_path):
 @pytest.mark.slow
 def test_kill9_of_one_of_two_workers_ends_the_run_within_60s_naming_it(tmp_path):
     project = setup_project(tmp_path, max_steps=400, eval_every=0, checkpoint_every=2)
-    launch = start_async_launch(project, "--max_staleness=1", "--rollout_workers=2")
+    launch = start_async_launch(project, "--rollout.max_staleness=1", "--rollout.workers=2")
     with contextlib.chdir(project):  # where this project's launches meet (/dev/shm here)
         exchanges = launch_dir("", "any").parent.resolve()
     deadline = time.time() + 60  # mid-run: once worker 1 says where it runs (killed before, it could not)

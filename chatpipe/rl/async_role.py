@@ -42,7 +42,7 @@ def exchange_dir(cfg: RLSettings) -> Path:
     """The roles' shared dir: the one chatpipe.launch chose for both roles (``CHATPIPE_RL_LAUNCH_DIR``),
     else, for a stage run without the launcher, :func:`launch_dir`'s ``default`` one for this project."""
     given = os.environ.get(RL_EXCHANGE_ENV)
-    return Path(given) if given else launch_dir(cfg.exchange_dir)
+    return Path(given) if given else launch_dir(cfg.rollout.exchange_dir)
 
 
 @contextlib.contextmanager
@@ -53,18 +53,18 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
     trainer is provably dead go (:func:`reap_dead_launches`); a live launch's never does.
     ``run``: chatpipe.rl.step.RLRun; its ``exchange`` is set here."""
     cfg, rt = run.cfg, run.rt
-    if not cfg.rollout_role:
+    if not cfg.rollout.role:
         yield
         return
     if rt.world_size > 1:
-        raise ValueError(f"rl.rollout_role samples for one trainer process; this run has {rt.world_size} ranks")
+        raise ValueError(f"rl.rollout.role samples for one trainer process; this run has {rt.world_size} ranks")
     root = exchange_dir(cfg)
     claim(root)
     for old in reap_dead_launches(root):
         log.info("rollout role: removed %s, left by a trainer that is gone", old)
     run.exchange = trainer_exchange(cfg, root, rt.device)  # with several workers, weights go over torch.distributed
     run.exchange.start(step, run.models.policy.state_dict())
-    log.info("rollout role: exchange %s, max_staleness %d", root, cfg.max_staleness)
+    log.info("rollout role: exchange %s, max_staleness %d", root, cfg.rollout.max_staleness)
     try:
         with run.exchange.heartbeat("trainer"):
             yield
@@ -87,12 +87,12 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
         batch = sample_batch(cfg, engine, [train_problems[i] for i in idx], step, 0, 1, matmul_dtype)
         return {**batch.to_dict(), "idx": idx, "tools": dict(engine.tool_stats)}
 
-    if cfg.rollout_workers > 1:  # one of several replicas: weights come over torch.distributed
+    if cfg.rollout.workers > 1:  # one of several replicas: weights come over torch.distributed
         worker = int(os.environ.get(RL_WORKER_ENV, "0")) + int(os.environ.get(RL_WORKER_OFFSET_ENV, "0"))
         written = rollout_worker(cfg, exchange_dir(cfg), policy, sample_step, rt.device, worker)
         log.info("rollout worker %d: done, %d batches", worker, written)
         return
-    ex = Exchange(exchange_dir(cfg), cfg.heartbeat_timeout_s)
+    ex = Exchange(exchange_dir(cfg), cfg.rollout.heartbeat_timeout_s)
     log.info("rollout role: waiting for the trainer at %s", ex.root)
     with ex.heartbeat("rollout"):
         written = run_rollout_role(
@@ -100,8 +100,8 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
             policy,
             sample_step,
             max_steps=cfg.max_steps,
-            max_staleness=cfg.max_staleness,
-            timeout_s=cfg.rollout_timeout_s,
+            max_staleness=cfg.rollout.max_staleness,
+            timeout_s=cfg.rollout.timeout_s,
         )
     log.info("rollout role: done, %d batches", written)
 
@@ -111,13 +111,13 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
     the staleness bound; its stats: staleness, the role's sampling and idle seconds, tokens/s."""
     cfg, ex = run.cfg, run.exchange
     t0 = time.perf_counter()
-    payload = ex.take_rollouts(step, cfg.rollout_timeout_s, alive=lambda: ex.check_alive("rollout") or True)
+    payload = ex.take_rollouts(step, cfg.rollout.timeout_s, alive=lambda: ex.check_alive("rollout") or True)
     waited = time.perf_counter() - t0
     staleness = step - int(payload["version"])
-    if payload["idx"] != idx or not 0 <= staleness <= cfg.max_staleness:
+    if payload["idx"] != idx or not 0 <= staleness <= cfg.rollout.max_staleness:
         raise RuntimeError(
             f"rollout role's batch for step {step} does not fit: prompts {payload['idx']} (want {idx}), "
-            f"sampled by version {payload['version']} (max_staleness {cfg.max_staleness})"
+            f"sampled by version {payload['version']} (max_staleness {cfg.rollout.max_staleness})"
         )
     batch = Rollouts.from_dict(payload)
     if step == cfg.max_steps - 1 and os.environ.get(RL_THREADS_AFTER_ENV):  # the role has no more to sample:

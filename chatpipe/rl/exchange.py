@@ -68,7 +68,7 @@ OWNER = "owner.json"  # the trainer that owns a launch's dir: host, pid and the 
 
 def launch_dir(setting: str, launch_id: str = "default", *, one_host: bool = True) -> Path:
     """The one place a launch's shared dir is decided: ``<base>/<launch_id>``. The base is ``setting``
-    (``rl.exchange_dir``) when given; else shared memory on this host (``/dev/shm``, one dir per project)
+    (``rl.rollout.exchange_dir``) when given; else shared memory on this host (``/dev/shm``, one dir per project)
     when both roles run on it (``one_host``); else the project's checkpoints dir, which every node sees
     (resuming needs it to) and which stands in where a host has no shared memory (macOS)."""
     shm = Path("/dev/shm")
@@ -115,7 +115,7 @@ def claim(root: Path) -> None:
         raise RuntimeError(
             f"{root} belongs to another RL trainer (pid {owner['pid']} on {owner['host']}), still running: "
             "launch each run with `python -m chatpipe.launch rl` (a dir per launch), or give it its own "
-            "rl.exchange_dir"
+            "rl.rollout.exchange_dir"
         )
     root.mkdir(parents=True, exist_ok=True)
     with atomic_write(root / OWNER, fsync=False) as f:
@@ -184,7 +184,7 @@ class Exchange:
         elif now - since > self.dead_after_s:
             raise RoleGone(
                 f"the {role} role has given no sign of life for {self.dead_after_s:.0f} s "
-                f"(rl.heartbeat_timeout_s; {self.root}): it was killed or hangs; its log says why"
+                f"(rl.rollout.heartbeat_timeout_s; {self.root}): it was killed or hangs; its log says why"
             )
 
     # ------------------------------------------------------------------ trainer side
@@ -280,7 +280,7 @@ class Exchange:
                 raise RunMoved(f"stopped waiting for {what} in {self.root}: the run started again or stopped")
             if time.monotonic() > deadline:
                 raise ExchangeTimeout(
-                    f"no {what} in {self.root} after {timeout_s:.0f} s (rl.rollout_timeout_s): is the other "
+                    f"no {what} in {self.root} after {timeout_s:.0f} s (rl.rollout.timeout_s): is the other "
                     "role running? Its log says why it stopped"
                 )
             time.sleep(POLL_S)

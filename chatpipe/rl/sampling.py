@@ -24,12 +24,12 @@ log = logging.getLogger("rl")
 
 
 def rollout_dtype(cfg: RLSettings, rt: runtime.Runtime) -> torch.dtype:
-    """``rl.rollout_dtype``, logged; ``auto`` is the dtype the trainer trains in, in the rollout role too
+    """``rl.rollout.dtype``, logged; ``auto`` is the dtype the trainer trains in, in the rollout role too
     (whose own runtime, not a training one, computes in float32 on CPU). Each role resolves it once."""
     dtype = runtime.compute_dtype(
-        cfg.dtype if cfg.rollout_dtype == "auto" else cfg.rollout_dtype, rt.device.type == "cuda", training=True
+        cfg.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype, rt.device.type == "cuda", training=True
     )
-    log.info("rollouts: linear layers in %s (rl.rollout_dtype: %s)", dtype, cfg.rollout_dtype)
+    log.info("rollouts: linear layers in %s (rl.rollout.dtype: %s)", dtype, cfg.rollout.dtype)
     return dtype
 
 
@@ -43,7 +43,7 @@ def sampler_is_trainer(cfg: RLSettings, sampler: torch.dtype, trainer: torch.dty
     the same numerics either: autocast rounds every matmul, the rollouts only the wide linear layers
     (chatpipe.inference.precision), and the tiny run's gap is then 2e-3, as with float32 training
     under bf16 rollouts (docs/async-rl.md)."""
-    return not cfg.rollout_role and sampler == trainer == torch.float32
+    return not cfg.rollout.role and sampler == trainer == torch.float32
 
 
 def model_ranked(cfg: RLSettings) -> bool:

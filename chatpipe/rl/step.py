@@ -60,7 +60,7 @@ class RLRun:
     prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
     guard: RewardGuard | None = None  # reward_source model|both: the reward-hacking guard
     exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
-    rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout_dtype, resolved once)
+    rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout.dtype, resolved once)
     test_problems: list[Problem] = field(default_factory=list)  # rl.test_split's: held out, nothing tuned on them
 
 

@@ -96,7 +96,7 @@ class GRPOConfig:
     def from_settings(cls, cfg: RLSettings, weigh_behaviour: bool = True) -> GRPOConfig:
         """The GRPO knobs of the ``rl`` section's settings."""
         own = {"micro_batch": cfg.device_batch_size, "kl_loss_coef": cfg.grpo.kl_loss_coef}
-        own["weigh_behaviour"] = weigh_behaviour
+        own |= {"behav_weight_cap": cfg.rollout.behav_weight_cap, "weigh_behaviour": weigh_behaviour}
         return cls(**{f.name: own[f.name] if f.name in own else getattr(cfg, f.name) for f in fields(cls)})
 
 
@@ -250,7 +250,9 @@ class PPOConfig:
         """The PPO knobs of the ``rl`` section's settings: ``rl.ppo``'s, then the shared ones."""
         ppo = cfg.ppo.model_dump()
         own = {"micro_batch": cfg.device_batch_size, "weigh_behaviour": weigh_behaviour}
-        return cls(**{f.name: own.get(f.name, ppo.get(f.name, getattr(cfg, f.name, None))) for f in fields(cls)})
+        own["behav_weight_cap"] = cfg.rollout.behav_weight_cap
+        own |= {k: v for k, v in ppo.items() if k not in own}
+        return cls(**{f.name: own[f.name] if f.name in own else getattr(cfg, f.name) for f in fields(cls)})
 
 
 @dataclass

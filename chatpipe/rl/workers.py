@@ -1,4 +1,4 @@
-"""Several rollout workers (``rl.rollout_workers`` > 1): weights go to every worker in memory over
+"""Several rollout workers (``rl.rollout.workers`` > 1): weights go to every worker in memory over
 ``torch.distributed``, with a version number; rollout batches still come back through the exchange dir.
 
     bus = WeightServer(store_address(), workers=2, device)      # trainer: a TCPStore it hosts
@@ -63,7 +63,7 @@ def store_address(env: dict[str, str] | None = None) -> tuple[str, int]:
     if not name or not port.isdigit():
         raise ValueError(
             f"{RL_STORE_ENV}={value!r}: expected <host or variable naming it>:<port>; chatpipe.launch sets it for "
-            "rl.rollout_workers > 1, so run the stage through it"
+            "rl.rollout.workers > 1, so run the stage through it"
         )
     host = env.get(name, name) if name.replace("_", "").isalnum() and name.isupper() else name
     return host.split(",")[0], int(port)  # a node list's first node (Slurm's rank0_env)
@@ -224,7 +224,7 @@ class WeightClient:
                     raise RunMoved(f"the trainer ended the run before sending weights of version {at_least}")
                 if time.monotonic() > deadline:
                     raise ExchangeTimeout(
-                        f"no weights of version {at_least} after {timeout_s:.0f} s (rl.rollout_timeout_s)"
+                        f"no weights of version {at_least} after {timeout_s:.0f} s (rl.rollout.timeout_s)"
                     )
                 self._cond.wait(0.5)  # and look at alive() again
             return self._newest
@@ -269,7 +269,7 @@ class WorkersExchange(Exchange):
             except RoleGone:
                 raise WorkerGone(
                     f"rollout worker {w} {self.where(w)} has given no sign of life for {self.dead_after_s:.0f} s "
-                    "(rl.heartbeat_timeout_s): it was killed or hangs; its log says why"
+                    "(rl.rollout.heartbeat_timeout_s): it was killed or hangs; its log says why"
                 ) from None
 
     def where(self, worker: int) -> str:
@@ -290,13 +290,13 @@ class WorkersExchange(Exchange):
 def trainer_exchange(cfg, root, device: torch.device) -> Exchange:
     """The trainer's exchange: the shared dir alone with one rollout worker, with a :class:`WeightServer`
     beside it with more. ``cfg``: RLSettings."""
-    if cfg.rollout_workers == 1:
-        return Exchange(root, cfg.heartbeat_timeout_s)
-    server = WeightServer(store_address(), cfg.rollout_workers, device, cfg.rollout_timeout_s)
+    if cfg.rollout.workers == 1:
+        return Exchange(root, cfg.rollout.heartbeat_timeout_s)
+    server = WeightServer(store_address(), cfg.rollout.workers, device, cfg.rollout.timeout_s)
     log.info(
-        "rollout workers: %d, weights over torch.distributed; trainer on node %s", cfg.rollout_workers, node_name()
+        "rollout workers: %d, weights over torch.distributed; trainer on node %s", cfg.rollout.workers, node_name()
     )
-    return WorkersExchange(root, cfg.heartbeat_timeout_s, server)
+    return WorkersExchange(root, cfg.rollout.heartbeat_timeout_s, server)
 
 
 # ---------------------------------------------------------------------- a worker's side
@@ -342,22 +342,22 @@ def run_rollout_worker(
 
 
 def rollout_worker(cfg, root, policy: torch.nn.Module, sample_step, device: torch.device, worker: int) -> int:
-    """One replica of the rollout role with ``rl.rollout_workers`` > 1; ``cfg``: RLSettings."""
-    ex = Exchange(root, cfg.heartbeat_timeout_s)
+    """One replica of the rollout role with ``rl.rollout.workers`` > 1; ``cfg``: RLSettings."""
+    ex = Exchange(root, cfg.rollout.heartbeat_timeout_s)
     node = node_name()
-    log.info("rollout worker %d of %d on node %s (pid %d)", worker, cfg.rollout_workers, node, os.getpid())
+    log.info("rollout worker %d of %d on node %s (pid %d)", worker, cfg.rollout.workers, node, os.getpid())
     # the heartbeat (node, pid) first: the trainer names this worker by it if it dies while connecting
     with ex.heartbeat(f"rollout-{worker}", {"node": node, "pid": os.getpid()}):
-        client = WeightClient(store_address(), worker, device, cfg.rollout_timeout_s)
+        client = WeightClient(store_address(), worker, device, cfg.rollout.timeout_s)
         with contextlib.suppress(RunMoved):  # the trainer ended first (it failed): its log says why
             return run_rollout_worker(
                 ex,
                 client,
                 policy,
                 sample_step,
-                workers=cfg.rollout_workers,
+                workers=cfg.rollout.workers,
                 max_steps=cfg.max_steps,
-                max_staleness=cfg.max_staleness,
-                timeout_s=cfg.rollout_timeout_s,
+                max_staleness=cfg.rollout.max_staleness,
+                timeout_s=cfg.rollout.timeout_s,
             )
     return 0

@@ -245,12 +245,12 @@ class SFTSettings(ChatTrainSettings):
 _RL_LR_NOTE = "RL's policy LR is lr_frac x the init model's LRs, decayed linearly to 0; there is no other schedule"
 
 
-# asynchronous RL's second role (rl.rollout_role), set by chatpipe.launch: which role a stages.rl
+# asynchronous RL's second role (rl.rollout.role), set by chatpipe.launch: which role a stages.rl
 # process is, both roles' shared dir (chatpipe.rl.exchange.launch_dir: fresh per launch, so no file of
 # an earlier launch is ever read), and the trainer's threads once the role is done
 RL_ROLE_ENV, RL_EXCHANGE_ENV = "CHATPIPE_RL_ROLE", "CHATPIPE_RL_LAUNCH_DIR"
 RL_THREADS_AFTER_ENV = "CHATPIPE_RL_THREADS_AFTER_ROLE"
-# several rollout workers (rl.rollout_workers > 1), set by chatpipe.launch: a worker's replica id, and
+# several rollout workers (rl.rollout.workers > 1), set by chatpipe.launch: a worker's replica id, and
 # where the trainer's TCPStore listens, "<name of the variable holding its host>:<port>" (the host is
 # only known on the node: torchx's rank0_env, e.g. Slurm's SLURM_JOB_NODELIST_HET_GROUP_0)
 RL_WORKER_ENV, RL_STORE_ENV = "CHATPIPE_RL_WORKER", "CHATPIPE_RL_STORE"
@@ -365,6 +365,86 @@ class GRPOSettings(Subsection):
     )
 
 
+ROLLOUT_MOVED = {
+    "rollout_dtype": "dtype",
+    "rollout_role": "role",
+    "rollout_threads": "threads",
+    "rollout_workers": "workers",
+    "max_staleness": "max_staleness",
+    "behav_weight_cap": "behav_weight_cap",
+    "exchange_dir": "exchange_dir",
+    "rollout_timeout_s": "timeout_s",
+    "heartbeat_timeout_s": "heartbeat_timeout_s",
+}  # the flat rl.<key> before the rollout section -> its key there
+
+
+class RolloutSettings(Subsection):
+    """``rl.rollout``: who samples the rollouts and in what precision. The trainer itself by default;
+    with ``role: true`` a second torchx role (``workers`` replicas of it) samples up to ``max_staleness``
+    weight versions ahead of the trainer (asynchronous RL, docs/async-rl.md)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="precision of the rollouts' linear layers (the attention, norms and held-out pass@k stay float32): "
+        "auto is the dtype the stage trains in, bfloat16 where the CPU multiplies bf16 natively and on GPU, else "
+        "float32",
+    )
+    role: bool = Field(
+        False,
+        description="sample rollouts in a second torchx role (its own process and cores) that runs ahead of the "
+        "trainer by up to max_staleness weight versions; false: the trainer samples each step itself",
+    )
+    threads: int = Field(1, ge=1, description="intra-op threads (cores) of each rollout worker; the trainer gets the rest")
+    workers: int = Field(
+        1,
+        ge=1,
+        description="replicas of the rollout role; worker w samples the steps s with s % workers == w. "
+        "1: weights reach the role through exchange_dir; more: over torch.distributed, in memory",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="how many weight versions older than the step it trains a rollout may be (AReaL's "
+        "max_head_offpolicyness); 0: synchronous, each step's rollouts come from the weights it updates",
+    )
+    behav_weight_cap: float = Field(
+        5.0,
+        gt=0,
+        description="truncate each token's pi_proximal / pi_behaviour weight here: stale rollouts, and every "
+        "rollout not sampled by the trainer's own float32 numerics (bf16 training or rollouts, the rollout role: "
+        "the sampler-trainer gap; TRL and verl cap at 2)",
+    )
+    exchange_dir: str = Field(
+        "", description="the roles' shared dir (heartbeats, rollouts); '': shared memory on one host (/dev/shm)"
+    )
+    timeout_s: float = Field(600.0, gt=0, description="a role waiting this long for the other one fails")
+    heartbeat_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a role whose heartbeat (one a second) stops this long is taken for dead: the other fails",
+    )
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_needs_the_role(cls, v: int, info: ValidationInfo) -> int:
+        if v and not info.data.get("role"):
+            raise ValueError(
+                f"rollout.max_staleness = {v} needs rollout.role: true; without the role every step samples with "
+                "its own weights, so leave it at 0"
+            )
+        return v
+
+    @field_validator("workers")
+    @classmethod
+    def _workers_need_the_role(cls, v: int, info: ValidationInfo) -> int:
+        if v > 1 and not info.data.get("role"):
+            raise ValueError(
+                f"rollout.workers = {v} needs rollout.role: true; without the role the trainer samples every step "
+                "itself, so leave it at 1"
+            )
+        return v
+
+
 class RLSettings(RunSettings):
     """RL on verifiable rewards (`rl` stage): GRPO-lite or PPO, chosen by `algorithm`."""
 
@@ -380,6 +460,7 @@ class RLSettings(RunSettings):
         **{k: f"moved to rl.ppo.{k}" for k in PPO_MOVED},
         "ppo_epochs": "moved to rl.ppo.epochs",
         "kl_loss_coef": "moved to rl.grpo.kl_loss_coef",
+        **{k: f"moved to rl.rollout.{v}" for k, v in ROLLOUT_MOVED.items()},
     }
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
@@ -492,48 +573,10 @@ class RLSettings(RunSettings):
         "they then carry the verifier's verdicts (not verifier-free: a warning, and reward_carries_verifier in the "
         "summary). 0: the reward model stays frozen",
     )
-    rollout_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="precision of the rollouts' linear layers (the attention, norms and held-out pass@k stay float32): "
-        "auto is the dtype the stage trains in, bfloat16 where the CPU multiplies bf16 natively and on GPU, else "
-        "float32",
-    )
-    # asynchronous RL: the rollout role samples in its own process while the trainer updates
-    rollout_role: bool = Field(
-        False,
-        description="sample rollouts in a second torchx role (its own process and cores) that runs ahead of the "
-        "trainer by up to max_staleness weight versions; false: the trainer samples each step itself",
-    )
-    rollout_threads: int = Field(
-        1, ge=1, description="intra-op threads (cores) of the rollout role; the trainer gets the rest"
-    )
-    rollout_workers: int = Field(
-        1,
-        ge=1,
-        description="replicas of the rollout role; worker w samples the steps s with s % rollout_workers == w. "
-        "1: weights reach the role through exchange_dir; more: over torch.distributed, in memory",
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="how many weight versions older than the step it trains a rollout may be (AReaL's "
-        "max_head_offpolicyness); 0: synchronous, each step's rollouts come from the weights it updates",
-    )
-    behav_weight_cap: float = Field(
-        5.0,
-        gt=0,
-        description="truncate each token's pi_proximal / pi_behaviour weight here: stale rollouts, and every "
-        "rollout not sampled by the trainer's own float32 numerics (bf16 training or rollouts, the rollout role: "
-        "the sampler-trainer gap; TRL and verl cap at 2)",
-    )
-    exchange_dir: str = Field(
-        "", description="the two roles' shared dir (weights, rollouts); '': shared memory on one host (/dev/shm)"
-    )
-    rollout_timeout_s: float = Field(600.0, gt=0, description="a role waiting this long for the other one fails")
-    heartbeat_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="a role whose heartbeat (one a second) stops this long is taken for dead: the other fails",
+    rollout: RolloutSettings = Field(
+        default_factory=lambda: RolloutSettings(),
+        description="where and in what precision rollouts are sampled: the trainer itself, or the rollout role's "
+        "workers ahead of it (asynchronous RL)",
     )
     # eval
     eval_every: int = resume_neutral(10, ge=0, description="pass@k every N steps (0: only before and after)")
@@ -609,33 +652,13 @@ class RLSettings(RunSettings):
             )
         return v
 
-    @field_validator("max_staleness")
+    @field_validator("rollout")
     @classmethod
-    def _staleness_needs_the_role(cls, v: int, info: ValidationInfo) -> int:
-        if v and not info.data.get("rollout_role"):
+    def _role_samples_fixed_prompts(cls, v: RolloutSettings, info: ValidationInfo) -> RolloutSettings:
+        if v.role and info.data.get("filter_solved"):
             raise ValueError(
-                f"max_staleness = {v} needs rollout_role: true; without the role every step samples with its "
-                "own weights, so leave it at 0"
-            )
-        return v
-
-    @field_validator("rollout_workers")
-    @classmethod
-    def _workers_need_the_role(cls, v: int, info: ValidationInfo) -> int:
-        if v > 1 and not info.data.get("rollout_role"):
-            raise ValueError(
-                f"rollout_workers = {v} needs rollout_role: true; without the role the trainer samples every "
-                "step itself, so leave it at 1"
-            )
-        return v
-
-    @field_validator("rollout_role")
-    @classmethod
-    def _role_samples_fixed_prompts(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("filter_solved"):
-            raise ValueError(
-                "rollout_role samples each step's prompts ahead of the trainer, but filter_solved changes the pool "
-                "from the trainer's scores; set filter_solved: 0, or rollout_role: false"
+                "rollout.role samples each step's prompts ahead of the trainer, but filter_solved changes the pool "
+                "from the trainer's scores; set filter_solved: 0, or rollout.role: false"
             )
         return v
 
