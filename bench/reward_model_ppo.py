@@ -4,7 +4,7 @@ Run after the tiny pipeline has made ``artifacts/sft`` (``dvc repro sft`` or the
 
     python bench/reward_model_ppo.py --seeds 1 2 3          # trains artifacts/reward_model first if missing
 
-For each seed it runs ``stages.rl`` with ``algorithm=ppo reward_source=model`` (no verifier in the
+For each seed it runs ``stages.rl`` with ``algorithm=ppo reward.source=model`` (no verifier in the
 loss) into its own checkpoint dir, and prints one markdown row per seed: the SFT model's held-out
 pass@1 (RL's step-0 eval), the final one, the change, the last step's mean reward-model and
 verifier scores of the rollouts, and the wall time. Reading a failure: a reward-model score that
@@ -67,7 +67,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for seed in args.seeds:
         t0 = time.perf_counter()
-        flags = ["--algorithm=ppo", "--reward_source=model", f"--seed={seed}", "--log_every=1", *args.rl_args]
+        flags = ["--algorithm=ppo", "--reward.source=model", f"--seed={seed}", "--log_every=1", *args.rl_args]
         log = run([sys.executable, "-m", "stages.rl", *flags], env, f"rl_seed{seed}")
         wall = time.perf_counter() - t0
         summary = json.loads((REPO / "artifacts" / "rl" / "meta.json").read_text())["summary"]

@@ -11,11 +11,11 @@ repo root:
 
 The arms (each ``python -m stages.rl`` with RL's defaults and these flags, nothing else changed):
 
-- ``replay_only``: the rewards scaled to nothing (``reward_scale: 1e-9``), so the update is the
+- ``replay_only``: the rewards scaled to nothing (``reward.scale: 1e-9``), so the update is the
   replay's LM loss on the SFT mixture: the control, supervised steps on the same gold answers;
 - ``verifier`` (RL's default) and ``verifier_no_replay`` (``CHATPIPE_RL__REPLAY=[]``): GRPO on the verifier;
 - ``rm_ppo`` and ``rm_ppo_no_replay``: PPO on the reward model's scores alone
-  (``algorithm: ppo``, ``reward_source: model``), the verifier only measuring.
+  (``algorithm: ppo``, ``reward.source: model``), the verifier only measuring.
 
 Equal in steps: every arm takes one optimizer step and (with the replay on) one replay batch per RL
 step. PPO runs at ``ppo.epochs: 1``, ``ppo.num_minibatches: 1``; at its defaults (2 x 2) it would
@@ -54,11 +54,11 @@ sys.path.insert(0, str(REPO))  # the library, for the settings the counts are re
 # PPO at one epoch of one minibatch: one optimizer step and one replay batch per RL step, as GRPO takes
 EQUAL_PPO = ["--algorithm=ppo", "--ppo.epochs=1", "--ppo.num_minibatches=1"]
 ARMS = {
-    "replay_only": ["--reward_scale=1e-9"],
+    "replay_only": ["--reward.scale=1e-9"],
     "verifier": [],
     "verifier_no_replay": [],
-    "rm_ppo": [*EQUAL_PPO, "--reward_source=model"],
-    "rm_ppo_no_replay": [*EQUAL_PPO, "--reward_source=model"],
+    "rm_ppo": [*EQUAL_PPO, "--reward.source=model"],
+    "rm_ppo_no_replay": [*EQUAL_PPO, "--reward.source=model"],
 }
 NO_REPLAY = {"CHATPIPE_RL__REPLAY": "[]"}  # a list setting is set through the environment
 LINKED = ("tokenizer", "sft")

@@ -13,7 +13,7 @@ stage checks its own files again when it starts. What is checked (docs/own-data.
   (JSON, roles, non-empty text);
 - ``reward_model.source: local``: every pair of ``path`` and ``val_path`` has both replies, and they
   differ;
-- ``rl.reward: custom``: ``rl.verifier_file`` exists, parses, imports and defines ``rl.verifier_function``.
+- ``rl.reward.verifier: custom``: ``rl.reward.verifier_file`` exists, parses, imports and defines ``rl.reward.verifier_function``.
 """
 
 from __future__ import annotations
@@ -80,11 +80,16 @@ def check_user_files(settings: dict[str, StageSettings]) -> list[str]:
         for path in filter(None, (rm.path, rm.val_path)):
             done.append(f"{path} (reward_model): {check_jsonl_pairs(path)} pairs")
     rl = settings["rl"]
-    if rl.reward == "custom":
+    if rl.reward.verifier == "custom":
         from chatpipe.rl.verifier import Verifier
 
-        Verifier(rl.verifier_file, rl.verifier_function, sandbox=rl.verifier_sandbox, timeout_s=rl.verifier_timeout_s)
-        done.append(f"{rl.verifier_file} (rl.verifier_file): defines {rl.verifier_function}")
+        Verifier(
+            rl.reward.verifier_file,
+            rl.reward.verifier_function,
+            sandbox=rl.reward.verifier_sandbox,
+            timeout_s=rl.reward.verifier_timeout_s,
+        )
+        done.append(f"{rl.reward.verifier_file} (rl.reward.verifier_file): defines {rl.reward.verifier_function}")
     return done
 
 

@@ -439,13 +439,15 @@ def rl_section(meta: dict, controls: dict | None = None) -> list[str]:
     first = {split: summary[f"first_{prefix}/pass_at_1"] for split, prefix in splits}
     final = {split: summary[f"final_{prefix}/pass_at_1"] for split, prefix in splits}
     replay = "on" if settings.get("replay") and settings.get("replay_coef") else "off"
+    reward = settings.get("reward")  # a section since 2026-12-06; a run of before kept rl.reward_source flat
+    source = reward.get("source") if isinstance(reward, dict) else settings.get("reward_source")
     named = " and ".join(f"`{split}` ({SPLIT_NOTES.get(split, split)})" for split in first)
     return [
         "## RL pass@1",
         "",
         f"Task `{settings.get('task')}`, {named}, {n} problems each x "
         f"{settings.get('eval_samples')} samples at temperature {settings.get('eval_temperature')}; "
-        f"{summary.get('steps')} RL steps of `{settings.get('algorithm')}` on the `{settings.get('reward_source')}` "
+        f"{summary.get('steps')} RL steps of `{settings.get('algorithm')}` on the `{source}` "
         f"reward, chat replay {replay}. Interval: 95% Wilson over problems.",
         "",
         "| | " + " | ".join(f"`{split}` pass@1 ({SPLIT_ROLES.get(split, split)})" for split in first) + " |",

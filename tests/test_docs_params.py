@@ -7,7 +7,7 @@ A doc quotes a setting's current value in one of two ways, and only these are re
   (params.yaml has ``reward_model.max_steps: 1400``), the path dotted from a top-level section down
   to the key;
 - a row of a table whose header's second cell is ``default``, whose first cell is one such path in
-  a code span and whose second cell is one code span (``| `rl.reward_model_dir` | `artifacts/reward_model` |``).
+  a code span and whose second cell is one code span (``| `rl.reward.model_dir` | `artifacts/reward_model` |``).
 
 The value is read as YAML and compared with params.yaml's. A quoted path that params.yaml does not
 have fails too (the key was renamed or removed). Paths naming no params section are not settings.
@@ -84,19 +84,19 @@ def test_a_planted_wrong_value_or_a_gone_key_is_caught_and_other_spans_are_not_r
     table = "| key | default | what |\n|---|---|---|\n"
     doc.write_text(
         "Train as params.yaml has `reward_model.max_steps: 1400`.\n"
-        f"{table}| `rl.reward_model_dir` | `artifacts/reward_model` | the reward model |\n\n"
+        f"{table}| `rl.reward.model_dir` | `artifacts/reward_model` | the reward model |\n\n"
         "Not quotes: set `rl.rollout.role: true`; `chatpipe.settings.load: x`, `max_steps` alone.\n"
         "| key | role |\n|---|---|\n| `rl.ref_dir` | `the reference` |\n"
     )
     assert stale_quotes([doc], params()) == []
     doc.write_text(
         "`max_steps` is 1000: params.yaml has `reward_model.max_steps: 1000`.\n"
-        f"{table}| `rl.reward_model_dir` | `artifacts/rm` | the reward model |\n"
+        f"{table}| `rl.reward.model_dir` | `artifacts/rm` | the reward model |\n"
         "| `reward_model.no_such_key` | `3` | gone |\n"
     )
     got = [line.split(" ", 1)[1] for line in stale_quotes([doc], params())]
     assert got == [
         "reward_model.max_steps: 1000 (params.yaml: 1400)",
-        "rl.reward_model_dir: artifacts/rm (params.yaml: 'artifacts/reward_model')",
+        "rl.reward.model_dir: artifacts/rm (params.yaml: 'artifacts/reward_model')",
         "reward_model.no_such_key: params.yaml has no such key",
     ]

@@ -113,7 +113,7 @@ def test_editing_the_verifier_file_makes_rl_stale(project):
     """rl's lock is recorded over stand-in deps and outs (no training): only the verifier changes."""
     mine = project / "mine.py"
     shutil.copy(project / "verifiers" / "exact_answer.py", mine)
-    set_params(project, {"rl": {"reward": "custom", "verifier_file": "mine.py"}})
+    set_params(project, {"rl": {"reward": {"verifier": "custom", "verifier_file": "mine.py"}}})
     run(project, "python", "-m", "chatpipe.settings", "rl")  # profile/rl.yaml, a dep of rl
     for d in ("artifacts/tokenizer", "artifacts/sft", "artifacts/reward_model", "artifacts/rl", "plots/rl"):
         (project / d).mkdir(parents=True, exist_ok=True)

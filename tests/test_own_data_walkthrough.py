@@ -43,7 +43,7 @@ def walkthrough(doc: Path = DOC) -> tuple[list[dict], list[str]]:
 
 def test_the_page_has_params_and_a_command_for_every_stage():
     overlays, commands = walkthrough()
-    assert overlays and overlays[0]["rl"]["reward"] == "custom"
+    assert overlays and overlays[0]["rl"]["reward"]["verifier"] == "custom"
     assert any("make_files.py" in c for c in commands)
     for stage in ("sft", "reward_model", "rl"):
         assert f"dvc repro {stage}" in commands
@@ -76,7 +76,11 @@ def test_walkthrough_as_written_trains_every_stage_and_rl_raises_pass_at_1_on_th
 
     # editing the verifier's file makes rl, and only what follows it, stale
     assert "rl" not in dvc(project, "status", "rl").stdout
-    verifier = project / overlays[0]["rl"]["verifier_file"]
+    verifier = project / overlays[0]["rl"]["reward"]["verifier_file"]
     verifier.write_text(verifier.read_text() + "\n# stricter next time\n")
     status = dvc(project, "status", "rl").stdout
-    assert "rl:" in status and "changed deps" in status and str(Path(overlays[0]["rl"]["verifier_file"])) in status
+    assert (
+        "rl:" in status
+        and "changed deps" in status
+        and str(Path(overlays[0]["rl"]["reward"]["verifier_file"])) in status
+    )

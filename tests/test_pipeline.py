@@ -269,9 +269,9 @@ def test_the_reward_model_trains_only_when_rl_reads_it_by_one_test(params_file):
     def unread() -> str:
         return reward_model_unread(load_section(RLSettings), load_section(RewardModelSettings))
 
-    assert "rl.reward_source = verifier reads no reward model" in unread()
+    assert "rl.reward.source = verifier reads no reward model" in unread()
     raw = yaml.safe_load(params_file.read_text())
-    for section, key, value in (("rl", "reward_source", "model"), ("reward_model", "train_when", "always")):
+    for section, key, value in (("rl", "reward", {"source": "model"}), ("reward_model", "train_when", "always")):
         changed = {**raw, section: {**raw[section], key: value}}
         params_file.write_text(yaml.safe_dump(changed))
         assert unread() == "", (section, key)

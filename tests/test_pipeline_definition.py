@@ -35,7 +35,7 @@ def stale(project: Path, stage: str) -> dict:
 def test_with_reward_source_model_retraining_the_reward_model_makes_rl_stale(tmp_path):
     """rl's lock is recorded over stand-in deps and outs; then the reward model is "retrained" (its
     model file changes): `dvc status` calls rl stale for it. Before, rl had no such dependency."""
-    project = make_project(tmp_path / "p", {"rl": {"reward_source": "model"}})
+    project = make_project(tmp_path / "p", {"rl": {"reward": {"source": "model"}}})
     stand_ins(project, "artifacts/tokenizer", "artifacts/sft", "artifacts/reward_model", "artifacts/rl", "plots/rl")
     (project / "metrics").mkdir(exist_ok=True)
     (project / "metrics" / "rl.json").write_text("{}")
@@ -52,7 +52,7 @@ def test_with_the_verifier_default_dvc_repro_and_the_flow_run_the_same_stages(tm
     """Under the default (RL on the verifier) the flow runs every stage dvc.yaml has, as `dvc repro`
     does (before, it left the reward model out while `dvc repro` trained it), and the reward_model
     stage's own command, run by `dvc repro`, writes the marker instead of training. Switching
-    rl.reward_source in params.yaml makes the stage stale, so it then trains."""
+    rl.reward.source in params.yaml makes the stage stale, so it then trains."""
     from flows.pipeline import flow_stages
 
     project = make_project(tmp_path / "p")
@@ -64,27 +64,27 @@ def test_with_the_verifier_default_dvc_repro_and_the_flow_run_the_same_stages(tm
     out = dvc(project, "repro", "--single-item", "reward_model").stdout
     assert "python -m chatpipe.launch reward_model --if-read" in out and "not trained" in out
     marker = json.loads((project / MARKER).read_text())
-    assert marker["trained"] is False and "rl.reward_source = verifier reads no reward model" in marker["why"]
+    assert marker["trained"] is False and "rl.reward.source = verifier reads no reward model" in marker["why"]
     assert sorted(p.name for p in (project / "artifacts" / "reward_model").iterdir()) == ["not_read.json"]
     assert json.loads((project / "metrics" / "reward_model.json").read_text()) == {"reward_model": {"trained": 0}}
     assert "reward_model" not in stale(project, "reward_model")
 
-    set_params(project, {"rl": {"reward_source": "model"}})
+    set_params(project, {"rl": {"reward": {"source": "model"}}})
     why = stale(project, "reward_model")["reward_model"]
-    assert {"changed deps": {"params.yaml": {"rl.reward_source": "modified"}}} in why, why
+    assert {"changed deps": {"params.yaml": {"rl.reward.source": "modified"}}} in why, why
 
 
 def test_an_env_override_that_changes_which_stages_train_is_refused(tmp_path, params_file, monkeypatch):
-    """CHATPIPE_RL__REWARD_SOURCE=model over a verifier params.yaml would train the reward model while
+    """CHATPIPE_RL__REWARD__SOURCE=model over a verifier params.yaml would train the reward model while
     DVC records the verifier's params: the launcher (what dvc.yaml runs) refuses it naming the variable
     and params.yaml, before writing anything. An override that leaves the answer alone passes."""
     project = make_project(tmp_path / "p")
     stand_ins(project, "artifacts/tokenizer", "artifacts/sft")
     cmd = ["python", "-m", "chatpipe.launch", "reward_model", "--if-read"]
-    proc = run(project, *cmd, check=False, CHATPIPE_RL__REWARD_SOURCE="model")
+    proc = run(project, *cmd, check=False, CHATPIPE_RL__REWARD__SOURCE="model")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "environment variable CHATPIPE_RL__REWARD_SOURCE" in proc.stderr
-    assert "set rl.reward_source in params.yaml" in proc.stderr
+    assert "environment variable CHATPIPE_RL__REWARD__SOURCE" in proc.stderr
+    assert "set rl.reward.source in params.yaml" in proc.stderr
     assert not (project / "artifacts" / "reward_model").exists()
 
     monkeypatch.setenv("CHATPIPE_REWARD_MODEL__TRAIN_WHEN", "always")
@@ -95,7 +95,7 @@ def test_an_env_override_that_changes_which_stages_train_is_refused(tmp_path, pa
 
 
 def test_rl_reading_the_marker_says_to_train_the_reward_model(tmp_path):
-    """A model-scored RL that finds the marker (a profile switched rl.reward_source after the stage
+    """A model-scored RL that finds the marker (a profile switched rl.reward.source after the stage
     ran) is told what happened and what to run, not that the dir is "not a reward model"."""
     from chatpipe.launch import write_not_read
     from chatpipe.rl.reward_model import load_reward_model
@@ -103,6 +103,6 @@ def test_rl_reading_the_marker_says_to_train_the_reward_model(tmp_path):
     project = make_project(tmp_path / "p")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(project)
-        write_not_read("rl.reward_source = verifier reads no reward model")
+        write_not_read("rl.reward.source = verifier reads no reward model")
     with pytest.raises(ValueError, match=r"holds no reward model: the reward_model stage wrote .*not_read.json"):
         load_reward_model(project / "artifacts" / "reward_model")

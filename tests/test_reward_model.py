@@ -87,9 +87,9 @@ def test_refresh_loss_counts_accuracy_before_the_step_and_still_has_gradients_wi
 def test_a_refreshed_reward_model_needs_reward_source_model():
     from chatpipe.settings import ParamsError, RLSettings, load_section
 
-    with pytest.raises(ParamsError, match="reward_model_lr_frac trains the reward model, which only reward_source"):
-        load_section(RLSettings, ["--reward_model_lr_frac=0.2"])
-    assert load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.2"]).reward_model_lr_frac == 0.2
+    with pytest.raises(ParamsError, match="reward.model_lr_frac trains the reward model, which only reward.source"):
+        load_section(RLSettings, ["--reward.model_lr_frac=0.2"])
+    assert load_section(RLSettings, ["--reward.source=model", "--reward.model_lr_frac=0.2"]).reward.model_lr_frac == 0.2
 
 
 def test_iterated_rlhf_says_at_start_and_in_its_summary_that_its_reward_carries_the_verifier(caplog):
@@ -104,13 +104,13 @@ def test_iterated_rlhf_says_at_start_and_in_its_summary_that_its_reward_carries_
     from chatpipe.train.loop import LoopState
     from chatpipe.train.optim import init_lrs
 
-    iterated = load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.5"])
-    frozen = load_section(RLSettings, ["--reward_source=model"])
+    iterated = load_section(RLSettings, ["--reward.source=model", "--reward.model_lr_frac=0.5"])
+    frozen = load_section(RLSettings, ["--reward.source=model"])
     state = LoopState(step=0, total_steps=1)
     with caplog.at_level(logging.WARNING, logger="rl"):
         assert reward_model_optimizers(iterated, trained_head(tiny_gpt()), init_lrs({}))
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "iterated RLHF uses the verifier" in warning and "rl.reward_model_lr_frac = 0.5" in warning
+    assert "iterated RLHF uses the verifier" in warning and "rl.reward.model_lr_frac = 0.5" in warning
     assert "not verifier-free" in warning
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rl"):
@@ -118,7 +118,7 @@ def test_iterated_rlhf_says_at_start_and_in_its_summary_that_its_reward_carries_
     assert not caplog.records
     assert summary(state, cfg=iterated)["reward_carries_verifier"] == 1.0
     assert summary(state, cfg=frozen)["reward_carries_verifier"] == 0.0
-    assert summary(state, cfg=load_section(RLSettings, ["--reward_source=both"]))["reward_carries_verifier"] == 1.0
+    assert summary(state, cfg=load_section(RLSettings, ["--reward.source=both"]))["reward_carries_verifier"] == 1.0
     assert "reward_carries_verifier" not in summary(state, cfg=load_section(RLSettings))
 
 
@@ -250,7 +250,7 @@ def test_under_win_rate_the_policy_trains_on_each_replys_win_rate_in_its_group()
         ids[:, :-1], ids[:, 1:], mask, verifier, torch.ones(4, dtype=torch.bool), mask.sum(1).long(), groups
     )
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    cfg = load_section(RLSettings, ["--reward_source=model", "--reward_model_scores=win_rate", "--device_batch_size=4"])
+    cfg = load_section(RLSettings, ["--reward.source=model", "--reward.model_scores=win_rate", "--device_batch_size=4"])
     models = SimpleNamespace(reward_model=rm, reward_model_opts=[], ensemble=[])
     parts = SimpleNamespace(cfg=cfg, rt=rt, guard=None, models=models)
     scored, stats = rl.score_rollouts(parts, batch)
@@ -287,8 +287,8 @@ def test_filter_solved_fires_under_win_rate_on_the_normalised_scores():
     )
     batch.correct = torch.zeros(4, dtype=torch.bool)  # the verifier's verdict, which a model-scored run ignores
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    cfg = load_section(RLSettings, ["--reward_source=model", "--filter_solved=1.0", "--device_batch_size=4"])
-    assert cfg.reward_model_scores == "win_rate" and cfg.solved_score == 1.0  # the defaults
+    cfg = load_section(RLSettings, ["--reward.source=model", "--filter_solved=1.0", "--device_batch_size=4"])
+    assert cfg.reward.model_scores == "win_rate" and cfg.solved_score == 1.0  # the defaults
     rm = trained_head(tiny_gpt())
     with torch.no_grad():
         raw = rollout_scores(rm, batch.inputs, batch.targets, batch.mask)
@@ -335,7 +335,7 @@ def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
         groups,
     )
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    cfg = load_section(RLSettings, ["--reward_source=model", "--device_batch_size=4"])
+    cfg = load_section(RLSettings, ["--reward.source=model", "--device_batch_size=4"])
 
     def score(*models):
         spec = SimpleNamespace(reward_model=models[0], reward_model_opts=[], ensemble=list(models[1:]))
@@ -350,7 +350,7 @@ def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
     assert torch.equal(score(first, copy.deepcopy(first))[0].scores, score(first)[0].scores)
     assert torch.equal(ensemble_rewards([a, b], [1.0, 1.0], groups, win_rate=False), torch.stack([a, b]).mean(0))
     cfg = load_section(
-        RLSettings, ["--reward_source=model", "--reward_model_scores=normalized", "--device_batch_size=4"]
+        RLSettings, ["--reward.source=model", "--reward.model_scores=normalized", "--device_batch_size=4"]
     )
     assert torch.allclose(score(first, second)[0].scores, (a + b) / 2)  # the mean normalised score trains
 
@@ -358,12 +358,12 @@ def test_an_ensemble_trains_on_the_mean_of_its_models_win_rates():
 def test_an_ensemble_needs_reward_source_model_and_no_refresh(monkeypatch):
     from chatpipe.settings import ParamsError, RLSettings, load_section
 
-    monkeypatch.setenv("CHATPIPE_RL__REWARD_MODEL_ENSEMBLE", '["x"]')  # a list setting comes from the environment
-    with pytest.raises(ParamsError, match=r"reward_model_ensemble = \['x'\] is read only with reward_source: model"):
+    monkeypatch.setenv("CHATPIPE_RL__REWARD__MODEL_ENSEMBLE", '["x"]')  # a list setting comes from the environment
+    with pytest.raises(ParamsError, match=r"reward.model_ensemble = \['x'\] is read only with reward.source: model"):
         load_section(RLSettings, [])
-    with pytest.raises(ParamsError, match="reward_model_lr_frac refreshes one reward model, not an ensemble"):
-        load_section(RLSettings, ["--reward_source=model", "--reward_model_lr_frac=0.1"])
-    assert load_section(RLSettings, ["--reward_source=both"]).reward_model_ensemble == ["x"]
+    with pytest.raises(ParamsError, match="reward.model_lr_frac refreshes one reward model, not an ensemble"):
+        load_section(RLSettings, ["--reward.source=model", "--reward.model_lr_frac=0.1"])
+    assert load_section(RLSettings, ["--reward.source=both"]).reward.model_ensemble == ["x"]
 
 
 # --------------------------------------------------------------------------- the stage, in this process
@@ -535,7 +535,7 @@ def test_rl_on_reward_model_scores_with_role_dirs(project, monkeypatch):
     rm_stage.main([*STAGE_ARGS, "--max_steps=2"])
     make_artifacts(project / "other", seed=1, sequence_len=128)  # another model for the reference role
     monkeypatch.setenv("CHATPIPE_RL__REPLAY", "[]")
-    args = ["--algorithm=ppo", "--reward_source=model", "--ref_dir=other/sft", "--max_steps=1", "--prompts_per_step=2"]
+    args = ["--algorithm=ppo", "--reward.source=model", "--ref_dir=other/sft", "--max_steps=1", "--prompts_per_step=2"]
     args += ["--group_size=2", "--max_new_tokens=6", "--eval_problems=2", "--eval_samples=1", "--num_train_problems=4"]
     args += ["--device_batch_size=4", "--device=cpu", "--dtype=float32"]
 
@@ -554,7 +554,7 @@ def test_rl_on_reward_model_scores_with_role_dirs(project, monkeypatch):
     rl.main(args)
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     assert set(meta["inputs"]) >= {"ref", "reward_model"}
-    assert meta["settings"]["reward_source"] == "model"
+    assert meta["settings"]["reward"]["source"] == "model"
 
 
 def test_report_card_shows_held_out_pair_accuracy_and_margins():
@@ -585,7 +585,7 @@ def test_role_dirs_load_their_own_checkpoints_and_a_mismatch_names_the_key(proje
     with pytest.raises(ValueError, match=r"rl.ref_dir = short/sft: vocab_size 512 / sequence_len 64 differ"):
         rl.load_models(load_section(RLSettings, ["--ref_dir=short/sft"]), rt)
     with pytest.raises(FileNotFoundError, match="reward_model"):  # reward_source model needs the stage's output
-        rl.load_models(load_section(RLSettings, ["--reward_source=model"]), rt)
+        rl.load_models(load_section(RLSettings, ["--reward.source=model"]), rt)
 
 
 def train_reward_model(project: Path, *flags: str) -> Path:
@@ -606,9 +606,9 @@ def test_a_reward_model_of_another_tokenizer_or_a_shorter_context_is_refused_bef
     from chatpipe.settings import RLSettings, load_section
 
     rt = runtime.Runtime(0, 0, 1, torch.device("cpu"), torch.float32)
-    args = ["--algorithm=ppo", "--reward_source=model"]
+    args = ["--algorithm=ppo", "--reward.source=model"]
     short = train_reward_model(project, "--max_seq_len=64")  # the policy's context is 128
-    with pytest.raises(ValueError, match=r"reward_model_dir = artifacts/reward_model: the reward model's context is "
+    with pytest.raises(ValueError, match=r"reward.model_dir = artifacts/reward_model: the reward model's context is "
                        r"64 tokens .* policy's \(rl.init_dir = artifacts/sft\) is 128"):  # fmt: skip
         rl.load_models(load_section(RLSettings, args), rt)
     shutil.rmtree(short)
@@ -620,18 +620,18 @@ def test_a_reward_model_of_another_tokenizer_or_a_shorter_context_is_refused_bef
     monkeypatch.chdir(other)
     train_reward_model(other)
     monkeypatch.chdir(project)
-    with pytest.raises(ValueError, match=r"reward_model_dir = other/artifacts/reward_model: .* another tokenizer "
+    with pytest.raises(ValueError, match=r"reward.model_dir = other/artifacts/reward_model: .* another tokenizer "
                        r"\(sha256 \w{12}\.\.\.\) than the policy's artifacts/tokenizer/tokenizer.json"):  # fmt: skip
-        rl.load_models(load_section(RLSettings, [*args, "--reward_model_dir=other/artifacts/reward_model"]), rt)
+        rl.load_models(load_section(RLSettings, [*args, "--reward.model_dir=other/artifacts/reward_model"]), rt)
     models = rl.load_models(load_section(RLSettings, args[:1]), rt)  # verifier runs read no reward model
     assert models.reward_model is None
     # every model of an ensemble is checked the same way, and the error names its place in the list
     good = train_reward_model(project)
-    monkeypatch.setenv("CHATPIPE_RL__REWARD_MODEL_ENSEMBLE", '["other/artifacts/reward_model"]')
-    with pytest.raises(ValueError, match=r"rl.reward_model_ensemble\[0\] = other/artifacts/reward_model: .* another "):
+    monkeypatch.setenv("CHATPIPE_RL__REWARD__MODEL_ENSEMBLE", '["other/artifacts/reward_model"]')
+    with pytest.raises(ValueError, match=r"rl.reward.model_ensemble\[0\] = other/artifacts/reward_model: .* another "):
         rl.load_models(load_section(RLSettings, args), rt)
     shutil.copytree(good, project / "second")
-    monkeypatch.setenv("CHATPIPE_RL__REWARD_MODEL_ENSEMBLE", '["second"]')
+    monkeypatch.setenv("CHATPIPE_RL__REWARD__MODEL_ENSEMBLE", '["second"]')
     cfg = load_section(RLSettings, args)
     models = rl.load_models(cfg, rt)
     assert len(models.ensemble) == 1 and not any(p.requires_grad for p in models.ensemble[0].parameters())
@@ -681,7 +681,7 @@ def test_report_card_states_rl_beside_the_replay_only_control_and_the_guard():
 
     meta = {
         "inputs": {"init": "abc"},
-        "settings": {"eval_problems": 256, "eval_samples": 2, "algorithm": "ppo", "reward_source": "model"},
+        "settings": {"eval_problems": 256, "eval_samples": 2, "algorithm": "ppo", "reward": {"source": "model"}},
         "summary": {"first_eval/pass_at_1": 0.80, "final_eval/pass_at_1": 0.90, "steps": 80, "guard_trips": 1.0},
     }
     meta["summary"] |= {"guard_first_model_mean": 0.1, "guard_last_model_mean": 0.4, "guard_last_verifier_mean": 0.6}
@@ -730,7 +730,13 @@ def test_a_reward_model_preferring_shorter_answers_trips_the_guard_in_its_first_
     rm_stage.main([*STAGE_ARGS, "--max_steps=100", "--eval_every=100"])
     monkeypatch.setitem(rewards.REWARDS, "longer_reply", lambda text, gold: float(len(text) > median))
     monkeypatch.setenv("CHATPIPE_RL__REPLAY", "[]")
-    args = ["--algorithm=grpo", "--reward_source=model", "--reward=longer_reply", "--max_steps=4", "--guard.every=2"]
+    args = [
+        "--algorithm=grpo",
+        "--reward.source=model",
+        "--reward.verifier=longer_reply",
+        "--max_steps=4",
+        "--guard.every=2",
+    ]
     args += ["--guard.min_accuracy=0.5", "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=8"]
     args += ["--eval_problems=2", "--eval_samples=1", "--num_train_problems=16", "--device_batch_size=8"]
     args += ["--device=cpu", "--dtype=float32"]
@@ -762,7 +768,7 @@ def test_iterated_rlhf_trains_the_reward_model_and_a_resume_restores_it(project,
     # a verifier that passes about half of any model's replies, so every group has pairs to rank
     monkeypatch.setitem(rewards.REWARDS, "even_length", lambda text, gold: float(len(text) % 2 == 0))
     monkeypatch.setenv("CHATPIPE_RL__REPLAY", "[]")
-    args = ["--algorithm=ppo", "--reward_source=model", "--reward=even_length", "--reward_model_lr_frac=0.5"]
+    args = ["--algorithm=ppo", "--reward.source=model", "--reward.verifier=even_length", "--reward.model_lr_frac=0.5"]
     args += ["--max_steps=3", "--checkpoint_every=1", "--prompts_per_step=2", "--group_size=4", "--max_new_tokens=8"]
     args += ["--eval_problems=2", "--eval_samples=1", "--num_train_problems=8", "--device_batch_size=8"]
     args += ["--device=cpu", "--dtype=float32"]

@@ -214,20 +214,18 @@ def _shaping(**keys):
     """The RL settings' defaults with ``keys`` changed (what the rl stage passes to final_scores)."""
     from chatpipe.settings import RLSettings
 
-    return RLSettings().model_copy(update=keys)
+    return RLSettings().reward.model_copy(update=keys)
 
 
 def test_no_eos_zero_applies_after_scale_bias_and_clip():
     # a bias of 0.5 must not lift a cut-off response off 0; an ended one is shaped as usual
     scores, ended, lengths = T([0.0, 1.0, 1.0]), T([False, True, False]), T([4, 4, 4])
-    out = rl.final_scores(
-        scores, ended, lengths, _shaping(reward_scale=2.0, reward_bias=0.5, reward_clip=2.0, no_eos="zero")
-    )
+    out = rl.final_scores(scores, ended, lengths, _shaping(scale=2.0, bias=0.5, clip=2.0, no_eos="zero"))
     assert out.tolist() == [0.0, 2.0, 0.0]
     # penalty is the final score too, unscaled; min_length likewise
-    out = rl.final_scores(scores, ended, lengths, _shaping(reward_scale=2.0, reward_bias=0.5, no_eos="penalty"))
+    out = rl.final_scores(scores, ended, lengths, _shaping(scale=2.0, bias=0.5, no_eos="penalty"))
     assert out.tolist() == [-1.0, 3.0, -1.0]
-    out = rl.final_scores(scores, ended, lengths, _shaping(reward_bias=0.5, min_response_length=5, length_penalty=-2.0))
+    out = rl.final_scores(scores, ended, lengths, _shaping(bias=0.5, min_response_length=5, length_penalty=-2.0))
     assert out.tolist() == [-2.0, -2.0, -2.0]
 
 

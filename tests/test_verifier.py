@@ -1,4 +1,4 @@
-"""The user's own RL verifier (rl.reward: custom, chatpipe/rl/verifier.py): scores, and every way a
+"""The user's own RL verifier (rl.reward.verifier: custom, chatpipe/rl/verifier.py): scores, and every way a
 call fails, reported with the problem's index and never counted as a score."""
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ def test_scores_come_back_and_failures_are_reported_with_the_index_never_as_scor
 
 
 def test_a_missing_file_or_function_is_refused_before_any_call(tmp_path, verifier_file):
-    with pytest.raises(FileNotFoundError, match="nope.py: rl.verifier_file not found"):
+    with pytest.raises(FileNotFoundError, match="nope.py: rl.reward.verifier_file not found"):
         Verifier(tmp_path / "nope.py")
     with pytest.raises(ValueError, match=r"no top-level function 'grade'.*defines \['score'\]"):
         Verifier(verifier_file, "grade")
     broken = tmp_path / "broken.py"
     broken.write_text("def score(reply, problem):\n    return (\n")
-    with pytest.raises(ValueError, match=r"broken\.py:\d+: rl.verifier_file is not valid Python"):
+    with pytest.raises(ValueError, match=r"broken\.py:\d+: rl.reward.verifier_file is not valid Python"):
         Verifier(broken)
 
 

@@ -398,11 +398,11 @@ def length_penalties(
 
 
 class ScoreShaping(Protocol):
-    """The RL settings' score-shaping keys (``RLSettings`` is one): what :func:`final_scores` reads."""
+    """The RL settings' score-shaping keys (``RLSettings.reward`` is one): what :func:`final_scores` reads."""
 
-    reward_scale: float
-    reward_bias: float
-    reward_clip: float
+    scale: float
+    bias: float
+    clip: float
     no_eos: str
     length_penalty: float
     min_response_length: int
@@ -416,7 +416,7 @@ def final_scores(
     The response-shape rules run last, so ``no_eos="zero"`` gives a cut-off response exactly 0 and
     ``penalty`` exactly ``length_penalty``, whatever the scale, bias and clip (as AReaL zeroes after shaping).
     """
-    shaped = shape_scores(scores, scale=shaping.reward_scale, bias=shaping.reward_bias, clip=shaping.reward_clip)
+    shaped = shape_scores(scores, scale=shaping.scale, bias=shaping.bias, clip=shaping.clip)
     return length_penalties(
         shaped,
         ended,

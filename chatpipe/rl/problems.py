@@ -55,7 +55,7 @@ def load_rl_problems(
     evaluates its share of the held-out ones; ``verifier`` (:func:`user_verifier`) scores them all."""
     task_kw = {"verifier": verifier, "path": cfg.task_path or None}
     train_problems = load_problems(
-        cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+        cfg.task, "train", cfg.num_train_problems, cfg.seed, cfg.reward.verifier, cfg.task_source, **task_kw
     )
     for keep in cfg.keep_tasks:  # skills RL must not wear away: their prompts join the training pool
         n = keep.limit or cfg.num_train_problems
@@ -63,7 +63,7 @@ def load_rl_problems(
             keep.task, "train", n, cfg.seed, source=keep.source or "", words=keep.words, path=keep.path
         )
     eval_problems = load_problems(
-        cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+        cfg.task, cfg.eval_split, cfg.eval_problems, cfg.seed, cfg.reward.verifier, cfg.task_source, **task_kw
     )
     return train_problems, eval_problems[rt.rank :: rt.world_size]
 
@@ -83,7 +83,7 @@ def load_test_problems(cfg: RLSettings, rt: runtime.Runtime, verifier: Verifier 
         return []
     task_kw = {"verifier": verifier, "path": cfg.task_path or None}
     problems = load_problems(
-        cfg.task, cfg.test_split, cfg.eval_problems, cfg.seed, cfg.reward, cfg.task_source, **task_kw
+        cfg.task, cfg.test_split, cfg.eval_problems, cfg.seed, cfg.reward.verifier, cfg.task_source, **task_kw
     )
     if not problems:
         raise ValueError(
@@ -105,10 +105,13 @@ def eval_identity(cfg: RLSettings) -> str:
 
 def user_verifier(cfg: RLSettings) -> Verifier | None:
     """``reward: custom``: the user's own verifier (docs/own-data.md), loaded and checked before training."""
-    if cfg.reward != "custom":
+    if cfg.reward.verifier != "custom":
         return None
     return Verifier(
-        cfg.verifier_file, cfg.verifier_function, sandbox=cfg.verifier_sandbox, timeout_s=cfg.verifier_timeout_s
+        cfg.reward.verifier_file,
+        cfg.reward.verifier_function,
+        sandbox=cfg.reward.verifier_sandbox,
+        timeout_s=cfg.reward.verifier_timeout_s,
     )
 
 

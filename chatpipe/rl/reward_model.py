@@ -203,11 +203,11 @@ def load_reward_model(model_dir: Path | str, device: str | torch.device = "cpu")
     """The reward model saved in ``model_dir`` (checksums verified) and its meta, in eval mode."""
     model_dir = Path(model_dir)
     marker = model_dir / REWARD_MODEL_NOT_READ
-    if marker.is_file():  # the stage ran while RL read none: a profile switched reward_source since
+    if marker.is_file():  # the stage ran while RL read none: a profile switched reward.source since
         why = json.loads(marker.read_text()).get("why", "")
         raise ValueError(
             f"{model_dir} holds no reward model: the reward_model stage wrote {marker} instead ({why}); "
-            "train it (dvc repro --force reward_model, with rl.reward_source: model | both in params.yaml)"
+            "train it (dvc repro --force reward_model, with rl.reward.source: model | both in params.yaml)"
         )
     meta = read_meta(model_dir)
     if meta.get("kind") != MODEL_KIND:

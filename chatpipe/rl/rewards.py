@@ -9,7 +9,7 @@ when the completion's extracted number equals the gold one.
     reward("The answer is 12.\\n#### 12", "12")        # 1.0
 
 A reward function is ``f(completion: str, gold: str) -> float``; register more with :func:`register`.
-These are the *verifier*: RL can also train on a learned reward model's scores (``rl.reward_source``,
+These are the *verifier*: RL can also train on a learned reward model's scores (``rl.reward.source``,
 :func:`combine_rewards`); held-out pass@k always uses the verifier.
 """
 
@@ -83,14 +83,14 @@ REWARD_SOURCES = ("verifier", "model", "both")
 
 
 def combine_rewards(source: str, verifier: torch.Tensor, model: torch.Tensor | None) -> torch.Tensor:
-    """The scores that train the policy under ``rl.reward_source``: the verifier's, the reward
+    """The scores that train the policy under ``rl.reward.source``: the verifier's, the reward
     model's, or their sum (``both``)."""
     if source not in REWARD_SOURCES:
-        raise ValueError(f"unknown reward_source {source!r}; allowed: {', '.join(REWARD_SOURCES)}")
+        raise ValueError(f"unknown reward.source {source!r}; allowed: {', '.join(REWARD_SOURCES)}")
     if source == "verifier":
         return verifier
     if model is None:
-        raise ValueError(f"reward_source {source!r} needs reward-model scores")
+        raise ValueError(f"reward.source {source!r} needs reward-model scores")
     return model if source == "model" else verifier + model
 
 

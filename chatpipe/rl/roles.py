@@ -40,8 +40,8 @@ log = logging.getLogger("rl")
 @dataclass
 class Models:
     """The policy RL trains, its frozen reference, PPO's critic (None otherwise), their optimizers and
-    the reward model that scores responses under ``reward_source`` model|both (None otherwise): frozen,
-    or with ``reward_model_lr_frac`` trained on as it goes (its optimizers then join the checkpoints)."""
+    the reward model that scores responses under ``reward.source`` model|both (None otherwise): frozen,
+    or with ``reward.model_lr_frac`` trained on as it goes (its optimizers then join the checkpoints)."""
 
     policy: GPT
     ref: GPT
@@ -51,8 +51,8 @@ class Models:
     policy_opts: list
     critic_opts: list
     reward_model: RewardModel | None = None
-    reward_model_opts: list = field(default_factory=list)  # reward_model_lr_frac > 0: iterated RLHF
-    ensemble: list[RewardModel] = field(default_factory=list)  # reward_model_ensemble: frozen, scored beside it
+    reward_model_opts: list = field(default_factory=list)  # reward.model_lr_frac > 0: iterated RLHF
+    ensemble: list[RewardModel] = field(default_factory=list)  # reward.model_ensemble: frozen, scored beside it
 
     @property
     def optimizers(self) -> list:
@@ -61,15 +61,15 @@ class Models:
 
 def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
     """The init model as policy; the reference (``ref_dir``, else a frozen copy of the policy); PPO's
-    critic (:func:`load_critic`); the reward model for ``reward_source`` model|both; optimizers whose
+    critic (:func:`load_critic`); the reward model for ``reward.source`` model|both; optimizers whose
     LRs are fractions of the init model's (decayed linearly to 0 by the loop)."""
     policy, init_meta = load_model(Path(cfg.init_dir), rt.device)
     policy.train()
     ref = load_role(cfg.ref_dir, "ref_dir", policy, rt) if cfg.ref_dir else copy.deepcopy(policy)
     ref.requires_grad_(False).eval()
-    rm = load_scorer(cfg, "reward_model_dir", cfg.reward_model_dir, policy, rt) if reads_model(cfg) else None
+    rm = load_scorer(cfg, "reward.model_dir", cfg.reward.model_dir, policy, rt) if reads_model(cfg) else None
     ensemble = [
-        load_scorer(cfg, f"reward_model_ensemble[{i}]", d, policy, rt) for i, d in enumerate(cfg.reward_model_ensemble)
+        load_scorer(cfg, f"reward.model_ensemble[{i}]", d, policy, rt) for i, d in enumerate(cfg.reward.model_ensemble)
     ]
     critic = load_critic(cfg, policy, rm, rt) if uses_critic(cfg) else None
     state = torch.nn.ModuleDict({"policy": policy, "ref": ref, **({"critic": critic} if critic else {})})
@@ -82,8 +82,8 @@ def load_models(cfg: RLSettings, rt: runtime.Runtime) -> Models:
 
 
 def reads_model(cfg: RLSettings) -> bool:
-    """Whether a reward model scores the rollouts (``reward_source`` model|both)."""
-    return cfg.reward_source != "verifier"
+    """Whether a reward model scores the rollouts (``reward.source`` model|both)."""
+    return cfg.reward.source != "verifier"
 
 
 def role_optimizers(cfg: RLSettings, policy: GPT, critic: ValueModel | None, lrs: dict[str, float]) -> tuple:
@@ -111,14 +111,14 @@ def load_scorer(cfg: RLSettings, key: str, model_dir: str, policy: GPT, rt: runt
 
 
 def reward_model_optimizers(cfg: RLSettings, rm: RewardModel | None, lrs: dict[str, float]) -> list:
-    """Iterated RLHF (``reward_model_lr_frac`` > 0): the reward model's optimizers at that fraction of
+    """Iterated RLHF (``reward.model_lr_frac`` > 0): the reward model's optimizers at that fraction of
     the init model's LRs ``lrs``, decayed with the policy's by the loop; none when it stays frozen."""
-    if rm is None or cfg.reward_model_lr_frac <= 0:
+    if rm is None or cfg.reward.model_lr_frac <= 0:
         return []
     log.warning("iterated RLHF uses the verifier: %s", verifier_in_reward(cfg))
     rm.requires_grad_(True)
     rm.trunk.lm_head.requires_grad_(False)  # unused by a reward model
-    frac = cfg.reward_model_lr_frac
+    frac = cfg.reward.model_lr_frac
     return build_optimizers(rm, **{k: v * frac for k, v in lrs.items()}, weight_decay=cfg.weight_decay)
 
 
@@ -127,7 +127,7 @@ def critic_source(cfg: RLSettings) -> str:
     (torchtune's PPO starts its value model from the reward model), else the init model."""
     if cfg.ppo.critic_init_dir:
         return cfg.ppo.critic_init_dir
-    return cfg.reward_model_dir if reads_model(cfg) else cfg.init_dir
+    return cfg.reward.model_dir if reads_model(cfg) else cfg.init_dir
 
 
 def load_critic(cfg: RLSettings, policy: GPT, rm: RewardModel | None, rt: runtime.Runtime) -> ValueModel:
@@ -136,7 +136,7 @@ def load_critic(cfg: RLSettings, policy: GPT, rm: RewardModel | None, rt: runtim
     source = critic_source(cfg)
     if source == cfg.init_dir and not cfg.ppo.critic_init_dir:
         return ValueModel.from_policy(policy)
-    if rm is not None and source == cfg.reward_model_dir:
+    if rm is not None and source == cfg.reward.model_dir:
         return ValueModel.from_reward_model(rm)
     if is_reward_model_dir(source):
         other, _ = load_reward_model(Path(source), rt.device)
@@ -155,7 +155,7 @@ def load_role(model_dir: str, key: str, policy: GPT, rt: runtime.Runtime) -> GPT
 def check_reward_model(cfg: RLSettings, rm_meta: dict, policy: GPT, where: str) -> None:
     """A reward model must read what the policy writes: the tokenizer it was trained with is the
     policy's (by hash), and the conversations it was trained on were as long as the policy's context.
-    ``where`` names the setting in errors (``rl.reward_model_dir = ...``)."""
+    ``where`` names the setting in errors (``rl.reward.model_dir = ...``)."""
     tok_file = ARTIFACTS / "tokenizer" / "tokenizer.json"
     ours, theirs = sha256_file(tok_file), rm_meta.get("inputs", {}).get("tokenizer")
     if theirs is not None and theirs != ours:
@@ -200,9 +200,9 @@ def role_inputs(cfg: RLSettings) -> dict[str, str]:
     """Hashes of the role models other than the policy, so a resume never mixes checkpoints of others."""
     dirs = {"ref": cfg.ref_dir, "critic_init": cfg.ppo.critic_init_dir if uses_critic_init(cfg) else ""}
     if reads_model(cfg):
-        dirs["reward_model"] = cfg.reward_model_dir
-        dirs |= {f"reward_model_ensemble_{i}": d for i, d in enumerate(cfg.reward_model_ensemble)}
+        dirs["reward_model"] = cfg.reward.model_dir
+        dirs |= {f"reward_model_ensemble_{i}": d for i, d in enumerate(cfg.reward.model_ensemble)}
     hashes = {k: sha256_file(Path(d) / "model.pt") for k, d in dirs.items() if d}
-    if cfg.reward == "custom":  # an edited verifier starts afresh, never from a checkpoint the old one scored
-        hashes["verifier"] = sha256_file(Path(cfg.verifier_file))
+    if cfg.reward.verifier == "custom":  # an edited verifier starts afresh, never from a checkpoint the old one scored
+        hashes["verifier"] = sha256_file(Path(cfg.reward.verifier_file))
     return hashes

@@ -167,7 +167,7 @@ class Rollouts:
     # [B, T] the sampling policy's log-probs of the targets, where an older policy than the trainer's
     # sampled the batch (asynchronous RL): the updates then weigh each token (losses.behaviour_weights)
     behav_logp: torch.Tensor | None = None
-    # [B] the reward model's normalised scores (reward_source model|both; chatpipe.rl.scoring), kept
+    # [B] the reward model's normalised scores (reward.source model|both; chatpipe.rl.scoring), kept
     # beside ``scores``, which under win_rate hold win rates: a group's win rates average 0.5, so no
     # threshold on them can say a reply is good, where its normalised score can
     model_scores: torch.Tensor | None = None
@@ -206,7 +206,7 @@ class Rollouts:
     def solved(self, solved_score: float | None = None) -> torch.Tensor:
         """[B] bool, the responses ``filter_solved`` counts as solved: with ``solved_score`` (a run the
         reward model alone trains), those whose normalised reward-model score reaches it, whatever
-        ``rl.reward_model_scores`` trains on; else the task's verdict."""
+        ``rl.reward.model_scores`` trains on; else the task's verdict."""
         if solved_score is None:
             return self.correct
         if self.model_scores is None:

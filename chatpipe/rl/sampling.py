@@ -49,7 +49,7 @@ def sampler_is_trainer(cfg: RLSettings, sampler: torch.dtype, trainer: torch.dty
 def model_ranked(cfg: RLSettings) -> bool:
     """Best-of-n ranked by a learned reward: all ``generation_size`` samples come back, and the
     ``group_size`` best are kept after scoring (the verifier ranks inside collect_rollouts)."""
-    return cfg.generation_size > cfg.group_size and cfg.reward_source != "verifier"
+    return cfg.generation_size > cfg.group_size and cfg.reward.source != "verifier"
 
 
 def sample_batch(

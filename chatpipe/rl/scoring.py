@@ -30,13 +30,13 @@ def verifier_in_reward(cfg: RLSettings) -> str:
     """How the verifier reaches the reward a model-scored policy trains on ("" when it does not, and
     for a verifier-trained run, whose reward is the verifier's): ``both`` adds its scores, and
     iterated RLHF trains the reward model on the pairs it ranks, so the model's scores carry it."""
-    if cfg.reward_source == "both":
-        return "rl.reward_source = both adds the verifier's scores to the reward model's"
-    if cfg.reward_source == "model" and cfg.reward_model_lr_frac > 0:
+    if cfg.reward.source == "both":
+        return "rl.reward.source = both adds the verifier's scores to the reward model's"
+    if cfg.reward.source == "model" and cfg.reward.model_lr_frac > 0:
         return (
-            f"rl.reward_model_lr_frac = {cfg.reward_model_lr_frac} (iterated RLHF) trains the reward model "
+            f"rl.reward.model_lr_frac = {cfg.reward.model_lr_frac} (iterated RLHF) trains the reward model "
             "during RL on pairs the verifier ranks, so the scores the policy trains on carry the verifier's "
-            "verdicts: this run is not verifier-free (rl.reward_model_lr_frac: 0 keeps it so)"
+            "verdicts: this run is not verifier-free (rl.reward.model_lr_frac: 0 keeps it so)"
         )
     return ""
 
@@ -44,14 +44,14 @@ def verifier_in_reward(cfg: RLSettings) -> str:
 def verifier_summary(cfg: RLSettings) -> dict[str, float]:
     """The summary's word on whether a model-scored run's reward carried the verifier
     (``reward_carries_verifier`` 1 or 0; nothing for a verifier-trained run, where it is the reward)."""
-    return {} if cfg.reward_source == "verifier" else {"reward_carries_verifier": float(bool(verifier_in_reward(cfg)))}
+    return {} if cfg.reward.source == "verifier" else {"reward_carries_verifier": float(bool(verifier_in_reward(cfg)))}
 
 
 def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
     """The reward-hacking guard of a run trained on the reward model's scores (None otherwise, or
     with ``guard.mode: off``), its windows where the checkpoint ``meta`` left them."""
     g = cfg.guard
-    if cfg.reward_source == "verifier" or g.mode == "off":
+    if cfg.reward.source == "verifier" or g.mode == "off":
         return None
     guard = RewardGuard(g.every, g.drop, g.mode, g.min_accuracy)
     if meta.get("guard"):
@@ -60,7 +60,7 @@ def reward_guard(cfg: RLSettings, meta: dict) -> RewardGuard | None:
 
 
 def score_rollouts(run, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
-    """``batch`` with the scores ``reward_source`` trains on (the verifier's stay in the stats), and
+    """``batch`` with the scores ``reward.source`` trains on (the verifier's stay in the stats), and
     the mean verifier and (normalised) reward-model scores of this rank's rows; the guard counts them."""
     cfg, rm = run.cfg, run.models.reward_model
     if rm is None:
@@ -76,8 +76,8 @@ def score_rollouts(run, batch: Rollouts) -> tuple[Rollouts, dict[str, float]]:
     if run.models.reward_model_opts:  # the step's rewards are already read: the model learns from its replies
         stats |= refresh_reward_model(run, batch)
     # win rates from the scores read above; the guard above still reads the normalised scores
-    model = ensemble_rewards(each, stds, batch.groups) if cfg.reward_model_scores == "win_rate" else normalized
-    scored = combine_rewards(cfg.reward_source, batch.scores, model)
+    model = ensemble_rewards(each, stds, batch.groups) if cfg.reward.model_scores == "win_rate" else normalized
+    scored = combine_rewards(cfg.reward.source, batch.scores, model)
     return dataclasses.replace(batch, scores=scored, model_scores=normalized), stats
 
 

@@ -58,7 +58,7 @@ class RLRun:
     train_critic: torch.nn.Module | None
     value_norm: losses.ValueNorm | None = None  # PPO's running moments of the returns (rl.value_norm)
     prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
-    guard: RewardGuard | None = None  # reward_source model|both: the reward-hacking guard
+    guard: RewardGuard | None = None  # reward.source model|both: the reward-hacking guard
     exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
     rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout.dtype, resolved once)
     test_problems: list[Problem] = field(default_factory=list)  # rl.test_split's: held out, nothing tuned on them
@@ -101,7 +101,7 @@ def sample_rollouts(run: RLRun, step: int) -> tuple[Rollouts, dict[str, float]]:
     ``rollout_role`` the role's batch), scored by :func:`score_rollouts`; every rank records who
     sampled what in ``run.prompts.log`` (tests check no overlap). With ``generation_size`` and a
     learned reward, the ``group_size`` best by that reward are kept here; filter_solved counts a
-    response solved by the verifier's verdict, or with ``reward_source: model`` by its normalised
+    response solved by the verifier's verdict, or with ``reward.source: model`` by its normalised
     reward-model score reaching ``solved_score`` (:meth:`Rollouts.solved`)."""
     cfg, rt, prompts = run.cfg, run.rt, run.prompts
     idx = step_indices(cfg, prompts, len(run.train_problems), step, rt.rank, rt.world_size)
@@ -127,7 +127,7 @@ def sample_rollouts(run: RLRun, step: int) -> tuple[Rollouts, dict[str, float]]:
 def solved_threshold(cfg: RLSettings) -> float | None:
     """``solved_score`` where the reward model alone trains the policy (it then decides what is solved:
     the verifier never decides what a model-scored run trains on); None: the task's verdict."""
-    return cfg.solved_score if cfg.reward_source == "model" else None
+    return cfg.solved_score if cfg.reward.source == "model" else None
 
 
 def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
@@ -135,7 +135,7 @@ def update(run: RLRun, batch: Rollouts, step: int) -> dict[str, float]:
     beside it; then the reference moves towards the policy by ``ppo.ref_ema`` (0, a frozen reference,
     unless PPO sets it). Returns the update's stats."""
     cfg, models = run.cfg, run.models
-    scores = losses.final_scores(batch.scores, batch.ended, batch.lengths, cfg)
+    scores = losses.final_scores(batch.scores, batch.ended, batch.lengths, cfg.reward)
     if cfg.mask_too_long:
         batch = batch.without_unfinished()
     replay = (lambda model: cfg.replay_coef * model(*run.replay_loader.next_batch())) if run.replay_loader else None

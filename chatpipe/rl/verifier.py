@@ -1,6 +1,6 @@
 """A verifier of your own for RL: a Python function in your own file scores each reply.
 
-    # my_verifier.py (rl.verifier_file), function `score` (rl.verifier_function)
+    # my_verifier.py (rl.reward.verifier_file), function `score` (rl.reward.verifier_function)
     def score(reply: str, problem: dict) -> float:      # in [0, 1]
         return float(reply.strip().endswith(problem["answer"]))
 
@@ -73,11 +73,11 @@ def _defines(source: str, path: Path, function: str) -> None:
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as e:
-        raise ValueError(f"{path}:{e.lineno}: rl.verifier_file is not valid Python ({e.msg})") from None
+        raise ValueError(f"{path}:{e.lineno}: rl.reward.verifier_file is not valid Python ({e.msg})") from None
     names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if function not in names:
         raise ValueError(
-            f"{path}: no top-level function {function!r} (rl.verifier_function); "
+            f"{path}: no top-level function {function!r} (rl.reward.verifier_function); "
             f"the file defines {names or 'no function'}; expected def {function}(reply, problem) -> float"
         )
 
@@ -89,7 +89,7 @@ def load_function(path: Path, function: str) -> Callable[[str, Any], Any]:
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise ValueError(f"{path}: importing rl.verifier_file failed: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{path}: importing rl.reward.verifier_file failed: {type(e).__name__}: {e}") from e
     return getattr(module, function)
 
 
@@ -134,7 +134,7 @@ def _call_with_limit(fn: Callable[[], Any], timeout_s: float) -> Any:
             raise box["error"]
         return box["value"]
     except _Timeout:
-        raise VerifierFailed(f"took longer than {timeout_s:g} s (rl.verifier_timeout_s)") from None
+        raise VerifierFailed(f"took longer than {timeout_s:g} s (rl.reward.verifier_timeout_s)") from None
     except Exception as e:
         raise VerifierFailed(f"raised {type(e).__name__}: {e}") from None
 
@@ -161,7 +161,7 @@ class Verifier:
     ) -> None:
         self.path, self.function, self.sandbox, self.timeout_s = Path(path), function, sandbox, timeout_s
         if not self.path.is_file():
-            raise FileNotFoundError(f"{self.path}: rl.verifier_file not found")
+            raise FileNotFoundError(f"{self.path}: rl.reward.verifier_file not found")
         self.source = self.path.read_text(encoding="utf-8")
         _defines(self.source, self.path, function)
         if sandbox:
@@ -199,7 +199,7 @@ class Verifier:
 
         result = run_program(_sandbox_program(self.source, self.function, reply, problem), timeout_s=self.timeout_s)
         if result.status == "timeout":
-            raise VerifierFailed(f"took longer than {self.timeout_s:g} s (rl.verifier_timeout_s)")
+            raise VerifierFailed(f"took longer than {self.timeout_s:g} s (rl.reward.verifier_timeout_s)")
         if result.status != "passed":
             lines = result.stderr.strip().splitlines()
             raise VerifierFailed(f"raised in the sandbox ({result.status}): {lines[-1] if lines else 'no message'}")

@@ -49,18 +49,18 @@ def stages_before(stage: str) -> tuple[str, ...]:
 
 # what decides whether the reward_model stage trains (reward_model_unread): DVC sees these only in
 # params.yaml (the stage's params) and profile/, never in the environment
-STAGE_SHAPING_KEYS = (("rl", "reward_source"), ("reward_model", "train_when"))
+STAGE_SHAPING_KEYS = (("rl", "reward.source"), ("rl", "reward"), ("reward_model", "train_when"))  # rl.reward: as JSON
 
 
 def reward_model_unread(rl: RLSettings, reward_model: RewardModelSettings) -> str:
     """Why the reward_model stage has nothing to train ("" when it trains): RL reads no reward model
-    (``rl.reward_source: verifier``, its default) and ``reward_model.train_when`` is ``read``. dvc.yaml's
+    (``rl.reward.source: verifier``, its default) and ``reward_model.train_when`` is ``read``. dvc.yaml's
     command (``python -m chatpipe.launch reward_model --if-read``) then writes a marker instead of a
-    model, and the flow says so; an ensemble or iterated RLHF needs ``reward_source`` model|both anyway."""
-    if reward_model.train_when == "always" or rl.reward_source != "verifier":
+    model, and the flow says so; an ensemble or iterated RLHF needs ``reward.source`` model|both anyway."""
+    if reward_model.train_when == "always" or rl.reward.source != "verifier":
         return ""
     return (
-        "rl.reward_source = verifier reads no reward model; to train it set rl.reward_source: model | both, "
+        "rl.reward.source = verifier reads no reward model; to train it set rl.reward.source: model | both, "
         "or reward_model.train_when: always, in params.yaml"
     )
 
@@ -72,11 +72,12 @@ def check_env_keeps_stages() -> None:
     from chatpipe.settings.load import load_section
     from chatpipe.settings.training import RewardModelSettings, RLSettings
 
-    given = {
-        f"CHATPIPE_{section.upper()}__{key.upper()}": f"{section}.{key}"
+    set_now = {n.upper() for n in os.environ}
+    names = {
+        f"CHATPIPE_{section}__{key.replace('.', '__')}".upper(): f"{section}.{key}"
         for section, key in STAGE_SHAPING_KEYS
-        if f"CHATPIPE_{section.upper()}__{key.upper()}" in {n.upper() for n in os.environ}
     }
+    given = {name: key for name, key in names.items() if name in set_now}
     if not given:
         return
     with_env = reward_model_unread(load_section(RLSettings), load_section(RewardModelSettings))

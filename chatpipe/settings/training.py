@@ -258,7 +258,7 @@ RL_WORKER_OFFSET_ENV = "CHATPIPE_RL_WORKER_OFFSET"  # added to the replica id (o
 
 
 class GuardSettings(Subsection):
-    """``rl.guard``: the reward-hacking guard (reward_source model|both), windows of rollouts scored by both
+    """``rl.guard``: the reward-hacking guard (reward.source model|both), windows of rollouts scored by both
     the reward model and the verifier."""
 
     mode: Literal["off", "warn", "stop"] = Field(
@@ -316,7 +316,7 @@ class PPOSettings(Subsection):
     critic_init_dir: str = Field(
         "",
         description="PPO critic's start: a reward model dir (trunk and head) or a GPT dir (zero head); '': "
-        "reward_model_dir when reward_source is model|both, else init_dir",
+        "reward.model_dir when reward.source is model|both, else init_dir",
     )
     value_lr_frac: float = Field(1.0, gt=0, description="critic LR = value_lr_frac x the init model's LRs")
     epochs: int = Field(2, ge=1, description="passes over each step's rows")
@@ -394,7 +394,9 @@ class RolloutSettings(Subsection):
         description="sample rollouts in a second torchx role (its own process and cores) that runs ahead of the "
         "trainer by up to max_staleness weight versions; false: the trainer samples each step itself",
     )
-    threads: int = Field(1, ge=1, description="intra-op threads (cores) of each rollout worker; the trainer gets the rest")
+    threads: int = Field(
+        1, ge=1, description="intra-op threads (cores) of each rollout worker; the trainer gets the rest"
+    )
     workers: int = Field(
         1,
         ge=1,
@@ -445,6 +447,114 @@ class RolloutSettings(Subsection):
         return v
 
 
+REWARD_MOVED = {
+    "reward_source": "source",
+    "reward_model_dir": "model_dir",
+    "reward_model_scores": "model_scores",
+    "reward_model_ensemble": "model_ensemble",
+    "reward_model_lr_frac": "model_lr_frac",
+    "verifier_file": "verifier_file",
+    "verifier_function": "verifier_function",
+    "verifier_sandbox": "verifier_sandbox",
+    "verifier_timeout_s": "verifier_timeout_s",
+    "reward_scale": "scale",
+    "reward_bias": "bias",
+    "reward_clip": "clip",
+    "no_eos": "no_eos",
+    "length_penalty": "length_penalty",
+    "min_response_length": "min_response_length",
+}  # the flat rl.<key> before the reward section -> its key there (the flat `reward: <name>` is reward.verifier)
+
+
+class RewardSettings(Subsection):
+    """``rl.reward``: what scores a rollout and how the score is shaped. The verifier (``verifier``, or
+    your own file), a learned reward model (``source: model``), or their sum; held-out pass@k is always
+    the verifier's."""
+
+    source: Literal["verifier", "model", "both"] = Field(
+        "verifier",
+        description="what trains the policy: the verifier, the reward model at model_dir (its scores read as "
+        "model_scores), or their sum",
+    )
+    verifier: str = Field(
+        "exact",
+        description="the verifier: a reward function name in chatpipe.rl.rewards, or custom: the function "
+        "verifier_function of your own file verifier_file (docs/own-data.md)",
+    )
+    # verifier: custom. The file is a DVC dependency of `rl` (dvc.yaml), so editing it makes `rl` stale;
+    # the default names the shipped example, which scores like verifier: exact.
+    verifier_file: str = Field(
+        "verifiers/exact_answer.py", description="verifier custom: your Python file defining the verifier"
+    )
+    verifier_function: str = Field(
+        "score", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="its function: (reply: str, problem) -> [0, 1]"
+    )
+    verifier_sandbox: bool = Field(
+        False, description="run every call under chatpipe.sandbox (bubblewrap; standard library only)"
+    )
+    verifier_timeout_s: float = Field(5.0, gt=0, description="a call running longer fails (reported, never a score)")
+    model_dir: str = Field(
+        "artifacts/reward_model", description="reward model dir (reward_model stage) for source model|both"
+    )
+    model_scores: Literal["normalized", "win_rate"] = Field(
+        "win_rate",
+        description="how source model|both reads the reward model: its normalised scores, or each reply's "
+        "Bradley-Terry win rate against the other replies of its group (in [0, 1], as the verifier)",
+    )
+    model_ensemble: list[str] = Field(
+        default_factory=list,
+        description="more reward model dirs beside model_dir (source model|both): each reply's reward is the mean "
+        "over the models of their normalised scores or win rates, so one model's misrankings count for less",
+    )
+    model_lr_frac: float = Field(
+        0.0,
+        ge=0,
+        description="iterated RLHF (source model|both): after each step's scoring, one optimizer step of the "
+        "reward model's Bradley-Terry loss on the step's pairs the verifier ranks (a right and a wrong reply to one "
+        "prompt), at this fraction of the init model's LRs; the policy still reads the model's scores alone, but "
+        "they then carry the verifier's verdicts (not verifier-free: a warning, and reward_carries_verifier in the "
+        "summary). 0: the reward model stays frozen",
+    )
+    scale: float = Field(1.0, gt=0, description="scores x scale + bias, then clipped to +-clip")
+    bias: float = 0.0
+    clip: float = Field(20.0, ge=0, description="0: no clipping")
+    no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
+    length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
+    min_response_length: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, v: Any) -> Any:
+        if isinstance(v, str):  # the flat `reward: exact` of before the nesting
+            raise ValueError(f"rl.reward is a section now: set reward.verifier: {v} (and reward.source, ...)")
+        return v
+
+    @field_validator("model_ensemble")
+    @classmethod
+    def _ensemble_needs_the_reward_model(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if v and info.data.get("source") == "verifier":
+            raise ValueError(
+                f"reward.model_ensemble = {v} is read only with reward.source: model|both; set reward.source, "
+                "or leave it empty"
+            )
+        return v
+
+    @field_validator("model_lr_frac")
+    @classmethod
+    def _refresh_needs_the_reward_model(cls, v: float, info: ValidationInfo) -> float:
+        if v and info.data.get("source") == "verifier":
+            raise ValueError(
+                "reward.model_lr_frac trains the reward model, which only reward.source: model|both reads; "
+                "set reward.source, or leave it at 0"
+            )
+        if v and info.data.get("model_ensemble"):
+            raise ValueError(
+                "reward.model_lr_frac refreshes one reward model, not an ensemble: leave reward.model_ensemble "
+                "empty, or reward.model_lr_frac at 0"
+            )
+        return v
+
+
 class RLSettings(RunSettings):
     """RL on verifiable rewards (`rl` stage): GRPO-lite or PPO, chosen by `algorithm`."""
 
@@ -461,49 +571,18 @@ class RLSettings(RunSettings):
         "ppo_epochs": "moved to rl.ppo.epochs",
         "kl_loss_coef": "moved to rl.grpo.kl_loss_coef",
         **{k: f"moved to rl.rollout.{v}" for k, v in ROLLOUT_MOVED.items()},
+        **{k: f"moved to rl.reward.{v}" for k, v in REWARD_MOVED.items()},
     }
     init_dir: str = Field("artifacts/sft", description="model dir to start from (and whose LRs to scale)")
     algorithm: Literal["grpo", "ppo"] = "grpo"
     task: str = Field("tinyworld_arith", description="prompt source: tinyworld_arith | gsm8k | any build_task name")
-    reward: str = Field(
-        "exact",
-        description="the verifier: a reward function name in chatpipe.rl.rewards, or custom: the function "
-        "verifier_function of your own file verifier_file (docs/own-data.md)",
-    )
-    reward_source: Literal["verifier", "model", "both"] = Field(
-        "verifier",
-        description="what trains the policy: the verifier (`reward`), the reward model at reward_model_dir "
-        "(scored at each response's last token), or their sum; held-out pass@k is always the verifier's",
-    )
-    reward_model_dir: str = Field(
-        "artifacts/reward_model", description="reward model dir (reward_model stage) for reward_source model|both"
-    )
-    reward_model_scores: Literal["normalized", "win_rate"] = Field(
-        "win_rate",
-        description="how reward_source model|both reads the reward model: its normalised scores, or each "
-        "reply's Bradley-Terry win rate against the other replies of its group (in [0, 1], as the verifier)",
-    )
-    reward_model_ensemble: list[str] = Field(
-        default_factory=list,
-        description="more reward model dirs beside reward_model_dir (reward_source model|both): each reply's reward "
-        "is the mean over the models of their normalised scores or win rates, so one model's misrankings count "
-        "for less",
+    reward: RewardSettings = Field(
+        default_factory=lambda: RewardSettings(),
+        description="what scores a rollout: the verifier, the reward model, or both, and how scores are shaped",
     )
     ref_dir: str = Field("", description="frozen reference policy's model dir ('': a copy of init_dir)")
     task_source: Literal["", "synthetic", "local", "hf"] = Field("", description="'': the task's default")
     task_path: str = Field("", description="the task's own file or dir, e.g. task customjson: a problems JSONL")
-    # reward: custom. The file is a DVC dependency of `rl` (dvc.yaml), so editing it makes `rl` stale;
-    # the default names the shipped example, which scores like reward: exact.
-    verifier_file: str = Field(
-        "verifiers/exact_answer.py", description="reward custom: your Python file defining the verifier"
-    )
-    verifier_function: str = Field(
-        "score", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="its function: (reply: str, problem) -> [0, 1]"
-    )
-    verifier_sandbox: bool = Field(
-        False, description="run every call under chatpipe.sandbox (bubblewrap; standard library only)"
-    )
-    verifier_timeout_s: float = Field(5.0, gt=0, description="a call running longer fails (reported, never a score)")
     num_train_problems: int = Field(512, ge=1)
     keep_tasks: list[MixItem] = Field(
         default_factory=list,
@@ -537,12 +616,6 @@ class RLSettings(RunSettings):
         "words RL's task shares with other skills drift",
     )
     normalize_std: bool = Field(False, description="GRPO: divide advantages by the group's std")
-    reward_scale: float = Field(1.0, gt=0)
-    reward_bias: float = 0.0
-    reward_clip: float = Field(20.0, ge=0, description="0: no clipping")
-    no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
-    length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
-    min_response_length: int = Field(0, ge=0)
     # both algorithms
     mask_too_long: bool = Field(False, description="responses cut at max_new_tokens leave the loss (scores kept)")
     generation_size: int = Field(
@@ -554,7 +627,7 @@ class RLSettings(RunSettings):
     grad_clip: float = Field(0.0, ge=0, description="clip the policy's (and critic's) gradient norm (0: off)")
     solved_score: float = Field(
         1.0,
-        description="with reward_source model: a response counts as solved (filter_solved) when its normalised "
+        description="with reward.source model: a response counts as solved (filter_solved) when its normalised "
         "reward-model score is at least this (also under win_rate, whose rates average 0.5 in a group); "
         "verifier runs count the verifier's verdict",
     )
@@ -562,16 +635,7 @@ class RLSettings(RunSettings):
     ppo: PPOSettings = Field(default_factory=lambda: PPOSettings(), description="PPO's own keys (critic, GAE, KL)")
     guard: GuardSettings = Field(
         default_factory=lambda: GuardSettings(),
-        description="the reward-hacking guard (reward_source model|both): mode, every, drop, min_accuracy",
-    )
-    reward_model_lr_frac: float = Field(
-        0.0,
-        ge=0,
-        description="iterated RLHF (reward_source model|both): after each step's scoring, one optimizer step of the "
-        "reward model's Bradley-Terry loss on the step's pairs the verifier ranks (a right and a wrong reply to one "
-        "prompt), at this fraction of the init model's LRs; the policy still reads the model's scores alone, but "
-        "they then carry the verifier's verdicts (not verifier-free: a warning, and reward_carries_verifier in the "
-        "summary). 0: the reward model stays frozen",
+        description="the reward-hacking guard (reward.source model|both): mode, every, drop, min_accuracy",
     )
     rollout: RolloutSettings = Field(
         default_factory=lambda: RolloutSettings(),
@@ -627,31 +691,6 @@ class RLSettings(RunSettings):
             raise ValueError(f"best-of-n keeps group_size = {group} of generation_size samples; set >= {group}, or 0")
         return v
 
-    @field_validator("reward_model_lr_frac")
-    @classmethod
-    def _refresh_needs_the_reward_model(cls, v: float, info: ValidationInfo) -> float:
-        if v and info.data.get("reward_source") == "verifier":
-            raise ValueError(
-                "reward_model_lr_frac trains the reward model, which only reward_source: model|both reads; "
-                "set reward_source, or leave it at 0"
-            )
-        if v and info.data.get("reward_model_ensemble"):
-            raise ValueError(
-                "reward_model_lr_frac refreshes one reward model, not an ensemble: leave reward_model_ensemble "
-                "empty, or reward_model_lr_frac at 0"
-            )
-        return v
-
-    @field_validator("reward_model_ensemble")
-    @classmethod
-    def _ensemble_needs_the_reward_model(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        if v and info.data.get("reward_source") == "verifier":
-            raise ValueError(
-                f"reward_model_ensemble = {v} is read only with reward_source: model|both; set reward_source, "
-                "or leave it empty"
-            )
-        return v
-
     @field_validator("rollout")
     @classmethod
     def _role_samples_fixed_prompts(cls, v: RolloutSettings, info: ValidationInfo) -> RolloutSettings:
@@ -671,7 +710,7 @@ class RewardModelSettings(RunSettings):
     train_when: Literal["read", "always"] = Field(
         "read",
         description="read: the stage (dvc.yaml's `--if-read`) trains only when RL reads a reward model "
-        "(rl.reward_source model|both), else writes artifacts/reward_model/not_read.json saying why; always: "
+        "(rl.reward.source model|both), else writes artifacts/reward_model/not_read.json saying why; always: "
         "it trains whatever RL reads (a model for later runs)",
     )
     init_dir: str = Field("artifacts/sft", description="model dir whose trunk (and LRs) the reward model starts from")

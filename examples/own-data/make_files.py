@@ -37,7 +37,7 @@ FILLER = (
     "Nadie sabe por qué el {b} canta de noche.",
 )
 
-VERIFIER = '''"""Verifier of mydata/problems.jsonl (rl.verifier_file): 1 when the reply names the answer.
+VERIFIER = '''"""Verifier of mydata/problems.jsonl (rl.reward.verifier_file): 1 when the reply names the answer.
 
 chatpipe calls score(reply, problem) with the model's reply and the problem's row as written.
 """

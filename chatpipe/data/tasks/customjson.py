@@ -7,7 +7,7 @@ Accepted row shapes (one per line):
 * instruction rows: ``{"instruction", "input"?, "output"}`` or the Alpaca seed-task form
   ``{"instruction", "instances": [{"input", "output"}, ...]}`` (first instance used)
 * problem rows, for RL: ``{"prompt", "answer", ...}`` (one user turn, the answer as the gold reply;
-  any other fields are kept for your verifier, ``rl.verifier_file``)
+  any other fields are kept for your verifier, ``rl.reward.verifier_file``)
 
 A malformed row (bad JSON, missing role, wrong alternation, empty text) raises naming the file and
 line. Each conversation keeps its row as written under ``"problem"`` and its position among the
