@@ -2,7 +2,7 @@
 
 Runs the RL stage through ``python -m chatpipe.launch rl`` (as DVC does) on the default pipeline's
 SFT model, once synchronously (one process, every core) and once per ``--staleness`` with the
-rollout role (``rl.rollout.role``: the role on ``rollout_threads`` cores, the trainer on the rest),
+rollout role (``rl.rollout.role``: the role on ``rollout.threads`` cores, the trainer on the rest),
 each seed in turn, one run at a time. Prints one markdown row per run: the stage's wall time and its
 ratio to the synchronous run of the same seed, the first and final pass@1 on ``test`` (held out;
 ``val``'s change, the tuning split, beside it), and where each role spent its time (the trainer's

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
-from chatpipe.testing.project import make_project, run
+from chatpipe.testing.project import rl_ready_project, run
 
 QUESTIONS = [
     ("What is 12 + 7?", 19),
@@ -55,9 +54,7 @@ def trained_project(tmp_path: Path, tiny_sft: Path) -> Path:
         if not (project / "artifacts" / "rl" / "model.pt").is_file():
             pytest.fail(f"CHATPIPE_TRAINED_PROJECT={given}: no artifacts/rl/model.pt there")
         return project
-    project = make_project(tmp_path / "p", small=False)
-    for name in ("tokenizer", "sft"):  # what the RL stage reads
-        shutil.copytree(tiny_sft / "artifacts" / name, project / "artifacts" / name)
+    project = rl_ready_project(tmp_path / "p", tiny_sft)
     run(project, "python", "-m", "stages.rl", CHATPIPE_TRACKING__ENABLED="false")
     return project
 

@@ -33,6 +33,7 @@ from chatpipe.testing.project import (
     prefect_task_runs,
     processes_in,
     project_env,
+    rl_ready_project,
     run,
 )
 
@@ -505,14 +506,6 @@ def test_async_rl_puts_the_trainer_and_the_rollout_role_on_two_nodes(slurm_clust
 # --------------------------------------------------------------------------- several rollout workers
 
 
-def rl_project(tmp_path: Path, tiny_sft: Path) -> Path:
-    """A tiny-profile project holding what the RL stage reads of the session's tiny SFT run."""
-    project = make_project(tmp_path / "tiny", {"tracking": {"enabled": False}}, small=False)
-    for name in ("tokenizer", "sft"):
-        shutil.copytree(tiny_sft / "artifacts" / name, project / "artifacts" / name, dirs_exist_ok=True)
-    return project
-
-
 def weight_files_seen(root: Path, done: threading.Event, seen: list[str]) -> None:
     """Every file whose name says weights that appears under ``root`` until ``done``."""
     while not done.wait(0.05):
@@ -533,7 +526,7 @@ def test_two_rollout_workers_on_two_slurm_nodes_get_weights_over_torch_distribut
     components never share a node), worker 1 in the other, on the other node;
     the weights go over torch.distributed (no weights file under the exchange dir, which is in the project's
     checkpoints, not /dev/shm), every batch within max_staleness, and RL lifts the tiny SFT model's pass@1."""
-    project = rl_project(tmp_path, tiny_sft)
+    project = rl_ready_project(tmp_path / "tiny", tiny_sft)
     stage = ["--", "--rollout.role=true", "--rollout.workers=2", "--rollout.max_staleness=1", "--log_every=1"]
     stage += ["--eval_every=0", "--test_split=none"]  # pass@1 on val before and after is what this test reads
     launch = ["--scheduler", "slurm", "--nnodes", "1", "--nproc_per_node", "1"]

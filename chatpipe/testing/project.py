@@ -238,6 +238,15 @@ def tiny_sft_project(shared: Path) -> Path:
     return done
 
 
+def rl_ready_project(path: Path, tiny_sft: Path) -> Path:
+    """A tiny-profile project at ``path`` (tracking off) holding copies of what the RL stage reads of
+    a :func:`tiny_sft_project` run: its tokenizer and SFT model."""
+    project = make_project(path, {"tracking": {"enabled": False}}, small=False)
+    for name in ("tokenizer", "sft"):
+        shutil.copytree(tiny_sft / "artifacts" / name, project / "artifacts" / name, dirs_exist_ok=True)
+    return project
+
+
 def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run the venv's dvc in the project."""
     return run(project, str(BIN / "dvc"), *args, check=check)
