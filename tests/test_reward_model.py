@@ -852,3 +852,15 @@ def test_the_tiny_stage_logs_a_line_every_interval_from_start_to_end(project, mo
     assert "saved artifacts/reward_model" in lines[-1]
     sampling = [line for line in lines if "reward_model train pairs: sampling: " in line]
     assert sampling and "/256 sample |" in sampling[-1] and "elapsed" in sampling[-1], lines
+
+
+def test_the_flat_reward_keys_of_before_the_section_are_refused_naming_the_new_key():
+    from chatpipe.settings import ParamsError, RLSettings, load_section
+
+    with pytest.raises(ParamsError, match=r"rl.reward is a section now: set reward.verifier: exact_or_format"):
+        load_section(RLSettings, {"reward": "exact_or_format"})
+    with pytest.raises(ParamsError, match=r"rl.reward_source = 'model'.*moved to rl.reward.source"):
+        load_section(RLSettings, {"reward_source": "model"})
+    with pytest.raises(ParamsError, match=r"rl.reward_scale = 2.0.*moved to rl.reward.scale"):
+        load_section(RLSettings, {"reward_scale": 2.0})
+    assert load_section(RLSettings, {"reward": {"verifier": "exact_or_format"}}).reward.verifier == "exact_or_format"

@@ -257,9 +257,27 @@ RL_WORKER_ENV, RL_STORE_ENV = "CHATPIPE_RL_WORKER", "CHATPIPE_RL_STORE"
 RL_WORKER_OFFSET_ENV = "CHATPIPE_RL_WORKER_OFFSET"  # added to the replica id (on Slurm worker 0 is the trainer's)
 
 
-class GuardSettings(Subsection):
+class FormerlyOneKey(Subsection):
+    """An ``rl`` section that took the place of one flat key of its name (``guard: warn``, ``reward:
+    exact``): a plain value there is told which key of the section it now sets."""
+
+    name: ClassVar[str]
+    value_key: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            keys = ", ".join(f"{cls.name}.{k}" for k in cls.model_fields)
+            raise ValueError(f"rl.{cls.name} is a section now: set {cls.name}.{cls.value_key}: {v} (its keys: {keys})")
+        return v
+
+
+class GuardSettings(FormerlyOneKey):
     """``rl.guard``: the reward-hacking guard (reward.source model|both), windows of rollouts scored by both
     the reward model and the verifier."""
+
+    name, value_key = "guard", "mode"
 
     mode: Literal["off", "warn", "stop"] = Field(
         "warn",
@@ -275,13 +293,6 @@ class GuardSettings(Subsection):
         description="also trip when the reward model ranks fewer than this share of a window's verifier-ranked "
         "pairs right (0: off)",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _a_mapping(cls, v: Any) -> Any:
-        if isinstance(v, str):  # the flat `guard: warn` of before the nesting
-            raise ValueError(f"rl.guard is a section now: set guard.mode: {v} (and guard.every, .drop, .min_accuracy)")
-        return v
 
 
 PPO_MOVED = (
@@ -426,23 +437,14 @@ class RolloutSettings(Subsection):
         description="a role whose heartbeat (one a second) stops this long is taken for dead: the other fails",
     )
 
-    @field_validator("max_staleness")
+    @field_validator("max_staleness", "workers")
     @classmethod
-    def _staleness_needs_the_role(cls, v: int, info: ValidationInfo) -> int:
-        if v and not info.data.get("role"):
+    def _ahead_and_replicas_need_the_role(cls, v: int, info: ValidationInfo) -> int:
+        alone = {"max_staleness": 0, "workers": 1}[info.field_name]
+        if v != alone and not info.data.get("role"):
             raise ValueError(
-                f"rollout.max_staleness = {v} needs rollout.role: true; without the role every step samples with "
-                "its own weights, so leave it at 0"
-            )
-        return v
-
-    @field_validator("workers")
-    @classmethod
-    def _workers_need_the_role(cls, v: int, info: ValidationInfo) -> int:
-        if v > 1 and not info.data.get("role"):
-            raise ValueError(
-                f"rollout.workers = {v} needs rollout.role: true; without the role the trainer samples every step "
-                "itself, so leave it at 1"
+                f"rollout.{info.field_name} = {v} needs rollout.role: true; without the role the trainer samples "
+                f"every step itself, with its own weights, so leave it at {alone}"
             )
         return v
 
@@ -466,11 +468,12 @@ REWARD_MOVED = {
 }  # the flat rl.<key> before the reward section -> its key there (the flat `reward: <name>` is reward.verifier)
 
 
-class RewardSettings(Subsection):
+class RewardSettings(FormerlyOneKey):
     """``rl.reward``: what scores a rollout and how the score is shaped. The verifier (``verifier``, or
     your own file), a learned reward model (``source: model``), or their sum; held-out pass@k is always
     the verifier's."""
 
+    name, value_key = "reward", "verifier"
     source: Literal["verifier", "model", "both"] = Field(
         "verifier",
         description="what trains the policy: the verifier, the reward model at model_dir (its scores read as "
@@ -521,13 +524,6 @@ class RewardSettings(Subsection):
     no_eos: Literal["keep", "zero", "penalty"] = Field("keep", description="score of responses cut at max_new_tokens")
     length_penalty: float = Field(-1.0, description="score for no_eos=penalty and for too-short responses")
     min_response_length: int = Field(0, ge=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _a_mapping(cls, v: Any) -> Any:
-        if isinstance(v, str):  # the flat `reward: exact` of before the nesting
-            raise ValueError(f"rl.reward is a section now: set reward.verifier: {v} (and reward.source, ...)")
-        return v
 
     @field_validator("model_ensemble")
     @classmethod
