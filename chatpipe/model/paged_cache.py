@@ -51,8 +51,9 @@ class BlockPool:
         head_dim = config.n_embd // config.n_head
         self.slots = num_blocks * block_size  # the first slot of the scratch block: padding writes there
         # one more block than the pool holds: the scratch block, which pads block tables too
-        # heads before positions within a block: a gathered block is [heads, positions, dim] as attention reads it
-        self.shape = (config.n_layer, num_blocks + 1, config.n_kv_head, block_size, head_dim)
+        # heads before blocks: a row's gathered blocks are then one run of keys per head, [heads, positions,
+        # dim], so a decode step is one matmul per (head, row) over all its keys rather than one per block
+        self.shape = (config.n_layer, config.n_kv_head, num_blocks + 1, block_size, head_dim)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.refs = [0] * num_blocks
@@ -188,8 +189,8 @@ class BlockPool:
             if block is None:
                 return None
             if self.k is not None:
-                self.k[:, block] = self.k[:, seq.blocks[full]]
-                self.v[:, block] = self.v[:, seq.blocks[full]]
+                self.k[:, :, block] = self.k[:, :, seq.blocks[full]]
+                self.v[:, :, block] = self.v[:, :, seq.blocks[full]]
             tail = [block]
         else:
             tail = []
@@ -213,7 +214,7 @@ class SharedPrefixes:
     found in the prefix cache): each such prefix is read once for all its rows, as a grid of
     ``groups`` x ``width`` cells. ``tables`` [groups * blocks]: each prefix's blocks (padded with the
     scratch block); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
-    whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1, 1]:
+    whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]:
     1.0 for rows in a group, 0.0 for the others."""
 
     groups: int
@@ -230,9 +231,9 @@ class PagedBatch:
     tokens (the rest of the row is padding). The model calls :meth:`plan` once per window,
     :meth:`attend` in every layer and :meth:`advance` at the end, which commits the positions.
 
-    Each layer attends block by block on the blocks as they lie ([rows, blocks, H_kv, block_size, D]),
-    with no copy into one [rows, H_kv, keys, D] tensor; a prefix several rows share is read once
-    for all of them (:class:`SharedPrefixes`)."""
+    Each layer gathers a row's blocks from the head-major pool ([H_kv, blocks, block_size, D]) into
+    one run of keys per head, [H_kv, rows, keys, D], and attends with one matmul per (head, row); a
+    prefix several rows share is read once for all of them (:class:`SharedPrefixes`)."""
 
     key_mask = None
 
@@ -280,7 +281,7 @@ class PagedBatch:
                 cell_rows[g * width + w], row_cell[r], prefix[r] = r, g * width + w, len(key)
         tensor = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
         tables = _padded([list(k) for k, _ in groups], blocks, self.pool.num_blocks)
-        grouped = tensor([float(n > 0) for n in prefix])[:, None, None, None]
+        grouped = tensor([float(n > 0) for n in prefix])[:, None, None]
         shared = SharedPrefixes(
             len(groups), width, blocks, tensor(tables).flatten(), tensor(cell_rows), tensor(row_cell), grouped
         )
@@ -318,61 +319,58 @@ class PagedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
         """Store the new keys/values (k/v [rows, H_kv, T, D]) and attend each query over its row's keys:
-        one softmax over [shared prefix keys | own keys]."""
+        one softmax over [shared prefix keys | own keys]. Work is laid out head-major, [H_kv, rows, ...]."""
         rows, kv_heads, width, dim = k.shape
-        group, size, own = q.size(1) // kv_heads, self.pool.block_size, self.own_blocks
+        group = q.size(1) // kv_heads
         self.pool.storage(k.dtype, k.device)
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         block, offset = self.write
-        pk[block, :, offset] = k.transpose(1, 2).reshape(rows * width, kv_heads, dim)
-        pv[block, :, offset] = v.transpose(1, 2).reshape(rows * width, kv_heads, dim)
-        qg = q.reshape(rows, kv_heads, group * width, dim) * dim**-0.5  # query heads grouped by their kv head
-        own_k = self._gather(0, pk, self.own_tables).view(rows, own, kv_heads, size, dim)
-        own_v = self._gather(1, pv, self.own_tables).view(rows, own, kv_heads, size, dim)
-        parts = [qg[:, None] @ own_k.transpose(-1, -2)]  # [rows, own blocks, H_kv, g*T, size]
+        pk[:, block, offset] = k.transpose(0, 1).reshape(kv_heads, rows * width, dim)
+        pv[:, block, offset] = v.transpose(0, 1).reshape(kv_heads, rows * width, dim)
+        # query heads grouped by their kv head: [H_kv, rows, g*T, D]
+        qg = (q.reshape(rows, kv_heads, group * width, dim) * dim**-0.5).transpose(0, 1)
+        own_k = self._gather(0, pk, self.own_tables).view(kv_heads, rows, -1, dim)
+        own_v = self._gather(1, pv, self.own_tables).view(kv_heads, rows, -1, dim)
+        scores = qg @ own_k.transpose(-1, -2)  # [H_kv, rows, g*T, own keys]
         if self.shared:
-            parts.insert(0, self._prefix_scores(qg, pk))
-        scores = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        blocks = scores.size(1)
-        scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width, blocks * size)
-        scores = scores.masked_fill(~plan.mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * width, blocks, size).permute(0, 3, 1, 2, 4)
-        out = (probs[:, blocks - own :] @ own_v).sum(dim=1)  # [rows, H_kv, g*T, D]
+            scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
+        keys = scores.size(-1)
+        scores = scores.view(kv_heads, rows, group, width, keys).masked_fill(~plan.mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kv_heads, rows, group * width, keys)
+        prefix = keys - own_k.size(2)
+        out = probs[..., prefix:] @ own_v  # [H_kv, rows, g*T, D]
         if self.shared:
-            out = out + self._prefix_values(probs[:, : blocks - own], pv) * self.shared.grouped
-        return out.reshape(rows, q.size(1), width, dim)
+            out = out + self._prefix_values(probs[..., :prefix], pv) * self.shared.grouped
+        return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
 
     def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
-        """[rows, prefix blocks, H_kv, g*T, size]: each row's scores on its group's prefix, computed
-        on the grid (a group's queries side by side against its prefix, read once)."""
-        sh, (_, kv_heads, gt, dim) = self.shared, qg.shape
-        keys = self._gather(2, pk, sh.tables).view(sh.groups, sh.blocks, kv_heads, -1, dim)
-        grid = qg.index_select(0, sh.cell_rows).view(sh.groups, sh.width, kv_heads, gt, dim)
-        grid = grid.transpose(1, 2).reshape(sh.groups, 1, kv_heads, sh.width * gt, dim)
-        scores = grid @ keys.transpose(-1, -2)  # [groups, blocks, H_kv, width * g*T, size]
-        scores = scores.view(sh.groups, sh.blocks, kv_heads, sh.width, gt, -1).permute(0, 3, 1, 2, 4, 5)
-        return scores.reshape(sh.groups * sh.width, sh.blocks, kv_heads, gt, -1).index_select(0, sh.row_cell)
+        """[H_kv, rows, g*T, prefix keys]: each row's scores on its group's prefix, computed on the grid
+        (a group's queries side by side against its prefix, read once)."""
+        sh, (kv_heads, _, gt, dim) = self.shared, qg.shape
+        keys = self._gather(2, pk, sh.tables).view(kv_heads, sh.groups, -1, dim)
+        grid = qg.index_select(1, sh.cell_rows).view(kv_heads, sh.groups, sh.width * gt, dim)
+        scores = grid @ keys.transpose(-1, -2)  # [H_kv, groups, width * g*T, prefix keys]
+        scores = scores.view(kv_heads, sh.groups * sh.width, gt, -1)
+        return scores.index_select(1, sh.row_cell)
 
     def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-        """[rows, H_kv, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
-        sh, (_, blocks, kv_heads, gt, size) = self.shared, probs.shape
-        values = self._gather(3, pv, sh.tables).view(sh.groups, blocks, kv_heads, size, -1)
-        grid = probs.index_select(0, sh.cell_rows).view(sh.groups, sh.width, blocks, kv_heads, gt, size)
-        grid = grid.permute(0, 2, 3, 1, 4, 5).reshape(sh.groups, blocks, kv_heads, sh.width * gt, size)
-        out = (grid @ values).sum(dim=1)  # [groups, H_kv, width * g*T, D]
-        out = out.view(sh.groups, kv_heads, sh.width, gt, -1).transpose(1, 2)
-        return out.reshape(sh.groups * sh.width, kv_heads, gt, -1).index_select(0, sh.row_cell)
+        """[H_kv, rows, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
+        sh, (kv_heads, _, gt, keys) = self.shared, probs.shape
+        values = self._gather(3, pv, sh.tables).view(kv_heads, sh.groups, keys, -1)
+        grid = probs.index_select(1, sh.cell_rows).reshape(kv_heads, sh.groups, sh.width * gt, keys)
+        out = (grid @ values).view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, D]
+        return out.index_select(1, sh.row_cell)
 
     def _gather(self, which: int, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """``pool``'s blocks ``tables``, into a buffer that every layer of this forward reuses: a fresh
         tensor of megabytes per layer cost page faults that took longer than the copy itself."""
-        shape = (len(tables), *pool.shape[1:])
+        shape = (pool.size(0), len(tables), *pool.shape[2:])
         if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
-            return pool.index_select(0, tables)
+            return pool.index_select(1, tables)
         buf = self._buffers.get(which)
         if buf is None or buf.shape != shape or buf.dtype != pool.dtype:
             buf = self._buffers[which] = torch.empty(shape, dtype=pool.dtype, device=pool.device)
-        return torch.index_select(pool, 0, tables, out=buf)
+        return torch.index_select(pool, 1, tables, out=buf)
 
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
