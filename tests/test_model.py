@@ -177,6 +177,28 @@ def test_paged_rows_of_other_lengths_in_one_forward_and_a_forked_sequence():
     assert torch.allclose(step[0, 0], model(torch.cat([x[:1, :9], nxt], dim=1))[0, -1], atol=1e-4)
 
 
+def test_paged_decode_steps_gather_into_one_buffer_kept_across_forwards():
+    """In inference mode each layer gathers a row's blocks into the pool's scratch buffers, which
+    outlive the forward (a fresh buffer per decode step cost page faults that took longer than the copy):
+    the logits still match a full forward, and every later step gathers into the first step's storage."""
+    model = tiny(window_pattern="L", n_kv_head=2, sequence_len=16)
+    x = torch.randint(0, 97, (1, 12))
+    full = model(x)
+    pool = BlockPool(model.config, num_blocks=8, block_size=4)
+    seq = Sequence(x[0].tolist())
+
+    def storage() -> list[int]:
+        return [pool.scratch(w, (1,), torch.float32, torch.device("cpu")).data_ptr() for w in (0, 1)]
+
+    with torch.inference_mode():
+        outs = [paged(model, pool, [seq], x[:, :9], [9])]  # the largest gather: 3 blocks
+        first = storage()
+        for t in range(9, 12):
+            outs.append(paged(model, pool, [seq], x[:, t : t + 1], [1]))
+            assert storage() == first
+    assert torch.allclose(torch.cat(outs, dim=1), full, atol=1e-4)
+
+
 def test_overfit_one_batch():
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64))

@@ -21,6 +21,7 @@ to a scratch slot and no real query attends them.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ class BlockPool:
         self.block_key: list[Any] = [None] * num_blocks
         self.hit_tokens = 0  # prompt tokens found in the cache, and looked up, since the pool was made
         self.query_tokens = 0
+        self._scratch: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def bytes_for(config: Any, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -97,6 +99,16 @@ class BlockPool:
         self.evictable.clear()
         self.block_key = [None] * self.num_blocks
         self.free = deque(range(self.num_blocks))
+
+    def scratch(self, which: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``shape`` for gathered blocks, kept across layers and forwards: a fresh tensor of
+        megabytes per layer, or per decode step, costs page faults that take longer than the copy itself.
+        It grows to the largest gather asked for, which each forward would allocate anyway."""
+        need = math.prod(shape)
+        buf = self._scratch.get(which)
+        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
+            buf = self._scratch[which] = torch.empty(need, dtype=dtype, device=device)
+        return buf[:need].view(shape)
 
     # ------------------------------------------------------------------------ blocks
 
@@ -256,7 +268,6 @@ class PagedBatch:
         self.own_blocks = max(len(o) for o in own)
         self.own_tables = torch.tensor(_padded(own, self.own_blocks, pool.num_blocks), device=device).flatten()
         self._key_layout(prefix, [len(o) for o in own])
-        self._buffers: dict[int, torch.Tensor] = {}
         self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
 
     def _share_prefixes(self) -> tuple[SharedPrefixes | None, list[int]]:
@@ -362,14 +373,10 @@ class PagedBatch:
         return out.index_select(1, sh.row_cell)
 
     def _gather(self, which: int, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """``pool``'s blocks ``tables``, into a buffer that every layer of this forward reuses: a fresh
-        tensor of megabytes per layer cost page faults that took longer than the copy itself."""
-        shape = (pool.size(0), len(tables), *pool.shape[2:])
+        """``pool``'s blocks ``tables``, into the pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
         if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
             return pool.index_select(1, tables)
-        buf = self._buffers.get(which)
-        if buf is None or buf.shape != shape or buf.dtype != pool.dtype:
-            buf = self._buffers[which] = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        buf = self.pool.scratch(which, (pool.size(0), len(tables), *pool.shape[2:]), pool.dtype, pool.device)
         return torch.index_select(pool, 1, tables, out=buf)
 
     def advance(self, t: int) -> None:
