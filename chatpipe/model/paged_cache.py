@@ -2,7 +2,8 @@
 
 A :class:`BlockPool` holds ``num_blocks`` blocks of ``block_size`` positions for every layer,
 allocated once (on the first write, in the dtype and on the device of the keys): that is all the KV
-memory generation ever uses. A :class:`Sequence` owns a list of blocks (its block table), so
+memory generation ever uses, beside the scratch buffers (:meth:`BlockPool.scratch`) that a forward
+gathers its rows' blocks into, as large as the largest such gather. A :class:`Sequence` owns a list of blocks (its block table), so
 memory follows the tokens a sequence really holds, not a worst-case row of the whole context.
 
 **Prefix cache.** A block that fills up is registered under the key (its parent block's key, its
