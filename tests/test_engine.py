@@ -151,10 +151,11 @@ class ScriptedGPT(GPT):
         self.init_weights()
         self.script, self.default = script, default
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
         super().forward(idx, kv_cache=kv_cache)  # keeps the cache position moving
         nxt = torch.tensor([[self.script.get(int(t), self.default) for t in row] for row in idx])
-        return torch.nn.functional.one_hot(nxt, VOCAB).float() * 10.0
+        logits = torch.nn.functional.one_hot(nxt, VOCAB).float() * 10.0
+        return logits if logits_at is None else logits.flatten(0, 1)[logits_at]
 
 
 def test_tool_use_forces_calculator_output():

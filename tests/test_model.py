@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, layer_windows
-from chatpipe.model.paged_cache import BlockPool, PagedBatch, Sequence
+from chatpipe.model.paged_cache import BlockPool, PackedBatch, PagedBatch, Sequence
 from chatpipe.train.optim import build_optimizers
 
 
@@ -175,6 +175,34 @@ def test_paged_rows_of_other_lengths_in_one_forward_and_a_forked_sequence():
     child.tokens.append(int(nxt))
     step = paged(model, pool, [child], nxt, [1])
     assert torch.allclose(step[0, 0], model(torch.cat([x[:1, :9], nxt], dim=1))[0, -1], atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
+def test_a_packed_forward_decodes_and_prefills_as_the_sequences_alone(options):
+    """Decode rows (one token each, two of them sharing a prefix) and prefill chunks of other lengths
+    (one from position 0, one mid-way) in one row of tokens, the logits taken at each row's last token:
+    each matches a full forward of its sequence, and the positions are committed as separate forwards do."""
+    model = tiny(window_pattern="SL", n_kv_head=2, **options)
+    x = torch.randint(0, 97, (5, 12))
+    pool = BlockPool(model.config, num_blocks=24, block_size=4)
+    seqs = [Sequence(row.tolist()) for row in x]
+    paged(model, pool, seqs[:2], x[:2, :9], [9, 9])  # two decode rows at position 9
+    seqs[2].tokens = x[0].tolist()  # a third decode row starts as row 0: it shares row 0's full blocks
+    pool.lookup(seqs[2])
+    paged(model, pool, [seqs[2]], x[:1, 8:9], [1])
+    paged(model, pool, [seqs[4]], x[4:5, :5], [5])  # a prompt prefilled up to position 5 in an earlier chunk
+    decode, prefill, chunks = seqs[:3], seqs[3:], [7, 4]  # row 3 prefills positions 0..6, row 4 5..8
+    for seq, chunk in zip(seqs, [1, 1, 1, *chunks]):
+        assert pool.reserve(seq, seq.length + chunk)
+    batch = PackedBatch(pool, decode, prefill, chunks, torch.device("cpu"))
+    assert batch.decode.shared is not None  # rows 0 and 2 read their prefix once
+    ids = torch.cat([x[[0, 1, 0], 9], x[3, :7], x[4, 5:9]])[None]
+    out = model(ids, kv_cache=batch, logits_at=batch.last_index())
+    want = [model(x[i : i + 1, :n])[0, -1] for i, n in ((0, 10), (1, 10), (0, 10), (3, 7), (4, 9))]
+    assert out.shape == (5, 97) and torch.allclose(out, torch.stack(want), atol=1e-4)
+    assert [s.length for s in seqs] == [10, 10, 10, 7, 9]
+    with pytest.raises(ValueError, match="decode rows and prefill chunks both"):
+        PackedBatch(pool, decode, [], [], torch.device("cpu"))
 
 
 def test_paged_decode_steps_gather_into_one_buffer_kept_across_forwards():

@@ -53,17 +53,18 @@ class ScriptedModel(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.script, self.prompt_len, self.vocab = script, prompt_len, vocab
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
         b, t = idx.shape
-        t0 = kv_cache.pos if kv_cache is not None else 0
+        positions = kv_cache.positions() if kv_cache is not None else torch.arange(t).expand(b, t)
         logits = torch.zeros(b, t, self.vocab)
-        for j in range(t):
-            k = t0 + j + 1 - self.prompt_len  # index into the script of the token predicted here
-            if 0 <= k < len(self.script):
-                logits[:, j, self.script[k]] = 50.0
+        for i in range(b):
+            for j in range(t):
+                k = int(positions[i, j]) + 1 - self.prompt_len  # index into the script of the token predicted here
+                if 0 <= k < len(self.script):
+                    logits[i, j, self.script[k]] = 50.0
         if kv_cache is not None:
             kv_cache.advance(t)
-        return logits
+        return logits if logits_at is None else logits.flatten(0, 1)[logits_at]
 
 
 def conv(question: str, answer: str) -> dict:

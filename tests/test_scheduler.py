@@ -168,6 +168,36 @@ def test_a_prompt_that_starts_like_an_earlier_one_computes_only_the_rest():
     assert count_ties(model, [second], [history], [alone.seqs[0]]) <= MAX_TIES
 
 
+def test_a_prompt_joining_decoding_rows_rides_their_forward():
+    """Before, a step that admitted a prompt beside decoding rows ran two forwards: its prefill, then the
+    decode. Now every step runs one forward, the prompt's tokens packed after the decoding rows', and
+    each request still gives the tokens it gives alone."""
+    model = quiet_model(smear=True, value_embeds=True)
+    engine = Engine(model, TOK)
+    forwards = []
+    model.register_forward_pre_hook(lambda _, args: forwards.append(tuple(args[0].shape)))
+    prompts = [[S["<|bos|>"], *TOK.encode("q" * (2 + 3 * i))] for i in range(4)]
+    sched = Scheduler(engine, rows=4, context=64)
+    reqs, steps = [], 0
+    for p in prompts:  # a new prompt every 3 steps, of another length each time
+        reqs.append(sched.submit(GenRequest(p, max_tokens=12, temperature=0.0)))
+        for _ in range(3):
+            sched.step()
+            steps += 1
+    while sched.busy():
+        sched.step()
+        steps += 1
+    assert len(forwards) == steps - 1  # one forward a step, but the last (nothing left to compute)
+    packed = [shape for shape in forwards if shape[0] == 1 and shape[1] > 3]
+    assert len(packed) == 3  # the three later prompts each joined in one packed forward
+    alone = []
+    for p in prompts:
+        fresh = Scheduler(engine, rows=4, context=64)
+        alone.append(fresh.submit(GenRequest(p, max_tokens=12, temperature=0.0)))
+        fresh.run()
+    assert count_ties(model, reqs, prompts, [a.seqs[0] for a in alone]) <= MAX_TIES
+
+
 def test_a_long_prompt_prefills_in_chunks_while_the_other_rows_keep_decoding():
     model = quiet_model()
     engine = Engine(model, TOK)
@@ -181,7 +211,9 @@ def test_a_long_prompt_prefills_in_chunks_while_the_other_rows_keep_decoding():
     while not long.seqs[0]:
         sched.step()
         steps += 1
-    assert steps == 5  # 51 tokens at 11 a step (12 less the decoding row): 5 chunks
+    # 51 tokens at 11 a step (12 less the decoding row): 5 chunks, each in the decoding row's forward;
+    # the prompt's first token is drawn at the step after its last chunk
+    assert steps == 6
     assert len(short.seqs[0]) == before + steps  # the decoding row got a token at every one of them
     sched.run()
     fresh = Scheduler(engine, rows=4, context=96)
@@ -361,7 +393,7 @@ def test_a_steps_tokens_are_handed_on_before_its_decode_forward():
     sched.submit(req)
     while sched.busy():
         sched.step(sampled=lambda: handed.append((len(seen), forwards[0])))
-    # step 1: prefill (1 forward), first token drawn, handed on before its decode (forward 2)
-    assert handed[0] == (1, 1), handed
-    assert [n for n, _ in handed] == [1, 2, 3] and [f for _, f in handed] == [1, 2, 3], handed
+    # step 1 prefills (forward 1) with nothing to hand on; from step 2 each step's token is handed on
+    # before that step's forward: token n after n forwards, not n + 1
+    assert handed == [(0, 0), (1, 1), (2, 2), (3, 3)], handed
     assert req.seqs[0] == seen and len(seen) == 3

@@ -2,22 +2,24 @@
 
 Every token chatpipe generates (chat, server, evals, rollouts, the reward model's sampling) comes
 from a :class:`Scheduler`. It owns admission, the KV budget and preemption; the model only runs
-forwards (:class:`chatpipe.model.paged_cache.PagedBatch`); :mod:`chatpipe.inference.sampler` draws
-and :class:`chatpipe.inference.rows.RowState` applies stops and the calculator. Each
-:meth:`Scheduler.step`:
+forwards (:class:`chatpipe.model.paged_cache.PagedBatch`, ``PackedBatch``);
+:mod:`chatpipe.inference.sampler` draws and :class:`chatpipe.inference.rows.RowState` applies stops
+and the calculator. Each :meth:`Scheduler.step`:
 
-1. **admits** waiting requests, oldest first, while the batch has a row for every sample of the
-   next one and the KV pool has blocks for its prompt. Its prompt is looked up in the prefix cache
-   first: the blocks found are shared, only the rest is computed;
-2. **prefills** in chunks under a per-step token budget (``max_batch_tokens``, decode rows first):
-   a long prompt takes several steps, and the rows already decoding get a token at every one of
-   them. When a prompt is done, its samples fork from it (sharing its blocks);
-3. **samples** one token per live row (each request from its own ``torch.Generator``), applies its
+1. **samples** one token per live row (each request from its own ``torch.Generator``), applies its
    row rules and **evicts** the rows that finished or were cancelled (their full blocks stay in the
    prefix cache);
-4. **decodes**: one forward for every live row. A row that needs a new block and finds none
-   **preempts** the newest row or prefill (its blocks are freed; it is recomputed later, mostly from
-   the prefix cache), never running out of memory.
+2. **admits** waiting requests, oldest first, while the batch has a row for every sample of the
+   next one and the KV pool has blocks for its prompt. Its prompt is looked up in the prefix cache
+   first: the blocks found are shared, only the rest is computed;
+3. **reserves** a slot for every live row's next position. A row that needs a new block and finds
+   none **preempts** the newest row or prefill (its blocks are freed; it is recomputed later, mostly
+   from the prefix cache), never running out of memory;
+4. runs **one forward**: every live row's next token and the next chunk of each prefilling prompt,
+   under a per-step token budget (``max_batch_tokens``, decode rows first), packed into one row of
+   tokens. A long prompt takes several steps, and the rows already decoding get a token at every one
+   of them. When a prompt is done, its samples fork from it (sharing its blocks) and draw their
+   first tokens at the next step.
 
 A request's tokens depend only on the request and its seed, not on its neighbours (up to the float
 rounding of a matmul at another batch size, and the draw order of a request's samples when one of
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +49,7 @@ import torch
 
 from chatpipe.inference.rows import RowState
 from chatpipe.inference.sampler import draw, sampling_candidates, token_logprobs, top_logprobs
-from chatpipe.model.paged_cache import BlockPool, PagedBatch, Sequence
+from chatpipe.model.paged_cache import BlockPool, PackedBatch, PagedBatch, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class GenRequest:
     reasons: list[str | None] = field(default_factory=list)
     cancelled: bool = False
     rng: torch.Generator | None = field(default=None, repr=False)  # seeded when the request is admitted
+    admitted_at: float | None = None  # time.monotonic() when it left the queue for the batch
 
     @property
     def done(self) -> bool:
@@ -202,13 +206,13 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self, sampled: Callable[[], None] | None = None) -> int:
-        """Admit, prefill a chunk, sample a token per live row, evict the finished, decode the rest;
-        returns the live rows. ``sampled`` is called once the step's tokens are drawn and reported
-        (``on_token`` / ``on_done``), before the decode forward: a server sends them on from there,
-        so a token does not wait for the forward that prepares the next one."""
+        """Sample a token per live row, evict the finished, admit waiting requests into the rows freed,
+        then one forward: every live row's next token and the next chunk of each prefilling prompt;
+        returns the live rows (those that joined included: they draw their first token next step).
+        ``sampled`` is called once the step's tokens are drawn and reported (``on_token`` /
+        ``on_done``), before the forward: a server sends them on from there, so a token does not wait
+        for the forward that prepares the next one."""
         self._drop_cancelled()
-        self._admit()
-        self._prefill()
         if self.live:
             tokens = self._sample()
             self._record(tokens)
@@ -216,10 +220,8 @@ class Scheduler:
         self.steps += 1
         if sampled is not None:
             sampled()
-        if self.live:
-            self._decode()
-        else:
-            self.logits = None
+        self._admit()
+        self._forward()
         return len(self.live)
 
     def _rows_of(self, p: _Prefill) -> int:
@@ -259,6 +261,7 @@ class Scheduler:
                 self.query_tokens -= len(req.prompt)
                 return
             self.waiting.popleft()
+            req.admitted_at = time.monotonic()
             req.rng = torch.Generator(device=self.device)
             req.rng.manual_seed(req.seed)
             self.prefills.append(job)
@@ -271,9 +274,9 @@ class Scheduler:
         self.hit_tokens += found
         self.query_tokens += len(job.seq.tokens)
 
-    def _prefill(self) -> None:
-        """One forward over the next chunk of each prefilling sequence, oldest first, within the step's
-        token budget; sequences that are done become live rows with their last logits."""
+    def _prefill(self) -> list[tuple[_Prefill, int]]:
+        """The next chunk of each prefilling sequence, oldest first, within the step's token budget (the
+        decode rows' tokens come first), with KV blocks reserved for it: (job, tokens) pairs."""
         budget = self.max_batch_tokens - len(self.live)
         batch: list[tuple[_Prefill, int]] = []
         for job in self.prefills:
@@ -286,17 +289,41 @@ class Scheduler:
                 break  # wait until rows finish and free blocks; later prefills wait behind this one
             batch.append((job, chunk))
             budget -= chunk
-        if not batch:
+        return batch
+
+    def _forward(self) -> None:
+        """Room for every live row's next position (preempting the newest when the pool is full), the
+        prefill chunks that fit, and one forward over both: the live rows' next logits; prompts whose
+        last chunk this was join as live rows with theirs."""
+        self._reserve_decode()
+        batch = self._prefill()
+        if not self.live and not batch:
+            self.logits = None
             return
         seqs, chunks = [job.seq for job, _ in batch], [chunk for _, chunk in batch]
-        width = max(chunks)
-        ids = [s.tokens[s.length : s.length + c] + [0] * (width - c) for s, c in zip(seqs, chunks)]
+        if self.live and batch:  # one row of tokens: each live row's last token, then the chunks
+            ids = [
+                [row.token for row in self.live]
+                + [t for s, c in zip(seqs, chunks) for t in s.tokens[s.length : s.length + c]]
+            ]
+            cache: PagedBatch | PackedBatch = PackedBatch(
+                self.pool, [r.seq for r in self.live], seqs, chunks, self.device
+            )
+        elif self.live:
+            ids = [[row.token] for row in self.live]
+            cache = PagedBatch(self.pool, [row.seq for row in self.live], [1] * len(self.live), self.device)
+        else:  # prompts only, right-padded to the longest chunk
+            width = max(chunks)
+            ids = [s.tokens[s.length : s.length + c] + [0] * (width - c) for s, c in zip(seqs, chunks)]
+            cache = PagedBatch(self.pool, seqs, chunks, self.device)
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model(ids, kv_cache=PagedBatch(self.pool, seqs, chunks, self.device))
-        for i, (job, chunk) in enumerate(batch):
+        logits = self.model(ids, kv_cache=cache, logits_at=cache.last_index())  # [live rows + chunks, V]
+        decoded = len(self.live)
+        self.logits = logits[:decoded] if decoded else None
+        for i, (job, _) in enumerate(batch):
             if job.seq.length == len(job.seq.tokens):
                 self.prefills.remove(job)
-                self._join(job, logits[i, chunk - 1])
+                self._join(job, logits[decoded + i])
 
     def _join(self, job: _Prefill, last: torch.Tensor) -> None:
         """A prefilled sequence's rows go live: its samples fork from it, or the preempted row resumes."""
@@ -419,19 +446,12 @@ class Scheduler:
             self.live = [self.live[i] for i in keep]
             self.logits = self.logits[keep] if keep else None
 
-    def _decode(self) -> None:
-        """Room for every live row's next position (preempting the newest when the pool is full), then
-        one forward that stores the rows' last tokens and gives their next logits."""
+    def _reserve_decode(self) -> None:
+        """A KV slot for every live row's next position, preempting the newest row or prefill while the
+        pool has none."""
         for row in list(self.live):
             while row in self.live and not self.pool.reserve(row.seq, row.seq.length + 1):
                 self._preempt_newest()
-        if not self.live:
-            self.logits = None
-            return
-        seqs = [row.seq for row in self.live]
-        column = torch.tensor([[row.token] for row in self.live], dtype=torch.long, device=self.device)
-        batch = PagedBatch(self.pool, seqs, [1] * len(seqs), self.device)
-        self.logits = self.model(column, kv_cache=batch)[:, -1, :]
 
     def _preempt_newest(self) -> None:
         """Free the newest row or prefill's blocks; it is recomputed when memory allows (prefix cache first)."""

@@ -44,7 +44,7 @@ from chatpipe.model.attention import (
     sliding_window_block_mask,
 )
 from chatpipe.model.eager_ops import apply_rotary, relu_squared, rms_norm, softcap
-from chatpipe.model.paged_cache import PagedBatch, PagedPlan
+from chatpipe.model.paged_cache import PackedBatch, PagedBatch, PagedPlan
 
 SOFTCAP = 15.0
 ROTARY_BASE = 10000.0
@@ -331,7 +331,7 @@ class CausalSelfAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: AttentionPlan,
-        kv_cache: PagedBatch | None,
+        kv_cache: PagedBatch | PackedBatch | None,
         ve: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -479,7 +479,7 @@ class GPT(nn.Module):
         self.cos, self.sin = cos, sin
         self._build_block_masks()
 
-    def hidden(self, idx: torch.Tensor, kv_cache: PagedBatch | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, kv_cache: PagedBatch | PackedBatch | None = None) -> torch.Tensor:
         """Final normed hidden states [B, T, n_embd] (what lm_head reads; a value head reads them too).
 
         With ``kv_cache`` (a :class:`chatpipe.model.paged_cache.PagedBatch`, the engine's), row ``i``
@@ -505,7 +505,7 @@ class GPT(nn.Module):
             kv_cache.advance(idx.size(1))
         return norm(x)
 
-    def _attention_inputs(self, idx: torch.Tensor, kv_cache: PagedBatch | None) -> tuple[Any, Any, dict]:
+    def _attention_inputs(self, idx: torch.Tensor, kv_cache: PagedBatch | PackedBatch | None) -> tuple[Any, Any, dict]:
         """The rotary tables of the input's positions and each window's attention plan."""
         t = idx.size(1)
         if kv_cache is None:  # whole sequences: training, evaluation, a forward with no cache
@@ -534,15 +534,14 @@ class GPT(nn.Module):
         """[B, 1, n_embd]: what a KV cache keeps as ``prev_embed`` after tokens ``ids`` [B] (their normed embedding)."""
         return norm(self.wte(ids[:, None]))
 
-    def _smear(self, x: torch.Tensor, kv_cache: PagedBatch | None) -> torch.Tensor:
+    def _smear(self, x: torch.Tensor, kv_cache: PagedBatch | PackedBatch | None) -> torch.Tensor:
         """Mix each position's embedding with the previous one's, gated by its first channels."""
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
         prev = x[:, :-1]
         if kv_cache is not None and kv_cache.pos > 0:
             if kv_cache.prev_embed is None:
                 raise ValueError("smear: the KV cache holds positions but no previous embedding")
-            prev = torch.cat([kv_cache.prev_embed.to(x.dtype), prev], dim=1)
-            smeared = x + gate * prev
+            smeared = x + gate * kv_cache.previous(x)
         else:  # the first position has no predecessor
             smeared = torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
         return smeared
@@ -551,17 +550,23 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        kv_cache: PagedBatch | None = None,
+        kv_cache: PagedBatch | PackedBatch | None = None,
         loss_reduction: str = "mean",
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (float32 [B, T, V]) without targets; cross-entropy with targets (-1 = ignore).
 
         ``loss_reduction="none"`` returns per-token losses [B, T] (0.0 where ignored). With a
-        ``kv_cache`` (the engine's :class:`chatpipe.model.paged_cache.PagedBatch`), each row continues its
-        sequence in the KV pool and its new keys/values are stored there.
+        ``kv_cache`` (the engine's :class:`chatpipe.model.paged_cache.PagedBatch` or ``PackedBatch``), each
+        row continues its sequence in the KV pool and its new keys/values are stored there.
+        ``logits_at`` (indices into the B*T positions) gives the logits of those positions only, [n, V]:
+        generation needs a row's last position, and the head over every prompt token is wasted work.
         """
         b, t = idx.shape
-        logits = self.lm_head(self.hidden(idx, kv_cache))
+        hidden = self.hidden(idx, kv_cache)
+        if logits_at is not None:
+            hidden = hidden.flatten(0, 1).index_select(0, logits_at)
+        logits = self.lm_head(hidden)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]
         logits = logits.float()

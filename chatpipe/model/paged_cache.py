@@ -17,7 +17,8 @@ memory allows: it is evicted, least recently released first, only when a new blo
 ``kv_cache``: rows of sequences that each add ``chunk`` tokens (a decode step adds 1, a prefill
 chunk many), right-padded to one length. Each layer writes the new keys/values into their slots
 and gathers every row's keys in position order for one masked attention call; padding writes go
-to a scratch slot and no real query attends them.
+to a scratch slot and no real query attends them. A step that decodes some rows and prefills others
+runs them as one :class:`PackedBatch`: one row of tokens, no padding in the matmuls.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(eq=False)
@@ -216,9 +218,11 @@ class BlockPool:
 @dataclass
 class PagedPlan:
     """One layer window's attention for a :class:`PagedBatch`: which keys each query may attend
-    (``mask`` [rows, 1, T, keys], keys laid out as the batch's shared prefix blocks, then own blocks)."""
+    (``mask`` [rows, 1, T, keys], keys laid out as the batch's shared prefix blocks, then own blocks).
+    A :class:`PackedBatch`'s plan has no mask of its own but one plan per part (``parts``)."""
 
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    parts: tuple[PagedPlan, ...] = ()
 
 
 @dataclass
@@ -252,18 +256,17 @@ class PagedBatch:
 
     def __init__(self, pool: BlockPool, seqs: list[Sequence], chunks: list[int], device: torch.device) -> None:
         self.pool, self.seqs, self.chunks, self.device = pool, seqs, chunks, device
-        size = pool.block_size
-        self.starts = torch.tensor([s.length for s in seqs], device=device)
-        steps = torch.arange(max(chunks), device=device)
-        counts = torch.tensor(chunks, device=device)
-        real = steps[None] < counts[:, None]
-        # [rows, T]; a row's padding repeats its last position (never past the rotary table)
-        self._positions = self.starts[:, None] + torch.minimum(steps[None], counts[:, None] - 1)
-        blocks = max(len(s.blocks) for s in seqs)
-        tables = torch.tensor(_padded([s.blocks for s in seqs], blocks, pool.num_blocks), device=device)
-        index = (self._positions // size).clamp(max=blocks - 1)
-        write_block = torch.where(real, tables.gather(1, index), pool.num_blocks)  # padding: the scratch block
-        self.write = (write_block.flatten(), (self._positions % size).flatten())
+        # index arithmetic in Python, one tensor per table: a dozen tiny tensor ops per forward cost more
+        size, width, scratch = pool.block_size, max(chunks), pool.num_blocks * pool.block_size
+        positions: list[list[int]] = []  # [rows, T]; a row's padding repeats its last position
+        slots: list[int] = []  # each token's slot in the pool; padding writes to the scratch block
+        for s, c in zip(seqs, chunks):
+            row = [s.length + min(t, c - 1) for t in range(width)]
+            positions.append(row)
+            slots += [s.blocks[p // size] * size + p % size for p in row[:c]] + [scratch] * (width - c)
+        self.start = max(s.length for s in seqs)
+        self._positions = torch.tensor(positions, device=device)
+        self.write = torch.tensor(slots, device=device)
         self.shared, prefix = self._share_prefixes()
         own = [s.blocks[n:] for s, n in zip(seqs, prefix)]
         self.own_blocks = max(len(o) for o in own)
@@ -302,17 +305,20 @@ class PagedBatch:
     def _key_layout(self, prefix: list[int], own: list[int]) -> None:
         """Each row's key positions, its group's prefix blocks first, then its own, and which are real."""
         size, device = self.pool.block_size, self.device
-        prefix_blocks = self.shared.blocks if self.shared else 0
-        n_prefix, n_own = torch.tensor(prefix, device=device)[:, None], torch.tensor(own, device=device)[:, None]
-        pre = torch.arange(prefix_blocks * size, device=device)[None].expand(len(prefix), -1)
         ahead = torch.arange(self.own_blocks * size, device=device)[None]
+        n_own = torch.tensor(own, device=device)[:, None]
+        if not self.shared:  # every row's keys are its own blocks, from position 0
+            self.key_pos, self.key_real = ahead, ahead < n_own * size
+            return
+        n_prefix = torch.tensor(prefix, device=device)[:, None]
+        pre = torch.arange(self.shared.blocks * size, device=device)[None].expand(len(prefix), -1)
         self.key_pos = torch.cat([pre, n_prefix * size + ahead], dim=1)
         self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own * size], dim=1)
 
     @property
     def pos(self) -> int:
         """Positions before this forward's first token, of the row that holds the most (the smear's test)."""
-        return int(self.starts.max())
+        return self.start
 
     def positions(self) -> torch.Tensor:
         """[rows, T]: each input token's position in its sequence."""
@@ -321,6 +327,15 @@ class PagedBatch:
     def previous_tokens(self) -> list[int | None]:
         """The token before each row's chunk (whose embedding the smear mixes in), or None at position 0."""
         return [s.tokens[s.length - 1] if s.length else None for s in self.seqs]
+
+    def previous(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, T, C]: the embedding before each input position (the smear's), ``prev_embed`` first."""
+        return torch.cat([self.prev_embed.to(x.dtype), x[:, :-1]], dim=1)
+
+    def last_index(self) -> torch.Tensor:
+        """[rows]: where each row's last real token sits in the input flattened to [rows * T]."""
+        counts = torch.tensor(self.chunks, device=self.device)
+        return torch.arange(len(self.chunks), device=self.device) * max(self.chunks) + counts - 1
 
     def plan(self, window: int | None) -> PagedPlan:
         query, keys = self._positions[:, :, None], self.key_pos[:, None, :]  # [rows, T, 1], [rows, 1, K]
@@ -336,13 +351,18 @@ class PagedBatch:
         group = q.size(1) // kv_heads
         self.pool.storage(k.dtype, k.device)
         pk, pv = self.pool.k[layer], self.pool.v[layer]
-        block, offset = self.write
-        pk[:, block, offset] = k.transpose(0, 1).reshape(kv_heads, rows * width, dim)
-        pv[:, block, offset] = v.transpose(0, 1).reshape(kv_heads, rows * width, dim)
+        slots = pk.view(kv_heads, -1, dim), pv.view(kv_heads, -1, dim)  # [H_kv, all slots, D]
+        slots[0].index_copy_(1, self.write, k.transpose(0, 1).reshape(kv_heads, rows * width, dim))
+        slots[1].index_copy_(1, self.write, v.transpose(0, 1).reshape(kv_heads, rows * width, dim))
         # query heads grouped by their kv head: [H_kv, rows, g*T, D]
-        qg = (q.reshape(rows, kv_heads, group * width, dim) * dim**-0.5).transpose(0, 1)
+        qg = q.reshape(rows, kv_heads, group * width, dim).transpose(0, 1)
         own_k = self._gather(0, pk, self.own_tables).view(kv_heads, rows, -1, dim)
         own_v = self._gather(1, pv, self.own_tables).view(kv_heads, rows, -1, dim)
+        if not self.shared:  # one fused call: no [.., keys] score and probability tensors in memory
+            mask = plan.mask.expand(rows, group, width, -1).reshape(1, rows, group * width, -1)
+            out = F.scaled_dot_product_attention(qg, own_k, own_v, attn_mask=mask, scale=dim**-0.5)
+            return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
+        qg = qg * dim**-0.5
         scores = qg @ own_k.transpose(-1, -2)  # [H_kv, rows, g*T, own keys]
         if self.shared:
             scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
@@ -383,6 +403,80 @@ class PagedBatch:
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
             self.pool.commit(seq, count)
+
+
+class PackedBatch:
+    """The ``kv_cache`` of one forward that decodes some rows and prefills others: the input is one
+    row of tokens [1, N], every decode row's token, then every prefill chunk's tokens back to back.
+
+    Its matmuls (projections, MLP, head) see only real tokens: padding a decode row to a prefill chunk's
+    width would multiply its work by that width. Attention runs in two parts, each a :class:`PagedBatch`:
+    the decode rows (one query each) and the prefill chunks (right-padded to the longest, a padded copy
+    of their queries in, the real outputs back). A step that admits a prompt thus runs one forward, not
+    a prefill forward beside the decode one: a forward of this model costs milliseconds of fixed per-op
+    overhead on CPU before any arithmetic."""
+
+    def __init__(
+        self, pool: BlockPool, decode: list[Sequence], prefill: list[Sequence], chunks: list[int], device: torch.device
+    ) -> None:
+        if not decode or not prefill:
+            raise ValueError("a packed batch holds decode rows and prefill chunks both; else use PagedBatch")
+        self.decode = PagedBatch(pool, decode, [1] * len(decode), device)
+        self.prefill = PagedBatch(pool, prefill, chunks, device)
+        n, width, device_ = len(decode), max(chunks), device
+        counts = torch.tensor(chunks, device=device_)
+        real = (torch.arange(width, device=device_)[None] < counts[:, None]).flatten()
+        self.unpad = real.nonzero().squeeze(1)  # [prefill tokens]: each real token's slot in the padded chunks
+        ends = n + counts.cumsum(0)
+        starts = ends - counts
+        # [rows * width]: the packed token each padded slot copies (padding repeats its row's first token)
+        slot = torch.arange(width, device=device_)[None].expand(len(chunks), -1)
+        self.pad = (starts[:, None] + torch.minimum(slot, counts[:, None] - 1)).flatten() - n
+        self.row_starts = torch.cat([torch.arange(n, device=device_), starts])  # each row's first packed token
+        self.ends = torch.cat([torch.arange(n, device=device_), ends - 1])
+        self._positions = torch.cat([self.decode.positions()[:, 0], self.prefill.positions().flatten()[self.unpad]])
+        self.prev_embed: torch.Tensor | None = None
+
+    @property
+    def pos(self) -> int:
+        return max(self.decode.pos, self.prefill.pos)
+
+    def positions(self) -> torch.Tensor:
+        """[1, N]: each packed token's position in its sequence."""
+        return self._positions[None]
+
+    def previous_tokens(self) -> list[int | None]:
+        return self.decode.previous_tokens() + self.prefill.previous_tokens()
+
+    def previous(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, C]: the embedding before each packed token: the token before it in the row of tokens,
+        except at a row's first token, where it is that row's ``prev_embed``."""
+        shifted = torch.cat([x.new_zeros(1, 1, x.size(2)), x[:, :-1]], dim=1)
+        return shifted.index_copy(1, self.row_starts, self.prev_embed.transpose(0, 1).to(x.dtype))
+
+    def last_index(self) -> torch.Tensor:
+        """[rows]: each row's last token in the packed input, decode rows first."""
+        return self.ends
+
+    def plan(self, window: int | None) -> PagedPlan:
+        return PagedPlan(None, (self.decode.plan(window), self.prefill.plan(window)))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
+        """q/k/v [1, heads, N, D]: the decode rows' part as [rows, heads, 1, D], the prefill part padded
+        to [rows, heads, width, D]; each attends as a :class:`PagedBatch`, and the real outputs are packed again."""
+        n, rows, width = len(self.decode.seqs), len(self.prefill.seqs), max(self.prefill.chunks)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t[0, :, n:].index_select(1, self.pad).view(t.size(1), rows, width, -1).transpose(0, 1)
+
+        head = self.decode.attend(layer, *(t[:, :, :n].transpose(0, 2) for t in (q, k, v)), plan.parts[0])
+        tail = self.prefill.attend(layer, padded(q), padded(k), padded(v), plan.parts[1])
+        tail = tail.transpose(0, 1).reshape(q.size(1), rows * width, -1).index_select(1, self.unpad)
+        return torch.cat([head.transpose(0, 2)[0], tail], dim=1)[None]
+
+    def advance(self, t: int) -> None:
+        self.decode.advance(1)
+        self.prefill.advance(t)
 
 
 def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:

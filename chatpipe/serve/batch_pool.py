@@ -72,12 +72,12 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, 
     """The batch process: step a :class:`Scheduler` over the requests ``conn`` brings.
 
     In: ``("submit", id, prompt, settings)``, ``("cancel", id)``, ``("stop",)``. Out, once a step's
-    tokens are drawn (before its decode forward, which only prepares the next step's logits; and
+    tokens are drawn (before its forward, which only prepares the next step's logits; and
     again if the step then fails): ``(events, (live rows, requests in the batch, steps), stats)``; an event is ``(id, sample,
     token, mask)`` (``(id, sample, token, mask, top)`` with ``top_logprobs``: see
     :attr:`GenRequest.tops`), or ``(id, sample, None, reason)`` when a sample ends; ``stats`` is
-    :meth:`Scheduler.stats` with ``queue_times``, the seconds each request admitted in the step
-    waited for it. A step that raises ends every request the scheduler holds with
+    :meth:`Scheduler.stats` with ``queue_times``, the seconds each request admitted since the last
+    report waited in the queue. A step that raises ends every request the scheduler holds with
     ``"error: ..."``; the batch carries on. Returns when told to stop or when the server's end of
     the pipe closes (the server exited). ``kv``: the scheduler's KV pool and step budget
     (``kv_blocks``, ``block_size``, ``max_batch_tokens``; its defaults where absent).
@@ -90,8 +90,8 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, 
     conn.send("ready")
     try:
         while take_messages(conn, sched, reqs, events, arrived, block=not sched.busy()):
-            # the step's tokens go as soon as they are drawn, before its decode forward
-            send = functools.partial(send_step, conn, sched, reqs, events, arrived, time.monotonic())
+            # the step's tokens go as soon as they are drawn, before its forward
+            send = functools.partial(send_step, conn, sched, reqs, events, arrived)
             if not sched.busy():
                 send()
                 continue
@@ -108,25 +108,25 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, 
 
 
 def send_step(
-    conn: Any, sched: Scheduler, reqs: dict[int, GenRequest], events: list, arrived: dict[int, float], started: float
+    conn: Any, sched: Scheduler, reqs: dict[int, GenRequest], events: list, arrived: dict[int, float]
 ) -> None:
-    """Send the events so far, the batch's load and its stats (the step begun at ``started``)."""
-    stats = {**sched.stats(), "queue_times": admitted_since(arrived, reqs, started)}
+    """Send the events so far, the batch's load and its stats."""
+    stats = {**sched.stats(), "queue_times": admitted_since(arrived, reqs)}
     active = len({id(row.req) for row in sched.live})
     conn.send((events, (len(sched.live), active, sched.steps), stats))
     events.clear()
 
 
-def admitted_since(arrived: dict[int, float], reqs: dict[int, GenRequest], started: float) -> list[float]:
-    """The queue times of the requests the step begun at ``started`` admitted (a request has a
-    generator once it joins); forgets those that left without joining."""
+def admitted_since(arrived: dict[int, float], reqs: dict[int, GenRequest]) -> list[float]:
+    """The queue times (arrival to admission) of the requests admitted since the last call; forgets
+    those that left without joining."""
     out = []
     for rid in list(arrived):
         req = reqs.get(rid)
-        if req is None or req.rng is not None:
+        if req is None or req.admitted_at is not None:
             t = arrived.pop(rid)
             if req is not None:
-                out.append(max(0.0, started - t))
+                out.append(max(0.0, req.admitted_at - t))
     return out
 
 
