@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -70,15 +71,32 @@ def slurm_cluster():
             subprocess.run(["bash", str(SCRIPT), "down"], check=False)
 
 
-def free_port() -> int:
+def rendezvous_base(span: int = 16) -> int:
+    """A rendezvous base port with ``span`` free ports from it (a sweep hands its points base, base + 1,
+    ...), below the kernel's ephemeral range. A port from that range (one bound to port 0) races every
+    outgoing connection on the host: in CI of b0287a4 one took base + 3 between the sweep's check and
+    torchrun's bind seconds later, and the point's first Slurm job failed with EADDRINUSE."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for _ in range(200):
+        base = random.randrange(20000, low - span)
+        if all(_bindable(port) for port in range(base, base + span)):
+            return base
+    raise RuntimeError(f"no {span} free ports in a row between 20000 and {low}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def slurm_env(project: Path, **extra: str) -> dict[str, str]:
     """The project's environment plus the cluster's config and a rendezvous port no one else uses."""
-    return {"SLURM_CONF": os.environ["SLURM_CONF"], "CHATPIPE_LAUNCH__RDZV_PORT": str(free_port()), **extra}
+    return {"SLURM_CONF": os.environ["SLURM_CONF"], "CHATPIPE_LAUNCH__RDZV_PORT": str(rendezvous_base()), **extra}
 
 
 def project_jobs(project: Path) -> list[dict[str, str]]:
