@@ -23,6 +23,7 @@ runs them as one :class:`PackedBatch`: one row of tokens, no padding in the matm
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -364,15 +365,13 @@ class PagedBatch:
             return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
         qg = qg * dim**-0.5
         scores = qg @ own_k.transpose(-1, -2)  # [H_kv, rows, g*T, own keys]
-        if self.shared:
-            scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
+        scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
         keys = scores.size(-1)
         scores = scores.view(kv_heads, rows, group, width, keys).masked_fill(~plan.mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(kv_heads, rows, group * width, keys)
         prefix = keys - own_k.size(2)
         out = probs[..., prefix:] @ own_v  # [H_kv, rows, g*T, D]
-        if self.shared:
-            out = out + self._prefix_values(probs[..., :prefix], pv) * self.shared.grouped
+        out = out + self._prefix_values(probs[..., :prefix], pv) * self.shared.grouped
         return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
 
     def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
@@ -423,18 +422,18 @@ class PackedBatch:
             raise ValueError("a packed batch holds decode rows and prefill chunks both; else use PagedBatch")
         self.decode = PagedBatch(pool, decode, [1] * len(decode), device)
         self.prefill = PagedBatch(pool, prefill, chunks, device)
-        n, width, device_ = len(decode), max(chunks), device
-        counts = torch.tensor(chunks, device=device_)
-        real = (torch.arange(width, device=device_)[None] < counts[:, None]).flatten()
-        self.unpad = real.nonzero().squeeze(1)  # [prefill tokens]: each real token's slot in the padded chunks
-        ends = n + counts.cumsum(0)
-        starts = ends - counts
-        # [rows * width]: the packed token each padded slot copies (padding repeats its row's first token)
-        slot = torch.arange(width, device=device_)[None].expand(len(chunks), -1)
-        self.pad = (starts[:, None] + torch.minimum(slot, counts[:, None] - 1)).flatten() - n
-        self.row_starts = torch.cat([torch.arange(n, device=device_), starts])  # each row's first packed token
-        self.ends = torch.cat([torch.arange(n, device=device_), ends - 1])
-        self._positions = torch.cat([self.decode.positions()[:, 0], self.prefill.positions().flatten()[self.unpad]])
+        # index tables in Python, one tensor each (as PagedBatch builds its own)
+        n, width = len(decode), max(chunks)
+        starts = list(itertools.accumulate([n, *chunks[:-1]]))  # each chunk's first packed token
+        # the prefill part's token each padded slot copies (padding repeats its row's last token)
+        pad = [start - n + min(t, c - 1) for start, c in zip(starts, chunks) for t in range(width)]
+        unpad = [r * width + t for r, c in enumerate(chunks) for t in range(c)]  # each real token's padded slot
+        ends = [start + c - 1 for start, c in zip(starts, chunks)]
+        positions = [s.length for s in decode] + [s.length + t for s, c in zip(prefill, chunks) for t in range(c)]
+        tensor = lambda x: torch.tensor(x, device=device)  # noqa: E731
+        self.pad, self.unpad, self._positions = tensor(pad), tensor(unpad), tensor(positions)
+        self.row_starts = tensor([*range(n), *starts])  # each row's first packed token
+        self.ends = tensor([*range(n), *ends])
         self.prev_embed: torch.Tensor | None = None
 
     @property
