@@ -177,6 +177,33 @@ def test_paged_rows_of_other_lengths_in_one_forward_and_a_forked_sequence():
     assert torch.allclose(step[0, 0], model(torch.cat([x[:1, :9], nxt], dim=1))[0, -1], atol=1e-4)
 
 
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [0, 2, 1, 3]], ids=["groups-in-order", "groups-interleaved"])
+def test_samples_of_two_prompts_decode_as_their_sequences_alone_in_any_row_order(order):
+    """Two prompts' samples (forks sharing each prompt's full blocks) decode in one forward: each
+    prefix is read once for its rows, and every row's logits equal its sequence's full forward,
+    whether a prompt's samples sit side by side (the grid is the batch as it is) or interleaved."""
+    model = tiny(window_pattern="SL", n_kv_head=2, smear=True)
+    torch.manual_seed(3)
+    x = torch.randint(0, 97, (2, 10))
+    pool = BlockPool(model.config, num_blocks=24, block_size=4)
+    a, b = Sequence(x[0].tolist()), Sequence(x[1, :7].tolist())
+    paged(model, pool, [a, b], torch.stack([x[0, :9], torch.cat([x[1, :7], x.new_zeros(2)])]), [9, 7])
+    rows = [a, pool.fork(a), b, pool.fork(b)]
+    nxt = torch.randint(0, 97, (4,))
+    for seq, token in zip(rows, nxt.tolist()):
+        seq.tokens.append(token)
+    batch = [rows[i] for i in order]
+    for seq in batch:
+        assert pool.reserve(seq, seq.length + 1)
+    cache = PagedBatch(pool, batch, [1] * 4, torch.device("cpu"))
+    assert cache.shared is not None and cache.shared.groups == 2
+    assert cache.shared.in_order == (order == [0, 1, 2, 3])
+    out = model(nxt[order][:, None], kv_cache=cache)[:, 0]
+    prompts = [x[0, :9], x[0, :9], x[1, :7], x[1, :7]]
+    want = [model(torch.cat([prompts[i], nxt[i : i + 1]])[None])[0, -1] for i in order]
+    assert torch.allclose(out, torch.stack(want), atol=1e-4)
+
+
 @pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
 def test_a_packed_forward_decodes_and_prefills_as_the_sequences_alone(options):
     """Decode rows (one token each, two of them sharing a prefix) and prefill chunks of other lengths

@@ -23,6 +23,7 @@ runs them as one :class:`PackedBatch`: one row of tokens, no padding in the matm
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from collections import OrderedDict, deque
@@ -233,7 +234,9 @@ class SharedPrefixes:
     ``groups`` x ``width`` cells. ``tables`` [groups * blocks]: each prefix's blocks (padded with the
     scratch block); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
     whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]:
-    1.0 for rows in a group, 0.0 for the others."""
+    1.0 for rows in a group, 0.0 for the others. ``in_order``: every row is in a group and the cells
+    are the rows in order (a step of rollouts, each prompt's samples side by side): the grid is the
+    batch itself, and neither index is applied."""
 
     groups: int
     width: int
@@ -242,6 +245,7 @@ class SharedPrefixes:
     cell_rows: torch.Tensor
     row_cell: torch.Tensor
     grouped: torch.Tensor
+    in_order: bool = False
 
 
 class PagedBatch:
@@ -257,62 +261,86 @@ class PagedBatch:
 
     def __init__(self, pool: BlockPool, seqs: list[Sequence], chunks: list[int], device: torch.device) -> None:
         self.pool, self.seqs, self.chunks, self.device = pool, seqs, chunks, device
-        # index arithmetic in Python, one tensor per table: a dozen tiny tensor ops per forward cost more
+        # every index table is built in Python and made a tensor in one call (_Tables): a forward's
+        # dozen small tensor ops or torch.tensor calls cost more than its attention on a decode step
         size, width, scratch = pool.block_size, max(chunks), pool.num_blocks * pool.block_size
-        positions: list[list[int]] = []  # [rows, T]; a row's padding repeats its last position
+        positions: list[int] = []  # [rows, T]; a row's padding repeats its last position
         slots: list[int] = []  # each token's slot in the pool; padding writes to the scratch block
         for s, c in zip(seqs, chunks):
             row = [s.length + min(t, c - 1) for t in range(width)]
-            positions.append(row)
+            positions += row
             slots += [s.blocks[p // size] * size + p % size for p in row[:c]] + [scratch] * (width - c)
         self.start = max(s.length for s in seqs)
-        self._positions = torch.tensor(positions, device=device)
-        self.write = torch.tensor(slots, device=device)
-        self.shared, prefix = self._share_prefixes()
+        groups, prefix = self._share_prefixes()
         own = [s.blocks[n:] for s, n in zip(seqs, prefix)]
         self.own_blocks = max(len(o) for o in own)
-        self.own_tables = torch.tensor(_padded(own, self.own_blocks, pool.num_blocks), device=device).flatten()
-        self._key_layout(prefix, [len(o) for o in own])
+        tables = _Tables(device)
+        positions_at, write_at = tables.add(positions), tables.add(slots)
+        own_at = tables.add(self._flat(_padded(own, self.own_blocks, pool.num_blocks)))
+        n_own_at, n_prefix_at = tables.add([len(o) for o in own]), tables.add(prefix)
+        last_at = tables.add([r * width + c - 1 for r, c in enumerate(chunks)])  # each row's last real token
+        grid = self._grid(groups, tables) if groups else None
+        made = tables.make()
+        self._positions, self.write = made[positions_at].view(len(seqs), width), made[write_at]
+        self.own_tables, self.last = made[own_at], made[last_at]
+        n_prefix, n_own = made[n_prefix_at][:, None], made[n_own_at][:, None]
+        self.shared = grid(made, n_prefix) if grid else None
+        self._key_layout(n_prefix, n_own)
         self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
 
-    def _share_prefixes(self) -> tuple[SharedPrefixes | None, list[int]]:
-        """Group rows by the full, shared blocks they start with; returns the groups (None when no two
-        rows share a prefix) and the prefix blocks each row reads from its group (0 if none)."""
+    def _share_prefixes(self) -> tuple[list[tuple[tuple[int, ...], list[int]]], list[int]]:
+        """Group rows by the full, shared blocks they start with; returns the groups (prefix blocks, rows),
+        only those of two rows or more, and the prefix blocks each row reads from its group (0 if none)."""
         size, refs = self.pool.block_size, self.pool.refs
         found: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(self.seqs):
-            n = 0
-            while n < len(s.blocks) and (n + 1) * size <= s.length and refs[s.blocks[n]] > 1:
+            blocks, n = s.blocks, 0
+            full = min(len(blocks), s.length // size)
+            while n < full and refs[blocks[n]] > 1:
                 n += 1
             if n:
-                found.setdefault(tuple(s.blocks[:n]), []).append(i)
+                found.setdefault(tuple(blocks[:n]), []).append(i)
         groups = [(key, rows) for key, rows in found.items() if len(rows) > 1]
         prefix = [0] * len(self.seqs)
-        if not groups:
-            return None, prefix
+        for key, rows in groups:
+            for r in rows:
+                prefix[r] = len(key)
+        return groups, prefix
+
+    def _grid(self, groups: list[tuple[tuple[int, ...], list[int]]], tables: _Tables) -> Any:
+        """Add the grid's tables (:class:`SharedPrefixes`) to ``tables``; returns what makes the grid
+        from the made tensors."""
         width, blocks = max(len(r) for _, r in groups), max(len(k) for k, _ in groups)
         cell_rows, row_cell = [0] * (len(groups) * width), [0] * len(self.seqs)
-        for g, (key, rows) in enumerate(groups):
+        for g, (_, rows) in enumerate(groups):
             for w, r in enumerate(rows):
-                cell_rows[g * width + w], row_cell[r], prefix[r] = r, g * width + w, len(key)
-        tensor = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
-        tables = _padded([list(k) for k, _ in groups], blocks, self.pool.num_blocks)
-        grouped = tensor([float(n > 0) for n in prefix])[:, None, None]
-        shared = SharedPrefixes(
-            len(groups), width, blocks, tensor(tables).flatten(), tensor(cell_rows), tensor(row_cell), grouped
-        )
-        return shared, prefix
+                cell_rows[g * width + w], row_cell[r] = r, g * width + w
+        in_order = cell_rows == list(range(len(self.seqs)))
+        at = [tables.add(self._flat(_padded([list(k) for k, _ in groups], blocks, self.pool.num_blocks)))]
+        at += [tables.add(cell_rows), tables.add(row_cell)]
 
-    def _key_layout(self, prefix: list[int], own: list[int]) -> None:
-        """Each row's key positions, its group's prefix blocks first, then its own, and which are real."""
+        def grid(made: list[torch.Tensor], n_prefix: torch.Tensor) -> SharedPrefixes:
+            grouped = (n_prefix > 0).float()[:, :, None]  # [rows, 1, 1]
+            return SharedPrefixes(len(groups), width, blocks, made[at[0]], made[at[1]], made[at[2]], grouped, in_order)
+
+        return grid
+
+    def _flat(self, tables: list[list[int]]) -> list[int]:
+        """Block tables as rows of the pool's layer seen as [H_kv * (blocks + 1), block_size * D]: every
+        head's copy of every block, in gather order. A gather along that first dimension copies whole
+        contiguous blocks; gathering dimension 1 of [H_kv, blocks + 1, ...] runs at half the speed."""
+        stride, flat = self.pool.num_blocks + 1, [b for t in tables for b in t]
+        return [h * stride + b for h in range(self.pool.shape[1]) for b in flat]
+
+    def _key_layout(self, n_prefix: torch.Tensor, n_own: torch.Tensor) -> None:
+        """Each row's key positions, its group's prefix blocks first, then its own, and which are real
+        (``n_prefix``, ``n_own`` [rows, 1]: each row's prefix and own blocks)."""
         size, device = self.pool.block_size, self.device
         ahead = torch.arange(self.own_blocks * size, device=device)[None]
-        n_own = torch.tensor(own, device=device)[:, None]
         if not self.shared:  # every row's keys are its own blocks, from position 0
             self.key_pos, self.key_real = ahead, ahead < n_own * size
             return
-        n_prefix = torch.tensor(prefix, device=device)[:, None]
-        pre = torch.arange(self.shared.blocks * size, device=device)[None].expand(len(prefix), -1)
+        pre = torch.arange(self.shared.blocks * size, device=device)[None].expand(len(self.seqs), -1)
         self.key_pos = torch.cat([pre, n_prefix * size + ahead], dim=1)
         self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own * size], dim=1)
 
@@ -335,8 +363,7 @@ class PagedBatch:
 
     def last_index(self) -> torch.Tensor:
         """[rows]: where each row's last real token sits in the input flattened to [rows * T]."""
-        counts = torch.tensor(self.chunks, device=self.device)
-        return torch.arange(len(self.chunks), device=self.device) * max(self.chunks) + counts - 1
+        return self.last
 
     def plan(self, window: int | None) -> PagedPlan:
         query, keys = self._positions[:, :, None], self.key_pos[:, None, :]  # [rows, T, 1], [rows, 1, K]
@@ -379,25 +406,29 @@ class PagedBatch:
         (a group's queries side by side against its prefix, read once)."""
         sh, (kv_heads, _, gt, dim) = self.shared, qg.shape
         keys = self._gather(2, pk, sh.tables).view(kv_heads, sh.groups, -1, dim)
-        grid = qg.index_select(1, sh.cell_rows).view(kv_heads, sh.groups, sh.width * gt, dim)
-        scores = grid @ keys.transpose(-1, -2)  # [H_kv, groups, width * g*T, prefix keys]
-        scores = scores.view(kv_heads, sh.groups * sh.width, gt, -1)
-        return scores.index_select(1, sh.row_cell)
+        grid = qg if sh.in_order else qg.index_select(1, sh.cell_rows)
+        scores = grid.reshape(kv_heads, sh.groups, sh.width * gt, dim) @ keys.transpose(-1, -2)
+        scores = scores.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, prefix keys]
+        return scores if sh.in_order else scores.index_select(1, sh.row_cell)
 
     def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
         sh, (kv_heads, _, gt, keys) = self.shared, probs.shape
         values = self._gather(3, pv, sh.tables).view(kv_heads, sh.groups, keys, -1)
-        grid = probs.index_select(1, sh.cell_rows).reshape(kv_heads, sh.groups, sh.width * gt, keys)
-        out = (grid @ values).view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, D]
-        return out.index_select(1, sh.row_cell)
+        grid = probs if sh.in_order else probs.index_select(1, sh.cell_rows)
+        out = grid.reshape(kv_heads, sh.groups, sh.width * gt, keys) @ values
+        out = out.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, D]
+        return out if sh.in_order else out.index_select(1, sh.row_cell)
 
     def _gather(self, which: int, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """``pool``'s blocks ``tables``, into the pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
+        """``pool``'s blocks at the flat ``tables`` (:meth:`_flat`) as [H_kv, blocks, block_size, D], into
+        the pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
+        heads, _, size, dim = pool.shape
+        flat = pool.view(-1, size * dim)
         if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
-            return pool.index_select(1, tables)
-        buf = self.pool.scratch(which, (pool.size(0), len(tables), *pool.shape[2:]), pool.dtype, pool.device)
-        return torch.index_select(pool, 1, tables, out=buf)
+            return flat.index_select(0, tables).view(heads, -1, size, dim)
+        buf = self.pool.scratch(which, (len(tables), size * dim), pool.dtype, pool.device)
+        return torch.index_select(flat, 0, tables, out=buf).view(heads, -1, size, dim)
 
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
@@ -422,7 +453,7 @@ class PackedBatch:
             raise ValueError("a packed batch holds decode rows and prefill chunks both; else use PagedBatch")
         self.decode = PagedBatch(pool, decode, [1] * len(decode), device)
         self.prefill = PagedBatch(pool, prefill, chunks, device)
-        # index tables in Python, one tensor each (as PagedBatch builds its own)
+        # index tables in Python, made tensors in one call (as PagedBatch builds its own)
         n, width = len(decode), max(chunks)
         starts = list(itertools.accumulate([n, *chunks[:-1]]))  # each chunk's first packed token
         # the prefill part's token each padded slot copies (padding repeats its row's last token)
@@ -430,10 +461,11 @@ class PackedBatch:
         unpad = [r * width + t for r, c in enumerate(chunks) for t in range(c)]  # each real token's padded slot
         ends = [start + c - 1 for start, c in zip(starts, chunks)]
         positions = [s.length for s in decode] + [s.length + t for s, c in zip(prefill, chunks) for t in range(c)]
-        tensor = lambda x: torch.tensor(x, device=device)  # noqa: E731
-        self.pad, self.unpad, self._positions = tensor(pad), tensor(unpad), tensor(positions)
-        self.row_starts = tensor([*range(n), *starts])  # each row's first packed token
-        self.ends = tensor([*range(n), *ends])
+        tables = _Tables(device)
+        for values in (pad, unpad, positions, [*range(n), *starts], [*range(n), *ends]):
+            tables.add(values)
+        # row_starts: each row's first packed token; ends: its last
+        self.pad, self.unpad, self._positions, self.row_starts, self.ends = tables.make()
         self.prev_embed: torch.Tensor | None = None
 
     @property
@@ -480,3 +512,22 @@ class PackedBatch:
 
 def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:
     return [t + [pad] * (width - len(t)) for t in tables]
+
+
+class _Tables:
+    """Integer tables of one forward, built in Python and made tensors in one call (each such call
+    costs microseconds, and a forward needs about ten): :meth:`add` each, then :meth:`make`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.values, self.sizes = device, [], []
+
+    def add(self, values: list[int]) -> int:
+        """Queue ``values``; returns their index in :meth:`make`'s list."""
+        self.values += values
+        self.sizes.append(len(values))
+        return len(self.sizes) - 1
+
+    def make(self) -> list[torch.Tensor]:
+        # through array('q'): torch.tensor converts a list of Python ints five times slower
+        made = torch.frombuffer(array.array("q", self.values), dtype=torch.int64).clone()
+        return list(made.to(self.device).split(self.sizes))
