@@ -225,6 +225,7 @@ class PagedPlan:
 
     mask: torch.Tensor | None
     parts: tuple[PagedPlan, ...] = ()
+    hidden: torch.Tensor | None = None  # ~mask, made once per forward where the scores are masked by hand
 
 
 @dataclass
@@ -370,7 +371,7 @@ class PagedBatch:
         mask = self.key_real[:, None, :] & (keys <= query)
         if window is not None:
             mask = mask & (query - keys < window)
-        return PagedPlan(mask[:, None])
+        return PagedPlan(mask[:, None], hidden=~mask[None, :, None] if self.shared else None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
         """Store the new keys/values (k/v [rows, H_kv, T, D]) and attend each query over its row's keys:
@@ -394,11 +395,13 @@ class PagedBatch:
         scores = qg @ own_k.transpose(-1, -2)  # [H_kv, rows, g*T, own keys]
         scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
         keys = scores.size(-1)
-        scores = scores.view(kv_heads, rows, group, width, keys).masked_fill(~plan.mask[None], float("-inf"))
+        scores = scores.view(kv_heads, rows, group, width, keys).masked_fill_(plan.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(kv_heads, rows, group * width, keys)
         prefix = keys - own_k.size(2)
         out = probs[..., prefix:] @ own_v  # [H_kv, rows, g*T, D]
-        out = out + self._prefix_values(probs[..., :prefix], pv) * self.shared.grouped
+        from_prefix = self._prefix_values(probs[..., :prefix], pv)
+        # a row in no group reads another row's cell there: its prefix part is zeroed (x 0.0), exactly
+        out = out + from_prefix if self.shared.in_order else torch.addcmul(out, from_prefix, self.shared.grouped)
         return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
 
     def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
