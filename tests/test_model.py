@@ -233,9 +233,10 @@ def test_a_packed_forward_decodes_and_prefills_as_the_sequences_alone(options):
 
 
 def test_paged_decode_steps_gather_into_one_buffer_kept_across_forwards():
-    """In inference mode each layer gathers a row's blocks into the pool's scratch buffers, which
-    outlive the forward (a fresh buffer per decode step cost page faults that took longer than the copy):
-    the logits still match a full forward, and every later step gathers into the first step's storage."""
+    """In inference mode each layer gathers a row's keys into the pool's scratch buffers, which
+    outlive the forward (a fresh buffer per decode step cost page faults that took longer than the copy)
+    and grow at least twofold (each decode step gathers one key more): the logits still match a full
+    forward, and the decode steps after the first that outgrew the prefill's gather keep its storage."""
     model = tiny(window_pattern="L", n_kv_head=2, sequence_len=16)
     x = torch.randint(0, 97, (1, 12))
     full = model(x)
@@ -246,9 +247,10 @@ def test_paged_decode_steps_gather_into_one_buffer_kept_across_forwards():
         return [pool.scratch(w, (1,), torch.float32, torch.device("cpu")).data_ptr() for w in (0, 1)]
 
     with torch.inference_mode():
-        outs = [paged(model, pool, [seq], x[:, :9], [9])]  # the largest gather: 3 blocks
+        outs = [paged(model, pool, [seq], x[:, :9], [9])]  # 9 keys gathered
+        outs.append(paged(model, pool, [seq], x[:, 9:10], [1]))  # 10: the buffers double to 18
         first = storage()
-        for t in range(9, 12):
+        for t in range(10, 12):
             outs.append(paged(model, pool, [seq], x[:, t : t + 1], [1]))
             assert storage() == first
     assert torch.allclose(torch.cat(outs, dim=1), full, atol=1e-4)

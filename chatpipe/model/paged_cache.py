@@ -3,7 +3,7 @@
 A :class:`BlockPool` holds ``num_blocks`` blocks of ``block_size`` positions for every layer,
 allocated once (on the first write, in the dtype and on the device of the keys): that is all the KV
 memory generation ever uses, beside the scratch buffers (:meth:`BlockPool.scratch`) that a forward
-gathers its rows' blocks into, as large as the largest such gather. A :class:`Sequence` owns a list of blocks (its block table), so
+gathers its rows' keys into, at most twice the largest such gather. A :class:`Sequence` owns a list of blocks (its block table), so
 memory follows the tokens a sequence really holds, not a worst-case row of the whole context.
 
 **Prefix cache.** A block that fills up is registered under the key (its parent block's key, its
@@ -108,11 +108,13 @@ class BlockPool:
     def scratch(self, which: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of ``shape`` for gathered blocks, kept across layers and forwards: a fresh tensor of
         megabytes per layer, or per decode step, costs page faults that take longer than the copy itself.
-        It grows to the largest gather asked for, which each forward would allocate anyway."""
+        It grows to the largest gather asked for, which each forward would allocate anyway, at least
+        doubling: a decode step's gather is one position longer than the last one's."""
         need = math.prod(shape)
         buf = self._scratch.get(which)
         if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
-            buf = self._scratch[which] = torch.empty(need, dtype=dtype, device=device)
+            grown = 2 * buf.numel() if buf is not None and buf.dtype == dtype and buf.device == device else 0
+            buf = self._scratch[which] = torch.empty(max(need, grown), dtype=dtype, device=device)
         return buf[:need].view(shape)
 
     # ------------------------------------------------------------------------ blocks
@@ -274,16 +276,18 @@ class PagedBatch:
         self.start = max(s.length for s in seqs)
         groups, prefix = self._share_prefixes()
         own = [s.blocks[n:] for s, n in zip(seqs, prefix)]
-        self.own_blocks = max(len(o) for o in own)
+        # each row's own keys: its positions past its group's prefix, through this forward's chunk
+        own_keys = [s.length + c - n * size for s, c, n in zip(seqs, chunks, prefix)]
+        self.own_keys, own_blocks = max(own_keys), max(len(o) for o in own)
         tables = _Tables(device)
         positions_at, write_at = tables.add(positions), tables.add(slots)
-        own_at = tables.add(self._flat(_padded(own, self.own_blocks, pool.num_blocks)))
-        n_own_at, n_prefix_at = tables.add([len(o) for o in own]), tables.add(prefix)
+        own_at = tables.add([b for o in _padded(own, own_blocks, pool.num_blocks) for b in o])
+        n_own_at, n_prefix_at = tables.add(own_keys), tables.add(prefix)
         last_at = tables.add([r * width + c - 1 for r, c in enumerate(chunks)])  # each row's last real token
         grid = self._grid(groups, tables) if groups else None
         made = tables.make()
         self._positions, self.write = made[positions_at].view(len(seqs), width), made[write_at]
-        self.own_tables, self.last = made[own_at], made[last_at]
+        self.own_slots, self.last = self._own_slots(made[own_at].view(len(seqs), own_blocks)), made[last_at]
         n_prefix, n_own = made[n_prefix_at][:, None], made[n_own_at][:, None]
         self.shared = grid(made, n_prefix) if grid else None
         self._key_layout(n_prefix, n_own)
@@ -333,17 +337,28 @@ class PagedBatch:
         stride, flat = self.pool.num_blocks + 1, [b for t in tables for b in t]
         return [h * stride + b for h in range(self.pool.shape[1]) for b in flat]
 
+    def _own_slots(self, tables: torch.Tensor) -> torch.Tensor:
+        """Each row's own keys as slots of the pool's layer seen as [H_kv * slots, D], every head's
+        in turn: the first ``own_keys`` positions of its own blocks (``tables`` [rows, blocks]). A row
+        gathers its keys to the last one it has, not its last block's end: a decode row's last block
+        is half empty on average, and every row is padded to the longest."""
+        size, heads = self.pool.block_size, self.pool.shape[1]
+        slots = tables[:, :, None] * size + torch.arange(size, device=self.device)
+        slots = slots.view(len(self.seqs), -1)[:, : self.own_keys]
+        per_head = (self.pool.num_blocks + 1) * size
+        return (torch.arange(heads, device=self.device)[:, None, None] * per_head + slots).flatten()
+
     def _key_layout(self, n_prefix: torch.Tensor, n_own: torch.Tensor) -> None:
         """Each row's key positions, its group's prefix blocks first, then its own, and which are real
-        (``n_prefix``, ``n_own`` [rows, 1]: each row's prefix and own blocks)."""
+        (``n_prefix`` [rows, 1]: each row's prefix blocks; ``n_own`` [rows, 1]: its own keys)."""
         size, device = self.pool.block_size, self.device
-        ahead = torch.arange(self.own_blocks * size, device=device)[None]
-        if not self.shared:  # every row's keys are its own blocks, from position 0
-            self.key_pos, self.key_real = ahead, ahead < n_own * size
+        ahead = torch.arange(self.own_keys, device=device)[None]
+        if not self.shared:  # every row's keys are its own, from position 0
+            self.key_pos, self.key_real = ahead, ahead < n_own
             return
         pre = torch.arange(self.shared.blocks * size, device=device)[None].expand(len(self.seqs), -1)
         self.key_pos = torch.cat([pre, n_prefix * size + ahead], dim=1)
-        self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own * size], dim=1)
+        self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own], dim=1)
 
     @property
     def pos(self) -> int:
@@ -385,8 +400,8 @@ class PagedBatch:
         slots[1].index_copy_(1, self.write, v.transpose(0, 1).reshape(kv_heads, rows * width, dim))
         # query heads grouped by their kv head: [H_kv, rows, g*T, D]
         qg = q.reshape(rows, kv_heads, group * width, dim).transpose(0, 1)
-        own_k = self._gather(0, pk, self.own_tables).view(kv_heads, rows, -1, dim)
-        own_v = self._gather(1, pv, self.own_tables).view(kv_heads, rows, -1, dim)
+        own_k = self._gather(0, pk.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+        own_v = self._gather(1, pv.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
         if not self.shared:  # one fused call: no [.., keys] score and probability tensors in memory
             mask = plan.mask.expand(rows, group, width, -1).reshape(1, rows, group * width, -1)
             out = F.scaled_dot_product_attention(qg, own_k, own_v, attn_mask=mask, scale=dim**-0.5)
@@ -408,7 +423,7 @@ class PagedBatch:
         """[H_kv, rows, g*T, prefix keys]: each row's scores on its group's prefix, computed on the grid
         (a group's queries side by side against its prefix, read once)."""
         sh, (kv_heads, _, gt, dim) = self.shared, qg.shape
-        keys = self._gather(2, pk, sh.tables).view(kv_heads, sh.groups, -1, dim)
+        keys = self._gather(2, _blocks(pk), sh.tables).view(kv_heads, sh.groups, -1, dim)
         grid = qg if sh.in_order else qg.index_select(1, sh.cell_rows)
         scores = grid.reshape(kv_heads, sh.groups, sh.width * gt, dim) @ keys.transpose(-1, -2)
         scores = scores.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, prefix keys]
@@ -417,21 +432,19 @@ class PagedBatch:
     def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
         sh, (kv_heads, _, gt, keys) = self.shared, probs.shape
-        values = self._gather(3, pv, sh.tables).view(kv_heads, sh.groups, keys, -1)
+        values = self._gather(3, _blocks(pv), sh.tables).view(kv_heads, sh.groups, keys, -1)
         grid = probs if sh.in_order else probs.index_select(1, sh.cell_rows)
         out = grid.reshape(kv_heads, sh.groups, sh.width * gt, keys) @ values
         out = out.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, D]
         return out if sh.in_order else out.index_select(1, sh.row_cell)
 
-    def _gather(self, which: int, pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """``pool``'s blocks at the flat ``tables`` (:meth:`_flat`) as [H_kv, blocks, block_size, D], into
-        the pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
-        heads, _, size, dim = pool.shape
-        flat = pool.view(-1, size * dim)
+    def _gather(self, which: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``rows[index]`` (a layer's blocks or slots, flat: :meth:`_flat`, :meth:`_own_slots`), into the
+        pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
         if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
-            return flat.index_select(0, tables).view(heads, -1, size, dim)
-        buf = self.pool.scratch(which, (len(tables), size * dim), pool.dtype, pool.device)
-        return torch.index_select(flat, 0, tables, out=buf).view(heads, -1, size, dim)
+            return rows.index_select(0, index)
+        buf = self.pool.scratch(which, (len(index), rows.size(1)), rows.dtype, rows.device)
+        return torch.index_select(rows, 0, index, out=buf)
 
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
@@ -511,6 +524,11 @@ class PackedBatch:
     def advance(self, t: int) -> None:
         self.decode.advance(1)
         self.prefill.advance(t)
+
+
+def _blocks(layer: torch.Tensor) -> torch.Tensor:
+    """One layer's keys or values [H_kv, blocks, block_size, D] as one row per (head, block)."""
+    return layer.view(-1, layer.size(2) * layer.size(3))
 
 
 def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:
