@@ -120,8 +120,9 @@ def test_samples_of_one_prompt_share_its_prefill_and_draw_independently():
 
 @pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
 def test_rows_reading_a_shared_prefix_once_attend_as_rows_holding_it_whole(options):
-    """Rows that share full prefix blocks (the samples of one prompt) read them once, on a grid beside
-    rows that share nothing; each still gives the tokens of a full recompute with no cache."""
+    """Rows that share a prefix (the samples of one prompt: its full blocks, and the rest of it in
+    each sample's copy of its last block) read it once, on a grid beside rows that share nothing;
+    each still gives the tokens of a full recompute with no cache."""
     model = quiet_model(**options)
     engine = Engine(model, TOK)
     prompt = [S["<|bos|>"], *TOK.encode("shared prompt of three blocks")]  # 30 tokens: 3 full blocks of 8
@@ -138,7 +139,8 @@ def test_rows_reading_a_shared_prefix_once_attend_as_rows_holding_it_whole(optio
     )
     sched.run()
     sched.model.forward = batch
-    assert seen[0] is not None and seen[0].groups == 1 and seen[0].width == 3 and seen[0].blocks == 3
+    assert seen[0] is not None and seen[0].groups == 1 and seen[0].width == 3
+    assert seen[0].keys == len(prompt) == 30  # the whole prompt: 3 full blocks of 8 and 6 positions of the 4th
     ref = greedy_recompute(model, prompt, 20)
     assert shared.seqs == [shared.seqs[0]] * 3
     assert count_ties(model, [shared, single], [prompt, other], [ref, greedy_recompute(model, other, 20)]) <= MAX_TIES

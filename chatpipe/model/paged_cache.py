@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+_FORKS = itertools.count()  # fork ids (Sequence.fork_key)
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -42,6 +44,9 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
     keys: list[Any] = field(default_factory=list)  # the prefix key of each full block registered so far
+    # (fork id, positions): sequences forked together hold the same keys/values up to there, the last
+    # block's too (each holds a copy), so a forward reads that part once for all of them
+    fork_key: tuple[int, int] | None = None
 
     def capacity(self, block_size: int) -> int:
         return len(self.blocks) * block_size
@@ -158,7 +163,7 @@ class BlockPool:
         """Release ``seq``'s blocks (its full ones stay cached for later prefix hits)."""
         for block in seq.blocks:
             self._release(block)
-        seq.blocks, seq.length, seq.keys = [], 0, []
+        seq.blocks, seq.length, seq.keys, seq.fork_key = [], 0, [], None
 
     # ------------------------------------------------------------------------ the prefix cache
 
@@ -201,7 +206,9 @@ class BlockPool:
     def fork(self, seq: Sequence) -> Sequence | None:
         """A copy of ``seq`` that shares its full blocks and copies its last, partly filled one
         (each copy writes there next); None when no block is left for that copy."""
-        child = Sequence(list(seq.tokens), length=seq.length, keys=list(seq.keys))
+        if seq.fork_key is None or seq.fork_key[1] != seq.length:
+            seq.fork_key = (next(_FORKS), seq.length)
+        child = Sequence(list(seq.tokens), length=seq.length, keys=list(seq.keys), fork_key=seq.fork_key)
         full = seq.length // self.block_size
         if full < len(seq.blocks):
             block = self._take()
@@ -234,8 +241,8 @@ class PagedPlan:
 class SharedPrefixes:
     """Rows of one forward that start with the same full blocks (the samples of one prompt, or prompts
     found in the prefix cache): each such prefix is read once for all its rows, as a grid of
-    ``groups`` x ``width`` cells. ``tables`` [groups * blocks]: each prefix's blocks (padded with the
-    scratch block); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
+    ``groups`` x ``width`` cells. ``tables`` [H_kv * groups * keys]: each prefix's slots, ``keys``
+    positions each (:meth:`PagedBatch._slots`; a shorter prefix is padded); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
     whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]:
     1.0 for rows in a group, 0.0 for the others. ``in_order``: every row is in a group and the cells
     are the rows in order (a step of rollouts, each prompt's samples side by side): the grid is the
@@ -243,7 +250,7 @@ class SharedPrefixes:
 
     groups: int
     width: int
-    blocks: int
+    keys: int
     tables: torch.Tensor
     cell_rows: torch.Tensor
     row_cell: torch.Tensor
@@ -275,90 +282,94 @@ class PagedBatch:
             slots += [s.blocks[p // size] * size + p % size for p in row[:c]] + [scratch] * (width - c)
         self.start = max(s.length for s in seqs)
         groups, prefix = self._share_prefixes()
-        own = [s.blocks[n:] for s, n in zip(seqs, prefix)]
         # each row's own keys: its positions past its group's prefix, through this forward's chunk
-        own_keys = [s.length + c - n * size for s, c, n in zip(seqs, chunks, prefix)]
-        self.own_keys, own_blocks = max(own_keys), max(len(o) for o in own)
+        own_keys = [s.length + c - n for s, c, n in zip(seqs, chunks, prefix)]
+        self.own_keys, blocks = max(own_keys), max(len(s.blocks) for s in seqs)
         tables = _Tables(device)
         positions_at, write_at = tables.add(positions), tables.add(slots)
-        own_at = tables.add([b for o in _padded(own, own_blocks, pool.num_blocks) for b in o])
+        blocks_at = tables.add([b for s in seqs for b in s.blocks + [pool.num_blocks] * (blocks - len(s.blocks))])
         n_own_at, n_prefix_at = tables.add(own_keys), tables.add(prefix)
         last_at = tables.add([r * width + c - 1 for r, c in enumerate(chunks)])  # each row's last real token
         grid = self._grid(groups, tables) if groups else None
         made = tables.make()
         self._positions, self.write = made[positions_at].view(len(seqs), width), made[write_at]
-        self.own_slots, self.last = self._own_slots(made[own_at].view(len(seqs), own_blocks)), made[last_at]
         n_prefix, n_own = made[n_prefix_at][:, None], made[n_own_at][:, None]
+        self.own_slots = self._slots(made[blocks_at].view(len(seqs), blocks), n_prefix, self.own_keys)
+        self.last = made[last_at]
         self.shared = grid(made, n_prefix) if grid else None
         self._key_layout(n_prefix, n_own)
         self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
 
-    def _share_prefixes(self) -> tuple[list[tuple[tuple[int, ...], list[int]]], list[int]]:
-        """Group rows by the full, shared blocks they start with; returns the groups (prefix blocks, rows),
-        only those of two rows or more, and the prefix blocks each row reads from its group (0 if none)."""
+    def _share_prefixes(self) -> tuple[list[tuple[list[int], int, list[int]]], list[int]]:
+        """Group rows by the prefix they hold alike: the full blocks they share, and for samples forked
+        together (:attr:`Sequence.fork_key`) the rest of the prompt, in each one's copy of its last
+        block. Returns the groups of two rows or more (the blocks that hold the prefix, its positions,
+        the rows) and each row's prefix positions (0 if in no group)."""
         size, refs = self.pool.block_size, self.pool.refs
-        found: dict[tuple[int, ...], list[int]] = {}
+        found: dict[tuple, list[int]] = {}
         for i, s in enumerate(self.seqs):
             blocks, n = s.blocks, 0
             full = min(len(blocks), s.length // size)
             while n < full and refs[blocks[n]] > 1:
                 n += 1
-            if n:
-                found.setdefault(tuple(blocks[:n]), []).append(i)
-        groups = [(key, rows) for key, rows in found.items() if len(rows) > 1]
-        prefix = [0] * len(self.seqs)
-        for key, rows in groups:
+            forked = s.fork_key is not None and n == s.fork_key[1] // size and s.fork_key[1] <= s.length
+            key = (tuple(blocks[:n]), s.fork_key if forked else None)
+            if n or forked:
+                found.setdefault(key, []).append(i)
+        groups, prefix = [], [0] * len(self.seqs)
+        for (shared, fork_key), rows in found.items():
+            if len(rows) < 2:
+                continue
+            keys = fork_key[1] if fork_key else len(shared) * size
+            tail = [self.seqs[rows[0]].blocks[len(shared)]] if keys > len(shared) * size else []
+            groups.append((list(shared) + tail, keys, rows))  # a tail is read from the first row's copy
             for r in rows:
-                prefix[r] = len(key)
+                prefix[r] = keys
         return groups, prefix
 
-    def _grid(self, groups: list[tuple[tuple[int, ...], list[int]]], tables: _Tables) -> Any:
+    def _grid(self, groups: list[tuple[list[int], int, list[int]]], tables: _Tables) -> Any:
         """Add the grid's tables (:class:`SharedPrefixes`) to ``tables``; returns what makes the grid
         from the made tensors."""
-        width, blocks = max(len(r) for _, r in groups), max(len(k) for k, _ in groups)
+        width, keys = max(len(r) for *_, r in groups), max(k for _, k, _ in groups)
+        blocks = max(len(b) for b, *_ in groups)
         cell_rows, row_cell = [0] * (len(groups) * width), [0] * len(self.seqs)
-        for g, (_, rows) in enumerate(groups):
+        for g, (*_, rows) in enumerate(groups):
             for w, r in enumerate(rows):
                 cell_rows[g * width + w], row_cell[r] = r, g * width + w
         in_order = cell_rows == list(range(len(self.seqs)))
-        at = [tables.add(self._flat(_padded([list(k) for k, _ in groups], blocks, self.pool.num_blocks)))]
+        at = [tables.add([b for t in _padded([b for b, *_ in groups], blocks, self.pool.num_blocks) for b in t])]
         at += [tables.add(cell_rows), tables.add(row_cell)]
 
         def grid(made: list[torch.Tensor], n_prefix: torch.Tensor) -> SharedPrefixes:
+            slots = self._slots(made[at[0]].view(len(groups), blocks), None, keys)
             grouped = (n_prefix > 0).float()[:, :, None]  # [rows, 1, 1]
-            return SharedPrefixes(len(groups), width, blocks, made[at[0]], made[at[1]], made[at[2]], grouped, in_order)
+            return SharedPrefixes(len(groups), width, keys, slots, made[at[1]], made[at[2]], grouped, in_order)
 
         return grid
 
-    def _flat(self, tables: list[list[int]]) -> list[int]:
-        """Block tables as rows of the pool's layer seen as [H_kv * (blocks + 1), block_size * D]: every
-        head's copy of every block, in gather order. A gather along that first dimension copies whole
-        contiguous blocks; gathering dimension 1 of [H_kv, blocks + 1, ...] runs at half the speed."""
-        stride, flat = self.pool.num_blocks + 1, [b for t in tables for b in t]
-        return [h * stride + b for h in range(self.pool.shape[1]) for b in flat]
-
-    def _own_slots(self, tables: torch.Tensor) -> torch.Tensor:
-        """Each row's own keys as slots of the pool's layer seen as [H_kv * slots, D], every head's
-        in turn: the first ``own_keys`` positions of its own blocks (``tables`` [rows, blocks]). A row
-        gathers its keys to the last one it has, not its last block's end: a decode row's last block
-        is half empty on average, and every row is padded to the longest."""
+    def _slots(self, tables: torch.Tensor, start: torch.Tensor | None, keys: int) -> torch.Tensor:
+        """Positions ``start`` (per row, [rows, 1]; None: 0) to ``start + keys`` of each row of block
+        ``tables`` [rows, blocks] as slots of a layer seen as [H_kv * slots, D], every head's in turn:
+        what a gather reads. Rows are gathered to the last key they hold, not their last block's end (a
+        decode row's last block is half empty on average, and every row is padded to the longest);
+        positions past a row's blocks read the scratch block, and no query attends them."""
         size, heads = self.pool.block_size, self.pool.shape[1]
-        slots = tables[:, :, None] * size + torch.arange(size, device=self.device)
-        slots = slots.view(len(self.seqs), -1)[:, : self.own_keys]
+        at = torch.arange(keys, device=self.device)[None]
+        at = (at.expand(tables.size(0), -1) if start is None else at + start).clamp(max=tables.size(1) * size - 1)
+        slots = tables.gather(1, at // size) * size + at % size
         per_head = (self.pool.num_blocks + 1) * size
         return (torch.arange(heads, device=self.device)[:, None, None] * per_head + slots).flatten()
 
     def _key_layout(self, n_prefix: torch.Tensor, n_own: torch.Tensor) -> None:
-        """Each row's key positions, its group's prefix blocks first, then its own, and which are real
-        (``n_prefix`` [rows, 1]: each row's prefix blocks; ``n_own`` [rows, 1]: its own keys)."""
-        size, device = self.pool.block_size, self.device
-        ahead = torch.arange(self.own_keys, device=device)[None]
+        """Each row's key positions, its group's prefix first, then its own, and which are real
+        (``n_prefix``, ``n_own`` [rows, 1]: each row's prefix and own keys)."""
+        ahead = torch.arange(self.own_keys, device=self.device)[None]
         if not self.shared:  # every row's keys are its own, from position 0
             self.key_pos, self.key_real = ahead, ahead < n_own
             return
-        pre = torch.arange(self.shared.blocks * size, device=device)[None].expand(len(self.seqs), -1)
-        self.key_pos = torch.cat([pre, n_prefix * size + ahead], dim=1)
-        self.key_real = torch.cat([pre < n_prefix * size, ahead < n_own], dim=1)
+        pre = torch.arange(self.shared.keys, device=self.device)[None].expand(len(self.seqs), -1)
+        self.key_pos = torch.cat([pre, n_prefix + ahead], dim=1)
+        self.key_real = torch.cat([pre < n_prefix, ahead < n_own], dim=1)
 
     @property
     def pos(self) -> int:
@@ -423,7 +434,7 @@ class PagedBatch:
         """[H_kv, rows, g*T, prefix keys]: each row's scores on its group's prefix, computed on the grid
         (a group's queries side by side against its prefix, read once)."""
         sh, (kv_heads, _, gt, dim) = self.shared, qg.shape
-        keys = self._gather(2, _blocks(pk), sh.tables).view(kv_heads, sh.groups, -1, dim)
+        keys = self._gather(2, pk.view(-1, dim), sh.tables).view(kv_heads, sh.groups, -1, dim)
         grid = qg if sh.in_order else qg.index_select(1, sh.cell_rows)
         scores = grid.reshape(kv_heads, sh.groups, sh.width * gt, dim) @ keys.transpose(-1, -2)
         scores = scores.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, prefix keys]
@@ -432,14 +443,14 @@ class PagedBatch:
     def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
         sh, (kv_heads, _, gt, keys) = self.shared, probs.shape
-        values = self._gather(3, _blocks(pv), sh.tables).view(kv_heads, sh.groups, keys, -1)
+        values = self._gather(3, pv.view(-1, pv.size(-1)), sh.tables).view(kv_heads, sh.groups, keys, -1)
         grid = probs if sh.in_order else probs.index_select(1, sh.cell_rows)
         out = grid.reshape(kv_heads, sh.groups, sh.width * gt, keys) @ values
         out = out.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, D]
         return out if sh.in_order else out.index_select(1, sh.row_cell)
 
     def _gather(self, which: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``rows[index]`` (a layer's blocks or slots, flat: :meth:`_flat`, :meth:`_own_slots`), into the
+        """``rows[index]`` (a layer seen as [H_kv * slots, D], ``index`` from :meth:`_slots`), into the
         pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
         if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
             return rows.index_select(0, index)
@@ -524,11 +535,6 @@ class PackedBatch:
     def advance(self, t: int) -> None:
         self.decode.advance(1)
         self.prefill.advance(t)
-
-
-def _blocks(layer: torch.Tensor) -> torch.Tensor:
-    """One layer's keys or values [H_kv, blocks, block_size, D] as one row per (head, block)."""
-    return layer.view(-1, layer.size(2) * layer.size(3))
 
 
 def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:
