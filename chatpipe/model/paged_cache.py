@@ -3,8 +3,9 @@
 A :class:`BlockPool` holds ``num_blocks`` blocks of ``block_size`` positions for every layer,
 allocated once (on the first write, in the dtype and on the device of the keys): that is all the KV
 memory generation ever uses, beside the scratch buffers (:meth:`BlockPool.scratch`) that a forward
-gathers its rows' keys into, at most twice the largest such gather. A :class:`Sequence` owns a list of blocks (its block table), so
-memory follows the tokens a sequence really holds, not a worst-case row of the whole context.
+gathers its rows' keys into, at most twice the largest such gather. A :class:`Sequence` owns a list
+of blocks (its block table), so memory follows the tokens a sequence really holds, not a worst-case
+row of the whole context.
 
 **Prefix cache.** A block that fills up is registered under the key (its parent block's key, its
 tokens): a chain, so a key names the whole prefix up to the block's end, as vLLM's block hashes
@@ -242,8 +243,8 @@ class SharedPrefixes:
     """Rows of one forward that start with the same full blocks (the samples of one prompt, or prompts
     found in the prefix cache): each such prefix is read once for all its rows, as a grid of
     ``groups`` x ``width`` cells. ``tables`` [H_kv * groups * keys]: each prefix's slots, ``keys``
-    positions each (:meth:`PagedBatch._slots`; a shorter prefix is padded); ``cell_rows`` [groups * width]: the row in each cell (an empty cell repeats row 0,
-    whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]:
+    positions each (:meth:`PagedBatch._slots`; a shorter prefix is padded); ``cell_rows`` [groups *
+    width]: the row in each cell (an empty cell repeats row 0, whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]:
     1.0 for rows in a group, 0.0 for the others. ``in_order``: every row is in a group and the cells
     are the rows in order (a step of rollouts, each prompt's samples side by side): the grid is the
     batch itself, and neither index is applied."""
@@ -287,7 +288,7 @@ class PagedBatch:
         self.own_keys, blocks = max(own_keys), max(len(s.blocks) for s in seqs)
         tables = _Tables(device)
         positions_at, write_at = tables.add(positions), tables.add(slots)
-        blocks_at = tables.add([b for s in seqs for b in s.blocks + [pool.num_blocks] * (blocks - len(s.blocks))])
+        blocks_at = tables.add(_padded([s.blocks for s in seqs], blocks, pool.num_blocks))
         n_own_at, n_prefix_at = tables.add(own_keys), tables.add(prefix)
         last_at = tables.add([r * width + c - 1 for r, c in enumerate(chunks)])  # each row's last real token
         grid = self._grid(groups, tables) if groups else None
@@ -337,7 +338,7 @@ class PagedBatch:
             for w, r in enumerate(rows):
                 cell_rows[g * width + w], row_cell[r] = r, g * width + w
         in_order = cell_rows == list(range(len(self.seqs)))
-        at = [tables.add([b for t in _padded([b for b, *_ in groups], blocks, self.pool.num_blocks) for b in t])]
+        at = [tables.add(_padded([b for b, *_ in groups], blocks, self.pool.num_blocks))]
         at += [tables.add(cell_rows), tables.add(row_cell)]
 
         def grid(made: list[torch.Tensor], n_prefix: torch.Tensor) -> SharedPrefixes:
@@ -537,8 +538,9 @@ class PackedBatch:
         self.prefill.advance(t)
 
 
-def _padded(tables: list[list[int]], width: int, pad: int) -> list[list[int]]:
-    return [t + [pad] * (width - len(t)) for t in tables]
+def _padded(tables: list[list[int]], width: int, pad: int) -> list[int]:
+    """``tables`` [rows][<= width] padded with ``pad`` to [rows, width], flattened."""
+    return [b for t in tables for b in (*t, *[pad] * (width - len(t)))]
 
 
 class _Tables:
