@@ -204,6 +204,38 @@ def test_samples_of_two_prompts_decode_as_their_sequences_alone_in_any_row_order
     assert torch.allclose(out, torch.stack(want), atol=1e-4)
 
 
+@pytest.mark.parametrize("short", ["samples-of-a-prompt", "own-prompts"])
+def test_rows_far_longer_than_the_rest_are_gathered_apart_and_decode_as_their_sequences_alone(short):
+    """40 rows holding one or three keys of their own beside two holding 31 and 51 (a batch that admits
+    prompts as others finish): the two long rows' keys past the short ones' are gathered apart
+    (LongRows), and every row's logits still equal its sequence's full forward."""
+    model = tiny(window_pattern="SL", n_kv_head=2, smear=True, sequence_len=64)
+    torch.manual_seed(5)
+    pool = BlockPool(model.config, num_blocks=96, block_size=4)
+    longs = [Sequence(torch.randint(0, 97, (n,)).tolist()) for n in (30, 50)]
+    for seq in longs:
+        paged(model, pool, [seq], torch.tensor([seq.tokens]), [len(seq.tokens)])
+    if short == "samples-of-a-prompt":  # forks of one 9-token prompt: each holds only its new token
+        prompt = Sequence(torch.randint(0, 97, (9,)).tolist())
+        paged(model, pool, [prompt], torch.tensor([prompt.tokens]), [9])
+        shorts = [prompt] + [pool.fork(prompt) for _ in range(39)]
+    else:  # prompts of two tokens each
+        shorts = [Sequence(torch.randint(0, 97, (2,)).tolist()) for _ in range(40)]
+        paged(model, pool, shorts, torch.tensor([s.tokens for s in shorts]), [2] * 40)
+    rows = shorts[:20] + longs[:1] + shorts[20:] + longs[1:]
+    history = [list(s.tokens) for s in rows]
+    nxt = torch.randint(0, 97, (len(rows),))
+    for seq, token in zip(rows, nxt.tolist()):
+        seq.tokens.append(token)
+        assert pool.reserve(seq, seq.length + 1)
+    cache = PagedBatch(pool, rows, [1] * len(rows), torch.device("cpu"))
+    assert cache.long is not None and cache.long.rows.tolist() == [20, 41]
+    assert cache.long.split == (1 if short == "samples-of-a-prompt" else 3)
+    out = model(nxt[:, None], kv_cache=cache)[:, 0]
+    want = [model(torch.tensor([h + [t]]))[0, -1] for h, t in zip(history, nxt.tolist())]
+    assert torch.allclose(out, torch.stack(want), atol=1e-4)
+
+
 @pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
 def test_a_packed_forward_decodes_and_prefills_as_the_sequences_alone(options):
     """Decode rows (one token each, two of them sharing a prefix) and prefill chunks of other lengths

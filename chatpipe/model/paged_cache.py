@@ -259,6 +259,39 @@ class SharedPrefixes:
     in_order: bool = False
 
 
+@dataclass
+class LongRows:
+    """The rows of one forward that hold many more keys of their own than most: a decode batch that
+    admits prompts as others finish holds rows from none to ``max_tokens`` generated keys, and
+    padding every row to the longest gathered three times the keys there are (pass@k sampling). So
+    every row's own keys are gathered up to ``split``, and only these rows' keys past it in a second
+    gather (:func:`split_point` chooses where). ``rows`` [L]: which rows; ``slots`` [H_kv * L * (own
+    keys - split)]: their slots, as :meth:`PagedBatch._slots` lays them out."""
+
+    split: int
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+def split_point(own: list[int], least_saved: int = 1024) -> int | None:
+    """Where to split rows' own keys (:class:`LongRows`) so that the two gathers read the fewest key
+    positions, or None when that saves under a quarter of what padding every row to the longest reads,
+    or under ``least_saved`` positions (the split's extra small ops cost about that much gathering)."""
+    ordered, rows = sorted(own), len(own)
+    longest = ordered[-1]
+    padded = best = rows * longest
+    split = None
+    for i, keys in enumerate(ordered):  # split at ``keys``: the rows past index i hold more
+        if not keys or (i + 1 < rows and ordered[i + 1] == keys):
+            continue
+        cost = rows * keys + (rows - i - 1) * (longest - keys)
+        if cost < best:
+            best, split = cost, keys
+    if split is None or padded - best < max(padded // 4, least_saved):
+        return None
+    return split
+
+
 class PagedBatch:
     """The ``kv_cache`` of one forward: row ``i`` of the input continues ``seqs[i]`` with ``chunks[i]``
     tokens (the rest of the row is padding). The model calls :meth:`plan` once per window,
@@ -292,10 +325,19 @@ class PagedBatch:
         n_own_at, n_prefix_at = tables.add(own_keys), tables.add(prefix)
         last_at = tables.add([r * width + c - 1 for r, c in enumerate(chunks)])  # each row's last real token
         grid = self._grid(groups, tables) if groups else None
+        split = split_point(own_keys)
+        if split is not None:
+            long_at = tables.add([r for r, n in enumerate(own_keys) if n > split])
         made = tables.make()
         self._positions, self.write = made[positions_at].view(len(seqs), width), made[write_at]
         n_prefix, n_own = made[n_prefix_at][:, None], made[n_own_at][:, None]
-        self.own_slots = self._slots(made[blocks_at].view(len(seqs), blocks), n_prefix, self.own_keys)
+        block_tables = made[blocks_at].view(len(seqs), blocks)
+        self.own_slots = self._slots(block_tables, n_prefix, self.own_keys if split is None else split)
+        self.long: LongRows | None = None
+        if split is not None:
+            rows = made[long_at]
+            slots = self._slots(block_tables[rows], n_prefix[rows] + split, self.own_keys - split)
+            self.long = LongRows(split, rows, slots)
         self.last = made[last_at]
         self.shared = grid(made, n_prefix) if grid else None
         self._key_layout(n_prefix, n_own)
@@ -398,7 +440,8 @@ class PagedBatch:
         mask = self.key_real[:, None, :] & (keys <= query)
         if window is not None:
             mask = mask & (query - keys < window)
-        return PagedPlan(mask[:, None], hidden=~mask[None, :, None] if self.shared else None)
+        by_hand = self.shared is not None or self.long is not None  # scores masked by hand, not by SDPA
+        return PagedPlan(mask[:, None], hidden=~mask[None, :, None] if by_hand else None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
         """Store the new keys/values (k/v [rows, H_kv, T, D]) and attend each query over its row's keys:
@@ -412,24 +455,53 @@ class PagedBatch:
         slots[1].index_copy_(1, self.write, v.transpose(0, 1).reshape(kv_heads, rows * width, dim))
         # query heads grouped by their kv head: [H_kv, rows, g*T, D]
         qg = q.reshape(rows, kv_heads, group * width, dim).transpose(0, 1)
-        own_k = self._gather(0, pk.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
-        own_v = self._gather(1, pv.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
-        if not self.shared:  # one fused call: no [.., keys] score and probability tensors in memory
+        if self.shared is None and self.long is None:  # one fused call: no [.., keys] scores in memory
+            own_k = self._gather(0, pk.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+            own_v = self._gather(1, pv.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
             mask = plan.mask.expand(rows, group, width, -1).reshape(1, rows, group * width, -1)
             out = F.scaled_dot_product_attention(qg, own_k, own_v, attn_mask=mask, scale=dim**-0.5)
             return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
         qg = qg * dim**-0.5
-        scores = qg @ own_k.transpose(-1, -2)  # [H_kv, rows, g*T, own keys]
-        scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
+        scores = self._own_scores(qg, pk)  # [H_kv, rows, g*T, own keys]
+        if self.shared:
+            scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
         keys = scores.size(-1)
         scores = scores.view(kv_heads, rows, group, width, keys).masked_fill_(plan.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(kv_heads, rows, group * width, keys)
-        prefix = keys - own_k.size(2)
-        out = probs[..., prefix:] @ own_v  # [H_kv, rows, g*T, D]
+        prefix = keys - self.own_keys
+        out = self._own_values(probs[..., prefix:], pv)  # [H_kv, rows, g*T, D]
+        if self.shared is None:
+            return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
         from_prefix = self._prefix_values(probs[..., :prefix], pv)
         # a row in no group reads another row's cell there: its prefix part is zeroed (x 0.0), exactly
         out = out + from_prefix if self.shared.in_order else torch.addcmul(out, from_prefix, self.shared.grouped)
         return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
+
+    def _own_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+        """[H_kv, rows, g*T, own keys]: each row's scores on its own keys; with :class:`LongRows`, the
+        long rows' keys past the split scored apart and laid in (the others' places there are masked)."""
+        kv_heads, rows, gt, dim = qg.shape
+        keys = self._gather(0, pk.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+        scores = qg @ keys.transpose(-1, -2)
+        if self.long is None:
+            return scores
+        lr = self.long
+        keys = self._gather(4, pk.view(-1, dim), lr.slots).view(kv_heads, len(lr.rows), -1, dim)
+        past = qg.index_select(1, lr.rows) @ keys.transpose(-1, -2)  # [H_kv, L, g*T, own keys - split]
+        rest = scores.new_zeros(kv_heads, rows, gt, past.size(-1)).index_copy_(1, lr.rows, past)
+        return torch.cat([scores, rest], dim=-1)
+
+    def _own_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+        """[H_kv, rows, g*T, D]: each row's probabilities on its own keys times their values."""
+        kv_heads, rows, gt, keys = probs.shape
+        dim = pv.size(-1)
+        values = self._gather(1, pv.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+        if self.long is None:
+            return probs @ values
+        lr = self.long
+        out = probs[..., : lr.split] @ values
+        values = self._gather(5, pv.view(-1, dim), lr.slots).view(kv_heads, len(lr.rows), -1, dim)
+        return out.index_add_(1, lr.rows, probs[..., lr.split :].index_select(1, lr.rows) @ values)
 
     def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, prefix keys]: each row's scores on its group's prefix, computed on the grid
