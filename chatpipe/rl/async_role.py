@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from chatpipe import runtime
 from chatpipe.inference.engine import Engine
 from chatpipe.model.files import load_model
@@ -48,9 +50,10 @@ def exchange_dir(cfg: RLSettings) -> Path:
 @contextlib.contextmanager
 def rollout_exchange(run, step: int) -> Iterator[None]:
     """With ``rollout_role``: open the roles' shared dir for a run starting at ``step`` (the policy's
-    weights published as version ``step``) and tell the rollout role to stop when the run ends, however
-    it ends. The dir is claimed for this trainer first (its owner record), and the dirs beside it whose
-    trainer is provably dead go (:func:`reap_dead_launches`); a live launch's never does.
+    weights published as version ``step`` by the first :func:`take_rollouts`, the role's cores the
+    trainer's until then) and tell the rollout role to stop when the run ends, however it ends. The
+    dir is claimed for this trainer first (its owner record), and the dirs beside it whose trainer is
+    provably dead go (:func:`reap_dead_launches`); a live launch's never does.
     ``run``: chatpipe.rl.step.RLRun; its ``exchange`` is set here."""
     cfg, rt = run.cfg, run.rt
     if not cfg.rollout.role:
@@ -63,7 +66,12 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
     for old in reap_dead_launches(root):
         log.info("rollout role: removed %s, left by a trainer that is gone", old)
     run.exchange = trainer_exchange(cfg, root, rt.device)  # with several workers, weights go over torch.distributed
-    run.exchange.start(step, run.models.policy.state_dict())
+    # the role samples nothing before the first weights, so they go out when the trainer first asks for
+    # a batch (take_rollouts): the evaluation a fresh run begins with comes first, and runs on the
+    # role's idle cores too (on one thread it took twice as long as on two, while the role waited)
+    run.rollout_start = (step, torch.get_num_threads())
+    if os.environ.get(RL_THREADS_AFTER_ENV):
+        runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, before its first step")
     log.info("rollout role: exchange %s, max_staleness %d", root, cfg.rollout.max_staleness)
     try:
         with run.exchange.heartbeat("trainer"):
@@ -110,6 +118,11 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
     """Step ``step``'s batch from the rollout role, checked against the trainer's own prompt picks and
     the staleness bound; its stats: staleness, the role's sampling and idle seconds, tokens/s."""
     cfg, ex = run.cfg, run.exchange
+    if run.rollout_start is not None:  # the first batch asked for: the role starts now, on its own cores
+        start, threads = run.rollout_start
+        runtime.use_threads(threads, "the trainer's own cores, while the rollout role samples")
+        ex.start(start, run.models.policy.state_dict())
+        run.rollout_start = None
     t0 = time.perf_counter()
     payload = ex.take_rollouts(step, cfg.rollout.timeout_s, alive=lambda: ex.check_alive("rollout") or True)
     waited = time.perf_counter() - t0

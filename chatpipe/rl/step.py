@@ -60,6 +60,8 @@ class RLRun:
     prompts: Prompts = field(default_factory=Prompts)  # RL's own sampling state
     guard: RewardGuard | None = None  # reward.source model|both: the reward-hacking guard
     exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
+    # rollout_role: (the step, the trainer's own threads) the first take_rollouts starts the role at
+    rollout_start: tuple[int, int] | None = None
     rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout.dtype, resolved once)
     test_problems: list[Problem] = field(default_factory=list)  # rl.test_split's: held out, nothing tuned on them
 
