@@ -308,12 +308,15 @@ class PagedBatch:
         # every index table is built in Python and made a tensor in one call (_Tables): a forward's
         # dozen small tensor ops or torch.tensor calls cost more than its attention on a decode step
         size, width, scratch = pool.block_size, max(chunks), pool.num_blocks * pool.block_size
-        positions: list[int] = []  # [rows, T]; a row's padding repeats its last position
-        slots: list[int] = []  # each token's slot in the pool; padding writes to the scratch block
-        for s, c in zip(seqs, chunks):
-            row = [s.length + min(t, c - 1) for t in range(width)]
-            positions += row
-            slots += [s.blocks[p // size] * size + p % size for p in row[:c]] + [scratch] * (width - c)
+        if width == 1:  # a decode step: one token a row, no padding
+            positions = [s.length for s in seqs]
+            slots = [s.blocks[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        else:
+            positions, slots = [], []  # [rows, T]; a row's padding repeats its last position, and
+            for s, c in zip(seqs, chunks):  # writes to the scratch block
+                row = [s.length + min(t, c - 1) for t in range(width)]
+                positions += row
+                slots += [s.blocks[p // size] * size + p % size for p in row[:c]] + [scratch] * (width - c)
         self.start = max(s.length for s in seqs)
         groups, prefix = self._share_prefixes()
         # each row's own keys: its positions past its group's prefix, through this forward's chunk
@@ -398,10 +401,12 @@ class PagedBatch:
         positions past a row's blocks read the scratch block, and no query attends them."""
         size, heads = self.pool.block_size, self.pool.shape[1]
         at = torch.arange(keys, device=self.device)[None]
-        at = (at.expand(tables.size(0), -1) if start is None else at + start).clamp(max=tables.size(1) * size - 1)
-        slots = tables.gather(1, at // size) * size + at % size
+        at = (at if start is None else at + start).clamp(max=tables.size(1) * size - 1).expand(tables.size(0), -1)
+        # each row's block table as a table of slots, [rows, blocks * size], read at the positions
+        in_block = torch.arange(size, device=self.device)
+        slots = (tables[:, :, None] * size + in_block).view(tables.size(0), -1).gather(1, at)
         per_head = (self.pool.num_blocks + 1) * size
-        return (torch.arange(heads, device=self.device)[:, None, None] * per_head + slots).flatten()
+        return (torch.arange(0, heads * per_head, per_head, device=self.device)[:, None, None] + slots).flatten()
 
     def _key_layout(self, n_prefix: torch.Tensor, n_own: torch.Tensor) -> None:
         """Each row's key positions, its group's prefix first, then its own, and which are real
