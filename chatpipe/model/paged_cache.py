@@ -299,7 +299,8 @@ class PagedBatch:
 
     Each layer gathers a row's blocks from the head-major pool ([H_kv, blocks, block_size, D]) into
     one run of keys per head, [H_kv, rows, keys, D], and attends with one matmul per (head, row); a
-    prefix several rows share is read once for all of them (:class:`SharedPrefixes`)."""
+    prefix several rows share is read once for all of them (:class:`SharedPrefixes`), and the keys of
+    rows far longer than the rest past a split apart (:class:`LongRows`)."""
 
     key_mask = None
 
@@ -468,7 +469,7 @@ class PagedBatch:
             return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
         qg = qg * dim**-0.5
         scores = self._own_scores(qg, pk)  # [H_kv, rows, g*T, own keys]
-        if self.shared:
+        if self.shared is not None:
             scores = torch.cat([self._prefix_scores(qg, pk), scores], dim=-1)
         keys = scores.size(-1)
         scores = scores.view(kv_heads, rows, group, width, keys).masked_fill_(plan.hidden, float("-inf"))
