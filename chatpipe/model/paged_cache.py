@@ -244,8 +244,9 @@ class SharedPrefixes:
     found in the prefix cache): each such prefix is read once for all its rows, as a grid of
     ``groups`` x ``width`` cells. ``tables`` [H_kv * groups * keys]: each prefix's slots, ``keys``
     positions each (:meth:`PagedBatch._slots`; a shorter prefix is padded); ``cell_rows`` [groups *
-    width]: the row in each cell (an empty cell repeats row 0, whose result there is never read); ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]:
-    1.0 for rows in a group, 0.0 for the others. ``in_order``: every row is in a group and the cells
+    width]: the row in each cell (an empty cell repeats row 0, whose result there is never read);
+    ``row_cell`` [rows]: each row's cell; ``grouped`` [rows, 1, 1]: 1.0 for rows in a group, 0.0 for
+    the others. ``in_order``: every row is in a group and the cells
     are the rows in order (a step of rollouts, each prompt's samples side by side): the grid is the
     batch itself, and neither index is applied."""
 
@@ -462,8 +463,8 @@ class PagedBatch:
         # query heads grouped by their kv head: [H_kv, rows, g*T, D]
         qg = q.reshape(rows, kv_heads, group * width, dim).transpose(0, 1)
         if self.shared is None and self.long is None:  # one fused call: no [.., keys] scores in memory
-            own_k = self._gather(0, pk.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
-            own_v = self._gather(1, pv.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+            own_k = self._gather(0, pk, self.own_slots, rows)
+            own_v = self._gather(1, pv, self.own_slots, rows)
             mask = plan.mask.expand(rows, group, width, -1).reshape(1, rows, group * width, -1)
             out = F.scaled_dot_product_attention(qg, own_k, own_v, attn_mask=mask, scale=dim**-0.5)
             return out.transpose(0, 1).reshape(rows, q.size(1), width, dim)
@@ -486,34 +487,32 @@ class PagedBatch:
     def _own_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, own keys]: each row's scores on its own keys; with :class:`LongRows`, the
         long rows' keys past the split scored apart and laid in (the others' places there are masked)."""
-        kv_heads, rows, gt, dim = qg.shape
-        keys = self._gather(0, pk.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+        kv_heads, rows, gt, _ = qg.shape
+        keys = self._gather(0, pk, self.own_slots, rows)
         scores = qg @ keys.transpose(-1, -2)
         if self.long is None:
             return scores
         lr = self.long
-        keys = self._gather(4, pk.view(-1, dim), lr.slots).view(kv_heads, len(lr.rows), -1, dim)
+        keys = self._gather(4, pk, lr.slots, len(lr.rows))
         past = qg.index_select(1, lr.rows) @ keys.transpose(-1, -2)  # [H_kv, L, g*T, own keys - split]
         rest = scores.new_zeros(kv_heads, rows, gt, past.size(-1)).index_copy_(1, lr.rows, past)
         return torch.cat([scores, rest], dim=-1)
 
     def _own_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, D]: each row's probabilities on its own keys times their values."""
-        kv_heads, rows, gt, keys = probs.shape
-        dim = pv.size(-1)
-        values = self._gather(1, pv.view(-1, dim), self.own_slots).view(kv_heads, rows, -1, dim)
+        values = self._gather(1, pv, self.own_slots, probs.size(1))
         if self.long is None:
             return probs @ values
         lr = self.long
         out = probs[..., : lr.split] @ values
-        values = self._gather(5, pv.view(-1, dim), lr.slots).view(kv_heads, len(lr.rows), -1, dim)
+        values = self._gather(5, pv, lr.slots, len(lr.rows))
         return out.index_add_(1, lr.rows, probs[..., lr.split :].index_select(1, lr.rows) @ values)
 
     def _prefix_scores(self, qg: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, prefix keys]: each row's scores on its group's prefix, computed on the grid
         (a group's queries side by side against its prefix, read once)."""
         sh, (kv_heads, _, gt, dim) = self.shared, qg.shape
-        keys = self._gather(2, pk.view(-1, dim), sh.tables).view(kv_heads, sh.groups, -1, dim)
+        keys = self._gather(2, pk, sh.tables, sh.groups)
         grid = qg if sh.in_order else qg.index_select(1, sh.cell_rows)
         scores = grid.reshape(kv_heads, sh.groups, sh.width * gt, dim) @ keys.transpose(-1, -2)
         scores = scores.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, prefix keys]
@@ -522,19 +521,22 @@ class PagedBatch:
     def _prefix_values(self, probs: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
         """[H_kv, rows, g*T, D]: the prefix probabilities (per row) times the group's prefix values."""
         sh, (kv_heads, _, gt, keys) = self.shared, probs.shape
-        values = self._gather(3, pv.view(-1, pv.size(-1)), sh.tables).view(kv_heads, sh.groups, keys, -1)
+        values = self._gather(3, pv, sh.tables, sh.groups)
         grid = probs if sh.in_order else probs.index_select(1, sh.cell_rows)
         out = grid.reshape(kv_heads, sh.groups, sh.width * gt, keys) @ values
         out = out.view(kv_heads, sh.groups * sh.width, gt, -1)  # [H_kv, cells, g*T, D]
         return out if sh.in_order else out.index_select(1, sh.row_cell)
 
-    def _gather(self, which: int, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``rows[index]`` (a layer seen as [H_kv * slots, D], ``index`` from :meth:`_slots`), into the
-        pool's scratch buffer ``which`` (see :meth:`BlockPool.scratch`)."""
+    def _gather(self, which: int, layer: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        """[H_kv, rows, keys, D]: a pool layer [H_kv, blocks, block_size, D] read at ``index`` (its slots
+        seen as [H_kv * slots, D], from :meth:`_slots`), into the pool's scratch buffer ``which`` (see
+        :meth:`BlockPool.scratch`)."""
+        kv_heads, dim = layer.size(0), layer.size(-1)
+        flat = layer.view(-1, dim)
         if torch.is_grad_enabled():  # out= has no autograd: a forward outside inference mode gathers plainly
-            return rows.index_select(0, index)
-        buf = self.pool.scratch(which, (len(index), rows.size(1)), rows.dtype, rows.device)
-        return torch.index_select(rows, 0, index, out=buf)
+            return flat.index_select(0, index).view(kv_heads, rows, -1, dim)
+        buf = self.pool.scratch(which, (len(index), dim), flat.dtype, flat.device)
+        return torch.index_select(flat, 0, index, out=buf).view(kv_heads, rows, -1, dim)
 
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
