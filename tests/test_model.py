@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chatpipe.model import cpu_kernel
 from chatpipe.model.gpt import GPT, GPTConfig, config_from_depth, layer_windows
 from chatpipe.model.paged_cache import BlockPool, PackedBatch, PagedBatch, Sequence
 from chatpipe.train.optim import build_optimizers
@@ -264,11 +265,13 @@ def test_a_packed_forward_decodes_and_prefills_as_the_sequences_alone(options):
         PackedBatch(pool, decode, [], [], torch.device("cpu"))
 
 
-def test_paged_decode_steps_gather_into_one_buffer_kept_across_forwards():
-    """In inference mode each layer gathers a row's keys into the pool's scratch buffers, which
-    outlive the forward (a fresh buffer per decode step cost page faults that took longer than the copy)
-    and grow at least twofold (each decode step gathers one key more): the logits still match a full
-    forward, and the decode steps after the first that outgrew the prefill's gather keep its storage."""
+def test_paged_decode_steps_gather_into_one_buffer_kept_across_forwards(monkeypatch):
+    """In inference mode each layer of the torch path gathers a row's keys into the pool's scratch
+    buffers, which outlive the forward (a fresh buffer per decode step cost page faults that took
+    longer than the copy) and grow at least twofold (each decode step gathers one key more): the
+    logits still match a full forward, and the decode steps after the first that outgrew the
+    prefill's gather keep its storage. (The C kernel, on by default, gathers nothing.)"""
+    monkeypatch.setenv(cpu_kernel.ENABLE_ENV, "0")
     model = tiny(window_pattern="L", n_kv_head=2, sequence_len=16)
     x = torch.randint(0, 97, (1, 12))
     full = model(x)

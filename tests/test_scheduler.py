@@ -13,6 +13,7 @@ import torch
 
 from chatpipe.inference.engine import Engine
 from chatpipe.inference.scheduler import GenRequest, Scheduler, generate_continuous
+from chatpipe.model import cpu_kernel
 from tests.test_engine import CALL_2_PLUS_3, TOK, S, ScriptedGPT, greedy_recompute, random_model
 
 TIE = 1e-4  # |top1 - top2| of the reference's logits under which a differing greedy token is a rounding tie
@@ -119,10 +120,12 @@ def test_samples_of_one_prompt_share_its_prefill_and_draw_independently():
 
 
 @pytest.mark.parametrize("options", [{}, {"smear": True, "value_embeds": True}], ids=["plain", "smear+ve"])
-def test_rows_reading_a_shared_prefix_once_attend_as_rows_holding_it_whole(options):
+def test_rows_reading_a_shared_prefix_once_attend_as_rows_holding_it_whole(options, monkeypatch):
     """Rows that share a prefix (the samples of one prompt: its full blocks, and the rest of it in
     each sample's copy of its last block) read it once, on a grid beside rows that share nothing;
-    each still gives the tokens of a full recompute with no cache."""
+    each still gives the tokens of a full recompute with no cache. (The torch path's decode: the C
+    kernel reads every row's blocks in place and needs no grid.)"""
+    monkeypatch.setenv(cpu_kernel.ENABLE_ENV, "0")
     model = quiet_model(**options)
     engine = Engine(model, TOK)
     prompt = [S["<|bos|>"], *TOK.encode("shared prompt of three blocks")]  # 30 tokens: 3 full blocks of 8

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chatpipe.model import cpu_kernel
+
 _FORKS = itertools.count()  # fork ids (Sequence.fork_key)
 
 
@@ -236,6 +238,7 @@ class PagedPlan:
     mask: torch.Tensor | None
     parts: tuple[PagedPlan, ...] = ()
     hidden: torch.Tensor | None = None  # ~mask, made once per forward where the scores are masked by hand
+    window: int | None = None  # a decode step in the C kernel (no mask): the keys each query attends
 
 
 @dataclass
@@ -305,8 +308,17 @@ class PagedBatch:
 
     key_mask = None
 
-    def __init__(self, pool: BlockPool, seqs: list[Sequence], chunks: list[int], device: torch.device) -> None:
+    def __init__(
+        self, pool: BlockPool, seqs: list[Sequence], chunks: list[int], device: torch.device, kernel: bool = True
+    ) -> None:
         self.pool, self.seqs, self.chunks, self.device = pool, seqs, chunks, device
+        self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
+        # a decode step in float32 on CPU attends in the C kernel (chatpipe.model.cpu_kernel), which reads
+        # the blocks in place: it needs only each row's block table and length
+        self.kernel = kernel and max(chunks) == 1 and self._kernel_fits()
+        if self.kernel:
+            self._kernel_tables()
+            return
         # every index table is built in Python and made a tensor in one call (_Tables): a forward's
         # dozen small tensor ops or torch.tensor calls cost more than its attention on a decode step
         size, width, scratch = pool.block_size, max(chunks), pool.num_blocks * pool.block_size
@@ -346,7 +358,30 @@ class PagedBatch:
         self.last = made[last_at]
         self.shared = grid(made, n_prefix) if grid else None
         self._key_layout(n_prefix, n_own)
-        self.prev_embed: torch.Tensor | None = None  # set by the model (the smear) before the first layer
+
+    def _kernel_fits(self) -> bool:
+        """Whether this decode step can attend in the C kernel: no autograd, float32 keys (the pool's,
+        stored by the prefill before it), on a CPU where the kernel builds."""
+        stored = self.pool.k
+        if torch.is_grad_enabled() or (stored is not None and stored.dtype != torch.float32):
+            return False
+        return cpu_kernel.available(self.device)
+
+    def _kernel_tables(self) -> None:
+        """What the kernel reads: each row's block table and key count (its length with the new token),
+        the new tokens' positions and slots, and where each row's logits are."""
+        size, seqs = self.pool.block_size, self.seqs
+        positions = [s.length for s in seqs]
+        blocks = max(len(s.blocks) for s in seqs)
+        tables = _Tables(self.device)
+        at = [tables.add(positions), tables.add([s.blocks[p // size] * size + p % size for s, p in zip(seqs, positions)])]
+        at += [tables.add(_padded([s.blocks for s in seqs], blocks, self.pool.num_blocks)), tables.add(range(len(seqs)))]
+        made = tables.make()
+        self._positions, self.write = made[at[0]].view(len(seqs), 1), made[at[1]]
+        self.block_tables, self.last = made[at[2]].view(len(seqs), blocks), made[at[3]]
+        self.lengths = self._positions[:, 0] + 1
+        self.max_length = max(positions) + 1
+        self.start, self.shared, self.long = max(positions), None, None
 
     def _share_prefixes(self) -> tuple[list[tuple[list[int], int, list[int]]], list[int]]:
         """Group rows by the prefix they hold alike: the full blocks they share, and for samples forked
@@ -443,6 +478,8 @@ class PagedBatch:
         return self.last
 
     def plan(self, window: int | None) -> PagedPlan:
+        if self.kernel:
+            return PagedPlan(None, window=window)
         query, keys = self._positions[:, :, None], self.key_pos[:, None, :]  # [rows, T, 1], [rows, 1, K]
         mask = self.key_real[:, None, :] & (keys <= query)
         if window is not None:
@@ -455,11 +492,20 @@ class PagedBatch:
         one softmax over [shared prefix keys | own keys]. Work is laid out head-major, [H_kv, rows, ...]."""
         rows, kv_heads, width, dim = k.shape
         group = q.size(1) // kv_heads
+        if self.kernel and (k.dtype != torch.float32 or torch.is_grad_enabled()):  # not what the kernel reads
+            self._torch_tables_instead()
+        if not self.kernel and plan.mask is None:  # a plan made for the kernel, before that switch
+            plan = self.plan(plan.window)
         self.pool.storage(k.dtype, k.device)
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         slots = pk.view(kv_heads, -1, dim), pv.view(kv_heads, -1, dim)  # [H_kv, all slots, D]
         slots[0].index_copy_(1, self.write, k.transpose(0, 1).reshape(kv_heads, rows * width, dim))
         slots[1].index_copy_(1, self.write, v.transpose(0, 1).reshape(kv_heads, rows * width, dim))
+        if self.kernel:
+            out = cpu_kernel.decode_attention(
+                q[:, :, 0], pk, pv, self.block_tables, self.lengths, self.max_length, plan.window
+            )
+            return out[:, :, None]
         # query heads grouped by their kv head: [H_kv, rows, g*T, D]
         qg = q.reshape(rows, kv_heads, group * width, dim).transpose(0, 1)
         if self.shared is None and self.long is None:  # one fused call: no [.., keys] scores in memory
@@ -537,6 +583,12 @@ class PagedBatch:
             return flat.index_select(0, index).view(kv_heads, rows, -1, dim)
         buf = self.pool.scratch(which, (len(index), dim), flat.dtype, flat.device)
         return torch.index_select(flat, 0, index, out=buf).view(kv_heads, rows, -1, dim)
+
+    def _torch_tables_instead(self) -> None:
+        """Build the torch path's tables after all (keys that are not float32, or autograd on)."""
+        prev_embed = self.prev_embed
+        PagedBatch.__init__(self, self.pool, self.seqs, self.chunks, self.device, kernel=False)
+        self.prev_embed = prev_embed
 
     def advance(self, t: int) -> None:
         for seq, count in zip(self.seqs, self.chunks):
