@@ -373,9 +373,10 @@ class PagedBatch:
         size, seqs = self.pool.block_size, self.seqs
         positions = [s.length for s in seqs]
         blocks = max(len(s.blocks) for s in seqs)
+        slots = [s.blocks[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        block_table = _padded([s.blocks for s in seqs], blocks, self.pool.num_blocks)
         tables = _Tables(self.device)
-        at = [tables.add(positions), tables.add([s.blocks[p // size] * size + p % size for s, p in zip(seqs, positions)])]
-        at += [tables.add(_padded([s.blocks for s in seqs], blocks, self.pool.num_blocks)), tables.add(range(len(seqs)))]
+        at = [tables.add(values) for values in (positions, slots, block_table, list(range(len(seqs))))]
         made = tables.make()
         self._positions, self.write = made[at[0]].view(len(seqs), 1), made[at[1]]
         self.block_tables, self.last = made[at[2]].view(len(seqs), blocks), made[at[3]]
