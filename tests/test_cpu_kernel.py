@@ -87,3 +87,21 @@ def test_a_missing_or_failing_compiler_is_named_and_leaves_no_library(tmp_path, 
     monkeypatch.setattr(cpu_kernel, "SOURCE", cpu_kernel.Path(cpu_kernel.__file__).with_name("paged_attention.c"))
     built = cpu_kernel.build()
     assert built.parent == tmp_path / "cache" and cpu_kernel.build() == built  # cached: built once
+
+
+def test_a_batch_made_for_the_kernel_but_run_with_autograd_on_attends_on_the_torch_path():
+    """The kernel has no backward: a decode batch made with autograd off (so for the kernel) whose
+    forward then runs with it on builds the torch path's tables in its first layer and still gives
+    the full forward's logits."""
+    model = tiny(window_pattern="SL", n_kv_head=2, sequence_len=8).eval()
+    x = torch.randint(0, 97, (1, 10))
+    pool = BlockPool(model.config, num_blocks=8, block_size=4)
+    seq = Sequence(x[0].tolist())
+    assert pool.reserve(seq, 10)
+    with torch.no_grad():
+        model(x[:, :9], kv_cache=PagedBatch(pool, [seq], [9], CPU))
+        cache = PagedBatch(pool, [seq], [1], CPU)
+    assert cache.kernel
+    logits = model(x[:, 9:10], kv_cache=cache)
+    assert not cache.kernel and logits.requires_grad
+    assert torch.allclose(logits[0, -1], model(x)[0, -1], atol=1e-4)
