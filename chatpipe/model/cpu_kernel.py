@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from chatpipe.io import move_into_place
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -66,17 +68,15 @@ def build(compiler: str | None = None) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # built under a temporary name and renamed: processes that build at once never load a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([path, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+    # built in a directory of its own and moved in: processes that build at once never load a half-written file
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run(
+            [path, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+        )
         if done.returncode:
             raise RuntimeError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-800:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        move_into_place(built, target)
     return target
 
 
