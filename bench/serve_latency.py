@@ -13,9 +13,10 @@ load, ``--repeats`` times (these VMs change speed from one minute to the next):
   maximum.) After the per-repeat ratios, the p99s of every repeat's samples pooled.
 
 Then, against this checkout's server only: ``n: 4`` against ``n: 1`` (``/v1/chat/completions``, the
-same requests, median seconds of ``--repeats`` x 4 each), and the served tokens/s of the single-turn
-load against the engine's own offline decode of the same rows and lengths in this process (after an
-untimed warm-up round), at the intra-op threads the server gives its batch process.
+same requests, median seconds of ``--repeats`` x 4 each). The served tokens/s of this checkout's
+single-turn load are set against the engine's own offline decode of the same rows and lengths, run
+in this process right after that load in each repeat (after one untimed warm-up round), at the
+intra-op threads the server gives its batch process: a ratio per repeat, and their median.
 
 The clients are asyncio tasks of one thread sharing a connection pool.
 
@@ -39,6 +40,8 @@ from pathlib import Path
 
 import httpx
 from revision import REPO, unpack
+
+from chatpipe.runtime import freeze_startup_heap
 
 PROMPTS = [
     "Who lives in Stonebridge?",
@@ -172,42 +175,57 @@ async def n_choices(url: str, n: int, max_tokens: int, seed: int) -> float:
         return time.perf_counter() - t0
 
 
-def offline_tps(args: argparse.Namespace) -> tuple[float, int]:
-    """Tokens/s of the engine's own decode, in this process: ``--clients`` rows, the single-turn
-    prompts, at the intra-op threads the server gives its batch process (``chatpipe serve``'s
-    ``share_cores(2)``: on 2 cores, 1; the other core is the event loop's and the clients'), and
-    those threads."""
-    import torch
+class OfflineDecode:
+    """The engine's own decode, in this process: ``--clients`` rows, the single-turn prompts, at the
+    intra-op threads the server gives its batch process (``chatpipe serve``'s ``share_cores(2)``: on
+    2 cores, 1; the other core is the event loop's and the clients'). Built once, before the
+    servers start; :meth:`tokens_per_s` runs between the served loads, while the servers idle, so
+    each repeat's ratio compares the two at the same minute of these VMs' changing speed."""
 
-    from chatpipe.inference.engine import Engine
-    from chatpipe.inference.scheduler import GenRequest
-    from chatpipe.model.files import load_model
-    from chatpipe.runtime import share_cores
-    from chatpipe.tokenizer import Tokenizer
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
 
-    threads = share_cores(2)
-    model, _ = load_model(args.model, torch.device("cpu"))
-    tok = Tokenizer.load(str(Path(args.model).parent / "tokenizer"))
-    engine = Engine(model.eval(), tok)
-    prompts = [tok.render_for_completion({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]})
-               for p in PROMPTS]  # fmt: skip
-    sched = engine.scheduler(args.batch_rows, model.config.sequence_len)
-    total, t0 = 0, 0.0
-    for r in range(-1, args.rounds):  # round -1 warms up untimed, as the servers' warm-up request does
-        if r == 0:
-            total, t0 = 0, time.perf_counter()
-        reqs = [sched.submit(GenRequest(prompts[(c + r) % len(prompts)], max_tokens=args.max_tokens, temperature=0.8,
-                                        top_k=50, seed=c * 100 + max(r, 0))) for c in range(args.clients)]  # fmt: skip
-        sched.run()
-        total += sum(len(q.seqs[0]) for q in reqs)
-    return total / (time.perf_counter() - t0), threads
+        from chatpipe.inference.engine import Engine
+        from chatpipe.model.files import load_model
+        from chatpipe.runtime import share_cores
+        from chatpipe.tokenizer import Tokenizer
+
+        self.args, self.threads = args, share_cores(2)
+        model, _ = load_model(args.model, torch.device("cpu"))
+        tok = Tokenizer.load(str(Path(args.model).parent / "tokenizer"))
+        self.prompts = [tok.render_for_completion({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]})
+                        for p in PROMPTS]  # fmt: skip
+        self.sched = Engine(model.eval(), tok).scheduler(args.batch_rows, model.config.sequence_len)
+        self.rounds(range(-1, 0))  # a warm-up round, untimed, as the servers' warm-up request is
+
+    def rounds(self, rounds: range) -> int:
+        """Tokens of ``rounds`` rounds, each ``--clients`` requests run to the end together."""
+        from chatpipe.inference.scheduler import GenRequest
+
+        args, total = self.args, 0
+        for r in rounds:
+            reqs = [self.sched.submit(GenRequest(self.prompts[(c + r) % len(self.prompts)], max_tokens=args.max_tokens,
+                                                 temperature=0.8, top_k=50, seed=c * 100 + max(r, 0)))
+                    for c in range(args.clients)]  # fmt: skip
+            self.sched.run()
+            total += sum(len(q.seqs[0]) for q in reqs)
+        return total
+
+    def tokens_per_s(self) -> float:
+        t0 = time.perf_counter()
+        return self.rounds(range(self.args.rounds)) / (time.perf_counter() - t0)
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Both servers, the loads in turns; then ``n`` and the offline decode against this checkout's."""
+    """Both servers, the loads in turns, with the offline decode after each single-turn load; then
+    ``n`` against this checkout's."""
     tree = unpack(args.baseline)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     results: dict = {}
+    offline = OfflineDecode(args)
+    # the clients run in this process, beside torch and the offline model: unfrozen, a full collection
+    # here would pause every client for ~0.1 s, a first-token time for whichever server was measured
+    freeze_startup_heap()
     try:
         for name, where in ((f"baseline {args.baseline}", tree), ("this checkout", None)):
             servers[name] = start_server(args, where)
@@ -220,6 +238,8 @@ def measure(args: argparse.Namespace) -> dict:
                     r = asyncio.run(run_load(url, args, turns, repeat))
                     report(name, load, r)
                     results.setdefault((name, load), []).append(r)
+                if load == "single turn":  # next to this checkout's single-turn load, the ratio's other half
+                    results.setdefault("offline", []).append(offline.tokens_per_s())
         url = servers["this checkout"][1]
         for n in (1, 4):
             times = [asyncio.run(n_choices(url, n, args.max_tokens, s)) for s in range(4 * args.repeats)]
@@ -228,7 +248,7 @@ def measure(args: argparse.Namespace) -> dict:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(10)
-    results["offline"] = offline_tps(args)
+    results["threads"] = offline.threads
     return results
 
 
@@ -261,11 +281,13 @@ def main() -> None:
             f"{percentile(pooled[1], 99) * 1000:.0f} ms / {percentile(pooled[0], 99) * 1000:.0f} ms = x{ratio:.2f}"
         )
     print(f"n: 4 / n: 1, median seconds: x{results[('n', 4)] / results[('n', 1)]:.2f}")
-    served = statistics.median(r["tps"] for r in results[(this, "single turn")])
-    offline, threads = results["offline"]
+    served = [r["tps"] for r in results[(this, "single turn")]]
+    ratios = [s / o for s, o in zip(served, results["offline"])]
     print(
-        f"served {served:.1f} / offline decode {offline:.1f} tokens/s ({args.clients} rows, the batch's "
-        f"{threads} intra-op thread(s) both): x{served / offline:.2f}"
+        f"served / offline decode tokens/s ({args.clients} rows, the batch's {results['threads']} intra-op "
+        f"thread(s) both), each repeat: "
+        + ", ".join(f"{s:.0f} / {o:.0f} = x{s / o:.2f}" for s, o in zip(served, results["offline"]))
+        + f"; median x{statistics.median(ratios):.2f}"
     )
 
 

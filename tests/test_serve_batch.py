@@ -257,6 +257,31 @@ def test_a_prefill_that_raises_fails_its_requests_and_frees_their_rows(tmp_path,
         assert len([e for e in got if e[0] == 4 and e[2] is not None]) == 16
 
 
+@pytest.mark.parametrize("own_process", [True, False])
+def test_the_batch_process_freezes_its_startup_heap_before_it_says_ready(tmp_path, monkeypatch, own_process):
+    # before: a full garbage collection in the batch process walked torch's and the model's objects,
+    # ~0.1 s in which no row got a token. In a thread here (a test process's heap stays unfrozen):
+    # the loop freezes only where it is the batch's own process, as start_batch says it is
+    import multiprocessing
+
+    from chatpipe import runtime
+    from chatpipe.inference.engine import Engine
+    from chatpipe.serve.batch_pool import run_batch
+
+    calls = []
+    monkeypatch.setattr(runtime, "freeze_startup_heap", lambda: calls.append("frozen") or 0)
+    loaded = load_chat_model("sft", artifacts=make_artifacts(tmp_path), device="cpu")
+    conn, child = multiprocessing.Pipe()
+    engine = Engine(loaded.model, loaded.tokenizer)
+    loop = threading.Thread(target=run_batch, args=(engine, 2, 64, 1, child, None, own_process))
+    loop.start()
+    assert conn.recv() == "ready"
+    assert calls == (["frozen"] if own_process else [])
+    conn.send(("stop",))
+    loop.join(10)
+    assert not loop.is_alive()
+
+
 def test_the_batch_loop_answers_a_bad_request_with_an_error_and_carries_on(tmp_path):
     """run_batch's protocol, in a thread here: a request the scheduler cannot take gets an error
     event naming why, the next one its tokens, and "stop" ends the loop."""

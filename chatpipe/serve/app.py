@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from chatpipe.model.loading import load_chat_model
-    from chatpipe.runtime import share_cores
+    from chatpipe.runtime import freeze_startup_heap, share_cores
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -430,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chatpipe serve: {e}", file=sys.stderr)
         return 2
     print(f"serving {loaded.describe()} at http://{cfg.host}:{cfg.port}", flush=True)
-    uvicorn.run(create_app(loaded, cfg), host=cfg.host, port=cfg.port, log_level="info")
+    app = create_app(loaded, cfg)
+    freeze_startup_heap()  # a full collection would walk torch's, the model's and the app's objects, pausing every stream
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
     return 0
 
 

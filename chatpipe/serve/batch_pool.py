@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from chatpipe import runtime
 from chatpipe.inference.engine import Engine, TextStream
 from chatpipe.inference.scheduler import GenRequest, Scheduler
 from chatpipe.model.paged_cache import BlockPool
@@ -68,7 +69,9 @@ class Admission:
 # --------------------------------------------------------------------------- the batch process
 
 
-def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, kv: dict | None = None) -> None:
+def run_batch(
+    engine: Engine, rows: int, context: int, threads: int, conn: Any, kv: dict | None = None, own_process: bool = False
+) -> None:
     """The batch process: step a :class:`Scheduler` over the requests ``conn`` brings.
 
     In: ``("submit", id, prompt, settings)``, ``("cancel", id)``, ``("stop",)``. Out, once a step's
@@ -80,13 +83,17 @@ def run_batch(engine: Engine, rows: int, context: int, threads: int, conn: Any, 
     report waited in the queue. A step that raises ends every request the scheduler holds with
     ``"error: ..."``; the batch carries on. Returns when told to stop or when the server's end of
     the pipe closes (the server exited). ``kv``: the scheduler's KV pool and step budget
-    (``kv_blocks``, ``block_size``, ``max_batch_tokens``; its defaults where absent).
+    (``kv_blocks``, ``block_size``, ``max_batch_tokens``; its defaults where absent). ``own_process``:
+    this is the batch's own process, whose startup objects are then frozen out of the garbage
+    collector's reach before it says it is ready (:func:`chatpipe.runtime.freeze_startup_heap`).
     """
     torch.set_num_threads(threads)
     sched = Scheduler(engine, rows=rows, context=context, **(kv or {}))
     reqs: dict[int, GenRequest] = {}
     arrived: dict[int, float] = {}  # requests not yet admitted: when they arrived
     events: list[tuple] = []
+    if own_process:  # a full collection would walk torch's and the model's objects, pausing every row
+        runtime.freeze_startup_heap()
     conn.send("ready")
     try:
         while take_messages(conn, sched, reqs, events, arrived, block=not sched.busy()):
@@ -490,7 +497,7 @@ def start_batch(engine: Engine, rows: int, context: int, kv: dict | None = None)
     conn, child = ctx.Pipe()
     worker = ctx.Process(
         target=run_batch,
-        args=(engine, rows, context, torch.get_num_threads(), child, kv),
+        args=(engine, rows, context, torch.get_num_threads(), child, kv, True),
         name="chatpipe-batch",
         daemon=True,
     )
