@@ -26,6 +26,7 @@ from chatpipe import runtime
 from chatpipe.inference.engine import Engine
 from chatpipe.model.files import load_model
 from chatpipe.paths import ARTIFACTS
+from chatpipe.rl.core_loan import CoreLoan
 from chatpipe.rl.exchange import Exchange, claim, launch_dir, reap_dead_launches, run_rollout_role
 from chatpipe.rl.problems import Prompts, load_rl_problems, step_indices, user_verifier
 from chatpipe.rl.rollout import Rollouts
@@ -77,6 +78,9 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
         with run.exchange.heartbeat("trainer"):
             yield
     finally:
+        if run.core_loan is not None:
+            run.core_loan.close()
+            run.core_loan = None
         run.exchange.stop()
 
 
@@ -114,6 +118,17 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
     log.info("rollout role: done, %d batches", written)
 
 
+def core_loan(cfg: RLSettings, ex, own: int) -> CoreLoan | None:
+    """The rollout role's cores lent to the trainer while it waits for weights (:class:`CoreLoan`),
+    where one role shares the trainer's host (the launcher then says how many cores the two have:
+    ``CHATPIPE_RL_THREADS_AFTER_ROLE``) and ``rl.rollout.lend_cores`` is on; else None."""
+    every = int(os.environ.get(RL_THREADS_AFTER_ENV) or 0)
+    if not cfg.rollout.lend_cores or cfg.rollout.workers > 1 or not isinstance(ex, Exchange) or every <= own:
+        return None
+    log.info("rollout role: its %d core(s) are the trainer's while it waits for weights", every - own)
+    return CoreLoan(ex, cfg.rollout.max_staleness, own, every)
+
+
 def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, float]]:
     """Step ``step``'s batch from the rollout role, checked against the trainer's own prompt picks and
     the staleness bound; its stats: staleness, the role's sampling and idle seconds, tokens/s."""
@@ -123,6 +138,8 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
         runtime.use_threads(threads, "the trainer's own cores, while the rollout role samples")
         ex.start(start, run.models.policy.state_dict())
         run.rollout_start = None
+        run.core_loan = core_loan(cfg, ex, threads)
+    lent = run.core_loan.take_lent_seconds() if run.core_loan is not None else 0.0  # in the update before
     t0 = time.perf_counter()
     payload = ex.take_rollouts(step, cfg.rollout.timeout_s, alive=lambda: ex.check_alive("rollout") or True)
     waited = time.perf_counter() - t0
@@ -133,6 +150,11 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
             f"sampled by version {payload['version']} (max_staleness {cfg.rollout.max_staleness})"
         )
     batch = Rollouts.from_dict(payload)
+    if run.core_loan is not None and step < cfg.max_steps - 1:  # the role samples on, then waits for weights
+        run.core_loan.updating(step)
+    elif run.core_loan is not None:  # the last batch: the role's cores are the trainer's from here
+        run.core_loan.close()
+        run.core_loan = None
     if step == cfg.max_steps - 1 and os.environ.get(RL_THREADS_AFTER_ENV):  # the role has no more to sample:
         runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, after its last step")
     # at staleness 0 too the sampler's log-probs stay: the role's engine and dtype are not the trainer's,
@@ -142,6 +164,7 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
     stats = {
         "async/staleness": float(staleness),
         "async/trainer_wait_seconds": waited,
+        "async/lent_seconds": lent,
         "async/rollout_gen_seconds": gen,
         "async/rollout_idle": idle / max(idle + gen, 1e-9),
         "rollout/tokens_per_s": batch.num_tokens / max(gen, 1e-9),

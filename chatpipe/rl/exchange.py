@@ -215,12 +215,16 @@ class Exchange:
             torch.save({"version": version, "state": weights}, f)
         self._write_json("version.json", {"version": version})
 
+    def has_rollouts(self, step: int) -> bool:
+        """Whether step ``step``'s rollouts are in the dir, whole (they are written aside, then renamed)."""
+        return (self.root / f"rollouts-{step:08d}.pt").exists()
+
     def take_rollouts(self, step: int, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> dict[str, Any]:
         """Wait for step ``step``'s rollouts, read them and remove the file. Raises
         :class:`ExchangeTimeout` after ``timeout_s`` or as soon as ``alive()`` is false."""
         path = self.root / f"rollouts-{step:08d}.pt"
         while True:
-            self.wait_for(path.exists, timeout_s, alive, f"rollouts of step {step}")
+            self.wait_for(lambda: self.has_rollouts(step), timeout_s, alive, f"rollouts of step {step}")
             payload = torch.load(path, map_location="cpu", weights_only=True)
             path.unlink()
             if payload.get("run") == self.run_id:

@@ -38,6 +38,7 @@ from chatpipe.train.checkpoint import carried_over
 from chatpipe.train.loop import LoopState, StepOut
 
 if TYPE_CHECKING:
+    from chatpipe.rl.core_loan import CoreLoan
     from chatpipe.settings import RLSettings
 
 
@@ -62,6 +63,7 @@ class RLRun:
     exchange: Exchange | None = None  # rollout_role: where the rollout role leaves each step's batch
     # rollout_role: (the step, the trainer's own threads) the first take_rollouts starts the role at
     rollout_start: tuple[int, int] | None = None
+    core_loan: CoreLoan | None = None  # rollout_role: its cores, the trainer's while it waits for weights
     rollout_dtype: torch.dtype | None = None  # the rollouts' linear layers (rl.rollout.dtype, resolved once)
     test_problems: list[Problem] = field(default_factory=list)  # rl.test_split's: held out, nothing tuned on them
 
@@ -75,6 +77,8 @@ def rl_step(run: RLRun, step: int) -> StepOut:
     t_gen = time.perf_counter() - t0
     t1 = time.perf_counter()
     stats = update(run, batch, step)
+    if run.core_loan is not None:  # the role samples again once the weights are out: its cores go back first
+        run.core_loan.give_back()
     if run.exchange is not None:  # the rollout role may sample the next steps with these weights
         run.exchange.publish(step + 1, run.models.policy.state_dict())
     t_train = time.perf_counter() - t1

@@ -430,6 +430,11 @@ class RolloutSettings(Subsection):
     exchange_dir: str = Field(
         "", description="the roles' shared dir (heartbeats, rollouts); '': shared memory on one host (/dev/shm)"
     )
+    lend_cores: bool = Field(
+        True,
+        description="one rollout worker on the trainer's host: while it waits for weights (it sampled all the bound "
+        "allows), the trainer computes on its cores too (chatpipe/rl/core_loan.py)",
+    )
     timeout_s: float = Field(600.0, gt=0, description="a role waiting this long for the other one fails")
     heartbeat_timeout_s: float = Field(
         30.0,
