@@ -15,9 +15,10 @@ pass@1 change per setting. Every run starts in a new dir under ``--workdir``.
 
 With ``--bound`` each seed also runs synchronously on one thread, and the bench prints what no split
 of this run over two one-core roles can beat: the synchronous run's time outside its steps (startup,
-the evaluations, the save) plus the one-thread sampling and update seconds, either as this split
+the evaluations, the save) plus the one-thread sampling and update seconds, either as a fixed split
 runs them (sampling on one core, the update on the other: their maximum) or as evenly as any split
-could (their mean).
+could (their mean). The trainer borrowing the role's core while the role waits for weights
+(``rl.rollout.lend_cores``, on by default) is not a fixed split: it can pass the first bound, not the second.
 """
 
 from __future__ import annotations
