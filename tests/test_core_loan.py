@@ -68,3 +68,34 @@ def test_closing_mid_update_gives_the_cores_back(tmp_path, one_thread):
     loan.updating(0)
     loan.close()  # a run that fails mid-update: the exchange closes the loan on its way out
     assert torch.get_num_threads() == 1
+
+
+def test_the_loan_is_made_only_where_one_role_shares_the_trainers_host_and_its_main_thread(
+    tmp_path, monkeypatch, one_thread
+):
+    import threading
+    from types import SimpleNamespace
+
+    from chatpipe.rl.async_role import core_loan
+    from chatpipe.settings import RL_THREADS_AFTER_ENV
+
+    def cfg(**rollout):
+        return SimpleNamespace(
+            rollout=SimpleNamespace(**({"lend_cores": True, "workers": 1, "max_staleness": 1} | rollout))
+        )
+
+    ex = Exchange(tmp_path)
+    monkeypatch.setenv(RL_THREADS_AFTER_ENV, "2")  # the launcher's word: the two roles have 2 cores
+    loan = core_loan(cfg(), ex, own=1)
+    assert isinstance(loan, CoreLoan)
+    loan.close()
+    assert core_loan(cfg(lend_cores=False), ex, own=1) is None
+    assert core_loan(cfg(workers=2), ex, own=1) is None  # workers get weights over torch.distributed
+    assert core_loan(cfg(), ex, own=2) is None  # nothing beside the trainer's own cores
+    in_a_thread = []
+    thread = threading.Thread(target=lambda: in_a_thread.append(core_loan(cfg(), ex, own=1)))
+    thread.start()
+    thread.join()
+    assert in_a_thread == [None]  # only the main thread runs signal handlers: no loan, and no error
+    monkeypatch.delenv(RL_THREADS_AFTER_ENV)
+    assert core_loan(cfg(), ex, own=1) is None  # launched without the launcher's core count

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,6 +125,9 @@ def core_loan(cfg: RLSettings, ex, own: int) -> CoreLoan | None:
     ``CHATPIPE_RL_THREADS_AFTER_ROLE``) and ``rl.rollout.lend_cores`` is on; else None."""
     every = int(os.environ.get(RL_THREADS_AFTER_ENV) or 0)
     if not cfg.rollout.lend_cores or cfg.rollout.workers > 1 or not isinstance(ex, Exchange) or every <= own:
+        return None
+    if threading.current_thread() is not threading.main_thread():  # only the main thread runs signal handlers
+        log.info("rollout role: the trainer runs outside the main thread, so the role's cores are not lent")
         return None
     log.info("rollout role: its %d core(s) are the trainer's while it waits for weights", every - own)
     return CoreLoan(ex, cfg.rollout.max_staleness, own, every)
