@@ -49,7 +49,9 @@ def test_the_role_samples_once_the_trainer_asks_for_a_batch_and_lends_it_its_cor
 
     rt = SimpleNamespace(world_size=1, device=torch.device("cpu"))
     trainer = SimpleNamespace(policy=torch.nn.Linear(2, 2))
-    run = SimpleNamespace(cfg=cfg, rt=rt, models=trainer, exchange=None, rollout_start=None, engine=SimpleNamespace())
+    run = SimpleNamespace(
+        cfg=cfg, rt=rt, models=trainer, exchange=None, rollout_start=None, core_loan=None, engine=SimpleNamespace()
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     thread = threading.Thread(target=role, daemon=True)

@@ -87,7 +87,9 @@ def test_a_batch_at_staleness_0_keeps_the_rollout_roles_logprobs():
     )
     payload = {**batch.to_dict(), "version": 3, "idx": [5], "tools": {}, "gen_seconds": 1.0, "idle_seconds": 0.0}
     exchange = SimpleNamespace(take_rollouts=lambda step, timeout, alive: payload, check_alive=lambda role: None)
-    run = SimpleNamespace(cfg=cfg, exchange=exchange, engine=SimpleNamespace(tool_stats={}), rollout_start=None)
+    run = SimpleNamespace(
+        cfg=cfg, exchange=exchange, engine=SimpleNamespace(tool_stats={}), rollout_start=None, core_loan=None
+    )
     got, stats = take_rollouts(run, 3, [5])
     assert stats["async/staleness"] == 0.0
     assert got.behav_logp is not None and torch.equal(got.behav_logp, behav)
