@@ -79,9 +79,7 @@ def rollout_exchange(run, step: int) -> Iterator[None]:
         with run.exchange.heartbeat("trainer"):
             yield
     finally:
-        if run.core_loan is not None:
-            run.core_loan.close()
-            run.core_loan = None
+        end_core_loan(run)
         run.exchange.stop()
 
 
@@ -119,18 +117,25 @@ def rollout_role(cfg: RLSettings, rt: runtime.Runtime) -> None:
     log.info("rollout role: done, %d batches", written)
 
 
-def core_loan(cfg: RLSettings, ex, own: int) -> CoreLoan | None:
+def core_loan(cfg: RLSettings, ex: Exchange, own: int) -> CoreLoan | None:
     """The rollout role's cores lent to the trainer while it waits for weights (:class:`CoreLoan`),
     where one role shares the trainer's host (the launcher then says how many cores the two have:
     ``CHATPIPE_RL_THREADS_AFTER_ROLE``) and ``rl.rollout.lend_cores`` is on; else None."""
     every = int(os.environ.get(RL_THREADS_AFTER_ENV) or 0)
-    if not cfg.rollout.lend_cores or cfg.rollout.workers > 1 or not isinstance(ex, Exchange) or every <= own:
+    if not cfg.rollout.lend_cores or cfg.rollout.workers > 1 or every <= own:
         return None
     if threading.current_thread() is not threading.main_thread():  # only the main thread runs signal handlers
         log.info("rollout role: the trainer runs outside the main thread, so the role's cores are not lent")
         return None
     log.info("rollout role: its %d core(s) are the trainer's while it waits for weights", every - own)
     return CoreLoan(ex, cfg.rollout.max_staleness, own, every)
+
+
+def end_core_loan(run) -> None:
+    """Give the role's cores back for good (its last batch is in, or the run ends) and stop watching."""
+    if run.core_loan is not None:
+        run.core_loan.close()
+        run.core_loan = None
 
 
 def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, float]]:
@@ -154,13 +159,13 @@ def take_rollouts(run, step: int, idx: list[int]) -> tuple[Rollouts, dict[str, f
             f"sampled by version {payload['version']} (max_staleness {cfg.rollout.max_staleness})"
         )
     batch = Rollouts.from_dict(payload)
-    if run.core_loan is not None and step < cfg.max_steps - 1:  # the role samples on, then waits for weights
-        run.core_loan.updating(step)
-    elif run.core_loan is not None:  # the last batch: the role's cores are the trainer's from here
-        run.core_loan.close()
-        run.core_loan = None
-    if step == cfg.max_steps - 1 and os.environ.get(RL_THREADS_AFTER_ENV):  # the role has no more to sample:
-        runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, after its last step")
+    if step < cfg.max_steps - 1:
+        if run.core_loan is not None:  # the role samples on, then waits for this update's weights
+            run.core_loan.updating(step)
+    else:  # the last batch: the role has no more to sample, so its cores are the trainer's from here
+        end_core_loan(run)
+        if os.environ.get(RL_THREADS_AFTER_ENV):
+            runtime.use_threads(int(os.environ[RL_THREADS_AFTER_ENV]), "the rollout role's cores, after its last step")
     # at staleness 0 too the sampler's log-probs stay: the role's engine and dtype are not the trainer's,
     # so the update measures and corrects the gap (chatpipe.rl.sampling.sampler_is_trainer)
     run.engine.tool_stats = dict(payload["tools"])  # the role's running totals

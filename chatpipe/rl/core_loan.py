@@ -53,7 +53,7 @@ class CoreLoan:
         from the start, so its cores come at once."""
         self.step = step
         if self.max_staleness == 0:
-            self._take(step)
+            self._take()
 
     def give_back(self) -> None:
         """Back to the trainer's own threads, before it publishes weights the role samples with."""
@@ -91,9 +91,9 @@ class CoreLoan:
         (it may have ended, and its weights gone out, since the watcher looked). No logging here: the
         handler may run while the main thread holds the logging lock."""
         if self.step is not None and self.step == self._signalled:
-            self._take(self.step)
+            self._take()
 
-    def _take(self, step: int) -> None:
+    def _take(self) -> None:
         if self.lent_at is None:
             torch.set_num_threads(self.every)
             self.lent_at = time.perf_counter()

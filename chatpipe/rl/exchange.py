@@ -217,14 +217,14 @@ class Exchange:
 
     def has_rollouts(self, step: int) -> bool:
         """Whether step ``step``'s rollouts are in the dir, whole (they are written aside, then renamed)."""
-        return (self.root / f"rollouts-{step:08d}.pt").exists()
+        return self._rollouts_path(step).exists()
 
     def take_rollouts(self, step: int, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> dict[str, Any]:
         """Wait for step ``step``'s rollouts, read them and remove the file. Raises
         :class:`ExchangeTimeout` after ``timeout_s`` or as soon as ``alive()`` is false."""
-        path = self.root / f"rollouts-{step:08d}.pt"
+        path = self._rollouts_path(step)
         while True:
-            self.wait_for(lambda: self.has_rollouts(step), timeout_s, alive, f"rollouts of step {step}")
+            self.wait_for(path.exists, timeout_s, alive, f"rollouts of step {step}")
             payload = torch.load(path, map_location="cpu", weights_only=True)
             path.unlink()
             if payload.get("run") == self.run_id:
@@ -272,7 +272,7 @@ class Exchange:
         return self.version()
 
     def put_rollouts(self, step: int, payload: dict[str, Any]) -> None:
-        with atomic_write(self.root / f"rollouts-{step:08d}.pt", "wb", fsync=False) as f:
+        with atomic_write(self._rollouts_path(step), "wb", fsync=False) as f:
             torch.save(payload, f)
 
     # ------------------------------------------------------------------ plumbing
@@ -288,6 +288,9 @@ class Exchange:
                     "role running? Its log says why it stopped"
                 )
             time.sleep(POLL_S)
+
+    def _rollouts_path(self, step: int) -> Path:
+        return self.root / f"rollouts-{step:08d}.pt"
 
     def _write_json(self, name: str, obj: dict) -> None:
         with atomic_write(self.root / name, fsync=False) as f:
