@@ -12,6 +12,14 @@ pass@1 change per setting. Every run starts in a new dir under ``--workdir``.
     python bench/rl_async.py --seeds 1 2 3 --staleness 1 2
     python bench/rl_async.py --seeds 1 --staleness 1 -- --max_steps=20     # extra stages.rl flags
     python bench/rl_async.py --seeds 1 --staleness 1 --bound               # and the best two roles could do
+    python bench/rl_async.py --seeds 1 --staleness 1 --workers 1 2 4 -- --rollout.threads=2   # N rollout workers
+
+With ``--workers`` each asynchronous setting runs once per count (``rl.rollout.workers``; each worker
+on ``rollout.threads`` cores, the trainer on the rest: on 16 cores and 2 threads a worker, 4 workers
+leave the trainer 8). The ``rollout tok/s`` column is one worker's sampling rate (tokens over the
+seconds it sampled) and, after the slash, the rate the trainer received them at (every step's tokens
+over the seconds of the steps, waits included): what N workers sampling different steps at once
+deliver, which the update bounds. A synchronous run's are its sampling rate and the same over its steps.
 
 With ``--bound`` each seed also runs synchronously on one thread, and the bench prints what no split
 of this run over two one-core roles can beat: the synchronous run's time outside its steps (startup,
@@ -38,14 +46,16 @@ REPO = Path(__file__).resolve().parents[1]
 LINKED = ("tokenizer", "sft")  # what these runs read (the reward model's link is left dangling if absent)
 
 
-def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threads: int = 0) -> dict:
-    """One RL stage run (``staleness`` None: synchronous; ``threads`` > 0: that many intra-op threads,
-    else the launcher's split of the cores); its wall time, summary and async means."""
+def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threads: int = 0, workers: int = 1) -> dict:
+    """One RL stage run (``staleness`` None: synchronous, else with ``workers`` rollout workers; ``threads``
+    > 0: that many intra-op threads, else the launcher's split of the cores); its wall time, summary and
+    async means."""
     name = f"seed{seed}_" + ("sync" if staleness is None else f"async{staleness}") + (f"_{threads}t" if threads else "")
+    name += f"_{workers}w" if staleness is not None and workers > 1 else ""
     project = project_dir({"dir": str(workdir / name)})  # a fresh dir: no run resumes another's checkpoint
     flags = [f"--seed={seed}", "--log_every=1", *extra]
     if staleness is not None:
-        flags += ["--rollout.role=true", f"--rollout.max_staleness={staleness}"]
+        flags += ["--rollout.role=true", f"--rollout.max_staleness={staleness}", f"--rollout.workers={workers}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
     env |= {"CHATPIPE_TRACKING__ENABLED": "false"} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     t0 = time.perf_counter()
@@ -55,14 +65,29 @@ def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threa
     wall = time.perf_counter() - t0
     text = (project / "rl.log").read_text()
     if code:
-        return {"name": name, "seed": seed, "staleness": staleness, "error": text[-2000:]}
+        return {"name": name, "seed": seed, "staleness": staleness, "workers": workers, "error": text[-2000:]}
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     means = {k: mean_logged(text, k) for k in ("async/trainer_idle", "async/rollout_idle", "async/staleness")}
-    return {"name": name, "seed": seed, "staleness": staleness, "wall": wall, "summary": meta["summary"], **means}
+    means["delivered_tokens_per_s"] = delivered(meta["summary"], text, staleness is not None)
+    out = {"name": name, "seed": seed, "staleness": staleness, "workers": workers, "wall": wall}
+    return out | {"summary": meta["summary"], **means}
+
+
+def delivered(summary: dict, log: str, role: bool) -> float:
+    """Rollout tokens the trainer received per second of its steps. The summary's rate is tokens over
+    the seconds the sampler spent: the role's (every step's ``async/rollout_gen_seconds``, logged at
+    ``--log_every=1``) or the trainer's own (``gen_seconds``)."""
+    sampled_s = sum(logged(log, "async/rollout_gen_seconds")) if role else summary["gen_seconds"]
+    tokens = summary["rollout_tokens_per_s"] * sampled_s
+    return tokens / max(summary["gen_seconds"] + summary["train_seconds"], 1e-9)
+
+
+def logged(log: str, key: str) -> list[float]:
+    return [float(v) for v in re.findall(rf"{re.escape(key)} ([-0-9.e]+)", log)]
 
 
 def mean_logged(log: str, key: str) -> float | None:
-    values = [float(v) for v in re.findall(rf"{re.escape(key)} ([-0-9.e]+)", log)]
+    values = logged(log, key)
     return sum(values) / len(values) if values else None
 
 
@@ -77,6 +102,7 @@ def row(r: dict, sync_wall: float | None) -> str:
     cells = [r["name"], f"{r['wall']:.0f}", ratio, f"{first:.4f}", f"{final:.4f}", f"{final - first:+.4f}"]
     cells.append(f"{val_change:+.4f}")
     cells += [fmt(r["async/staleness"]), fmt(r["async/trainer_idle"]), fmt(r["async/rollout_idle"])]
+    cells.append(f"{s['rollout_tokens_per_s']:,.0f} / {r['delivered_tokens_per_s']:,.0f}")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -102,6 +128,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--staleness", type=int, nargs="+", default=[1], help="max_staleness of the async runs")
     p.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "bench_rl_async")
+    p.add_argument("--workers", type=int, nargs="+", default=[1], help="rollout workers of each async run")
     p.add_argument("--bound", action="store_true", help="also a one-thread synchronous run per seed, and the bound")
     p.add_argument("rl_args", nargs="*", help="extra stages.rl flags for every run, e.g. --max_steps=40")
     args = p.parse_args()
@@ -110,27 +137,28 @@ def main() -> None:
     if missing:
         sys.exit(f"artifacts/{', artifacts/'.join(missing)} missing: run the pipeline (python -m flows.pipeline) first")
     print("| run | wall s | / sync | test pass@1, first | test, final | test, change | val (tuning) change "
-          "| staleness | trainer waits | role waits |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| staleness | trainer waits | role waits | rollout tok/s, a worker / delivered |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     results, bounds = [], []
     for seed in args.seeds:
         sync = run(args.workdir, seed, None, args.rl_args)
         print(row(sync, None), flush=True)
         results.append(sync)
         for k in args.staleness:
-            results.append(run(args.workdir, seed, k, args.rl_args))
-            print(row(results[-1], sync.get("wall")), flush=True)
+            for workers in args.workers:
+                results.append(run(args.workdir, seed, k, args.rl_args, workers=workers))
+                print(row(results[-1], sync.get("wall")), flush=True)
         if args.bound:
             bounds.append(bound_line(sync, run(args.workdir, seed, None, args.rl_args, threads=1)))
     print()
     for line in bounds:
         print(line)
-    for k in [None, *args.staleness]:
-        done = [r for r in results if r["staleness"] == k and "error" not in r]
-        syncs = {r["seed"]: r for r in results if r["staleness"] is None and "error" not in r}
+    syncs = {r["seed"]: r for r in results if r["staleness"] is None and "error" not in r}
+    for k, workers in [(None, 1), *((k, w) for k in args.staleness for w in args.workers)]:
+        done = [r for r in results if (r["staleness"], r["workers"]) == (k, workers) and "error" not in r]
         ratios = [r["wall"] / syncs[r["seed"]]["wall"] for r in done if r["seed"] in syncs]
         change = [r["summary"][f"final_{TEST}"] - r["summary"][f"first_{TEST}"] for r in done]
-        label = "synchronous" if k is None else f"max_staleness {k}"
+        label = "synchronous" if k is None else f"max_staleness {k}" + (f", {workers} workers" if workers > 1 else "")
         if done:
             print(
                 f"{label}: {len(done)} seeds, wall / sync {sum(ratios) / len(ratios):.2f}, "
