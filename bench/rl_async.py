@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from rl_controls import TEST, VAL, project_dir  # pass@1's summary keys; a fresh project dir a run, artifacts linked
+from rl_controls import TEST, VAL, project_dir, stage_env  # pass@1's keys; a fresh dir a run; its env
 
 REPO = Path(__file__).resolve().parents[1]
 LINKED = ("tokenizer", "sft")  # what these runs read (the reward model's link is left dangling if absent)
@@ -56,8 +55,7 @@ def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threa
     flags = [f"--seed={seed}", "--log_every=1", *extra]
     if staleness is not None:
         flags += ["--rollout.role=true", f"--rollout.max_staleness={staleness}", f"--rollout.workers={workers}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
-    env |= {"CHATPIPE_TRACKING__ENABLED": "false"} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+    env = stage_env(**({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     t0 = time.perf_counter()
     with (project / "rl.log").open("w") as log:
         cmd = [sys.executable, "-m", "chatpipe.launch", "rl", "--", *flags]

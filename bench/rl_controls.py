@@ -126,11 +126,18 @@ def project_dir(run: dict) -> Path:
     return project
 
 
+def stage_env(**extra: str) -> dict[str, str]:
+    """The environment of a stage run: this checkout first on the import path (before any PYTHONPATH
+    the caller set, such as a folder of extra packages), the repo's params.yaml, tracking off."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
+    return env | {"CHATPIPE_TRACKING__ENABLED": "false", **extra}
+
+
 def execute(run: dict, threads: int) -> dict:
     """One run (its log in its dir); an RL run's summary, guard windows and replay cursor read back."""
     project = project_dir(run)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
-    env |= {"CHATPIPE_TRACKING__ENABLED": "false", "OMP_NUM_THREADS": str(threads), **run.get("env", {})}
+    env = stage_env(OMP_NUM_THREADS=str(threads), **run.get("env", {}))
     t0 = time.perf_counter()
     with (project / "run.log").open("w") as log:
         code = subprocess.run(run["cmd"], cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

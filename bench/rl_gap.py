@@ -18,13 +18,14 @@ a GPU; elsewhere torch emulates it, slowly, with the same rounding.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rl_controls import stage_env  # this checkout first on the import path, tracking off
 
 REPO = Path(__file__).resolve().parents[1]
 # (trainer dtype, rollout dtype): the float32 run, bf16 rollouts of a float32 trainer, and both ways
@@ -41,8 +42,7 @@ def run(workdir: Path, artifacts: Path, trainer: str, rollouts: str, extra: list
     (project / "artifacts").mkdir(parents=True)
     for art in ("tokenizer", "sft"):
         (project / "artifacts" / art).symlink_to(artifacts.resolve() / art)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CHATPIPE_PARAMS": str(REPO / "params.yaml")}
-    env |= {"CHATPIPE_TRACKING__ENABLED": "false"}
+    env = stage_env()
     cmd = [sys.executable, "-m", "stages.rl", *FLAGS, f"--dtype={trainer}", f"--rollout.dtype={rollouts}", *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
