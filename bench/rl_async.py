@@ -12,11 +12,12 @@ pass@1 change per setting. Every run starts in a new dir under ``--workdir``.
     python bench/rl_async.py --seeds 1 2 3 --staleness 1 2
     python bench/rl_async.py --seeds 1 --staleness 1 -- --max_steps=20     # extra stages.rl flags
     python bench/rl_async.py --seeds 1 --staleness 1 --bound               # and the best two roles could do
-    python bench/rl_async.py --seeds 1 --staleness 1 --workers 1 2 4 -- --rollout.threads=2   # N rollout workers
+    python bench/rl_async.py --seeds 1 --staleness 3 --workers 1 2 4 -- --rollout.threads=2   # N rollout workers
 
 With ``--workers`` each asynchronous setting runs once per count (``rl.rollout.workers``; each worker
 on ``rollout.threads`` cores, the trainer on the rest: on 16 cores and 2 threads a worker, 4 workers
-leave the trainer 8). The ``rollout tok/s`` column is one worker's sampling rate (tokens over the
+leave the trainer 8; ``--staleness`` at least workers - 1, or the bound keeps the extra workers
+waiting). The ``rollout tok/s`` column is one worker's sampling rate (tokens over the
 seconds it sampled) and, after the slash, the rate the trainer received them at (every step's tokens
 over the seconds of the steps, waits included): what N workers sampling different steps at once
 deliver, which the update bounds. A synchronous run's are its sampling rate and the same over its steps.
