@@ -67,26 +67,15 @@ def run(workdir: Path, seed: int, staleness: int | None, extra: list[str], threa
         return {"name": name, "seed": seed, "staleness": staleness, "workers": workers, "error": text[-2000:]}
     meta = json.loads((project / "artifacts" / "rl" / "meta.json").read_text())
     means = {k: mean_logged(text, k) for k in ("async/trainer_idle", "async/rollout_idle", "async/staleness")}
-    means["delivered_tokens_per_s"] = delivered(meta["summary"], text, staleness is not None)
+    summary = meta["summary"]
+    steps_seconds = summary["gen_seconds"] + summary["train_seconds"]  # the trainer's waits for rollouts included
+    means["delivered_tokens_per_s"] = summary["rollout_tokens"] / max(steps_seconds, 1e-9)
     out = {"name": name, "seed": seed, "staleness": staleness, "workers": workers, "wall": wall}
-    return out | {"summary": meta["summary"], **means}
-
-
-def delivered(summary: dict, log: str, role: bool) -> float:
-    """Rollout tokens the trainer received per second of its steps. The summary's rate is tokens over
-    the seconds the sampler spent: the role's (every step's ``async/rollout_gen_seconds``, logged at
-    ``--log_every=1``) or the trainer's own (``gen_seconds``)."""
-    sampled_s = sum(logged(log, "async/rollout_gen_seconds")) if role else summary["gen_seconds"]
-    tokens = summary["rollout_tokens_per_s"] * sampled_s
-    return tokens / max(summary["gen_seconds"] + summary["train_seconds"], 1e-9)
-
-
-def logged(log: str, key: str) -> list[float]:
-    return [float(v) for v in re.findall(rf"{re.escape(key)} ([-0-9.e]+)", log)]
+    return out | {"summary": summary, **means}
 
 
 def mean_logged(log: str, key: str) -> float | None:
-    values = logged(log, key)
+    values = [float(v) for v in re.findall(rf"{re.escape(key)} ([-0-9.e]+)", log)]
     return sum(values) / len(values) if values else None
 
 

@@ -63,6 +63,7 @@ def test_rollout_role_at_staleness_0_is_synchronous_rl_and_1_runs_ahead(tmp_path
     for name, want in sync_w.items():
         torch.testing.assert_close(w[name], want, rtol=0, atol=1e-6, msg=f"{name} differs from synchronous RL")
     assert meta["summary"]["steps"] == 6
+    assert meta["summary"]["rollout_tokens"] == sync_meta["summary"]["rollout_tokens"] > 0  # the same batches
 
     # max_staleness 1: the role samples step s + 1 while the trainer updates step s; the same prompts
     # are trained on, each once, and no batch is older than the bound. (PPO: its update weighs every

@@ -247,7 +247,7 @@ def summary(
     reward-hacking guard's trips and its first and last windows (the report card shows them), the
     user's verifier's calls and failures (this rank's), and for a model-scored run whether its reward
     carried the verifier (:func:`chatpipe.rl.scoring.verifier_summary`)."""
-    gen_seconds = state.total("gen_seconds")
+    gen_seconds, gen_tokens = state.total("gen_seconds"), state.total("gen_tokens")
     return {
         **(verifier_summary(cfg) if cfg is not None else {}),
         **(guard.summary() if guard else {}),
@@ -255,7 +255,8 @@ def summary(
         "steps": state.step,
         "gen_seconds": gen_seconds,
         "train_seconds": state.total("train_seconds") - gen_seconds,
-        "rollout_tokens_per_s": state.total("gen_tokens") / max(state.total("role_gen_seconds") or gen_seconds, 1e-9),
+        "rollout_tokens": gen_tokens,
+        "rollout_tokens_per_s": gen_tokens / max(state.total("role_gen_seconds") or gen_seconds, 1e-9),
         **{f"first_{k}": v for k, v in state.first_evals.items()},
         **{f"final_{k}": v for k, v in state.evals.items()},
     }
